@@ -1,0 +1,145 @@
+"""``angelptm.initialize``: DeepSpeed's entry point, same signature, same return value."""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from angelptm.config import EngineConfig, load_config
+from angelptm.data.loader import ResumableDataLoader
+from angelptm.distributed import DistContext, init_distributed
+from angelptm.engine import Engine
+from angelptm.errors import ConfigError
+from angelptm.loss_scaler import LossScaler
+from angelptm.mixed_precision import MixedPrecisionOptimizer
+from angelptm.schedulers import build_scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def initialize(args: Any = None, model: nn.Module | None = None,
+               optimizer: torch.optim.Optimizer | Callable[[Iterable], torch.optim.Optimizer] | None = None,
+               model_parameters: Iterable | None = None, training_data: torch.utils.data.Dataset | None = None,
+               lr_scheduler: Any = None, distributed_port: int | None = None, mpu: Any = None,
+               dist_init_required: bool | None = None, collate_fn: Callable | None = None,
+               config: str | dict | None = None, mesh_param: Any = None, config_params: str | dict | None = None
+               ) -> tuple[Engine, MixedPrecisionOptimizer | None, ResumableDataLoader | None, Any]:
+    """Build the training engine, like ``deepspeed.initialize``.
+
+    Args:
+        args: an argparse namespace; its ``deepspeed_config`` is used when ``config`` is not given.
+        model: the ``nn.Module`` to train (required).
+        optimizer: a torch optimizer over the model's parameters (no state yet), or a callable that
+            builds one from parameters; overrides the config's "optimizer".
+        model_parameters: parameters or param-group dicts for the config's optimizer (default: all
+            trainable parameters of ``model``).
+        training_data: a map-style Dataset; returns a resumable loader with the micro-batch size,
+            sharded over data-parallel ranks.
+        lr_scheduler: a scheduler object or a callable ``f(optimizer)``; overrides the config's.
+        distributed_port, mpu, mesh_param: accepted for signature compatibility; model parallelism
+            is not supported, so ``mpu`` / ``mesh_param`` must be None.
+        dist_init_required: None = join a process group when the launcher started several ranks.
+        collate_fn: batch collation for ``training_data``.
+        config: a DeepSpeed JSON config, as a path or a dict (``config_params`` is an alias).
+
+    Returns:
+        ``(engine, optimizer, training_dataloader, lr_scheduler)``; items not requested are None.
+    """
+    if model is None:
+        raise ConfigError("angelptm.initialize: model= is required")
+    if mpu is not None or mesh_param is not None:
+        raise ConfigError("angelptm.initialize: mpu/mesh_param (tensor or sequence parallelism) are not supported")
+    config = _pick_config(args, config, config_params)
+    ctx = init_distributed(dist_init_required=dist_init_required)
+    cfg = load_config(config, world_size=ctx.world_size)
+    _report_ignored(cfg, ctx)
+    _seed_everything(cfg.seed)
+    dtype = cfg.precision.dtype
+    model.to(device=ctx.device, dtype=dtype)
+    _broadcast_module(model, ctx)
+    wrapped = _build_optimizer(model, optimizer, model_parameters, cfg, ctx)
+    scheduler = _build_scheduler(lr_scheduler, wrapped, cfg)
+    loader = None
+    if training_data is not None:
+        loader = ResumableDataLoader(training_data, cfg.batch.micro_batch_size, rank=ctx.rank,
+                                     world_size=ctx.world_size, shuffle=cfg.data.shuffle, seed=cfg.seed,
+                                     num_workers=cfg.data.num_workers, collate_fn=collate_fn,
+                                     pin_memory=ctx.device.type == "cuda")
+    engine = Engine(model, cfg, ctx, wrapped, scheduler, loader)
+    return engine, wrapped, loader, scheduler
+
+
+def _pick_config(args: Any, config: Any, config_params: Any) -> Any:
+    if config is not None and config_params is not None:
+        raise ConfigError("pass config= or config_params=, not both")
+    config = config if config is not None else config_params
+    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    if config is not None and from_args is not None:
+        raise ConfigError("a config was given both as config= and as args.deepspeed_config; pass one")
+    return config if config is not None else from_args
+
+
+def _report_ignored(cfg: EngineConfig, ctx: DistContext) -> None:
+    if not ctx.is_main:
+        return
+    if cfg.accepted_not_acted:
+        logger.warning("these config keys are accepted for DeepSpeed compatibility but have no effect here: %s",
+                       ", ".join(cfg.accepted_not_acted))
+    if cfg.zero.stage > 0 and not cfg.zero_cache.enabled:
+        logger.warning("zero_optimization.stage=%d: model states are not partitioned yet (ZeRO-Cache is the planned "
+                       "path); every rank holds a full replica", cfg.zero.stage)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _broadcast_module(model: nn.Module, ctx: DistContext) -> None:
+    """Start every replica from rank 0's weights, as DDP does."""
+    if ctx.group is None:
+        return
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0, group=ctx.group)
+
+
+def _build_optimizer(model: nn.Module, client: Any, model_parameters: Iterable | None, cfg: EngineConfig,
+                     ctx: DistContext) -> MixedPrecisionOptimizer | None:
+    params = list(model_parameters) if model_parameters is not None else [p for p in model.parameters()
+                                                                          if p.requires_grad]
+    if isinstance(client, torch.optim.Optimizer):
+        inner = client
+    elif callable(client):
+        inner = client(params)
+    elif cfg.optimizer is not None:
+        opt = cfg.optimizer
+        cls = torch.optim.AdamW if opt.decoupled_weight_decay else torch.optim.Adam
+        # On CUDA the fused kernel is torch's fastest Adam; on CPU the default foreach path.
+        fused = True if ctx.device.type == "cuda" else None
+        inner = cls(params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
+                    amsgrad=opt.amsgrad, fused=fused)
+    else:
+        return None
+    names = {id(p): name for name, p in model.named_parameters()}
+    scaler = LossScaler(cfg.precision.loss_scale) if cfg.precision.loss_scale is not None else None
+    return MixedPrecisionOptimizer(inner, names, cfg.precision.dtype, loss_scaler=scaler,
+                                   gradient_clipping=cfg.gradient_clipping, group=ctx.group,
+                                   reduce_bucket_numel=cfg.zero.reduce_bucket_size)
+
+
+def _build_scheduler(client: Any, optimizer: MixedPrecisionOptimizer | None, cfg: EngineConfig) -> Any:
+    if client is not None:
+        return client(optimizer) if callable(client) and not hasattr(client, "step") else client
+    if cfg.scheduler is None:
+        return None
+    if optimizer is None:
+        raise ConfigError("the config has a \"scheduler\" but no optimizer to schedule")
+    return build_scheduler(cfg.scheduler, optimizer)

@@ -1,0 +1,12 @@
+"""DeepSpeed JSON at the edge, typed dataclasses inside."""
+
+from angelptm.config.loader import load_config, resolve_batch_sizes
+from angelptm.config.typed import (
+    BatchConfig, EngineConfig, LossScaleConfig, MonitorConfig, OptimizerConfig, PrecisionConfig, SchedulerConfig,
+    TrainConfig, ZeroConfig,
+)
+
+__all__ = [
+    "BatchConfig", "EngineConfig", "LossScaleConfig", "MonitorConfig", "OptimizerConfig", "PrecisionConfig",
+    "SchedulerConfig", "TrainConfig", "ZeroConfig", "load_config", "resolve_batch_sizes",
+]

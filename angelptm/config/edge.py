@@ -1,0 +1,210 @@
+"""The JSON edge: DeepSpeed's config keys (plus our own sections) as pydantic models.
+
+Everything here mirrors DeepSpeed 0.19's key names and defaults so a DeepSpeed config loads
+unchanged. Nothing past ``angelptm.config.load`` sees these models: they are converted to the
+typed dataclasses in ``angelptm.config.typed`` once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from angelptm.data.config import DataConfig
+from angelptm.models import ModelConfig
+from angelptm.config.typed import TrainConfig
+from autopipe import AutoPipeConfig
+from moe import MoEConfig
+from zero_cache import ZeroCacheConfig
+
+
+class Section(BaseModel):
+    """Base of every DeepSpeed section: unknown keys are rejected (checked first, with suggestions)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class OptimizerParams(Section):
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    adam_w_mode: bool = True
+    """DeepSpeed's "Adam" is decoupled-weight-decay AdamW unless this is false."""
+    amsgrad: bool = False
+    torch_adam: bool = False
+    fused: bool | None = None
+    bias_correction: bool = True
+
+
+class OptimizerSection(Section):
+    type: str
+    params: OptimizerParams = Field(default_factory=OptimizerParams)
+
+
+class WarmupLRParams(Section):
+    warmup_min_lr: float = 0.0
+    warmup_max_lr: float | None = None
+    warmup_num_steps: int = 1000
+    warmup_type: Literal["log", "linear"] = "log"
+    last_batch_iteration: int = -1
+
+
+class WarmupDecayLRParams(WarmupLRParams):
+    warmup_max_lr: float = 0.001
+    total_num_steps: int
+
+
+class WarmupCosineLRParams(Section):
+    total_num_steps: int
+    warmup_min_ratio: float = 0.0
+    warmup_num_steps: int = 1000
+    cos_min_ratio: float = 0.0001
+    warmup_type: Literal["log", "linear"] = "log"
+    last_batch_iteration: int = -1
+
+
+SCHEDULER_PARAMS: dict[str, type[Section]] = {
+    "WarmupLR": WarmupLRParams,
+    "WarmupDecayLR": WarmupDecayLRParams,
+    "WarmupCosineLR": WarmupCosineLRParams,
+}
+OPTIMIZER_TYPES = ("Adam", "AdamW")
+
+
+class SchedulerSection(Section):
+    type: str
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Validated against SCHEDULER_PARAMS[type] in the loader, once the type is known."""
+
+
+class FP16Section(Section):
+    enabled: bool = False
+    auto_cast: bool = False
+    loss_scale: float = 0.0
+    """0 selects dynamic loss scaling; any other value is a static scale."""
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+    fp16_master_weights_and_grads: bool = False
+
+
+class BF16Section(Section):
+    enabled: bool = False
+    immediate_grad_update: bool = True
+    check_grad_overflow: bool = False
+
+
+class OffloadSection(Section):
+    device: Literal["none", "cpu", "nvme"] = "none"
+    nvme_path: str | None = None
+    buffer_count: int = 5
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+    pin_memory: bool = False
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+    fast_init: bool = False
+    ratio: float = 1.0
+
+
+class ZeroSection(Section):
+    stage: Literal[0, 1, 2, 3] = 0
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    reduce_bucket_size: int = 500_000_000
+    allgather_partitions: bool = True
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool | None = None
+    round_robin_gradients: bool = False
+    offload_param: OffloadSection | None = None
+    offload_optimizer: OffloadSection | None = None
+    sub_group_size: int = 1_000_000_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_gather_16bit_weights_on_model_save: bool = Field(
+        default=False, alias="stage3_gather_fp16_weights_on_model_save"
+    )
+    elastic_checkpoint: bool = False
+    ignore_unused_parameters: bool = True
+    load_from_fp32_weights: bool = True
+    memory_efficient_linear: bool = True
+    zero_hpz_partition_size: int = 1
+    zero_quantized_weights: bool = False
+    zero_quantized_gradients: bool = False
+    mics_shard_size: int = -1
+    use_multi_rank_bucket_allreduce: bool = True
+    module_granularity_threshold: int = 0
+    log_trace_cache_warnings: bool = False
+
+
+class AioSection(Section):
+    block_size: int = 1_048_576
+    queue_depth: int = 8
+    intra_op_parallelism: int = Field(default=1, alias="thread_count")
+    single_submit: bool = False
+    overlap_events: bool = True
+    use_gds: bool = False
+
+
+class MonitorSection(Section):
+    enabled: bool = False
+    output_path: str = ""
+    job_name: str = "DeepSpeedJobName"
+
+
+class WandbSection(Section):
+    enabled: bool = False
+    group: str | None = None
+    team: str | None = None
+    project: str = "deepspeed"
+
+
+# DeepSpeed keys we accept so that configs load unchanged, but do not act on (yet). Setting one
+# is reported once as a warning that lists them, so nobody believes they took effect.
+ACCEPTED_NOT_ACTED = (
+    "prescale_gradients", "gradient_predivide_factor", "communication_data_type", "sparse_gradients",
+    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "amp", "activation_checkpointing",
+    "flops_profiler", "comms_logger", "memory_breakdown", "dump_state", "elasticity", "autotuning",
+    "data_efficiency", "compression_training", "checkpoint", "data_types", "comet", "nebula",
+    "dataloader_drop_last", "disable_allgather", "sparse_attention", "pipeline", "curriculum_learning",
+    "timers", "graph_harvesting", "use_data_before_expert_parallelism", "weight_quantization",
+    "hybrid_engine", "eigenvalue", "progressive_layer_drop", "quantize_training",
+)
+
+
+class EdgeConfig(Section):
+    """A whole JSON config: DeepSpeed's keys and our own sections."""
+
+    train_batch_size: int | None = None
+    train_micro_batch_size_per_gpu: int | None = None
+    gradient_accumulation_steps: int | None = None
+    optimizer: OptimizerSection | None = None
+    scheduler: SchedulerSection | None = None
+    fp16: FP16Section = Field(default_factory=FP16Section)
+    bf16: BF16Section = Field(default_factory=BF16Section, alias="bfloat16")
+    gradient_clipping: float = 0.0
+    zero_optimization: ZeroSection = Field(default_factory=ZeroSection)
+    aio: AioSection = Field(default_factory=AioSection)
+    steps_per_print: int = 10
+    wall_clock_breakdown: bool = False
+    tensorboard: MonitorSection = Field(default_factory=MonitorSection)
+    csv_monitor: MonitorSection = Field(default_factory=MonitorSection)
+    wandb: WandbSection = Field(default_factory=WandbSection)
+    seed: int = 1234
+
+    # Our own sections: validated by the dataclasses their packages own.
+    zero_cache: ZeroCacheConfig = Field(default_factory=ZeroCacheConfig)
+    moe: MoEConfig = Field(default_factory=MoEConfig)
+    autopipe: AutoPipeConfig = Field(default_factory=AutoPipeConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+
+    accepted_not_acted: dict[str, Any] = Field(default_factory=dict, exclude=True)
+    """Filled by the loader with the ACCEPTED_NOT_ACTED keys found in the JSON."""

@@ -1,0 +1,272 @@
+"""Load a DeepSpeed JSON config (path or dict) into the typed :class:`EngineConfig`.
+
+The edge is strict on purpose: a typo such as ``"gradient_acumulation_steps"`` must stop the run
+with a message naming the key and the closest valid one, not silently train with defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import logging
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import torch
+
+from angelptm.config import edge, typed
+from angelptm.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def load_config(config: str | os.PathLike | dict | None, *, world_size: int = 1) -> typed.EngineConfig:
+    """Parse a DeepSpeed-style config into the typed tree.
+
+    Args:
+        config: a path to a JSON file, or the already-loaded dict.
+        world_size: data-parallel ranks, needed to resolve the batch-size triple.
+
+    Returns:
+        The typed config.
+
+    Raises:
+        ConfigError: unreadable file, unknown key, wrong type or inconsistent values; the message
+            lists every problem found, each with its key path.
+    """
+    raw = _read(config)
+    problems = _unknown_key_problems(raw, edge.EdgeConfig, "")
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+    ignored = {key: raw.pop(key) for key in list(raw) if key in edge.ACCEPTED_NOT_ACTED}
+    try:
+        parsed = edge.EdgeConfig.model_validate(raw)
+        scheduler = _scheduler(parsed.scheduler)
+    except pydantic.ValidationError as err:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(_describe(err))) from None
+    except ConfigError:
+        raise
+    except ValueError as err:  # a __post_init__ check outside pydantic's wrapping
+        raise ConfigError(f"invalid config:\n  {err}") from None
+    return _to_typed(parsed, scheduler, tuple(sorted(ignored)) + _zero_not_acted(raw), world_size)
+
+
+def _read(config: str | os.PathLike | dict | None) -> dict:
+    if config is None:
+        raise ConfigError("no config given: pass config=PATH_OR_DICT (a DeepSpeed JSON config)")
+    if isinstance(config, dict):
+        return json.loads(json.dumps(config))  # deep copy, and proves it is JSON-shaped
+    path = Path(config)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        loaded = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not valid JSON at line {err.lineno}, column {err.colno}: {err.msg}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: the top level must be a JSON object, got {type(loaded).__name__}")
+    return loaded
+
+
+def _allowed_keys(schema: type) -> dict[str, Any]:
+    """Key name (and alias) -> annotation, for a pydantic model or a dataclass."""
+    if isinstance(schema, type) and issubclass(schema, pydantic.BaseModel):
+        keys = {}
+        for name, info in schema.model_fields.items():
+            if name == "accepted_not_acted":
+                continue
+            keys[name] = info.annotation
+            if info.alias:
+                keys[info.alias] = info.annotation
+        return keys
+    return {f.name: f.type for f in dataclasses.fields(schema)}
+
+
+def _nested_schema(annotation: Any) -> type | None:
+    """The model/dataclass inside ``X``, ``X | None`` or ``Optional[X]``, if any."""
+    if isinstance(annotation, str):
+        return None
+    candidates = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
+    for candidate in candidates:
+        if isinstance(candidate, type) and (issubclass(candidate, pydantic.BaseModel) or dataclasses.is_dataclass(candidate)):
+            return candidate
+    return None
+
+
+def _unknown_key_problems(data: Any, schema: type, prefix: str) -> list[str]:
+    if not isinstance(data, dict):
+        return []  # a type error, reported by pydantic
+    allowed = _allowed_keys(schema)
+    extra_allowed = edge.ACCEPTED_NOT_ACTED if schema is edge.EdgeConfig else ()
+    problems = []
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key in allowed:
+            nested = _nested_schema(allowed[key])
+            if nested is not None:
+                problems += _unknown_key_problems(value, nested, f"{path}.")
+        elif key not in extra_allowed:
+            problems.append(_unknown_key_message(path, key, list(allowed) + list(extra_allowed)))
+    return problems
+
+
+def _unknown_key_message(path: str, key: str, allowed: list[str]) -> str:
+    close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys here: {', '.join(sorted(allowed))}"
+    return f"{path}: unknown key{hint}"
+
+
+def _describe(err: pydantic.ValidationError) -> list[str]:
+    lines = []
+    for item in err.errors():
+        path = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "value_error":
+            lines.append(message)  # our own __post_init__ messages already name the key
+        elif item["type"] == "missing":
+            lines.append(f"{path}: required key is missing")
+        else:
+            lines.append(f"{path}: {message} (got {item['input']!r})")
+    return lines
+
+
+def _scheduler(section: edge.SchedulerSection | None) -> typed.SchedulerConfig | None:
+    if section is None:
+        return None
+    params_model = edge.SCHEDULER_PARAMS.get(section.type)
+    if params_model is None:
+        raise ConfigError(
+            f"scheduler.type: {section.type!r} is not supported; use one of {', '.join(edge.SCHEDULER_PARAMS)}"
+        )
+    problems = _unknown_key_problems(section.params, params_model, "scheduler.params.")
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+    try:
+        params = params_model.model_validate(section.params)
+    except pydantic.ValidationError as err:
+        lines = [f"scheduler.params.{line}" for line in _describe(err)]
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+    if params.warmup_num_steps <= 0:
+        raise ConfigError(f"scheduler.params.warmup_num_steps: must be a positive integer, got {params.warmup_num_steps}")
+    return typed.SchedulerConfig(type=section.type, params=params.model_dump())
+
+
+def resolve_batch_sizes(
+    train_batch_size: int | None, micro_batch_size: int | None, accumulation_steps: int | None, world_size: int
+) -> typed.BatchConfig:
+    """Fill in the missing member of (train_batch_size, micro batch, accumulation) like DeepSpeed.
+
+    Any two determine the third through train = micro * accumulation * world_size; all three must
+    agree; train alone means accumulation 1; micro alone means accumulation 1.
+
+    Raises:
+        ConfigError: inconsistent or non-divisible values, with the arithmetic shown.
+    """
+    for name, value in (("train_batch_size", train_batch_size), ("train_micro_batch_size_per_gpu", micro_batch_size),
+                        ("gradient_accumulation_steps", accumulation_steps)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{name}: must be >= 1, got {value}")
+    train, micro, accum, world = train_batch_size, micro_batch_size, accumulation_steps, world_size
+    if train is None and micro is None:
+        raise ConfigError("set train_batch_size or train_micro_batch_size_per_gpu (or both)")
+    if micro is None:
+        accum = accum or 1
+        micro = _exact_div(train, accum * world, f"train_batch_size {train} / (gradient_accumulation_steps {accum} "
+                           f"* world_size {world})", "train_micro_batch_size_per_gpu")
+    elif train is None:
+        accum = accum or 1
+        train = micro * accum * world
+    elif accum is None:
+        accum = _exact_div(train, micro * world, f"train_batch_size {train} / (train_micro_batch_size_per_gpu {micro} "
+                           f"* world_size {world})", "gradient_accumulation_steps")
+    if micro * accum * world != train:
+        raise ConfigError(
+            f"inconsistent batch sizes: train_batch_size {train} != train_micro_batch_size_per_gpu {micro} "
+            f"* gradient_accumulation_steps {accum} * world_size {world} = {micro * accum * world}"
+        )
+    return typed.BatchConfig(train_batch_size=train, micro_batch_size=micro, gradient_accumulation_steps=accum,
+                             world_size=world)
+
+
+def _exact_div(numerator: int, denominator: int, arithmetic: str, derived: str) -> int:
+    if numerator % denominator:
+        raise ConfigError(f"cannot derive {derived}: {arithmetic} = {numerator / denominator:g} is not a whole number")
+    return numerator // denominator
+
+
+def _zero_not_acted(raw: dict) -> tuple[str, ...]:
+    """zero_optimization keys that are stored for ZeRO-Cache but change nothing in this engine yet."""
+    acted = {"stage", "reduce_bucket_size", "offload_param", "offload_optimizer"}
+    zero = raw.get("zero_optimization") or {}
+    return tuple(f"zero_optimization.{key}" for key in sorted(zero) if key not in acted)
+
+
+def _precision(parsed: edge.EdgeConfig) -> typed.PrecisionConfig:
+    if parsed.fp16.enabled and parsed.bf16.enabled:
+        raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one")
+    if parsed.bf16.enabled:
+        return typed.PrecisionConfig(dtype=torch.bfloat16)
+    if not parsed.fp16.enabled:
+        return typed.PrecisionConfig(dtype=torch.float32)
+    fp16 = parsed.fp16
+    scale = typed.LossScaleConfig(
+        static_scale=fp16.loss_scale or None, initial_scale_power=fp16.initial_scale_power,
+        window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
+        consecutive_hysteresis=fp16.consecutive_hysteresis, min_scale=fp16.min_loss_scale,
+    )
+    return typed.PrecisionConfig(dtype=torch.float16, loss_scale=scale)
+
+
+def _optimizer(section: edge.OptimizerSection | None) -> typed.OptimizerConfig | None:
+    if section is None:
+        return None
+    kind = {name.lower(): name for name in edge.OPTIMIZER_TYPES}.get(section.type.lower())
+    if kind is None:
+        raise ConfigError(f"optimizer.type: {section.type!r} is not supported; use one of {', '.join(edge.OPTIMIZER_TYPES)}")
+    params = section.params
+    if not params.bias_correction:
+        raise ConfigError("optimizer.params.bias_correction: false is not supported; remove the key or set it to true")
+    decoupled = True if kind == "AdamW" else params.adam_w_mode
+    return typed.OptimizerConfig(lr=params.lr, betas=params.betas, eps=params.eps, weight_decay=params.weight_decay,
+                                 decoupled_weight_decay=decoupled, amsgrad=params.amsgrad)
+
+
+def _to_typed(parsed: edge.EdgeConfig, scheduler: typed.SchedulerConfig | None, ignored: tuple[str, ...],
+              world_size: int) -> typed.EngineConfig:
+    zero = parsed.zero_optimization
+    monitor = typed.MonitorConfig(
+        steps_per_print=parsed.steps_per_print,
+        wall_clock_breakdown=parsed.wall_clock_breakdown,
+        tensorboard_dir=_monitor_dir(parsed.tensorboard),
+        csv_dir=_monitor_dir(parsed.csv_monitor),
+    )
+    if parsed.wandb.enabled:
+        ignored = ignored + ("wandb",)
+    if parsed.gradient_clipping < 0:
+        raise ConfigError(f"gradient_clipping: must be >= 0 (0 = off), got {parsed.gradient_clipping}")
+    return typed.EngineConfig(
+        batch=resolve_batch_sizes(parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu,
+                                  parsed.gradient_accumulation_steps, world_size),
+        precision=_precision(parsed),
+        optimizer=_optimizer(parsed.optimizer),
+        scheduler=scheduler,
+        gradient_clipping=parsed.gradient_clipping,
+        zero=typed.ZeroConfig(
+            stage=zero.stage, reduce_bucket_size=zero.reduce_bucket_size,
+            offload_param_device=zero.offload_param.device if zero.offload_param else "none",
+            offload_optimizer_device=zero.offload_optimizer.device if zero.offload_optimizer else "none",
+        ),
+        zero_cache=parsed.zero_cache, monitor=monitor, seed=parsed.seed, model=parsed.model, data=parsed.data,
+        train=parsed.train, moe=parsed.moe, autopipe=parsed.autopipe, accepted_not_acted=ignored,
+    )
+
+
+def _monitor_dir(section: edge.MonitorSection) -> str | None:
+    if not section.enabled:
+        return None
+    return str(Path(section.output_path or "runs") / section.job_name)

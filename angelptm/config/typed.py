@@ -1,0 +1,188 @@
+"""The typed config tree the engine consumes, built once from the JSON edge.
+
+One ``@dataclass(kw_only=True, slots=True)`` per component, checks in ``__post_init__``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from angelptm.data.config import DataConfig
+from angelptm.models import ModelConfig
+from autopipe import AutoPipeConfig
+from moe import MoEConfig
+from zero_cache import ZeroCacheConfig
+
+
+@dataclass(kw_only=True, slots=True)
+class BatchConfig:
+    """train_batch_size = micro_batch_size * gradient_accumulation_steps * world_size, always."""
+
+    train_batch_size: int
+    """Samples per optimizer step over all data-parallel ranks."""
+    micro_batch_size: int
+    """Samples per forward/backward on one rank."""
+    gradient_accumulation_steps: int
+    """Micro-batches accumulated before each optimizer step."""
+    world_size: int
+    """Data-parallel ranks."""
+
+    def __post_init__(self) -> None:
+        product = self.micro_batch_size * self.gradient_accumulation_steps * self.world_size
+        assert product == self.train_batch_size, "resolve_batch_sizes guarantees the product"
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerConfig:
+    """Adam with decoupled (AdamW) or L2 (Adam) weight decay."""
+
+    lr: float = 1e-3
+    """Peak learning rate (a scheduler may scale it)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam's moment decay rates."""
+    eps: float = 1e-8
+    """Added to the denominator for numerical stability."""
+    weight_decay: float = 0.0
+    """Weight decay coefficient."""
+    decoupled_weight_decay: bool = True
+    """True = AdamW (Loshchilov & Hutter); False = Adam with L2 in the gradient."""
+    amsgrad: bool = False
+    """Use the AMSGrad variant."""
+
+    def __post_init__(self) -> None:
+        if self.lr < 0:
+            raise ValueError(f"optimizer.params.lr: must be >= 0, got {self.lr}")
+        if not all(0.0 <= beta < 1.0 for beta in self.betas):
+            raise ValueError(f"optimizer.params.betas: each must be in [0, 1), got {list(self.betas)}")
+        if self.eps <= 0:
+            raise ValueError(f"optimizer.params.eps: must be > 0, got {self.eps}")
+        if self.weight_decay < 0:
+            raise ValueError(f"optimizer.params.weight_decay: must be >= 0, got {self.weight_decay}")
+
+
+@dataclass(kw_only=True, slots=True)
+class SchedulerConfig:
+    """One of DeepSpeed's schedulers, with DeepSpeed's parameter names."""
+
+    type: str
+    """"WarmupLR", "WarmupDecayLR" or "WarmupCosineLR"."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """The scheduler's keyword arguments, already validated against its parameter model."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LossScaleConfig:
+    """fp16 loss scaling, with DeepSpeed's DynamicLossScaler semantics."""
+
+    static_scale: float | None = None
+    """A fixed scale; None selects dynamic scaling."""
+    initial_scale_power: int = 16
+    """Dynamic scaling starts at 2**initial_scale_power."""
+    window: int = 1000
+    """Overflow-free steps before the scale doubles."""
+    hysteresis: int = 2
+    """Overflows tolerated before the scale is lowered."""
+    consecutive_hysteresis: bool = False
+    """Refill the hysteresis after every overflow-free step, not only when the scale grows."""
+    min_scale: float = 1.0
+    """The scale never goes below this."""
+
+    def __post_init__(self) -> None:
+        if self.static_scale is not None and self.static_scale <= 0:
+            raise ValueError(f"fp16.loss_scale: must be > 0 (or 0 for dynamic), got {self.static_scale}")
+        if self.window < 1:
+            raise ValueError(f"fp16.loss_scale_window: must be >= 1, got {self.window}")
+        if self.hysteresis < 1:
+            raise ValueError(f"fp16.hysteresis: must be >= 1, got {self.hysteresis}")
+        if self.min_scale <= 0:
+            raise ValueError(f"fp16.min_loss_scale: must be > 0, got {self.min_scale}")
+
+
+@dataclass(kw_only=True, slots=True)
+class PrecisionConfig:
+    """Compute dtype of the module; optimizer states and master weights are always fp32."""
+
+    dtype: torch.dtype = torch.float32
+    """torch.float32, torch.bfloat16 or torch.float16."""
+    loss_scale: LossScaleConfig | None = None
+    """Set only for fp16."""
+
+
+@dataclass(kw_only=True, slots=True)
+class MonitorConfig:
+    """Logging of training metrics."""
+
+    steps_per_print: int = 10
+    """Engine log line every this many optimizer steps."""
+    wall_clock_breakdown: bool = False
+    """Time forward, backward and step separately (synchronises the device when on)."""
+    tensorboard_dir: str | None = None
+    """Write TensorBoard events here (None = off)."""
+    csv_dir: str | None = None
+    """Write a CSV of metrics here (None = off)."""
+
+    def __post_init__(self) -> None:
+        if self.steps_per_print < 1:
+            raise ValueError(f"steps_per_print: must be >= 1, got {self.steps_per_print}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ZeroConfig:
+    """DeepSpeed's ``zero_optimization`` keys that the engine or ZeRO-Cache act on."""
+
+    stage: int = 0
+    """ZeRO stage as written in the config."""
+    reduce_bucket_size: int = 500_000_000
+    """Elements per gradient all-reduce bucket."""
+    offload_param_device: str = "none"
+    """"none", "cpu" or "nvme"."""
+    offload_optimizer_device: str = "none"
+    """"none", "cpu" or "nvme"."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """The training loop of ``pretrain.py`` (the ``"train"`` section)."""
+
+    steps: int = 300
+    """Optimizer steps to train for (resuming counts the steps already done)."""
+    save_dir: str = "checkpoints/run"
+    """Checkpoints go here; an existing ``latest`` is resumed from."""
+    save_interval: int = 100
+    """Save every this many optimizer steps (and at the end, and on interruption)."""
+    log_interval: int = 10
+    """Print a metrics line every this many optimizer steps."""
+    resume: bool = True
+    """Continue from ``save_dir``'s latest checkpoint when there is one."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "save_interval", "log_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name}: must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineConfig:
+    """Everything one training run is configured with."""
+
+    batch: BatchConfig
+    precision: PrecisionConfig
+    optimizer: OptimizerConfig | None
+    """None when the JSON has no "optimizer" (the script passes its own, or none)."""
+    scheduler: SchedulerConfig | None
+    gradient_clipping: float
+    """Clip the global gradient norm to this (0 = off)."""
+    zero: ZeroConfig
+    zero_cache: ZeroCacheConfig
+    monitor: MonitorConfig
+    seed: int
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig
+    moe: MoEConfig
+    autopipe: AutoPipeConfig
+    accepted_not_acted: tuple[str, ...] = ()
+    """Keys present in the JSON that load fine but change nothing (reported once)."""

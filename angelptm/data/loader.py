@@ -1,0 +1,109 @@
+"""A data loader whose position is part of the checkpoint, so a resumed run sees the same batches.
+
+The order is a pure function of (seed, epoch): a seeded permutation (or identity), cut into one
+strided slice per data-parallel rank like ``DistributedSampler`` with ``drop_last``. The loader
+counts the batches it has *handed out* (not those its workers prefetched), which is exactly the
+position to restart from.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+
+class ResumableSampler(Sampler[int]):
+    """Seeded per-epoch order over a dataset, sharded over ranks, that can start mid-epoch.
+
+    Args:
+        num_samples: dataset length.
+        rank: this rank.
+        world_size: data-parallel ranks.
+        shuffle: permute each epoch (seed + epoch), else visit in order.
+        seed: base seed of the permutation.
+    """
+
+    def __init__(self, num_samples: int, *, rank: int = 0, world_size: int = 1, shuffle: bool = True,
+                 seed: int = 0) -> None:
+        if num_samples < world_size:
+            raise ValueError(f"the dataset has {num_samples} samples, fewer than the {world_size} data-parallel ranks")
+        self.num_samples, self.rank, self.world_size = num_samples, rank, world_size
+        self.shuffle, self.seed = shuffle, seed
+        self.epoch = 0
+        self.start = 0  # samples of this rank's shard to skip at the next __iter__
+
+    def __len__(self) -> int:
+        return self.num_samples // self.world_size
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_samples, generator=generator)
+        else:
+            order = torch.arange(self.num_samples)
+        shard = order[: len(self) * self.world_size][self.rank::self.world_size]
+        start, self.start = self.start, 0
+        return iter(shard[start:].tolist())
+
+
+class ResumableDataLoader:
+    """Iterates epochs of micro-batches and remembers where it stopped.
+
+    ``iter(loader)`` continues the current epoch from the recorded position; once an epoch is
+    exhausted the next ``iter`` starts the following epoch. ``state_dict`` / ``load_state_dict``
+    carry (epoch, batches consumed) through a checkpoint.
+
+    Args:
+        dataset: a map-style dataset.
+        batch_size: samples per micro-batch on this rank.
+        rank, world_size, shuffle, seed: see :class:`ResumableSampler`.
+        num_workers: DataLoader worker processes.
+        collate_fn: optional batch collation.
+    """
+
+    def __init__(self, dataset: Dataset, batch_size: int, *, rank: int = 0, world_size: int = 1,
+                 shuffle: bool = True, seed: int = 0, num_workers: int = 0, collate_fn: Any = None,
+                 pin_memory: bool = False) -> None:
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.sampler = ResumableSampler(len(dataset), rank=rank, world_size=world_size, shuffle=shuffle, seed=seed)
+        if len(self.sampler) < batch_size:
+            raise ValueError(
+                f"each rank gets {len(self.sampler)} samples per epoch, fewer than one micro-batch of {batch_size}"
+            )
+        self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, num_workers=num_workers,
+                                 collate_fn=collate_fn, drop_last=True, pin_memory=pin_memory,
+                                 persistent_workers=False)
+        self.batches_consumed = 0
+
+    def __len__(self) -> int:
+        """Micro-batches per epoch on this rank."""
+        return len(self.sampler) // self.batch_size
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    def __iter__(self) -> Iterator[Any]:
+        self.sampler.start = self.batches_consumed * self.batch_size
+        for batch in self.loader:
+            self.batches_consumed += 1
+            yield batch
+        # Only a fully consumed epoch advances; a loop that breaks early resumes mid-epoch.
+        self.sampler.epoch += 1
+        self.batches_consumed = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.sampler.epoch, "batches_consumed": self.batches_consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.sampler.epoch = state["epoch"]
+        self.batches_consumed = state["batches_consumed"]
+
+
+def repeat_batches(loader: ResumableDataLoader) -> Iterator[Any]:
+    """Endless micro-batches, epoch after epoch (the epoch counter advances as it goes)."""
+    while True:
+        yield from loader

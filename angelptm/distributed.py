@@ -1,0 +1,90 @@
+"""Process-group set-up from the launcher's environment (torchrun or the ``deepspeed`` launcher).
+
+Both launchers export RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, so the
+``env://`` rendezvous covers them; a plain ``python script.py`` is a world of one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from angelptm.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class DistContext:
+    """Where this process sits in the data-parallel world."""
+
+    rank: int
+    """Global rank."""
+    world_size: int
+    """Data-parallel ranks."""
+    local_rank: int
+    """Rank within this host (selects the GPU)."""
+    device: torch.device
+    """Compute device of this rank."""
+    group: dist.ProcessGroup | None
+    """The data-parallel group, or None in a single-process run."""
+
+    @property
+    def is_main(self) -> bool:
+        """True on the rank that writes shared files and logs."""
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        """Wait for every rank (no-op for a single process)."""
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def init_distributed(*, dist_init_required: bool | None = None, timeout_s: float = 600.0) -> DistContext:
+    """Join (or create) the default process group and pick this rank's device.
+
+    Args:
+        dist_init_required: None = initialise when the environment describes more than one rank;
+            True = always initialise (a world of one is fine); False = never.
+        timeout_s: collective timeout, so a dead rank produces an error instead of a hang.
+
+    Returns:
+        This process's :class:`DistContext`. NCCL is used when CUDA is available, gloo otherwise.
+    """
+    world_size = _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    use_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count())) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    wanted = world_size > 1 if dist_init_required is None else dist_init_required
+    if wanted and not dist.is_initialized():
+        for name in ("MASTER_ADDR", "MASTER_PORT", "RANK"):
+            if name not in os.environ:
+                raise ConfigError(
+                    f"WORLD_SIZE={world_size} but {name} is not set; start the job with torchrun or the deepspeed launcher"
+                )
+        backend = "nccl" if use_cuda else "gloo"
+        dist.init_process_group(backend=backend, init_method="env://",
+                                timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if use_cuda else None)
+        logger.info("joined process group: backend %s, rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
+    if dist.is_initialized():
+        return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+                           device=device, group=dist.group.WORLD)
+    return DistContext(rank=0, world_size=1, local_rank=local_rank, device=device, group=None)

@@ -1,0 +1,276 @@
+"""The training engine: DeepSpeed's engine API over a module, its mixed-precision optimizer and its data.
+
+The engine orchestrates; the work lives in the pieces it holds: :class:`MixedPrecisionOptimizer`
+(master weights, accumulation, all-reduce, clipping), the schedule, the loader, and
+``angelptm.checkpoint`` (atomic files). ZeRO-Cache will plug in as another model-states manager
+behind the same calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from angelptm import checkpoint
+from angelptm.config.typed import EngineConfig
+from angelptm.data.loader import ResumableDataLoader
+from angelptm.distributed import DistContext
+from angelptm.mixed_precision import MixedPrecisionOptimizer
+
+logger = logging.getLogger(__name__)
+
+
+def _cast_floats(value: Any, dtype: torch.dtype, device: torch.device) -> Any:
+    """Move tensors to the device and floating ones to the compute dtype (ids and masks keep theirs)."""
+    if isinstance(value, torch.Tensor):
+        value = value.to(device, non_blocking=True)
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_floats(v, dtype, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floats(v, dtype, device) for k, v in value.items()}
+    return value
+
+
+class Engine(nn.Module):
+    """What :func:`angelptm.initialize` returns first; call it like the module.
+
+    Args:
+        module: the model, already on ``ctx.device`` in the compute dtype.
+        config: the typed config.
+        ctx: this rank's distributed context.
+        optimizer: the mixed-precision optimizer, or None for forward/backward only.
+        lr_scheduler: an object with ``step()`` and ``state_dict()``, or None.
+        training_dataloader: the loader built from ``training_data``, or None.
+    """
+
+    def __init__(self, module: nn.Module, config: EngineConfig, ctx: DistContext,
+                 optimizer: MixedPrecisionOptimizer | None, lr_scheduler: Any,
+                 training_dataloader: ResumableDataLoader | None) -> None:
+        super().__init__()
+        self.module = module
+        self.config = config
+        self.ctx = ctx
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.training_dataloader = training_dataloader
+        self.compute_dtype = config.precision.dtype
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._step_applied = False
+        self._timings: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+
+    # ----------------------------------------------------------------- DeepSpeed's accessors
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
+
+    @property
+    def local_rank(self) -> int:
+        return self.ctx.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+    def train_batch_size(self) -> int:
+        return self.config.batch.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.batch.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.batch.gradient_accumulation_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the next ``step()`` applies the optimizer (DeepSpeed's definition)."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def get_lr(self) -> list[float]:
+        """Current learning rate of each param group."""
+        if self.optimizer is None:
+            return []
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def was_step_applied(self) -> bool:
+        """False if the last boundary step was skipped for an fp16 overflow."""
+        return self._step_applied
+
+    @property
+    def loss_scale(self) -> float:
+        scaler = self.optimizer.loss_scaler if self.optimizer else None
+        return scaler.scale if scaler else 1.0
+
+    def get_global_grad_norm(self) -> float | None:
+        """Global gradient norm (before clipping) of the last applied step."""
+        return self.optimizer.last_grad_norm if self.optimizer else None
+
+    # ----------------------------------------------------------------- forward / backward / step
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module; tensors move to the device and floating inputs to the compute dtype."""
+        start = self._clock()
+        args = _cast_floats(args, self.compute_dtype, self.device)
+        kwargs = _cast_floats(kwargs, self.compute_dtype, self.device)
+        output = self.module(*args, **kwargs)
+        self._timings["forward"] += self._clock() - start
+        return output
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backpropagate ``loss / gradient_accumulation_steps`` (times the fp16 loss scale).
+
+        Gradients accumulate in fp32 inside the optimizer until the boundary ``step()``.
+        """
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}"
+                             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+        start = self._clock()
+        scaled = loss.float() * (self.loss_scale / self.gradient_accumulation_steps())
+        scaled.backward()
+        self._timings["backward"] += self._clock() - start
+        return loss
+
+    def step(self) -> None:
+        """End a micro-step; at an accumulation boundary, update the weights and the schedule."""
+        if self.optimizer is None:
+            raise RuntimeError("engine.step() needs an optimizer: add an \"optimizer\" section to the config "
+                               "or pass optimizer= to angelptm.initialize")
+        if not self.is_gradient_accumulation_boundary():
+            self.micro_steps += 1
+            return
+        start = self._clock()
+        self._step_applied = self.optimizer.step()
+        if self._step_applied:
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        else:
+            self.skipped_steps += 1
+            logger.warning("fp16 gradient overflow at step %d: step skipped, loss scale lowered to %g",
+                           self.global_steps + 1, self.loss_scale)
+        self.micro_steps += 1
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self._timings["step"] += self._clock() - start
+        if self.global_steps % self.config.monitor.steps_per_print == 0 and self.ctx.is_main:
+            self._print_progress()
+
+    def _clock(self) -> float:
+        if self.config.monitor.wall_clock_breakdown and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _print_progress(self) -> None:
+        line = f"step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}"
+        if self.config.monitor.wall_clock_breakdown:
+            line += " | " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self._timings.items())
+            self._timings = dict.fromkeys(self._timings, 0.0)
+        logger.info(line)
+
+    # ----------------------------------------------------------------- checkpoints
+    def _named_master_weights(self) -> dict[str, torch.Tensor]:
+        if self.optimizer is not None:
+            return self.optimizer.master_state_dict()
+        return {name: p.detach().float().cpu().clone() for name, p in self.module.named_parameters()}
+
+    def _param_aliases(self) -> dict[str, str]:
+        """state_dict key -> the named_parameters name of the same tensor (tied weights)."""
+        canonical = {id(p): name for name, p in self.module.named_parameters()}
+        return {key: canonical[id(t)] for key, t in self.module.state_dict(keep_vars=True).items()
+                if id(t) in canonical}
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full module state dict with fp32 weights on CPU, loadable into the plain model."""
+        masters = self._named_master_weights()
+        aliases = self._param_aliases()
+        state = {}
+        for key, tensor in self.module.state_dict().items():
+            value = masters[aliases[key]].clone() if key in aliases else tensor.detach().cpu().clone()
+            state[key] = value.float() if value.is_floating_point() else value
+        return state
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True) -> Path:
+        """Save model, optimizer, scheduler, loss scaler, RNG and data position atomically.
+
+        Returns:
+            The checkpoint directory ``save_dir/tag``.
+        """
+        tag = tag or f"global_step{self.global_steps}"
+
+        def shared() -> dict[str, Any]:
+            model_states = {
+                "format_version": checkpoint.FORMAT_VERSION, "module": self.module.state_dict(),
+                "param_aliases": self._param_aliases(), "global_steps": self.global_steps,
+                "global_samples": self.global_samples, "micro_steps": self.micro_steps,
+                "skipped_steps": self.skipped_steps, "world_size": self.world_size,
+                "dtype": str(self.compute_dtype), "client_state": dict(client_state or {}),
+            }
+            files = {checkpoint.MODEL_FILE: model_states}
+            if self.optimizer is not None:
+                files[checkpoint.OPTIM_FILE] = {
+                    "optimizer": self.optimizer.state_dict(),
+                    "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+                }
+            return files
+
+        per_rank = {"rng": checkpoint.capture_rng_state(),
+                    "data": self.training_dataloader.state_dict() if self.training_dataloader else None}
+        return checkpoint.save(save_dir, tag, self.ctx, shared=shared, per_rank=per_rank, save_latest=save_latest)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False
+                        ) -> tuple[str | None, dict | None]:
+        """Restore a checkpoint written by :meth:`save_checkpoint`.
+
+        Returns:
+            ``(path, client_state)``, or ``(None, None)`` when ``load_dir`` holds no checkpoint.
+        """
+        path = checkpoint.resolve(load_dir, tag)
+        if path is None:
+            logger.warning("no checkpoint to load in %s (no 'latest' file)", load_dir)
+            return None, None
+        model_states = checkpoint.load_file(path / checkpoint.MODEL_FILE)
+        self.module.load_state_dict(model_states["module"])
+        optim_states = None
+        if self.optimizer is not None and (path / checkpoint.OPTIM_FILE).is_file():
+            optim_states = checkpoint.load_file(path / checkpoint.OPTIM_FILE)
+            # fp32 masters are the exact weights; the module's copy is rounded to the compute dtype.
+            self.optimizer.load_state_dict(optim_states["optimizer"],
+                                           load_optimizer_states=load_optimizer_states and not load_module_only)
+        elif self.optimizer is not None:
+            self.optimizer.refresh_masters_from_params()
+        if load_module_only:
+            return str(path), model_states["client_state"]
+        if load_lr_scheduler_states and self.lr_scheduler is not None and optim_states is not None:
+            self.lr_scheduler.load_state_dict(optim_states["lr_scheduler"])
+        for name in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
+            setattr(self, name, model_states[name])
+        self._restore_rank_state(path, model_states["world_size"])
+        return str(path), model_states["client_state"]
+
+    def _restore_rank_state(self, path: Path, saved_world_size: int) -> None:
+        rank_path = path / checkpoint.rank_file(self.ctx.rank)
+        if saved_world_size != self.world_size or not rank_path.is_file():
+            # A different world size gets a different data split; RNG streams cannot carry over.
+            logger.warning("checkpoint was saved with %d ranks, now %d: RNG and data position start fresh",
+                           saved_world_size, self.world_size)
+            return
+        per_rank = checkpoint.load_file(rank_path)
+        checkpoint.restore_rng_state(per_rank["rng"])
+        if self.training_dataloader is not None and per_rank["data"] is not None:
+            self.training_dataloader.load_state_dict(per_rank["data"])
+
+    def save_fp32_model(self, path: str) -> None:
+        """Write the consolidated fp32 weights to one safetensors file (rank 0)."""
+        from safetensors.torch import save_file
+
+        if self.ctx.is_main:
+            save_file(self.consolidated_state_dict(), path)
+        self.ctx.barrier()
+

@@ -1,0 +1,180 @@
+"""fp32 master weights and fp32 gradient accumulation under a bf16 / fp16 / fp32 module.
+
+The non-ZeRO-Cache path keeps one full replica of the model states per rank:
+
+* the module's parameters in the compute dtype (what forward and backward read),
+* an fp32 master copy of each (what the optimizer updates; the parameter itself in fp32 runs),
+* one flat fp32 gradient buffer. A post-accumulate-grad hook adds each parameter's
+  low-precision gradient into its slice as soon as autograd finishes it and frees the original,
+  so accumulation over micro-batches happens in fp32, and the data-parallel all-reduce is a few
+  large bucketed calls on one contiguous tensor.
+
+``step()`` then: all-reduce (mean) -> unscale -> overflow check (fp16) -> clip -> optimizer step
+on the masters -> copy masters back into the compute-dtype parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from angelptm.loss_scaler import LossScaler
+
+logger = logging.getLogger(__name__)
+
+
+class MixedPrecisionOptimizer:
+    """Wraps a torch optimizer so that it steps fp32 master weights of a low-precision module.
+
+    Args:
+        optimizer: a torch optimizer built over the module's parameters, with no state yet; its
+            param groups are re-pointed at the fp32 masters.
+        names: id(parameter) -> qualified name, for checkpoints and the consolidated export.
+        compute_dtype: dtype of the module's parameters.
+        loss_scaler: set for fp16.
+        gradient_clipping: max global gradient norm (0 = off).
+        group: data-parallel process group, or None for a single process.
+        reduce_bucket_numel: elements per all-reduce call.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, names: dict[int, str],
+                 compute_dtype: torch.dtype, loss_scaler: LossScaler | None = None, gradient_clipping: float = 0.0,
+                 group: dist.ProcessGroup | None = None, reduce_bucket_numel: int = 500_000_000) -> None:
+        if optimizer.state:
+            raise ValueError("the optimizer already has state; pass a freshly constructed optimizer to initialize()")
+        self.optimizer = optimizer
+        self.loss_scaler = loss_scaler
+        self.gradient_clipping = gradient_clipping
+        self.group = group
+        self.reduce_bucket_numel = reduce_bucket_numel
+        self.params: list[torch.nn.Parameter] = []  # compute-dtype parameters, in group order
+        self.masters: list[torch.Tensor] = []
+        self.names: list[str] = []
+        for param_group in optimizer.param_groups:
+            masters = []
+            for param in param_group["params"]:
+                if id(param) not in names:
+                    raise ValueError("the optimizer holds a tensor that is not a parameter of the model")
+                master = param if param.dtype == torch.float32 else param.detach().float().clone()
+                self.params.append(param)
+                self.masters.append(master)
+                self.names.append(names[id(param)])
+                masters.append(master)
+            param_group["params"] = masters
+        total_numel = sum(p.numel() for p in self.params)
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.flat_grad = torch.zeros(total_numel, dtype=torch.float32, device=device)
+        self.grad_views: list[torch.Tensor] = []
+        offset = 0
+        for param in self.params:
+            self.grad_views.append(self.flat_grad[offset:offset + param.numel()].view_as(param))
+            offset += param.numel()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
+        self.overflow = False
+        self.last_grad_norm: float | None = None
+
+    def _make_hook(self, index: int):
+        view = self.grad_views[index]
+
+        def accumulate(param: torch.nn.Parameter) -> None:
+            view.add_(param.grad)  # upcasts to fp32; the low-precision gradient is freed right away
+            param.grad = None
+
+        return accumulate
+
+    # The torch.optim.Optimizer surface that schedulers and scripts touch.
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> dict:
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the accumulated gradients (the buffer is reused, never freed)."""
+        self.flat_grad.zero_()
+        for param in self.params:
+            param.grad = None
+
+    def step(self) -> bool:
+        """Reduce, unscale, check, clip and apply the accumulated gradients.
+
+        Returns:
+            True if the update was applied, False if it was skipped for an fp16 overflow.
+        """
+        self._all_reduce_mean()
+        scale = self.loss_scaler.scale if self.loss_scaler else 1.0
+        if scale != 1.0:
+            self.flat_grad.mul_(1.0 / scale)
+        # One norm over the flat buffer also detects inf/nan: any non-finite element makes it non-finite.
+        grad_norm = torch.linalg.vector_norm(self.flat_grad).item()
+        self.overflow = self.loss_scaler is not None and not math.isfinite(grad_norm)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(self.overflow)
+        if self.overflow:
+            self.last_grad_norm = None
+            self.zero_grad()
+            return False
+        self.last_grad_norm = grad_norm
+        if self.gradient_clipping > 0 and grad_norm > self.gradient_clipping:
+            # torch.nn.utils.clip_grad_norm_'s rule: multiply by max_norm / (norm + 1e-6).
+            self.flat_grad.mul_(self.gradient_clipping / (grad_norm + 1e-6))
+        for master, view in zip(self.masters, self.grad_views):
+            master.grad = view
+        self.optimizer.step()
+        for master in self.masters:
+            master.grad = None
+        with torch.no_grad():
+            for param, master in zip(self.params, self.masters):
+                if param is not master:
+                    param.copy_(master)
+        self.zero_grad()
+        return True
+
+    def _all_reduce_mean(self) -> None:
+        if self.group is None or dist.get_world_size(self.group) == 1:
+            return
+        self.flat_grad.mul_(1.0 / dist.get_world_size(self.group))
+        for start in range(0, self.flat_grad.numel(), self.reduce_bucket_numel):
+            dist.all_reduce(self.flat_grad[start:start + self.reduce_bucket_numel], group=self.group)
+
+    def master_state_dict(self) -> dict[str, torch.Tensor]:
+        """fp32 master weights by parameter name, on CPU."""
+        return {name: master.detach().cpu().clone() for name, master in zip(self.names, self.masters)}
+
+    def load_master_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load fp32 masters by name and refresh the compute-dtype parameters from them."""
+        missing = [name for name in self.names if name not in state]
+        if missing:
+            raise KeyError(f"checkpoint lacks master weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        with torch.no_grad():
+            for name, param, master in zip(self.names, self.params, self.masters):
+                master.copy_(state[name])
+                if param is not master:
+                    param.copy_(master)
+
+    def refresh_masters_from_params(self) -> None:
+        """Set the masters from the module's (possibly lower-precision) weights, e.g. after a module-only load."""
+        with torch.no_grad():
+            for param, master in zip(self.params, self.masters):
+                if param is not master:
+                    master.copy_(param)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "masters": self.master_state_dict(),
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any], *, load_optimizer_states: bool = True) -> None:
+        self.load_master_state_dict(state["masters"])
+        if load_optimizer_states:
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.loss_scaler is not None and state.get("loss_scaler"):
+                self.loss_scaler.load_state_dict(state["loss_scaler"])

@@ -1,0 +1,98 @@
+"""Typed configuration of the MoE layers (the ``"moe"`` section of the JSON config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
+
+
+@dataclass(kw_only=True, slots=True)
+class MoEConfig:
+    """Mixture-of-experts layers and how their tokens travel between expert-parallel ranks.
+
+    Names follow ``deepspeed.moe.layer.MoE`` where DeepSpeed has the same knob.
+    """
+
+    enabled: bool = False
+    """Replace the MLP of every ``moe_every``-th transformer block with an MoE layer."""
+
+    num_experts: int = 8
+    """Experts per MoE layer, over all expert-parallel ranks."""
+
+    top_k: int = 2
+    """Experts each token is routed to (DeepSpeed's ``k``)."""
+
+    capacity_factor: float = 1.25
+    """Training capacity per expert = capacity_factor * tokens * top_k / num_experts."""
+
+    eval_capacity_factor: float = 2.0
+    """Capacity factor in eval mode."""
+
+    min_capacity: int = 4
+    """Lower bound on each expert's capacity, in tokens."""
+
+    drop_tokens: bool = True
+    """Drop tokens over capacity; False is dropless routing (capacity = the busiest expert's load)."""
+
+    ep_size: int = 1
+    """Expert-parallel group size; must divide num_experts."""
+
+    noisy_gate_policy: str | None = None
+    """None, "Jitter" (multiplicative input noise) or "RSample" (Gumbel noise on the logits)."""
+
+    aux_loss_coef: float = 0.01
+    """Weight of the Switch/GShard load-balancing loss."""
+
+    z_loss_coef: float = 0.0
+    """Weight of the router z-loss (ST-MoE); 0 disables it."""
+
+    moe_every: int = 2
+    """Every n-th block is an MoE block (2 = every other block, as in GShard)."""
+
+    hierarchical_all_to_all: bool | str = "auto"
+    """True, False, or "auto": pick by the topology cost model."""
+
+    ranks_per_node: int | None = None
+    """Override the launcher's LOCAL_WORLD_SIZE when planning the hierarchical exchange."""
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1:
+            raise ValueError(f"moe.num_experts: must be >= 1, got {self.num_experts}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"moe.top_k: must be between 1 and num_experts={self.num_experts}, got {self.top_k}")
+        for name in ("capacity_factor", "eval_capacity_factor"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"moe.{name}: must be > 0, got {getattr(self, name)}")
+        if self.min_capacity < 0:
+            raise ValueError(f"moe.min_capacity: must be >= 0, got {self.min_capacity}")
+        if self.ep_size < 1 or self.num_experts % self.ep_size:
+            raise ValueError(
+                f"moe.ep_size: must divide num_experts={self.num_experts} so each rank holds whole experts, got {self.ep_size}"
+            )
+        if self.noisy_gate_policy not in NOISY_GATE_POLICIES:
+            raise ValueError(f"moe.noisy_gate_policy: must be one of {NOISY_GATE_POLICIES}, got {self.noisy_gate_policy!r}")
+        if self.aux_loss_coef < 0 or self.z_loss_coef < 0:
+            raise ValueError("moe.aux_loss_coef and moe.z_loss_coef must be >= 0")
+        if self.moe_every < 1:
+            raise ValueError(f"moe.moe_every: must be >= 1, got {self.moe_every}")
+        if isinstance(self.hierarchical_all_to_all, str) and self.hierarchical_all_to_all != "auto":
+            raise ValueError(f"moe.hierarchical_all_to_all: true, false or 'auto', got {self.hierarchical_all_to_all!r}")
+        if self.ranks_per_node is not None and self.ranks_per_node < 1:
+            raise ValueError(f"moe.ranks_per_node: must be >= 1, got {self.ranks_per_node}")
+
+    def capacity(self, num_tokens: int, *, training: bool) -> int:
+        """Tokens each expert may take for a batch of ``num_tokens`` (GShard's capacity formula).
+
+        Args:
+            num_tokens: tokens entering the gate on this rank.
+            training: use capacity_factor (True) or eval_capacity_factor (False).
+
+        Returns:
+            ceil(factor * num_tokens * top_k / num_experts), at least min_capacity.
+        """
+        factor = self.capacity_factor if training else self.eval_capacity_factor
+        # Integer ceil without float rounding surprises on exact multiples.
+        scaled = factor * num_tokens * self.top_k
+        capacity = -int(-scaled // self.num_experts)
+        return max(capacity, self.min_capacity)

@@ -1,0 +1,58 @@
+"""Typed configuration of ZeRO-Cache (the ``"zero_cache"`` section of the JSON config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zero_cache.units import AUTO, parse_budget
+
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+@dataclass(kw_only=True, slots=True)
+class ZeroCacheConfig:
+    """Where model states live and how they move between GPU, pinned host memory and NVMe."""
+
+    enabled: bool = False
+    """Manage parameters, gradients and optimizer states in chunks across the memory tiers."""
+
+    chunk_size: int | str = AUTO
+    """Elements per chunk, or "auto" to search a size from the model's tensor sizes."""
+
+    device_memory_budget: int | str = AUTO
+    """Bytes of accelerator memory for model states ("2GB", 2147483648, or "auto" = free memory less a margin)."""
+
+    host_memory_budget: int | str = AUTO
+    """Bytes of pinned host memory for model states (same forms as device_memory_budget)."""
+
+    prefetch_depth: int = 2
+    """How many chunks ahead of use, along the warm-up trace, to start copying to the device."""
+
+    overlap_optimizer_step: bool = False
+    """Update host-resident chunks one step late while the GPU computes (AngelPTM's lock-free update).
+    Off by default: the default step is exact."""
+
+    nvme_path: str | None = None
+    """Directory for the NVMe tier's swap files; None keeps all states in GPU + host memory."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.chunk_size, str):
+            if self.chunk_size != AUTO:
+                raise ValueError(f"zero_cache.chunk_size: expected a number of elements or 'auto', got {self.chunk_size!r}")
+        elif self.chunk_size < 1024:
+            raise ValueError(f"zero_cache.chunk_size: {self.chunk_size} elements is too small; use at least 1024 or 'auto'")
+        # Parse now so a bad size fails at load time, not at the first allocation.
+        parse_budget(self.device_memory_budget, name="zero_cache.device_memory_budget")
+        parse_budget(self.host_memory_budget, name="zero_cache.host_memory_budget")
+        if self.prefetch_depth < 0:
+            raise ValueError(f"zero_cache.prefetch_depth: must be >= 0, got {self.prefetch_depth}")
+
+    @property
+    def device_budget_bytes(self) -> int | None:
+        """The device budget in bytes, or None for "auto"."""
+        return parse_budget(self.device_memory_budget, name="zero_cache.device_memory_budget")
+
+    @property
+    def host_budget_bytes(self) -> int | None:
+        """The host budget in bytes, or None for "auto"."""
+        return parse_budget(self.host_memory_budget, name="zero_cache.host_memory_budget")
