@@ -137,7 +137,11 @@ def _build_optimizer(model: nn.Module, client: Any, model_parameters: Iterable |
 
 def _build_scheduler(client: Any, optimizer: MixedPrecisionOptimizer | None, cfg: EngineConfig) -> Any:
     if client is not None:
-        return client(optimizer) if callable(client) and not hasattr(client, "step") else client
+        if callable(client) and not hasattr(client, "step"):
+            # Like DeepSpeed, hand the callable the inner torch optimizer (torch schedulers type-check it);
+            # its param groups are the ones the engine steps.
+            return client(optimizer.optimizer if optimizer is not None else None)
+        return client
     if cfg.scheduler is None:
         return None
     if optimizer is None:

@@ -158,3 +158,23 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def consolidate(module_state: dict[str, torch.Tensor], masters: dict[str, torch.Tensor],
+                aliases: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The module state dict with each weight replaced by its fp32 master.
+
+    Args:
+        module_state: the module's state dict (compute dtype).
+        masters: fp32 master weights by ``named_parameters`` name.
+        aliases: state-dict key -> ``named_parameters`` name (tied weights share one name).
+
+    Returns:
+        fp32 tensors on CPU under every state-dict key, each its own storage (safetensors refuses
+        shared storage, which tied weights would otherwise have).
+    """
+    state = {}
+    for key, tensor in module_state.items():
+        value = masters.get(aliases.get(key, key), tensor).detach().cpu()
+        state[key] = (value.float() if value.is_floating_point() else value).contiguous().clone()
+    return state

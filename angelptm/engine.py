@@ -186,13 +186,7 @@ class Engine(nn.Module):
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """The full module state dict with fp32 weights on CPU, loadable into the plain model."""
-        masters = self._named_master_weights()
-        aliases = self._param_aliases()
-        state = {}
-        for key, tensor in self.module.state_dict().items():
-            value = masters[aliases[key]].clone() if key in aliases else tensor.detach().cpu().clone()
-            state[key] = value.float() if value.is_floating_point() else value
-        return state
+        return checkpoint.consolidate(self.module.state_dict(), self._named_master_weights(), self._param_aliases())
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True) -> Path:

@@ -1,0 +1,189 @@
+"""GPT pretraining from a DeepSpeed-style JSON config: the main job.
+
+    python pretrain.py                      # the tiny default (configs/tiny.json), CPU or GPU
+    python pretrain.py --config FILE        # any config
+    torchrun --nproc-per-node 2 pretrain.py --config FILE   # data parallel
+
+The model comes from the config's "model" section, the tokens from "data" (the shipped
+public-domain corpus when no path is given), the loop from "train". A run that finds a checkpoint
+in ``train.save_dir`` continues from it; Ctrl-C or SIGTERM finishes the current step, saves, and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import angelptm
+from angelptm.config import EngineConfig, load_config
+from angelptm.data import TokenDataset, prepare_default_dataset, repeat_batches
+from angelptm.distributed import DistContext, init_distributed
+from angelptm.errors import CheckpointError, ConfigError
+from angelptm.models import build_model
+from angelptm.monitor import MetricsSink, ThroughputMeter, format_memory, memory_snapshot
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.json"
+logger = logging.getLogger("pretrain")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="JSON config (default: configs/tiny.json)")
+    parser.add_argument("--steps", type=int, help="override train.steps")
+    parser.add_argument("--save-dir", help="override train.save_dir")
+    parser.add_argument("--no-resume", action="store_true", help="start fresh even if save_dir has a checkpoint")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return parser.parse_args(argv)
+
+
+def read_config(args: argparse.Namespace) -> dict:
+    """The JSON config with the command-line overrides applied (still a dict: the edge parses it)."""
+    path = Path(args.config)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not valid JSON at line {err.lineno}: {err.msg}") from None
+    train = raw.setdefault("train", {})
+    if args.steps is not None:
+        train["steps"] = args.steps
+    if args.save_dir is not None:
+        train["save_dir"] = args.save_dir
+    if args.no_resume:
+        train["resume"] = False
+    return raw
+
+
+def build_dataset(cfg: EngineConfig, ctx: DistContext) -> TokenDataset:
+    """The token dataset; the shipped corpus is tokenized by rank 0 while the others wait."""
+    prefix = cfg.data.path
+    if prefix is None:
+        if ctx.is_main:
+            prefix = prepare_default_dataset(cfg.data.cache_dir)
+        ctx.barrier()
+        prefix = prepare_default_dataset(cfg.data.cache_dir) if not ctx.is_main else prefix
+    dataset = TokenDataset(prefix, cfg.data.seq_len or cfg.model.max_seq_len)
+    if dataset.vocab_size is not None and dataset.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"data: the dataset's vocabulary has {dataset.vocab_size} tokens but model.vocab_size is "
+                          f"{cfg.model.vocab_size}; raise model.vocab_size to at least {dataset.vocab_size}")
+    return dataset
+
+
+def mean_over_ranks(value: float, ctx: DistContext) -> float:
+    if ctx.group is None:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(tensor, group=ctx.group)
+    return tensor.item() / ctx.world_size
+
+
+class StopRequest:
+    """Turns SIGINT/SIGTERM into a flag checked between steps, so the run saves before exiting."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.requested:  # a second Ctrl-C means "now"
+            raise KeyboardInterrupt
+        self.requested = True
+        logger.warning("received %s: finishing this step, saving a checkpoint, then exiting",
+                       signal.Signals(signum).name)
+
+
+def train(raw: dict) -> float:
+    """Run the configured training; returns the last logged loss."""
+    ctx = init_distributed()
+    cfg = load_config(raw, world_size=ctx.world_size)
+    torch.manual_seed(cfg.seed)
+    dataset = build_dataset(cfg, ctx)
+    model = build_model(cfg.model)
+    weight_decay = cfg.optimizer.weight_decay if cfg.optimizer else 0.0
+    engine, _, loader, _ = angelptm.initialize(model=model, model_parameters=model.param_groups(weight_decay),
+                                               training_data=dataset, config=raw)
+    save_dir = cfg.train.save_dir
+    if cfg.train.resume:
+        path, _ = engine.load_checkpoint(save_dir)
+        if path and ctx.is_main:
+            logger.info("resumed from %s at step %d", path, engine.global_steps)
+    if ctx.is_main:
+        logger.info("model: %s flavour, %.2fM parameters; %d ranks x micro-batch %d x %d accumulation = %d "
+                    "sequences of %d tokens per step; device %s, dtype %s", cfg.model.flavour,
+                    model.num_params() / 1e6, ctx.world_size, cfg.batch.micro_batch_size,
+                    cfg.batch.gradient_accumulation_steps, cfg.batch.train_batch_size, dataset.seq_len,
+                    ctx.device, cfg.precision.dtype)
+    return run_loop(engine, cfg, ctx, loader, dataset.seq_len)
+
+
+def run_loop(engine: angelptm.Engine, cfg: EngineConfig, ctx: DistContext, loader, seq_len: int) -> float:
+    batches = repeat_batches(loader)
+    meter = ThroughputMeter(engine.module.flops_per_token(seq_len), ctx.device)
+    sink = MetricsSink(cfg.monitor.csv_dir, cfg.monitor.tensorboard_dir) if ctx.is_main else None
+    stop = StopRequest()
+    tokens_per_step = cfg.batch.train_batch_size * seq_len
+    progress = tqdm(total=cfg.train.steps, initial=engine.global_steps, desc="train", unit="step",
+                    disable=not ctx.is_main, dynamic_ncols=True)
+    loss_sum, loss_count, last_loss = 0.0, 0, float("nan")
+    while engine.global_steps < cfg.train.steps and not stop.requested:
+        for _ in range(cfg.batch.gradient_accumulation_steps):
+            loss = engine(**next(batches))
+            engine.backward(loss)
+            engine.step()
+            loss_sum, loss_count = loss_sum + loss.item(), loss_count + 1
+        meter.add_tokens(tokens_per_step)
+        progress.update(1)
+        step = engine.global_steps
+        if step % cfg.train.log_interval == 0 or step == cfg.train.steps:
+            last_loss = mean_over_ranks(loss_sum / loss_count, ctx)
+            loss_sum, loss_count = 0.0, 0
+            log_metrics(step, last_loss, engine, meter, sink, ctx, cfg.train.steps)
+        if step % cfg.train.save_interval == 0 and step < cfg.train.steps:
+            engine.save_checkpoint(cfg.train.save_dir)
+    progress.close()
+    engine.save_checkpoint(cfg.train.save_dir)
+    if stop.requested:
+        logger.warning("stopped at step %d; run the same command again to continue", engine.global_steps)
+    return last_loss
+
+
+def log_metrics(step: int, loss: float, engine: angelptm.Engine, meter: ThroughputMeter,
+                sink: MetricsSink | None, ctx: DistContext, total_steps: int) -> None:
+    rates = meter.lap()
+    memory = memory_snapshot(ctx.device)
+    if not ctx.is_main:
+        return
+    lr = engine.get_lr()[0]
+    tflops = rates.get("tflops", float("nan"))
+    tqdm.write(f"step {step}/{total_steps} | loss {loss:.4f} | lr {lr:.3e} | {rates['tokens_per_s']:,.0f} tokens/s "
+               f"| {tflops:.3f} TFLOPS | {format_memory(memory)}")
+    if sink is not None:
+        sink.write(step, {"loss": loss, "lr": lr, "grad_norm": engine.get_global_grad_norm(),
+                          "loss_scale": engine.loss_scale, **rates, **memory})
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    try:
+        loss = train(read_config(args))
+    except (ConfigError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    logger.info("done: final loss %.4f", loss)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""The engine against plain PyTorch training loops written out by hand, on fresh random inputs."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import angelptm
+from angelptm.models import ModelConfig, build_model
+
+SEQ, VOCAB = 16, 64
+
+
+def tiny_gpt(seed: int, flavour: str = "gpt2") -> nn.Module:
+    torch.manual_seed(seed)
+    return build_model(ModelConfig(flavour=flavour, vocab_size=VOCAB, max_seq_len=SEQ, num_layers=2,
+                                   hidden_size=32, num_heads=4))
+
+
+def random_batches(seed: int, count: int, batch: int) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    # Random starts, then a fixed bigram rule with 10% random tokens: fresh inputs that a model can learn.
+    for _ in range(count):
+        ids = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=generator)
+        noise = torch.rand(batch, SEQ + 1, generator=generator) < 0.1
+        for t in range(1, SEQ + 1):
+            ids[:, t] = torch.where(noise[:, t], ids[:, t], (ids[:, t - 1] * 5 + 3) % VOCAB)
+        out.append({"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
+    return out
+
+
+def ds_config(**overrides) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+        "steps_per_print": 1000,
+    }
+    config.update(overrides)
+    return config
+
+
+def reference_loop(model: nn.Module, batches: list[dict], *, dtype: torch.dtype, accumulation: int, lr: float,
+                   clip: float = 0.0) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Hand-written mixed precision: compute-dtype weights, fp32 masters and fp32 gradient sums, torch AdamW."""
+    model = model.to(dtype)
+    params = [p for p in model.parameters()]
+    masters = [p.detach().float().clone().requires_grad_(True) for p in params]
+    optimizer = torch.optim.AdamW(masters, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    losses = []
+    for start in range(0, len(batches), accumulation):
+        sums = [torch.zeros_like(m) for m in masters]
+        for batch in batches[start:start + accumulation]:
+            loss = model(**batch)
+            (loss.float() * (1.0 / accumulation)).backward()
+            losses.append(loss.item())
+            for total, p in zip(sums, params):
+                total += p.grad.float()
+                p.grad = None
+        for master, total in zip(masters, sums):
+            master.grad = total
+        norm = torch.linalg.vector_norm(torch.cat([m.grad.flatten() for m in masters])).item()
+        if clip and norm > clip:  # clip_grad_norm_'s rule, with the norm taken over all gradients at once
+            for master in masters:
+                master.grad.mul_(clip / (norm + 1e-6))
+        optimizer.step()
+        with torch.no_grad():
+            for p, master in zip(params, masters):
+                p.copy_(master)
+    names = [name for name, _ in model.named_parameters()]
+    return losses, {name: m.detach() for name, m in zip(names, masters)}
+
+
+def engine_loop(model: nn.Module, batches: list[dict], config: dict) -> tuple[list[float], angelptm.Engine]:
+    engine, _, _, _ = angelptm.initialize(model=model, config=config)
+    losses = []
+    for batch in batches:
+        loss = engine(**batch)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses, engine
+
+
+@pytest.mark.parametrize("dtype_key,dtype", [("bf16", torch.bfloat16), (None, torch.float32)])
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_engine_equals_hand_written_mixed_precision_loop(dtype_key, dtype, accumulation):
+    seed = torch.randint(0, 10_000, ()).item()
+    batches = random_batches(seed, count=4 * accumulation, batch=4)
+    config = ds_config(gradient_accumulation_steps=accumulation, gradient_clipping=0.5)
+    if dtype_key:
+        config[dtype_key] = {"enabled": True}
+    # Llama flavour: GPT-2's key bias has an identically-zero true gradient, so Adam turns float
+    # noise there into full-lr steps and no two summation orders would agree.
+    ref_losses, ref_masters = reference_loop(tiny_gpt(seed, "llama"), batches, dtype=dtype,
+                                             accumulation=accumulation, lr=3e-3, clip=0.5)
+    losses, engine = engine_loop(tiny_gpt(seed, "llama"), batches, config)
+    assert engine.global_steps == 4
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    masters = engine.optimizer.master_state_dict()
+    initial = dict(tiny_gpt(seed, "llama").named_parameters())
+    for name, expected in ref_masters.items():
+        assert not torch.equal(expected, initial[name].detach()), f"{name} never moved; the test would be vacuous"
+        torch.testing.assert_close(masters[name], expected, rtol=1e-6, atol=1e-7)
+    for name, param in engine.module.named_parameters():
+        assert param.dtype == dtype
+        torch.testing.assert_close(param.float(), masters[name].to(dtype).float(), rtol=0, atol=0)
+
+
+def test_bf16_engine_tracks_fp32_autocast_training():
+    """bf16 weights + fp32 masters stay within bf16 noise of PyTorch's own autocast recipe (fp32 weights)."""
+    seed = torch.randint(0, 10_000, ()).item()
+    batches = random_batches(seed, count=12, batch=8)
+    model = tiny_gpt(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    autocast_losses = []
+    for batch in batches:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        autocast_losses.append(loss.item())
+    losses, _ = engine_loop(tiny_gpt(seed), batches, ds_config(bf16={"enabled": True}))
+    assert autocast_losses[-1] < autocast_losses[0] - 0.1, "the reference must actually learn"
+    assert losses == pytest.approx(autocast_losses, rel=2e-2)
+
+
+def test_fp16_overflow_skips_step_and_lowers_scale(caplog):
+    seed = torch.randint(0, 10_000, ()).item()
+    batches = random_batches(seed, count=3, batch=4)
+    # 2**40 times a loss of ~4 overflows fp16 (max 65504) in every gradient.
+    config = ds_config(fp16={"enabled": True, "initial_scale_power": 40, "hysteresis": 1})
+    engine, _, _, _ = angelptm.initialize(model=tiny_gpt(seed), config=config)
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    with caplog.at_level(logging.WARNING, logger="angelptm.engine"):
+        loss = engine(**batches[0])
+        engine.backward(loss)
+        engine.step()
+    assert not engine.was_step_applied()
+    assert engine.skipped_steps == 1 and engine.global_steps == 1
+    assert engine.loss_scale == 2.0**39
+    assert any("overflow" in record.message for record in caplog.records)
+    for name, param in engine.module.named_parameters():
+        assert torch.equal(param, before[name]), f"{name} changed on a skipped step"
+    engine.optimizer.loss_scaler.cur_scale = 2.0**8  # a workable scale: the next step must apply
+    loss = engine(**batches[1])
+    engine.backward(loss)
+    engine.step()
+    assert engine.was_step_applied()
+    assert any(not torch.equal(p, before[n]) for n, p in engine.module.named_parameters())
+
+
+def test_fp16_engine_learns_like_fp32():
+    seed = torch.randint(0, 10_000, ()).item()
+    batches = random_batches(seed, count=10, batch=8)
+    fp32_losses, _ = engine_loop(tiny_gpt(seed), batches, ds_config())
+    fp16_losses, engine = engine_loop(tiny_gpt(seed), batches, ds_config(fp16={"enabled": True}))
+    assert engine.skipped_steps == 0
+    assert fp16_losses == pytest.approx(fp32_losses, rel=2e-2)
+
+
+def test_hugging_face_model_trains_through_the_engine():
+    transformers = pytest.importorskip("transformers")
+    seed = torch.randint(0, 10_000, ()).item()
+    torch.manual_seed(seed)
+    hf_config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
+                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(hf_config)
+    reference = copy.deepcopy(model)
+    engine, optimizer, _, _ = angelptm.initialize(model=model, config=ds_config(bf16={"enabled": True}))
+    batches = random_batches(seed, count=8, batch=4)
+    losses = []
+    for batch in batches:
+        output = engine(input_ids=batch["input_ids"], labels=batch["input_ids"])  # HF shifts labels itself
+        engine.backward(output.loss)
+        engine.step()
+        losses.append(output.loss.item())
+    ref_losses = []
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    for batch in batches:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = reference(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert losses == pytest.approx(ref_losses, rel=3e-2)
+    exported = engine.consolidated_state_dict()
+    fresh = transformers.GPT2LMHeadModel(hf_config)
+    fresh.load_state_dict(exported)
+    torch.testing.assert_close(fresh.transformer.wte.weight, engine.optimizer.master_state_dict()["transformer.wte.weight"])
+
+
+def test_step_without_optimizer_explains():
+    engine, optimizer, _, _ = angelptm.initialize(model=tiny_gpt(0), config={"train_batch_size": 4})
+    assert optimizer is None
+    loss = engine(**random_batches(0, 1, 4)[0])
+    engine.backward(loss)
+    with pytest.raises(RuntimeError, match="optimizer"):
+        engine.step()
+
+
+def test_client_optimizer_and_scheduler_callable():
+    model = tiny_gpt(1)
+    client = torch.optim.Adam(model.parameters(), lr=1e-3)
+    engine, optimizer, _, scheduler = angelptm.initialize(
+        model=model, optimizer=client, config={"train_batch_size": 4},
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+    assert optimizer.optimizer is client
+    for batch in random_batches(1, 3, 4):
+        engine.backward(engine(**batch))
+        engine.step()
+    assert engine.get_lr() == [pytest.approx(1e-3 * 0.5**3)]
+
+
+def test_accumulation_boundary_follows_deepspeed():
+    engine, _, _, _ = angelptm.initialize(model=tiny_gpt(2), config=ds_config(gradient_accumulation_steps=3))
+    boundaries = []
+    for batch in random_batches(2, 6, 4):
+        boundaries.append(engine.is_gradient_accumulation_boundary())
+        engine.backward(engine(**batch))
+        engine.step()
+    assert boundaries == [False, False, True, False, False, True]
+    assert engine.global_steps == 2 and engine.train_batch_size() == 12
