@@ -66,6 +66,15 @@ def _write_latest(save_dir: Path, tag: str) -> None:
     _fsync_dir(save_dir)
 
 
+def _remove_leftovers(root: Path) -> None:
+    """Delete what crashed saves left: temporary directories, and old copies whose replacement landed."""
+    for path in root.iterdir():
+        stale_tmp = path.name.startswith(".tmp-")
+        replaced_old = path.name.startswith(".old-") and (root / path.name.removeprefix(".old-")).is_dir()
+        if path.is_dir() and (stale_tmp or replaced_old):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def save(save_dir: str | os.PathLike, tag: str, ctx: DistContext, *, shared: dict[str, Any] | Callable[[], dict],
          per_rank: Any, save_latest: bool = True) -> Path:
     """Write one checkpoint atomically.
@@ -90,7 +99,7 @@ def save(save_dir: str | os.PathLike, tag: str, ctx: DistContext, *, shared: dic
             root.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise CheckpointError(f"cannot create checkpoint directory {root}: {err}") from None
-        shutil.rmtree(tmp, ignore_errors=True)  # left over from a crashed save
+        _remove_leftovers(root)
         tmp.mkdir()
     ctx.barrier()
     if ctx.is_main:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
 
@@ -92,7 +94,7 @@ class MoEConfig:
             ceil(factor * num_tokens * top_k / num_experts), at least min_capacity.
         """
         factor = self.capacity_factor if training else self.eval_capacity_factor
-        # Integer ceil without float rounding surprises on exact multiples.
-        scaled = factor * num_tokens * self.top_k
-        capacity = -int(-scaled // self.num_experts)
+        # Exact rational arithmetic on the factor as written (1.1, not 1.100000000000000088...), so an
+        # exact multiple such as 1.1 * 200 * 2 / 8 = 55 is not rounded up to 56.
+        capacity = math.ceil(Fraction(repr(factor)) * num_tokens * self.top_k / self.num_experts)
         return max(capacity, self.min_capacity)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 # Decimal units follow SI (1 GB = 10**9 B), binary units follow IEC (1 GiB = 2**30 B), the way
 # `df`, `nvidia-smi` and DeepSpeed's own size strings mix them; we accept both and never guess.
@@ -31,22 +32,21 @@ def parse_bytes(value: int | float | str, *, name: str = "size") -> int:
     Raises:
         ValueError: the value is negative, fractional in bytes, or has an unknown unit.
     """
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"{name}: expected a byte count such as 2147483648 or '2GB', got {value!r}")
-    if isinstance(value, (int, float)):
-        number, unit = float(value), ""
-    elif isinstance(value, str):
+    if isinstance(value, str):
         match = _SIZE_RE.match(value)
         if match is None:
             raise ValueError(f"{name}: cannot read {value!r} as a size; write e.g. 2147483648, '2GB' or '2GiB'")
-        number, unit = float(match.group(1)), match.group(2).lower()
+        # Fraction parses the decimal text exactly: "2.01KB" is 2010 bytes, not 2009.9999999999998.
+        number, unit = Fraction(match.group(1)), match.group(2).lower()
     else:
-        raise ValueError(f"{name}: expected a byte count such as 2147483648 or '2GB', got {value!r}")
+        number, unit = Fraction(value), ""  # exact for ints of any size and for floats such as 1e9
     if unit not in _UNIT_BYTES:
         allowed = ", ".join(u.upper() for u in _UNIT_BYTES if u)
         raise ValueError(f"{name}: unknown unit {unit!r} in {value!r}; use one of {allowed}")
     num_bytes = number * _UNIT_BYTES[unit]
-    if num_bytes < 0 or num_bytes != int(num_bytes):
+    if num_bytes < 0 or num_bytes.denominator != 1:
         raise ValueError(f"{name}: {value!r} is not a whole, non-negative number of bytes")
     return int(num_bytes)
 

@@ -44,15 +44,16 @@ class OptimizerSection(Section):
 
 
 class WarmupLRParams(Section):
-    warmup_min_lr: float = 0.0
-    warmup_max_lr: float | None = None
+    warmup_min_lr: float | list[float] = 0.0
+    """One value, or one per param group (as DeepSpeed allows)."""
+    warmup_max_lr: float | list[float] | None = None
     warmup_num_steps: int = 1000
     warmup_type: Literal["log", "linear"] = "log"
     last_batch_iteration: int = -1
 
 
 class WarmupDecayLRParams(WarmupLRParams):
-    warmup_max_lr: float = 0.001
+    warmup_max_lr: float | list[float] = 0.001
     total_num_steps: int
 
 

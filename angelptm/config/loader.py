@@ -47,13 +47,13 @@ def load_config(config: str | os.PathLike | dict | None, *, world_size: int = 1)
     try:
         parsed = edge.EdgeConfig.model_validate(raw)
         scheduler = _scheduler(parsed.scheduler)
+        return _to_typed(parsed, scheduler, tuple(sorted(ignored)) + _not_acted_sections(raw), world_size)
     except pydantic.ValidationError as err:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(_describe(err))) from None
+        raise ConfigError("invalid config:\n  " + "\n  ".join(_describe(err, raw))) from None
     except ConfigError:
         raise
-    except ValueError as err:  # a __post_init__ check outside pydantic's wrapping
+    except ValueError as err:  # a typed dataclass's __post_init__ check
         raise ConfigError(f"invalid config:\n  {err}") from None
-    return _to_typed(parsed, scheduler, tuple(sorted(ignored)) + _zero_not_acted(raw), world_size)
 
 
 def _read(config: str | os.PathLike | dict | None) -> dict:
@@ -121,13 +121,25 @@ def _unknown_key_message(path: str, key: str, allowed: list[str]) -> str:
     return f"{path}: unknown key{hint}"
 
 
-def _describe(err: pydantic.ValidationError) -> list[str]:
+def _value_at(data: Any, loc: tuple) -> Any:
+    for part in loc:
+        try:
+            data = data[part]
+        except (KeyError, IndexError, TypeError):
+            return "?"
+    return data
+
+
+def _describe(err: pydantic.ValidationError, err_input: Any = None) -> list[str]:
     lines = []
     for item in err.errors():
         path = ".".join(str(part) for part in item["loc"]) or "(top level)"
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "value_error":
             lines.append(message)  # our own __post_init__ messages already name the key
+        elif item["type"] == "missing" and isinstance(item["loc"][-1], int):  # a too-short list
+            parent = ".".join(str(part) for part in item["loc"][:-1])
+            lines.append(f"{parent}: expected more items; got {_value_at(err_input, item['loc'][:-1])!r}")
         elif item["type"] == "missing":
             lines.append(f"{path}: required key is missing")
         else:
@@ -149,7 +161,7 @@ def _scheduler(section: edge.SchedulerSection | None) -> typed.SchedulerConfig |
     try:
         params = params_model.model_validate(section.params)
     except pydantic.ValidationError as err:
-        lines = [f"scheduler.params.{line}" for line in _describe(err)]
+        lines = [f"scheduler.params.{line}" for line in _describe(err, section.params)]
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
     if params.warmup_num_steps <= 0:
         raise ConfigError(f"scheduler.params.warmup_num_steps: must be a positive integer, got {params.warmup_num_steps}")
@@ -199,11 +211,12 @@ def _exact_div(numerator: int, denominator: int, arithmetic: str, derived: str) 
     return numerator // denominator
 
 
-def _zero_not_acted(raw: dict) -> tuple[str, ...]:
-    """zero_optimization keys that are stored for ZeRO-Cache but change nothing in this engine yet."""
+def _not_acted_sections(raw: dict) -> tuple[str, ...]:
+    """Validated keys that are stored for ZeRO-Cache and the NVMe tier but change nothing yet."""
     acted = {"stage", "reduce_bucket_size", "offload_param", "offload_optimizer"}
     zero = raw.get("zero_optimization") or {}
-    return tuple(f"zero_optimization.{key}" for key in sorted(zero) if key not in acted)
+    keys = tuple(f"zero_optimization.{key}" for key in sorted(zero) if key not in acted)
+    return keys + (("aio",) if "aio" in raw else ())
 
 
 def _precision(parsed: edge.EdgeConfig) -> typed.PrecisionConfig:

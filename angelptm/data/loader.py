@@ -73,9 +73,11 @@ class ResumableDataLoader:
             raise ValueError(
                 f"each rank gets {len(self.sampler)} samples per epoch, fewer than one micro-batch of {batch_size}"
             )
+        # A private generator: every DataLoader iterator draws a base seed from it, and drawing from the
+        # global RNG instead would shift the dropout stream of a resumed run by one draw.
         self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, num_workers=num_workers,
                                  collate_fn=collate_fn, drop_last=True, pin_memory=pin_memory,
-                                 persistent_workers=False)
+                                 persistent_workers=False, generator=torch.Generator().manual_seed(seed))
         self.batches_consumed = 0
 
     def __len__(self) -> int:

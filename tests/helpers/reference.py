@@ -1,0 +1,72 @@
+"""Shared by the engine tests on CPU and GPU: a tiny GPT, learnable random batches, and a
+hand-written mixed-precision AdamW loop to compare the engine against."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from angelptm.models import ModelConfig, build_model
+
+SEQ, VOCAB = 16, 64
+
+
+def tiny_gpt(seed: int, flavour: str = "gpt2") -> nn.Module:
+    torch.manual_seed(seed)
+    return build_model(ModelConfig(flavour=flavour, vocab_size=VOCAB, max_seq_len=SEQ, num_layers=2,
+                                   hidden_size=32, num_heads=4))
+
+
+def random_batches(seed: int, count: int, batch: int) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    # Random starts, then a fixed bigram rule with 10% random tokens: fresh inputs that a model can learn.
+    for _ in range(count):
+        ids = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=generator)
+        noise = torch.rand(batch, SEQ + 1, generator=generator) < 0.1
+        for t in range(1, SEQ + 1):
+            ids[:, t] = torch.where(noise[:, t], ids[:, t], (ids[:, t - 1] * 5 + 3) % VOCAB)
+        out.append({"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
+    return out
+
+
+def ds_config(**overrides) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+        "steps_per_print": 1000,
+    }
+    config.update(overrides)
+    return config
+
+
+def reference_loop(model: nn.Module, batches: list[dict], *, dtype: torch.dtype, accumulation: int, lr: float,
+                   clip: float = 0.0, device: str = "cpu") -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Hand-written mixed precision: compute-dtype weights, fp32 masters and fp32 gradient sums, torch AdamW."""
+    model = model.to(device=device, dtype=dtype)
+    params = [p for p in model.parameters()]
+    masters = [p.detach().float().clone().requires_grad_(True) for p in params]
+    optimizer = torch.optim.AdamW(masters, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    losses = []
+    for start in range(0, len(batches), accumulation):
+        sums = [torch.zeros_like(m) for m in masters]
+        for batch in batches[start:start + accumulation]:
+            loss = model(**{k: v.to(device) for k, v in batch.items()})
+            (loss.float() * (1.0 / accumulation)).backward()
+            losses.append(loss.item())
+            for total, p in zip(sums, params):
+                total += p.grad.float()
+                p.grad = None
+        for master, total in zip(masters, sums):
+            master.grad = total
+        norm = torch.linalg.vector_norm(torch.cat([m.grad.flatten() for m in masters])).item()
+        if clip and norm > clip:  # clip_grad_norm_'s rule, with the norm taken over all gradients at once
+            for master in masters:
+                master.grad.mul_(clip / (norm + 1e-6))
+        optimizer.step()
+        with torch.no_grad():
+            for p, master in zip(params, masters):
+                p.copy_(master)
+    names = [name for name, _ in model.named_parameters()]
+    return losses, {name: m.detach() for name, m in zip(names, masters)}
