@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -28,7 +29,7 @@ from angelptm.data import TokenDataset, prepare_default_dataset, repeat_batches
 from angelptm.distributed import DistContext, init_distributed
 from angelptm.errors import CheckpointError, ConfigError
 from angelptm.models import build_model
-from angelptm.monitor import MetricsSink, ThroughputMeter, format_memory, memory_snapshot
+from angelptm.monitor import ThroughputMeter, format_memory, memory_snapshot
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.json"
 logger = logging.getLogger("pretrain")
@@ -68,14 +69,34 @@ def build_dataset(cfg: EngineConfig, ctx: DistContext) -> TokenDataset:
     prefix = cfg.data.path
     if prefix is None:
         if ctx.is_main:
-            prefix = prepare_default_dataset(cfg.data.cache_dir)
+            prepare_default_dataset(cfg.data.cache_dir)
         ctx.barrier()
-        prefix = prepare_default_dataset(cfg.data.cache_dir) if not ctx.is_main else prefix
+        prefix = prepare_default_dataset(cfg.data.cache_dir)  # finds rank 0's copy valid and reuses it
     dataset = TokenDataset(prefix, cfg.data.seq_len or cfg.model.max_seq_len)
     if dataset.vocab_size is not None and dataset.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"data: the dataset's vocabulary has {dataset.vocab_size} tokens but model.vocab_size is "
                           f"{cfg.model.vocab_size}; raise model.vocab_size to at least {dataset.vocab_size}")
     return dataset
+
+
+def any_rank(flag: bool, ctx: DistContext) -> bool:
+    """True on every rank if it is true on any: all ranks must stop at the same step."""
+    if ctx.group is None:
+        return flag
+    tensor = torch.tensor([int(flag)], device=ctx.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=ctx.group)
+    return bool(tensor.item())
+
+
+def prune_checkpoints(save_dir: str, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` ``global_stepN`` checkpoints (never the one ``latest`` names)."""
+    root = Path(save_dir)
+    latest = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
+    steps = sorted((int(p.name.removeprefix("global_step")), p) for p in root.glob("global_step*")
+                   if p.name.removeprefix("global_step").isdigit())
+    for _, path in steps[:-keep_last]:
+        if path.name != latest:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def mean_over_ranks(value: float, ctx: DistContext) -> float:
@@ -129,13 +150,12 @@ def train(raw: dict) -> float:
 def run_loop(engine: angelptm.Engine, cfg: EngineConfig, ctx: DistContext, loader, seq_len: int) -> float:
     batches = repeat_batches(loader)
     meter = ThroughputMeter(engine.module.flops_per_token(seq_len), ctx.device)
-    sink = MetricsSink(cfg.monitor.csv_dir, cfg.monitor.tensorboard_dir) if ctx.is_main else None
     stop = StopRequest()
     tokens_per_step = cfg.batch.train_batch_size * seq_len
     progress = tqdm(total=cfg.train.steps, initial=engine.global_steps, desc="train", unit="step",
                     disable=not ctx.is_main, dynamic_ncols=True)
     loss_sum, loss_count, last_loss = 0.0, 0, float("nan")
-    while engine.global_steps < cfg.train.steps and not stop.requested:
+    while engine.global_steps < cfg.train.steps and not any_rank(stop.requested, ctx):
         for _ in range(cfg.batch.gradient_accumulation_steps):
             loss = engine(**next(batches))
             engine.backward(loss)
@@ -147,18 +167,24 @@ def run_loop(engine: angelptm.Engine, cfg: EngineConfig, ctx: DistContext, loade
         if step % cfg.train.log_interval == 0 or step == cfg.train.steps:
             last_loss = mean_over_ranks(loss_sum / loss_count, ctx)
             loss_sum, loss_count = 0.0, 0
-            log_metrics(step, last_loss, engine, meter, sink, ctx, cfg.train.steps)
+            log_metrics(step, last_loss, engine, meter, ctx, cfg.train.steps)
         if step % cfg.train.save_interval == 0 and step < cfg.train.steps:
-            engine.save_checkpoint(cfg.train.save_dir)
+            save(engine, cfg, ctx)
     progress.close()
-    engine.save_checkpoint(cfg.train.save_dir)
+    save(engine, cfg, ctx)
     if stop.requested:
         logger.warning("stopped at step %d; run the same command again to continue", engine.global_steps)
     return last_loss
 
 
-def log_metrics(step: int, loss: float, engine: angelptm.Engine, meter: ThroughputMeter,
-                sink: MetricsSink | None, ctx: DistContext, total_steps: int) -> None:
+def save(engine: angelptm.Engine, cfg: EngineConfig, ctx: DistContext) -> None:
+    engine.save_checkpoint(cfg.train.save_dir)
+    if ctx.is_main:
+        prune_checkpoints(cfg.train.save_dir, cfg.train.keep_last)
+
+
+def log_metrics(step: int, loss: float, engine: angelptm.Engine, meter: ThroughputMeter, ctx: DistContext,
+                total_steps: int) -> None:
     rates = meter.lap()
     memory = memory_snapshot(ctx.device)
     if not ctx.is_main:
@@ -167,9 +193,8 @@ def log_metrics(step: int, loss: float, engine: angelptm.Engine, meter: Throughp
     tflops = rates.get("tflops", float("nan"))
     tqdm.write(f"step {step}/{total_steps} | loss {loss:.4f} | lr {lr:.3e} | {rates['tokens_per_s']:,.0f} tokens/s "
                f"| {tflops:.3f} TFLOPS | {format_memory(memory)}")
-    if sink is not None:
-        sink.write(step, {"loss": loss, "lr": lr, "grad_norm": engine.get_global_grad_norm(),
-                          "loss_scale": engine.loss_scale, **rates, **memory})
+    if engine.monitor is not None and engine.monitor.enabled:  # the engine writes loss and lr itself
+        engine.monitor.write(step, {"loss_all_ranks": loss, **rates, **memory})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ from angelptm.config.typed import EngineConfig
 from angelptm.data.loader import ResumableDataLoader
 from angelptm.distributed import DistContext
 from angelptm.mixed_precision import MixedPrecisionOptimizer
+from angelptm.monitor import MetricsSink
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ class Engine(nn.Module):
         self.skipped_steps = 0
         self._step_applied = False
         self._timings: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        self.monitor = MetricsSink(config.monitor.csv_dir, config.monitor.tensorboard_dir) if ctx.is_main else None
+        self._loss_sum: torch.Tensor | None = None  # this step's micro-batch losses, kept on the device
 
     # ----------------------------------------------------------------- DeepSpeed's accessors
     @property
@@ -133,6 +136,9 @@ class Engine(nn.Module):
         start = self._clock()
         scaled = loss.float() * (self.loss_scale / self.gradient_accumulation_steps())
         scaled.backward()
+        if self.monitor is not None and self.monitor.enabled:
+            detached = loss.detach().float()
+            self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         self._timings["backward"] += self._clock() - start
         return loss
 
@@ -157,8 +163,19 @@ class Engine(nn.Module):
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self._timings["step"] += self._clock() - start
+        if self.monitor is not None and self.monitor.enabled:
+            self._write_monitor()
         if self.global_steps % self.config.monitor.steps_per_print == 0 and self.ctx.is_main:
             self._print_progress()
+
+    def _write_monitor(self) -> None:
+        """DeepSpeed's per-step monitor scalars (rank 0; the loss is this rank's micro-batch mean)."""
+        metrics = {"lr": self.get_lr()[0] if self.get_lr() else None, "loss_scale": self.loss_scale,
+                   "grad_norm": self.get_global_grad_norm(), "samples": self.global_samples}
+        if self._loss_sum is not None:
+            metrics["loss"] = self._loss_sum.item() / self.gradient_accumulation_steps()
+            self._loss_sum = None
+        self.monitor.write(self.global_steps, metrics)
 
     def _clock(self) -> float:
         if self.config.monitor.wall_clock_breakdown and self.device.type == "cuda":

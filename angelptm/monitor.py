@@ -92,7 +92,11 @@ class ThroughputMeter:
 
 
 class MetricsSink:
-    """Writes scalar metrics to a CSV file and/or TensorBoard, on rank 0 only.
+    """Writes scalar metrics to a CSV file and/or TensorBoard (create it on rank 0 only).
+
+    The CSV is in long form, one ``step,name,value`` row per scalar, so the engine (loss, lr, loss
+    scale, grad norm every step) and the training loop (throughput, memory at log intervals) can
+    share one file without agreeing on columns.
 
     Args:
         csv_dir: directory for ``metrics.csv`` (None = off).
@@ -101,10 +105,11 @@ class MetricsSink:
 
     def __init__(self, csv_dir: str | None, tensorboard_dir: str | None) -> None:
         self._csv_path = Path(csv_dir) / "metrics.csv" if csv_dir else None
-        self._columns: list[str] | None = None
         self._writer = None
         if self._csv_path is not None:
             self._csv_path.parent.mkdir(parents=True, exist_ok=True)
+            if not self._csv_path.exists():
+                self._csv_path.write_text("step,name,value\n")
         if tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -114,18 +119,17 @@ class MetricsSink:
                 ) from None
             self._writer = SummaryWriter(log_dir=tensorboard_dir)
 
+    @property
+    def enabled(self) -> bool:
+        return self._csv_path is not None or self._writer is not None
+
     def write(self, step: int, metrics: dict[str, Any]) -> None:
-        scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and v is not None}
+        """Record every int/float value in ``metrics`` (others, and None, are skipped)."""
+        scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._csv_path is not None:
-            if self._columns is None:
-                self._columns = ["step", *sorted(scalars)]
-                new_file = not self._csv_path.exists()
-                with open(self._csv_path, "a", newline="") as handle:
-                    if new_file:
-                        csv.writer(handle).writerow(self._columns)
             with open(self._csv_path, "a", newline="") as handle:
-                csv.writer(handle).writerow([step, *(scalars.get(c, "") for c in self._columns[1:])])
+                csv.writer(handle).writerows([step, name, value] for name, value in scalars.items())
         if self._writer is not None:
             for name, value in scalars.items():
-                self._writer.add_scalar(f"train/{name}", value, step)
+                self._writer.add_scalar(f"Train/{name}", value, step)
             self._writer.flush()

@@ -206,6 +206,3 @@ class EdgeConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
-
-    accepted_not_acted: dict[str, Any] = Field(default_factory=dict, exclude=True)
-    """Filled by the loader with the ACCEPTED_NOT_ACTED keys found in the JSON."""

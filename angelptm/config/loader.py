@@ -78,8 +78,6 @@ def _allowed_keys(schema: type) -> dict[str, Any]:
     if isinstance(schema, type) and issubclass(schema, pydantic.BaseModel):
         keys = {}
         for name, info in schema.model_fields.items():
-            if name == "accepted_not_acted":
-                continue
             keys[name] = info.annotation
             if info.alias:
                 keys[info.alias] = info.annotation

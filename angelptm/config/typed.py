@@ -155,11 +155,13 @@ class TrainConfig:
     """Save every this many optimizer steps (and at the end, and on interruption)."""
     log_interval: int = 10
     """Print a metrics line every this many optimizer steps."""
+    keep_last: int = 3
+    """Keep the newest this many step checkpoints in save_dir; older ones are deleted after each save."""
     resume: bool = True
     """Continue from ``save_dir``'s latest checkpoint when there is one."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "save_interval", "log_interval"):
+        for name in ("steps", "save_interval", "log_interval", "keep_last"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name}: must be >= 1, got {getattr(self, name)}")
 

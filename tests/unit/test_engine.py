@@ -168,3 +168,21 @@ def test_accumulation_boundary_follows_deepspeed():
         engine.step()
     assert boundaries == [False, False, True, False, False, True]
     assert engine.global_steps == 2 and engine.train_batch_size() == 12
+
+
+def test_csv_monitor_records_every_step(tmp_path):
+    config = ds_config(gradient_accumulation_steps=2,
+                       csv_monitor={"enabled": True, "output_path": str(tmp_path), "job_name": "run"})
+    batches = random_batches(4, 6, 4)
+    losses, engine = engine_loop(tiny_gpt(4), batches, config)
+    rows = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
+    assert rows[0] == "step,name,value"
+    logged = {}
+    for row in rows[1:]:
+        step, name, value = row.split(",")
+        logged[(int(step), name)] = float(value)
+    for step in (1, 2, 3):
+        expected = (losses[2 * step - 2] + losses[2 * step - 1]) / 2
+        assert logged[(step, "loss")] == pytest.approx(expected, rel=1e-6)
+        assert logged[(step, "lr")] == pytest.approx(3e-3)
+        assert logged[(step, "samples")] == 8 * step

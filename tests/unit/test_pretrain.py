@@ -63,3 +63,16 @@ def test_bad_config_is_a_message_not_a_traceback(tmp_path, config, message):
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_prune_keeps_the_newest_and_the_latest(tmp_path):
+    sys.path.insert(0, str(ROOT))
+    from pretrain import prune_checkpoints
+
+    for step in (1, 5, 10, 20, 100):
+        (tmp_path / f"global_step{step}").mkdir()
+    (tmp_path / "custom_tag").mkdir()
+    (tmp_path / "latest").write_text("global_step5")
+    prune_checkpoints(str(tmp_path), keep_last=2)
+    left = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+    assert left == ["custom_tag", "global_step100", "global_step20", "global_step5"]

@@ -1,0 +1,134 @@
+"""Step time of the non-ZeRO-Cache engine against plain PyTorch and DeepSpeed, same model, same run.
+
+    python bench/engine_step.py --sizes 125m 1.3b --modes torch angelptm deepspeed --steps 20
+
+Each (size, mode) runs in its own process so peak memory is its own. Model TFLOPS follow the
+benchmark protocol: (6N + 12 L H S) x tokens / step time, recompute not counted. Prints one JSON
+line per run and a table; ratios are against DeepSpeed measured in the same invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = {  # GPT-2-style shapes; vocab 50304, seq 1024 as in the protocol
+    "125m": dict(num_layers=12, hidden_size=768, num_heads=12),
+    "350m": dict(num_layers=24, hidden_size=1024, num_heads=16),
+    "1.3b": dict(num_layers=24, hidden_size=2048, num_heads=16),
+}
+
+
+def build(size: str, checkpointing: bool):
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from angelptm.models import ModelConfig, build_model
+
+    torch.manual_seed(0)
+    config = ModelConfig(flavour="gpt2", vocab_size=50304, max_seq_len=1024, dropout=0.0,
+                         activation_checkpointing=checkpointing, **SIZES[size])
+    return build_model(config)
+
+
+def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool) -> dict:
+    """Train ``steps`` steps in this process and return timings."""
+    import torch
+
+    model = build(size, checkpointing)
+    num_params = model.num_params()
+    flops_per_token = model.flops_per_token(1024)
+    ds_config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
+                 "bf16": {"enabled": True}, "steps_per_print": 10**9}
+    if mode == "torch":  # bf16 weights stepped directly: the protocol's "no fp32 master" anchor
+        model = model.cuda().bfloat16()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+        def step(batch):
+            loss = model(**batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss
+    elif mode == "angelptm":
+        import angelptm
+
+        engine, *_ = angelptm.initialize(model=model, config={**ds_config, "optimizer": {
+            "type": "AdamW", "params": {"lr": 1e-4}}})
+
+        def step(batch):
+            loss = engine(**batch)
+            engine.backward(loss)
+            engine.step()
+            return loss
+    else:
+        import deepspeed
+
+        model = model.cuda()
+        client = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=client,
+                                          config={**ds_config, "zero_optimization": {"stage": 1}})
+
+        def step(batch):
+            loss = engine(**batch)
+            engine.backward(loss)
+            engine.step()
+            return loss
+
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    times, losses = [], []
+    for index in range(steps):
+        ids = torch.randint(0, 50304, (micro, 1025), device="cuda", generator=generator)
+        batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        losses.append(step(batch).item())  # .item() syncs
+        times.append(time.perf_counter() - start)
+    step_s = statistics.median(times[3:])
+    tokens = micro * 1024
+    return {"size": size, "mode": mode, "params": num_params, "step_s": step_s, "tokens_per_s": tokens / step_s,
+            "tflops": tokens * flops_per_token / step_s / 1e12,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "first_loss": losses[0], "last_loss": losses[-1]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", nargs="+", default=["125m", "1.3b"], choices=list(SIZES))
+    parser.add_argument("--modes", nargs="+", default=["torch", "angelptm", "deepspeed"])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--micro", type=int, default=8)
+    parser.add_argument("--no-checkpointing", action="store_true")
+    parser.add_argument("--child", nargs=2, metavar=("SIZE", "MODE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(run_one(*args.child, args.steps, args.micro, not args.no_checkpointing)))
+        return
+    results = []
+    for size in args.sizes:
+        for mode in args.modes:
+            command = [sys.executable, __file__, "--child", size, mode, "--steps", str(args.steps),
+                       "--micro", str(args.micro)] + (["--no-checkpointing"] if args.no_checkpointing else [])
+            proc = subprocess.run(command, capture_output=True, text=True)
+            lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+            if proc.returncode or not lines:
+                print(f"{size} {mode}: failed\n{proc.stderr[-2000:]}", flush=True)
+                continue
+            result = json.loads(lines[-1].removeprefix("RESULT "))
+            results.append(result)
+            print(json.dumps(result), flush=True)
+    print(f"\n| size | mode | params | step s | tokens/s | TFLOPS | vs DeepSpeed | peak GiB |\n|---|---|---|---|---|---|---|---|")
+    for r in results:
+        anchor = next((a for a in results if a["size"] == r["size"] and a["mode"] == "deepspeed"), None)
+        ratio = f"{anchor['step_s'] / r['step_s']:.2f}x" if anchor else "n/a"
+        print(f"| {r['size']} | {r['mode']} | {r['params'] / 1e6:.0f}M | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} "
+              f"| {r['tflops']:.0f} | {ratio} | {r['peak_gib']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
