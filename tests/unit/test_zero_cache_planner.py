@@ -1,0 +1,153 @@
+"""ZeRO-Cache's pure parts: chunk packing, chunk-size search, placement plan, Belady eviction."""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+
+import pytest
+
+from zero_cache.layout import ALIGN_NUMEL, pack, search_chunk_size
+from zero_cache.planner import DEVICE, HOST, PlanError, PlanInputs, belady_misses, first_use_order, make_plan
+
+
+def random_shapes(rng: random.Random, count: int) -> list[tuple[str, tuple[int, ...]]]:
+    shapes = []
+    for i in range(count):
+        shape = (rng.randint(1, 300),) if rng.random() < 0.3 else (rng.randint(1, 300), rng.randint(1, 300))
+        shapes.append((f"p{i}", shape))
+    return shapes
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_pack_places_every_tensor_inside_its_chunk_without_overlap(seed):
+    rng = random.Random(seed * 7919 + random.randrange(10**6))
+    shapes = random_shapes(rng, 40)
+    largest = max(math.prod(s) for _, s in shapes)
+    layout = pack(shapes, chunk_numel=largest + rng.randint(0, 3 * largest))
+    assert [s.name for s in layout.slots] == [n for n, _ in shapes]
+    for chunk in range(layout.num_chunks):
+        slots = layout.chunk_slots(chunk)
+        assert slots, "no empty chunks"
+        end = 0
+        for slot in slots:
+            assert slot.offset % ALIGN_NUMEL == 0 and slot.offset >= end
+            end = slot.offset + slot.numel
+        assert end <= layout.chunk_numel
+        if chunk + 1 < layout.num_chunks:  # next-fit: the next chunk's first tensor did not fit here
+            first_next = layout.chunk_slots(chunk + 1)[0]
+            aligned_end = -(-end // ALIGN_NUMEL) * ALIGN_NUMEL
+            assert aligned_end + first_next.numel > layout.chunk_numel
+
+
+def test_pack_rejects_a_tensor_larger_than_a_chunk():
+    with pytest.raises(ValueError, match="at least 1,024"):
+        pack([("a", (10,)), ("big", (1000,))], chunk_numel=512)
+
+
+def test_search_chunk_size_beats_the_smallest_candidate():
+    rng = random.Random(random.randrange(10**6))
+    shapes = random_shapes(rng, 200)
+    size = search_chunk_size(shapes)
+    largest = max(-(-math.prod(s) // ALIGN_NUMEL) * ALIGN_NUMEL for _, s in shapes)
+    assert size % ALIGN_NUMEL == 0 and size >= largest
+    assert pack(shapes, size).waste_fraction <= pack(shapes, largest).waste_fraction
+
+
+def test_search_chunk_size_on_gpt_shapes_wastes_little():
+    hidden, vocab, layers = 256, 4096, 6
+    shapes = [("emb", (vocab, hidden))]
+    for i in range(layers):
+        shapes += [(f"{i}.ln1", (hidden,)), (f"{i}.qkv", (3 * hidden, hidden)), (f"{i}.proj", (hidden, hidden)),
+                   (f"{i}.ln2", (hidden,)), (f"{i}.fc", (4 * hidden, hidden)), (f"{i}.out", (hidden, 4 * hidden))]
+    layout = pack(shapes, search_chunk_size(shapes))
+    assert layout.waste_fraction < 0.1
+    assert layout.num_chunks >= 4
+
+
+def optimal_misses(trace: tuple[int, ...], capacity: int) -> int:
+    """Exhaustive search over every eviction choice (the reference Belady must match)."""
+
+    @functools.lru_cache(maxsize=None)
+    def best(position: int, cached: frozenset) -> int:
+        if position == len(trace):
+            return 0
+        chunk = trace[position]
+        if chunk in cached:
+            return best(position + 1, cached)
+        if len(cached) < capacity:
+            return 1 + best(position + 1, cached | {chunk})
+        return 1 + min(best(position + 1, (cached - {victim}) | {chunk}) for victim in cached)
+
+    return best(0, frozenset())
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_belady_matches_the_exhaustive_optimum(seed):
+    rng = random.Random(seed + 1000 * random.randrange(1000))
+    chunks = rng.randint(2, 5)
+    trace = tuple(rng.randrange(chunks) for _ in range(rng.randint(4, 12)))
+    capacity = rng.randint(1, chunks)
+    misses, events = belady_misses(trace, capacity)
+    assert misses == optimal_misses(trace, capacity)
+    assert misses >= len(set(trace))  # every chunk is fetched at least once
+
+
+def test_belady_evicts_the_furthest_next_use():
+    # forward 0 1 2, backward 2 1 0 with room for 2: fetching 2 must evict 0 (used last), not 1.
+    _, events = belady_misses((0, 1, 2, 2, 1, 0), capacity=2)
+    assert events[2] == (2, 0)
+
+
+def inputs(**overrides) -> PlanInputs:
+    values = dict(num_chunks=10, chunk_numel=1000, param_bytes_per_element=2, device_budget_bytes=10**6,
+                  host_budget_bytes=10**6, trace=tuple(range(10)) + tuple(reversed(range(10))),
+                  nonmodel_peak_bytes=0, prefetch_depth=2, margin_fraction=0.0)
+    values.update(overrides)
+    return PlanInputs(**values)
+
+
+def test_everything_on_the_device_when_it_fits():
+    plan = make_plan(inputs(device_budget_bytes=10 * 18_000))
+    assert plan.params_resident and plan.optimizer_tier == (DEVICE,) * 10
+    assert plan.host_bytes == 0 and plan.device_bytes == 180_000
+
+
+@pytest.mark.parametrize("extra_chunks", [0, 1, 3, 7])
+def test_device_takes_resident_params_then_optimizer_groups_of_the_last_chunks(extra_chunks):
+    budget = 20_000 + extra_chunks * 16_000 + 15_999  # params, then whole optimizer groups only
+    plan = make_plan(inputs(device_budget_bytes=budget, nonmodel_peak_bytes=0))
+    assert plan.params_resident
+    assert plan.optimizer_tier.count(DEVICE) == extra_chunks
+    assert all(t == DEVICE for t in plan.optimizer_tier[10 - extra_chunks:])  # backward finishes these first
+    assert plan.host_bytes == (10 - extra_chunks) * 16_000
+
+
+def test_nonmodel_peak_and_margin_reduce_device_room():
+    roomy = make_plan(inputs(device_budget_bytes=100_000))
+    tight = make_plan(inputs(device_budget_bytes=100_000, nonmodel_peak_bytes=30_000, margin_fraction=0.1))
+    assert roomy.optimizer_tier.count(DEVICE) == 5
+    assert tight.optimizer_tier.count(DEVICE) == (90_000 - 30_000 - 20_000) // 16_000
+
+
+def test_params_cached_when_they_do_not_all_fit():
+    plan = make_plan(inputs(device_budget_bytes=9_000))
+    assert not plan.params_resident and plan.cache_slots == 4
+    assert plan.optimizer_tier == (HOST,) * 10
+    assert plan.host_bytes == 10 * 16_000 + 10 * 2_000
+
+
+def test_device_shortfall_is_explained():
+    with pytest.raises(PlanError, match=r"device tier needs .*short by"):
+        make_plan(inputs(device_budget_bytes=5_000, nonmodel_peak_bytes=1_000))
+
+
+def test_host_shortfall_is_explained():
+    with pytest.raises(PlanError, match=r"host tier needs 156\.25 KiB .*short by") as info:
+        make_plan(inputs(device_budget_bytes=20_000, host_budget_bytes=50_000))
+    assert "zero_cache.host_memory_budget" in str(info.value)
+
+
+def test_first_use_order_follows_the_trace():
+    assert first_use_order((3, 1, 3, 0), 5) == (3, 1, 0, 2, 4)

@@ -1,0 +1,128 @@
+"""Packing parameters into fixed-size chunks, and searching the chunk size (pure functions).
+
+Parameters are laid out in model order, each whole inside one chunk (as in PatrickStar), at
+offsets aligned to ``ALIGN_NUMEL`` elements so fused kernels get aligned views. A chunk is the
+unit of placement and movement: every state of a chunk (low-precision param, fp32 master,
+exp_avg, exp_avg_sq, grad) lives in exactly one tier at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+ALIGN_NUMEL = 64
+"""Tensor offsets inside a chunk are multiples of this (128 bytes in bf16, 256 in fp32)."""
+
+
+def _align(numel: int) -> int:
+    return -(-numel // ALIGN_NUMEL) * ALIGN_NUMEL
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSlot:
+    """Where one parameter lives inside the chunk space."""
+
+    name: str
+    """Qualified parameter name."""
+    shape: tuple[int, ...]
+    """Parameter shape."""
+    chunk: int
+    """Index of the chunk holding it."""
+    offset: int
+    """First element inside the chunk."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkLayout:
+    """Parameters packed into ``num_chunks`` chunks of ``chunk_numel`` elements each."""
+
+    chunk_numel: int
+    """Elements per chunk (every chunk has the same capacity)."""
+    slots: tuple[TensorSlot, ...]
+    """One slot per parameter, in model order."""
+    num_chunks: int
+    """Chunks in use."""
+
+    def chunk_slots(self, chunk: int) -> list[TensorSlot]:
+        """The parameters of one chunk, in order."""
+        return [slot for slot in self.slots if slot.chunk == chunk]
+
+    @property
+    def used_numel(self) -> int:
+        """Parameter elements (without padding)."""
+        return sum(slot.numel for slot in self.slots)
+
+    @property
+    def waste_fraction(self) -> float:
+        """Share of chunk capacity holding no parameter (alignment and tail padding)."""
+        capacity = self.num_chunks * self.chunk_numel
+        return 1.0 - self.used_numel / capacity if capacity else 0.0
+
+
+def pack(tensors: Sequence[tuple[str, tuple[int, ...]]], chunk_numel: int) -> ChunkLayout:
+    """Lay tensors out in order, starting a new chunk whenever the next one does not fit.
+
+    Args:
+        tensors: (name, shape) in model order.
+        chunk_numel: capacity of each chunk in elements.
+
+    Returns:
+        The layout.
+
+    Raises:
+        ValueError: a tensor is larger than a chunk (name, size and the minimum chunk size).
+    """
+    slots: list[TensorSlot] = []
+    chunk, used = 0, 0
+    for name, shape in tensors:
+        numel = math.prod(shape)
+        if numel > chunk_numel:
+            raise ValueError(f"parameter {name} has {numel:,} elements, more than chunk_size={chunk_numel:,}; "
+                             f"set zero_cache.chunk_size to at least {_align(numel):,} or to 'auto'")
+        if used + numel > chunk_numel:
+            chunk, used = chunk + 1, 0
+        slots.append(TensorSlot(name=name, shape=tuple(shape), chunk=chunk, offset=used))
+        used += _align(numel)
+    return ChunkLayout(chunk_numel=chunk_numel, slots=tuple(slots), num_chunks=chunk + 1 if slots else 0)
+
+
+def search_chunk_size(tensors: Sequence[tuple[str, tuple[int, ...]]], *, min_chunks: int = 8,
+                      candidates_per_octave: int = 16) -> int:
+    """The chunk size with the least padding, among sizes from the largest tensor upwards.
+
+    Larger chunks mean fewer, bigger transfers; smaller ones a finer placement. Candidates run
+    from the largest tensor up to the size that gives about ``min_chunks`` chunks (or 1.25x the
+    largest tensor, whichever is larger), and the one with the least padding wins, ties going to
+    the smaller size. PatrickStar searches a range the same way.
+
+    Args:
+        tensors: (name, shape) in model order.
+        min_chunks: do not consider sizes so large that fewer chunks than this result.
+        candidates_per_octave: geometric resolution of the search.
+
+    Returns:
+        A chunk size in elements, a multiple of ``ALIGN_NUMEL``.
+    """
+    if not tensors:
+        raise ValueError("the model has no trainable parameters to place in chunks")
+    largest = max(_align(math.prod(shape)) for _, shape in tensors)
+    total = sum(_align(math.prod(shape)) for _, shape in tensors)
+    # Granularity first: at least min_chunks chunks where the largest tensor allows, and never more
+    # than a quarter above the largest tensor when it does not.
+    upper = max(largest * 5 // 4, total // min_chunks)
+    best_size, best_waste = largest, math.inf
+    step = 2 ** (1 / candidates_per_octave)
+    size = float(largest)
+    while size <= upper:
+        candidate = _align(int(size))
+        waste = pack(tensors, candidate).waste_fraction
+        if waste < best_waste - 1e-12:
+            best_size, best_waste = candidate, waste
+        size *= step
+    return best_size

@@ -1,0 +1,182 @@
+"""From a warm-up trace and tier budgets to a placement plan (pure functions, no tensors).
+
+Per chunk there are two groups of state:
+
+* the **param** chunk in the compute dtype, read by forward and backward;
+* the **optimizer group**: fp32 master, exp_avg, exp_avg_sq and the fp32 gradient accumulator,
+  read and written once per step by the optimizer.
+
+The plan decides, in this order of value per device byte:
+
+1. device room left after the measured non-model peak (activations, workspace) and a margin;
+2. param chunks resident on the device for the whole run when they all fit (no traffic at all);
+   otherwise a cache of ``cache_slots`` param chunks, filled along the trace with prefetch and
+   emptied by Belady's rule (evict the chunk whose next use is furthest away: optimal for
+   equal-size pages, Belady 1966);
+3. as many optimizer groups on the device as fit (updated by the GPU Adam, no traffic);
+4. everything else on the host, within its budget.
+
+If something does not fit, :func:`make_plan` raises :class:`PlanError` with the shortfall per
+tier and what to change, before a single byte is allocated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from zero_cache.units import format_bytes
+
+DEVICE, HOST = "device", "host"
+OPTIMIZER_BYTES_PER_ELEMENT = 16
+"""fp32 master + exp_avg + exp_avg_sq + fp32 gradient accumulator."""
+
+
+class PlanError(ValueError):
+    """The model states do not fit in the tiers; the message gives the shortfall per tier."""
+
+
+@dataclass(frozen=True, slots=True)
+class PlanInputs:
+    """What the planner knows about one run."""
+
+    num_chunks: int
+    """Chunks in the layout."""
+    chunk_numel: int
+    """Elements per chunk."""
+    param_bytes_per_element: int
+    """2 for bf16/fp16 compute, 4 for fp32."""
+    device_budget_bytes: int
+    """Device bytes ZeRO-Cache may use, activations included."""
+    host_budget_bytes: int
+    """Host bytes ZeRO-Cache may use (pinned)."""
+    trace: tuple[int, ...] = ()
+    """Chunk accesses of one iteration in order (forward, then backward); empty before warm-up."""
+    nonmodel_peak_bytes: int = 0
+    """Peak device bytes not owned by ZeRO-Cache (activations, workspace), from the warm-up."""
+    prefetch_depth: int = 2
+    """Chunks fetched ahead of use when params are cached rather than resident."""
+    margin_fraction: float = 0.05
+    """Device budget kept free for allocator fragmentation and transients."""
+
+    @property
+    def param_chunk_bytes(self) -> int:
+        return self.chunk_numel * self.param_bytes_per_element
+
+    @property
+    def optimizer_chunk_bytes(self) -> int:
+        return self.chunk_numel * OPTIMIZER_BYTES_PER_ELEMENT
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Where each chunk's states live, and how params move."""
+
+    params_resident: bool
+    """All param chunks stay on the device; no param traffic."""
+    cache_slots: int
+    """Param chunks the device holds at once when not resident."""
+    optimizer_tier: tuple[str, ...]
+    """DEVICE or HOST for each chunk's optimizer group."""
+    device_bytes: int
+    """Model-state bytes planned on the device."""
+    host_bytes: int
+    """Model-state bytes planned on the host."""
+    prefetch_order: tuple[int, ...] = field(default=())
+    """Chunks in first-use order along the trace (what to fetch next)."""
+
+    def summary(self) -> str:
+        on_device = self.optimizer_tier.count(DEVICE)
+        params = "resident on the device" if self.params_resident else f"cached in {self.cache_slots} device slots"
+        return (f"params {params}; optimizer states of {on_device}/{len(self.optimizer_tier)} chunks on the device; "
+                f"device {format_bytes(self.device_bytes)}, host {format_bytes(self.host_bytes)}")
+
+
+def first_use_order(trace: Sequence[int], num_chunks: int) -> tuple[int, ...]:
+    """Chunks by first appearance in the trace, then any never traced, in index order."""
+    seen: dict[int, None] = dict.fromkeys(trace)
+    return tuple(seen) + tuple(c for c in range(num_chunks) if c not in seen)
+
+
+def make_plan(inputs: PlanInputs) -> Plan:
+    """Decide placement; raise PlanError with the shortfall when it cannot fit.
+
+    Returns:
+        The plan, maximising device residency in the order described in the module docstring.
+    """
+    n = inputs.num_chunks
+    room = int(inputs.device_budget_bytes * (1 - inputs.margin_fraction)) - inputs.nonmodel_peak_bytes
+    all_params = n * inputs.param_chunk_bytes
+    min_slots = min(n, inputs.prefetch_depth + 2)  # in use + being fetched + one spare
+    if room >= all_params:
+        params_resident, cache_slots, param_device = True, n, all_params
+    elif room >= min_slots * inputs.param_chunk_bytes:
+        cache_slots = room // inputs.param_chunk_bytes
+        # Leave room for optimizer groups only once params are resident; a param cache takes it all.
+        params_resident, param_device = False, cache_slots * inputs.param_chunk_bytes
+    else:
+        need = min_slots * inputs.param_chunk_bytes + inputs.nonmodel_peak_bytes
+        raise PlanError(_shortfall_message("device", need, inputs.device_budget_bytes, inputs, detail=(
+            f"it needs room for {min_slots} param chunks of {format_bytes(inputs.param_chunk_bytes)} besides "
+            f"{format_bytes(inputs.nonmodel_peak_bytes)} of activations")))
+    device_optim = max(0, room - param_device) // inputs.optimizer_chunk_bytes if params_resident else 0
+    device_optim = min(n, device_optim)
+    # Optimizer groups go to the device for the chunks whose gradients are ready first in backward
+    # (the last chunks of the forward order), so the GPU Adam can start while backward still runs.
+    order = first_use_order(inputs.trace, n)
+    on_device = set(order[n - device_optim:]) if device_optim else set()
+    tiers = tuple(DEVICE if c in on_device else HOST for c in range(n))
+    host_bytes = (n - device_optim) * inputs.optimizer_chunk_bytes + (0 if params_resident else all_params)
+    if host_bytes > inputs.host_budget_bytes:
+        raise PlanError(_shortfall_message("host", host_bytes, inputs.host_budget_bytes, inputs, detail=(
+            f"{n - device_optim} chunks' optimizer states ({OPTIMIZER_BYTES_PER_ELEMENT} B/element)"
+            + ("" if params_resident else " and every param chunk's home copy") + " live there")))
+    device_bytes = param_device + device_optim * inputs.optimizer_chunk_bytes
+    return Plan(params_resident=params_resident, cache_slots=cache_slots, optimizer_tier=tiers,
+                device_bytes=device_bytes, host_bytes=host_bytes, prefetch_order=order)
+
+
+def _shortfall_message(tier: str, need: int, have: int, inputs: PlanInputs, detail: str) -> str:
+    total = inputs.num_chunks * (inputs.param_chunk_bytes + inputs.optimizer_chunk_bytes)
+    return (f"model states do not fit: the {tier} tier needs {format_bytes(need)} but its budget is "
+            f"{format_bytes(have)} (short by {format_bytes(need - have)}); {detail}. All model states together "
+            f"take {format_bytes(total)}. Raise zero_cache.{tier}_memory_budget, add an NVMe tier "
+            f"(zero_cache.nvme_path), shrink the micro-batch or enable activation checkpointing, or use more GPUs.")
+
+
+def belady_misses(trace: Sequence[int], capacity: int) -> tuple[int, list[tuple[int, int | None]]]:
+    """Simulate a cache of ``capacity`` equal-size chunks under Belady's rule.
+
+    Args:
+        trace: chunk accesses in order.
+        capacity: chunks that fit at once (>= 1).
+
+    Returns:
+        (number of misses, list of (fetched chunk, evicted chunk or None) per miss).
+    """
+    if capacity < 1:
+        raise ValueError("capacity must be at least one chunk")
+    next_use = _next_use_table(trace)
+    cached: dict[int, int] = {}  # chunk -> index of its next use
+    events: list[tuple[int, int | None]] = []
+    for i, chunk in enumerate(trace):
+        if chunk in cached:
+            cached[chunk] = next_use[i]
+            continue
+        victim = None
+        if len(cached) >= capacity:
+            victim = max(cached, key=lambda c: cached[c])  # furthest next use (never used = infinity)
+            del cached[victim]
+        cached[chunk] = next_use[i]
+        events.append((chunk, victim))
+    return len(events), events
+
+
+def _next_use_table(trace: Sequence[int]) -> list[int]:
+    """For each position, the position of the same chunk's next access (len(trace) + 1 if none)."""
+    never = len(trace) + 1
+    table, last = [never] * len(trace), {}
+    for i in range(len(trace) - 1, -1, -1):
+        table[i] = last.get(trace[i], never)
+        last[trace[i]] = i
+    return table
