@@ -59,7 +59,8 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     ctx = init_distributed(dist_init_required=dist_init_required)
     cfg = load_config(config, world_size=ctx.world_size)
     _report_ignored(cfg, ctx)
-    _seed_everything(cfg.seed)
+    if cfg.seed is not None:
+        _seed_everything(cfg.seed)
     dtype = cfg.precision.dtype
     model.to(device=ctx.device, dtype=dtype)
     _broadcast_module(model, ctx)
@@ -68,7 +69,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     loader = None
     if training_data is not None:
         loader = ResumableDataLoader(training_data, cfg.batch.micro_batch_size, rank=ctx.rank,
-                                     world_size=ctx.world_size, shuffle=cfg.data.shuffle, seed=cfg.seed,
+                                     world_size=ctx.world_size, shuffle=cfg.data.shuffle, seed=cfg.seed or 0,
                                      num_workers=cfg.data.num_workers, collate_fn=collate_fn,
                                      pin_memory=ctx.device.type == "cuda")
     engine = Engine(model, cfg, ctx, wrapped, scheduler, loader)

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+import torch.distributed  # noqa: F401  (all_reduce of the save outcome)
 
 from angelptm.distributed import DistContext
 from angelptm.errors import CheckpointError
@@ -102,12 +103,20 @@ def save(save_dir: str | os.PathLike, tag: str, ctx: DistContext, *, shared: dic
         _remove_leftovers(root)
         tmp.mkdir()
     ctx.barrier()
-    if ctx.is_main:
-        files = shared() if callable(shared) else shared
-        for name, obj in files.items():
-            write_file_durably(obj, tmp / name)
-    write_file_durably(per_rank, tmp / rank_file(ctx.rank))
-    ctx.barrier()
+    error: BaseException | None = None
+    try:
+        if ctx.is_main:
+            files = shared() if callable(shared) else shared
+            for name, obj in files.items():
+                write_file_durably(obj, tmp / name)
+        write_file_durably(per_rank, tmp / rank_file(ctx.rank))
+    except Exception as err:  # every rank must learn of it, or the others wait at the next barrier
+        error = err
+    if not _all_ranks_ok(ctx, error is None):
+        if error is not None:
+            raise error
+        raise CheckpointError(f"another rank failed while writing checkpoint {final}; the previous checkpoint "
+                              "is untouched")
     if ctx.is_main:
         _fsync_dir(tmp)
         if final.exists():
@@ -121,6 +130,15 @@ def save(save_dir: str | os.PathLike, tag: str, ctx: DistContext, *, shared: dic
         logger.info("saved checkpoint %s", final)
     ctx.barrier()
     return final
+
+
+def _all_ranks_ok(ctx: DistContext, ok: bool) -> bool:
+    """All-reduce a success flag (doubles as the barrier before the rename)."""
+    if ctx.group is None:
+        return ok
+    flag = torch.tensor([int(ok)], device=ctx.device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=ctx.group)
+    return bool(flag.item())
 
 
 def resolve(load_dir: str | os.PathLike, tag: str | None) -> Path | None:

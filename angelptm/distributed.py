@@ -84,6 +84,9 @@ def init_distributed(*, dist_init_required: bool | None = None, timeout_s: float
                                 timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if use_cuda else None)
         logger.info("joined process group: backend %s, rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
+    if world_size > 1 and not dist.is_initialized():
+        raise ConfigError(f"the launcher started {world_size} ranks (WORLD_SIZE={world_size}) but dist_init_required="
+                          "False and no process group exists; initialise torch.distributed first or drop the argument")
     if dist.is_initialized():
         return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                            device=device, group=dist.group.WORLD)

@@ -26,15 +26,17 @@ from angelptm.monitor import MetricsSink
 logger = logging.getLogger(__name__)
 
 
-def _cast_floats(value: Any, dtype: torch.dtype, device: torch.device) -> Any:
-    """Move tensors to the device and floating ones to the compute dtype (ids and masks keep theirs)."""
+def _to_device(value: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
+    """Move tensors (inside tuples, namedtuples, lists and dicts) to the device; cast floating ones if asked."""
     if isinstance(value, torch.Tensor):
         value = value.to(device, non_blocking=True)
-        return value.to(dtype) if value.is_floating_point() else value
+        return value.to(dtype) if dtype is not None and value.is_floating_point() else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(_to_device(v, device, dtype) for v in value))
     if isinstance(value, (list, tuple)):
-        return type(value)(_cast_floats(v, dtype, device) for v in value)
+        return type(value)(_to_device(v, device, dtype) for v in value)
     if isinstance(value, dict):
-        return {k: _cast_floats(v, dtype, device) for k, v in value.items()}
+        return {k: _to_device(v, device, dtype) for k, v in value.items()}
     return value
 
 
@@ -111,54 +113,92 @@ class Engine(nn.Module):
         scaler = self.optimizer.loss_scaler if self.optimizer else None
         return scaler.scale if scaler else 1.0
 
+    @property
+    def global_rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.ctx.world_size
+
+    def fp16_enabled(self) -> bool:
+        return self.compute_dtype == torch.float16
+
+    def bfloat16_enabled(self) -> bool:
+        return self.compute_dtype == torch.bfloat16
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def get_mom(self) -> list:
+        """Adam's betas per param group (DeepSpeed's name)."""
+        return [group.get("betas") for group in self.optimizer.param_groups] if self.optimizer else []
+
     def get_global_grad_norm(self) -> float | None:
         """Global gradient norm (before clipping) of the last applied step."""
         return self.optimizer.last_grad_norm if self.optimizer else None
 
     # ----------------------------------------------------------------- forward / backward / step
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module; tensors move to the device and floating inputs to the compute dtype."""
+        """Run the module; tensors move to the device (floating ones to the compute dtype with fp16.auto_cast)."""
         start = self._clock()
-        args = _cast_floats(args, self.compute_dtype, self.device)
-        kwargs = _cast_floats(kwargs, self.compute_dtype, self.device)
+        cast = self.compute_dtype if self.config.precision.cast_inputs else None
+        args = _to_device(args, self.device, cast)
+        kwargs = _to_device(kwargs, self.device, cast)
         output = self.module(*args, **kwargs)
         self._timings["forward"] += self._clock() - start
         return output
 
-    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate ``loss / gradient_accumulation_steps`` (times the fp16 loss scale).
 
         Gradients accumulate in fp32 inside the optimizer until the boundary ``step()``.
+
+        Returns:
+            The loss divided by the accumulation steps (with ``scale_wrt_gas``), as DeepSpeed does.
         """
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}"
                              f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
         start = self._clock()
-        scaled = loss.float() * (self.loss_scale / self.gradient_accumulation_steps())
-        scaled.backward()
+        if scale_wrt_gas:
+            loss = loss / self.gradient_accumulation_steps()
+        scaled = loss.float() * self.loss_scale
+        scaled.backward(retain_graph=retain_graph)
         if self.monitor is not None and self.monitor.enabled:
-            detached = loss.detach().float()
+            detached = loss.detach().float() * (self.gradient_accumulation_steps() if scale_wrt_gas else 1)
             self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         self._timings["backward"] += self._clock() - start
         return loss
 
-    def step(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients accumulated so far (they live in the optimizer's fp32 buffers)."""
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+        self.module.zero_grad(set_to_none=set_to_none)
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
         """End a micro-step; at an accumulation boundary, update the weights and the schedule."""
         if self.optimizer is None:
             raise RuntimeError("engine.step() needs an optimizer: add an \"optimizer\" section to the config "
                                "or pass optimizer= to angelptm.initialize")
+        self._step_applied = False
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
             return
         start = self._clock()
+        scale_before = self.loss_scale
         self._step_applied = self.optimizer.step()
         if self._step_applied:
             if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+                self.lr_scheduler.step(**(lr_kwargs or {}))
         else:
             self.skipped_steps += 1
-            logger.warning("fp16 gradient overflow at step %d: step skipped, loss scale lowered to %g",
-                           self.global_steps + 1, self.loss_scale)
+            if self.ctx.is_main:
+                change = (f"loss scale lowered to {self.loss_scale:g}" if self.loss_scale != scale_before
+                          else f"loss scale kept at {self.loss_scale:g} (hysteresis)")
+                logger.warning("non-finite gradients (overflow) at step %d: step skipped, %s",
+                               self.global_steps + 1, change)
         self.micro_steps += 1
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
@@ -206,17 +246,28 @@ class Engine(nn.Module):
         return checkpoint.consolidate(self.module.state_dict(), self._named_master_weights(), self._param_aliases())
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
-                        save_latest: bool = True) -> Path:
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> Path:
         """Save model, optimizer, scheduler, loss scaler, RNG and data position atomically.
+
+        Saving between accumulation boundaries drops the partial gradient sum (as DeepSpeed does);
+        that is logged, since the resumed step then sums fewer micro-batches.
 
         Returns:
             The checkpoint directory ``save_dir/tag``.
         """
         tag = tag or f"global_step{self.global_steps}"
+        if self.micro_steps % self.gradient_accumulation_steps() and self.ctx.is_main:
+            logger.warning("saving in the middle of gradient accumulation (micro-step %d of %d): the partial "
+                           "gradients are not saved", self.micro_steps % self.gradient_accumulation_steps(),
+                           self.gradient_accumulation_steps())
 
         def shared() -> dict[str, Any]:
+            module_state = self.module.state_dict()
+            if exclude_frozen_parameters:
+                frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
+                module_state = {k: v for k, v in module_state.items() if k not in frozen}
             model_states = {
-                "format_version": checkpoint.FORMAT_VERSION, "module": self.module.state_dict(),
+                "format_version": checkpoint.FORMAT_VERSION, "module": module_state,
                 "param_aliases": self._param_aliases(), "global_steps": self.global_steps,
                 "global_samples": self.global_samples, "micro_steps": self.micro_steps,
                 "skipped_steps": self.skipped_steps, "world_size": self.world_size,
@@ -234,8 +285,9 @@ class Engine(nn.Module):
                     "data": self.training_dataloader.state_dict() if self.training_dataloader else None}
         return checkpoint.save(save_dir, tag, self.ctx, shared=shared, per_rank=per_rank, save_latest=save_latest)
 
-    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None
                         ) -> tuple[str | None, dict | None]:
         """Restore a checkpoint written by :meth:`save_checkpoint`.
 
@@ -246,8 +298,10 @@ class Engine(nn.Module):
         if path is None:
             logger.warning("no checkpoint to load in %s (no 'latest' file)", load_dir)
             return None, None
+        if custom_load_fn is not None:
+            raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported")
         model_states = checkpoint.load_file(path / checkpoint.MODEL_FILE)
-        self.module.load_state_dict(model_states["module"])
+        self.module.load_state_dict(model_states["module"], strict=load_module_strict)
         optim_states = None
         if self.optimizer is not None and (path / checkpoint.OPTIM_FILE).is_file():
             optim_states = checkpoint.load_file(path / checkpoint.OPTIM_FILE)
@@ -268,9 +322,12 @@ class Engine(nn.Module):
     def _restore_rank_state(self, path: Path, saved_world_size: int) -> None:
         rank_path = path / checkpoint.rank_file(self.ctx.rank)
         if saved_world_size != self.world_size or not rank_path.is_file():
-            # A different world size gets a different data split; RNG streams cannot carry over.
-            logger.warning("checkpoint was saved with %d ranks, now %d: RNG and data position start fresh",
-                           saved_world_size, self.world_size)
+            # Per-rank RNG streams cannot carry over to another world size; the data position can,
+            # as a count of samples consumed by all ranks together.
+            logger.warning("checkpoint was saved with %d ranks, now %d: RNG streams start fresh, data resumes "
+                           "after %d samples", saved_world_size, self.world_size, self.global_samples)
+            if self.training_dataloader is not None:
+                self.training_dataloader.seek(self.global_samples)
             return
         per_rank = checkpoint.load_file(rank_path)
         checkpoint.restore_rng_state(per_rank["rng"])

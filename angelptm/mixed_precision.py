@@ -56,7 +56,12 @@ class MixedPrecisionOptimizer:
         self.names: list[str] = []
         for param_group in optimizer.param_groups:
             masters = []
+            frozen = [p for p in param_group["params"] if not p.requires_grad]
+            if frozen:  # DeepSpeed accepts them too; they simply never change
+                logger.info("%d frozen parameters in the optimizer's groups are left out of the update", len(frozen))
             for param in param_group["params"]:
+                if not param.requires_grad:
+                    continue
                 if id(param) not in names:
                     raise ValueError("the optimizer holds a tensor that is not a parameter of the model")
                 master = param if param.dtype == torch.float32 else param.detach().float().clone()
@@ -112,8 +117,10 @@ class MixedPrecisionOptimizer:
         if scale != 1.0:
             self.flat_grad.mul_(1.0 / scale)
         # One norm over the flat buffer also detects inf/nan: any non-finite element makes it non-finite.
+        # A non-finite gradient skips the step in every precision (fp16 overflow, or a bf16/fp32 NaN
+        # that would otherwise silently turn every weight into NaN).
         grad_norm = torch.linalg.vector_norm(self.flat_grad).item()
-        self.overflow = self.loss_scaler is not None and not math.isfinite(grad_norm)
+        self.overflow = not math.isfinite(grad_norm)
         if self.loss_scaler is not None:
             self.loss_scaler.update(self.overflow)
         if self.overflow:

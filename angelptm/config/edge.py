@@ -197,7 +197,8 @@ class EdgeConfig(Section):
     tensorboard: MonitorSection = Field(default_factory=MonitorSection)
     csv_monitor: MonitorSection = Field(default_factory=MonitorSection)
     wandb: WandbSection = Field(default_factory=WandbSection)
-    seed: int = 1234
+    seed: int | None = None
+    """Seeds python, numpy and torch at initialize() when set; otherwise the caller's RNG state is kept."""
 
     # Our own sections: validated by the dataclasses their packages own.
     zero_cache: ZeroCacheConfig = Field(default_factory=ZeroCacheConfig)

@@ -60,7 +60,10 @@ def _read(config: str | os.PathLike | dict | None) -> dict:
     if config is None:
         raise ConfigError("no config given: pass config=PATH_OR_DICT (a DeepSpeed JSON config)")
     if isinstance(config, dict):
-        return json.loads(json.dumps(config))  # deep copy, and proves it is JSON-shaped
+        try:
+            return json.loads(json.dumps(config))  # deep copy, and proves it is JSON-shaped
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"the config dict must hold only JSON values (numbers, strings, lists, dicts): {err}") from None
     path = Path(config)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
@@ -214,7 +217,15 @@ def _not_acted_sections(raw: dict) -> tuple[str, ...]:
     acted = {"stage", "reduce_bucket_size", "offload_param", "offload_optimizer"}
     zero = raw.get("zero_optimization") or {}
     keys = tuple(f"zero_optimization.{key}" for key in sorted(zero) if key not in acted)
-    return keys + (("aio",) if "aio" in raw else ())
+    keys += (("aio",) if "aio" in raw else ())
+    # Keys inside acted-on sections that still change nothing here.
+    quiet = {"fp16": ("fp16_master_weights_and_grads",), "bf16": ("immediate_grad_update", "check_grad_overflow"),
+             "bfloat16": ("immediate_grad_update", "check_grad_overflow")}
+    for section, names in quiet.items():
+        keys += tuple(f"{section}.{name}" for name in names if name in (raw.get(section) or {}))
+    params = (raw.get("optimizer") or {}).get("params") or {}
+    keys += tuple(f"optimizer.params.{name}" for name in ("torch_adam", "fused") if name in params)
+    return keys
 
 
 def _precision(parsed: edge.EdgeConfig) -> typed.PrecisionConfig:
@@ -230,7 +241,7 @@ def _precision(parsed: edge.EdgeConfig) -> typed.PrecisionConfig:
         window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
         consecutive_hysteresis=fp16.consecutive_hysteresis, min_scale=fp16.min_loss_scale,
     )
-    return typed.PrecisionConfig(dtype=torch.float16, loss_scale=scale)
+    return typed.PrecisionConfig(dtype=torch.float16, loss_scale=scale, cast_inputs=fp16.auto_cast)
 
 
 def _optimizer(section: edge.OptimizerSection | None) -> typed.OptimizerConfig | None:

@@ -109,6 +109,8 @@ class PrecisionConfig:
     """torch.float32, torch.bfloat16 or torch.float16."""
     loss_scale: LossScaleConfig | None = None
     """Set only for fp16."""
+    cast_inputs: bool = False
+    """Cast floating-point forward inputs to the compute dtype (DeepSpeed's fp16.auto_cast)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -180,7 +182,8 @@ class EngineConfig:
     zero: ZeroConfig
     zero_cache: ZeroCacheConfig
     monitor: MonitorConfig
-    seed: int
+    seed: int | None
+    """Seed for python/numpy/torch at initialize() (None: leave the caller's RNG state alone)."""
     model: ModelConfig
     data: DataConfig
     train: TrainConfig

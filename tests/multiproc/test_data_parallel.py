@@ -38,3 +38,13 @@ def test_two_ranks_equal_one_rank_with_double_batch(tmp_path):
     assert dp["steps"] == single["steps"] == 3
     for name, expected in single["masters"].items():
         torch.testing.assert_close(dp["masters"][name], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_rank_failing_mid_save_stops_every_rank_and_keeps_the_last_checkpoint(tmp_path):
+    job = Path(__file__).resolve().parents[1] / "helpers" / "save_fail_job.py"
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={free_port()}",
+         str(job), "--save-dir", str(tmp_path / "ckpt"), "--out-prefix", str(tmp_path / "outcome")])
+    assert (tmp_path / "outcome.1").read_text().startswith("OSError")
+    assert (tmp_path / "outcome.0").read_text().startswith("CheckpointError: another rank failed")
+    assert (tmp_path / "ckpt" / "latest").read_text() == "good"
+    assert not (tmp_path / "ckpt" / "bad").exists()

@@ -186,3 +186,62 @@ def test_csv_monitor_records_every_step(tmp_path):
         assert logged[(step, "loss")] == pytest.approx(expected, rel=1e-6)
         assert logged[(step, "lr")] == pytest.approx(3e-3)
         assert logged[(step, "samples")] == 8 * step
+
+
+def test_deepspeed_api_details():
+    """Behaviours a DeepSpeed script relies on (each checked against DeepSpeed 0.19.8 in review)."""
+    torch.manual_seed(42)
+    expected_next = torch.rand(1)
+    torch.manual_seed(42)
+    engine, _, _, _ = angelptm.initialize(model=tiny_gpt(5), config=ds_config(gradient_accumulation_steps=2))
+    # initialize() leaves the caller's RNG alone when the config sets no "seed" ...
+    torch.manual_seed(42)
+    assert torch.equal(torch.rand(1), expected_next)
+    batch = random_batches(5, 1, 4)[0]
+    loss = engine(**batch)
+    returned = engine.backward(loss)
+    assert returned.item() == pytest.approx(loss.item() / 2)  # ... backward returns loss / gas ...
+    engine.zero_grad()  # ... zero_grad drops the accumulated sum ...
+    assert engine.optimizer.flat_grad.abs().sum() == 0
+    engine.step()
+    assert not engine.was_step_applied()  # ... and a non-boundary step is not an applied step.
+    engine.backward(engine(**batch))
+    engine.step()
+    assert engine.was_step_applied() and engine.global_steps == 1
+
+
+def test_non_finite_bf16_gradients_skip_the_step():
+    engine, _, _, _ = angelptm.initialize(model=tiny_gpt(6), config=ds_config(bf16={"enabled": True}))
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    loss = engine(**random_batches(6, 1, 4)[0])
+    engine.backward(loss * float("nan"))
+    engine.step()
+    assert not engine.was_step_applied() and engine.skipped_steps == 1
+    assert all(torch.equal(p, before[n]) for n, p in engine.module.named_parameters())
+
+
+def test_frozen_parameters_and_namedtuple_inputs():
+    import collections
+
+    Batch = collections.namedtuple("Batch", "x y")
+
+    class Regressor(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.frozen = nn.Linear(3, 3)
+            self.frozen.requires_grad_(False)
+            self.head = nn.Linear(3, 1)
+
+        def forward(self, batch):
+            return ((self.head(self.frozen(batch.x)) - batch.y) ** 2).mean()
+
+    model = Regressor()
+    frozen_before = model.frozen.weight.detach().clone()
+    config = ds_config(fp16={"enabled": True, "auto_cast": True, "initial_scale_power": 8})
+    engine, _, _, _ = angelptm.initialize(model=model, model_parameters=model.parameters(), config=config)
+    head_before = engine.module.head.weight.detach().clone()
+    x = torch.randn(4, 3)
+    engine.backward(engine(Batch(x, x.sum(1, keepdim=True))))  # auto_cast: fp32 inputs reach the fp16 model
+    engine.step()
+    assert torch.equal(engine.module.frozen.weight.float(), frozen_before.half().float())
+    assert not torch.equal(engine.module.head.weight, head_before)
