@@ -19,6 +19,7 @@ from angelptm.errors import ConfigError
 from angelptm.loss_scaler import LossScaler
 from angelptm.mixed_precision import MixedPrecisionOptimizer
 from angelptm.schedulers import build_scheduler
+import zero_cache
 
 logger = logging.getLogger(__name__)
 
@@ -131,9 +132,28 @@ def _build_optimizer(model: nn.Module, client: Any, model_parameters: Iterable |
         return None
     names = {id(p): name for name, p in model.named_parameters()}
     scaler = LossScaler(cfg.precision.loss_scale) if cfg.precision.loss_scale is not None else None
+    if cfg.zero_cache.enabled:
+        return _attach_zero_cache(model, inner, names, cfg, ctx, scaler)
     return MixedPrecisionOptimizer(inner, names, cfg.precision.dtype, loss_scaler=scaler,
                                    gradient_clipping=cfg.gradient_clipping, group=ctx.group,
                                    reduce_bucket_numel=cfg.zero.reduce_bucket_size)
+
+
+def _attach_zero_cache(model: nn.Module, inner: torch.optim.Optimizer, names: dict[int, str], cfg: EngineConfig,
+                       ctx: DistContext, scaler: LossScaler | None) -> zero_cache.ZeroCacheOptimizer:
+    if ctx.world_size > 1:
+        raise ConfigError("zero_cache across several ranks (sharded chunks) is not implemented yet; "
+                          "run ZeRO-Cache on one GPU, or disable it for data parallelism")
+    if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+        raise ConfigError(f"zero_cache runs its own hybrid Adam and needs an Adam/AdamW optimizer, got "
+                          f"{type(inner).__name__}")
+    decoupled = isinstance(inner, torch.optim.AdamW) or bool(inner.defaults.get("decoupled_weight_decay"))
+    try:
+        return zero_cache.attach(model, inner, names, cfg.zero_cache, compute_dtype=cfg.precision.dtype,
+                                 device=ctx.device, decoupled_weight_decay=decoupled, loss_scaler=scaler,
+                                 gradient_clipping=cfg.gradient_clipping)
+    except ValueError as err:  # PlanError (does not fit) or a layout error (chunk_size too small)
+        raise ConfigError(str(err)) from None
 
 
 def _build_scheduler(client: Any, optimizer: MixedPrecisionOptimizer | None, cfg: EngineConfig) -> Any:

@@ -21,6 +21,7 @@ import torch
 
 from angelptm.config import edge, typed
 from angelptm.errors import ConfigError
+from zero_cache import ZeroCacheConfig
 
 logger = logging.getLogger(__name__)
 
@@ -283,9 +284,19 @@ def _to_typed(parsed: edge.EdgeConfig, scheduler: typed.SchedulerConfig | None, 
             offload_param_device=zero.offload_param.device if zero.offload_param else "none",
             offload_optimizer_device=zero.offload_optimizer.device if zero.offload_optimizer else "none",
         ),
-        zero_cache=parsed.zero_cache, monitor=monitor, seed=parsed.seed, model=parsed.model, data=parsed.data,
+        zero_cache=_zero_cache_section(parsed), monitor=monitor, seed=parsed.seed, model=parsed.model, data=parsed.data,
         train=parsed.train, moe=parsed.moe, autopipe=parsed.autopipe, accepted_not_acted=ignored,
     )
+
+
+def _zero_cache_section(parsed: edge.EdgeConfig) -> ZeroCacheConfig:
+    """ZeRO-3 with an offload device means "ZeRO-Cache on"; its nvme_path carries over."""
+    zero, section = parsed.zero_optimization, parsed.zero_cache
+    offloads = [o for o in (zero.offload_param, zero.offload_optimizer) if o is not None and o.device != "none"]
+    if section.enabled or zero.stage != 3 or not offloads:
+        return section
+    nvme = next((o.nvme_path for o in offloads if o.device == "nvme"), None)
+    return dataclasses.replace(section, enabled=True, nvme_path=section.nvme_path or nvme)
 
 
 def _monitor_dir(section: edge.MonitorSection) -> str | None:

@@ -1,0 +1,122 @@
+"""Putting a module under ZeRO-Cache: layout -> tiers -> plan -> storage -> hooks -> hybrid Adam.
+
+The first iteration is the warm-up: forward pre-hooks record the order chunks are used in, and on
+CUDA the peak of non-model memory is measured; after the first step the plan is made again from
+those measurements and optimizer groups move between tiers if it changed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from zero_cache.chunks import ChunkStore
+from zero_cache.config import ZeroCacheConfig
+from zero_cache.layout import ChunkLayout, pack, search_chunk_size
+from zero_cache.optimizer import ZeroCacheOptimizer
+from zero_cache.planner import DEVICE, HOST, Plan, PlanInputs, make_plan
+from zero_cache.tiers import build_tiers
+
+logger = logging.getLogger(__name__)
+
+
+def build_layout(params: list[tuple[str, nn.Parameter]], config: ZeroCacheConfig) -> ChunkLayout:
+    """Pack parameters (model order) into chunks of the configured or searched size."""
+    shapes = [(name, tuple(p.shape)) for name, p in params]
+    chunk_numel = search_chunk_size(shapes) if config.chunk_size == "auto" else int(config.chunk_size)
+    return pack(shapes, chunk_numel)
+
+
+def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: torch.dtype, device_budget: int,
+                host_budget: int, trace: tuple[int, ...] = (), nonmodel_peak_bytes: int = 0) -> PlanInputs:
+    return PlanInputs(num_chunks=layout.num_chunks, chunk_numel=layout.chunk_numel,
+                      param_bytes_per_element=torch.empty((), dtype=compute_dtype).element_size(),
+                      device_budget_bytes=device_budget, host_budget_bytes=host_budget, trace=trace,
+                      nonmodel_peak_bytes=nonmodel_peak_bytes, prefetch_depth=config.prefetch_depth)
+
+
+class WarmupTracer:
+    """Records chunk order in the first forward and re-plans after the first step."""
+
+    def __init__(self, layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: torch.dtype) -> None:
+        self.layout, self.config, self.compute_dtype = layout, config, compute_dtype
+        self.trace: list[int] = []
+        self.recording = True
+
+    def record(self, chunks: list[int]) -> None:
+        if self.recording:
+            self.trace.extend(chunks)
+
+    def replan(self, optimizer: ZeroCacheOptimizer) -> Plan:
+        """Plan again from the recorded trace and measured peak; move groups whose tier changed."""
+        self.recording = False
+        store = optimizer.store
+        device_tier, host_tier = store.tiers[DEVICE], store.tiers[HOST]
+        nonmodel = 0
+        if device_tier.device.type == "cuda":
+            nonmodel = max(0, torch.cuda.max_memory_allocated(device_tier.device) - device_tier.used_bytes)
+        inputs = plan_inputs(self.layout, self.config, self.compute_dtype, device_tier.budget_bytes,
+                             host_tier.budget_bytes, tuple(self.trace), nonmodel)
+        plan = make_plan(inputs)
+        optimizer.finish_pending()
+        moved = store.apply_plan(plan)
+        logger.info("ZeRO-Cache re-plan after warm-up (non-model peak %d MiB): %s; %d groups moved",
+                    nonmodel // 2**20, plan.summary(), moved)
+        return plan
+
+
+def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int, str], config: ZeroCacheConfig,
+           *, compute_dtype: torch.dtype, device: torch.device, decoupled_weight_decay: bool = True,
+           loss_scaler: Any = None, gradient_clipping: float = 0.0) -> ZeroCacheOptimizer:
+    """Move ``module``'s trainable parameters into ZeRO-Cache and return the hybrid optimizer.
+
+    Args:
+        module: the model, on ``device`` in ``compute_dtype``.
+        optimizer: a torch optimizer over the parameters (its param groups carry the hyperparameters).
+        names: id(parameter) -> qualified name.
+        config: the ``zero_cache`` section.
+        compute_dtype, device: the module's dtype and device.
+        decoupled_weight_decay, loss_scaler, gradient_clipping: as in the replicated optimizer.
+
+    Raises:
+        PlanError: the model states do not fit; nothing has been allocated.
+    """
+    if config.overlap_optimizer_step:
+        raise NotImplementedError("zero_cache.overlap_optimizer_step (the one-step-late host update) is not "
+                                  "implemented yet; leave it false for the exact update")
+    if config.nvme_path is not None:
+        raise NotImplementedError("zero_cache.nvme_path: the NVMe tier is not implemented yet")
+    ordered = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    in_optimizer = {id(p) for p in ordered}
+    params = [(name, p) for name, p in module.named_parameters() if id(p) in in_optimizer]
+    layout = build_layout(params, config)
+    device_tier, host_tier = build_tiers(device, config.device_budget_bytes, config.host_budget_bytes)
+    plan = make_plan(plan_inputs(layout, config, compute_dtype, device_tier.budget_bytes, host_tier.budget_bytes))
+    logger.info("ZeRO-Cache: %d chunks of %d elements (%.1f%% padding); %s", layout.num_chunks,
+                layout.chunk_numel, 100 * layout.waste_fraction, plan.summary())
+    store = ChunkStore(layout, [p for _, p in params], plan, {DEVICE: device_tier, HOST: host_tier}, compute_dtype)
+    hybrid = ZeroCacheOptimizer(store, optimizer, names, decoupled_weight_decay=decoupled_weight_decay,
+                                loss_scaler=loss_scaler, gradient_clipping=gradient_clipping)
+    tracer = WarmupTracer(layout, config, compute_dtype)
+    _register_forward_hooks(module, store, hybrid, tracer)
+    hybrid.after_first_step = lambda: tracer.replan(hybrid)
+    return hybrid
+
+
+def _register_forward_hooks(module: nn.Module, store: ChunkStore, hybrid: ZeroCacheOptimizer,
+                            tracer: WarmupTracer) -> None:
+    chunk_of = {id(p): slot.chunk for p, slot in zip(store.params, store.slots)}
+    for submodule in module.modules():
+        chunks = sorted({chunk_of[id(p)] for p in submodule.parameters(recurse=False) if id(p) in chunk_of})
+        if not chunks:
+            continue
+
+        def before_forward(_module: nn.Module, _inputs: Any, chunks: list[int] = chunks) -> None:
+            tracer.record(chunks)
+            for chunk in chunks:
+                hybrid.wait_for_chunk(chunk)
+
+        submodule.register_forward_pre_hook(before_forward)

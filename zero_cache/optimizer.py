@@ -1,0 +1,277 @@
+"""The hybrid Adam over chunked model states: GPU-resident groups on the device, the rest on the host.
+
+Step order (exact: every update uses this step's gradients, like a plain AdamW loop):
+
+1. backward: a post-accumulate-grad hook moves each gradient out of autograd into its chunk's
+   fp32 accumulator right away: an in-place add for device groups; for host groups an async copy
+   on the device->host stream into a pinned staging chunk, then an add on the host worker thread;
+2. ``step()``: one global norm over both tiers (for clipping and the fp16 overflow check); the
+   host worker runs a fused CPU Adam over the host groups and starts each updated chunk's
+   host->device copy on its own stream, while the main thread runs the fused GPU Adam over the
+   device groups;
+3. the next forward waits, per chunk, only for that chunk's copy (a stream-event wait, no
+   ``synchronize()``), so late chunks' copies overlap early layers' compute.
+
+The host worker exists only with CUDA; on a CPU-only run every tier is host memory and the same
+code runs inline, which is what the tests exercise.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import nn
+
+from zero_cache.chunks import ChunkStore
+from zero_cache.layout import TensorSlot
+from zero_cache.planner import DEVICE, HOST
+
+logger = logging.getLogger(__name__)
+
+
+def _adam_kernel(decoupled: bool):
+    return torch._fused_adamw_ if decoupled else torch._fused_adam_
+
+
+class ZeroCacheOptimizer:
+    """Engine-facing optimizer over a :class:`ChunkStore` (same surface as the replicated one).
+
+    Args:
+        store: chunk storage, already bound to the module's parameters.
+        optimizer: the torch optimizer built over the parameters; only its param groups (and their
+            hyperparameters, which schedulers write) are used, never its step.
+        names: id(parameter) -> qualified name.
+        decoupled_weight_decay: AdamW (True) or Adam with L2 (False).
+        loss_scaler: fp16 loss scaler (``.scale``, ``.update(overflow)``), or None.
+        gradient_clipping: max global gradient norm (0 = off).
+    """
+
+    def __init__(self, store: ChunkStore, optimizer: torch.optim.Optimizer, names: dict[int, str], *,
+                 decoupled_weight_decay: bool = True, loss_scaler: Any = None, gradient_clipping: float = 0.0) -> None:
+        self.store = store
+        self.optimizer = optimizer
+        self.loss_scaler = loss_scaler
+        self.gradient_clipping = gradient_clipping
+        self.kernel = _adam_kernel(decoupled_weight_decay)
+        self.device = store.tiers[DEVICE].device
+        slot_of = {slot.name: slot for slot in store.slots}
+        # (group index, slot) for every parameter, in the optimizer's group order.
+        self.members: list[tuple[int, TensorSlot]] = []
+        for index, group in enumerate(optimizer.param_groups):
+            for param in group["params"]:
+                if param.requires_grad:
+                    self.members.append((index, slot_of[names[id(param)]]))
+        self.names = [slot.name for _, slot in self.members]
+        self.step_count = 0
+        self.overflow = False
+        self.last_grad_norm: float | None = None
+        self._cuda = self.device.type == "cuda"
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-cache-host") if self._cuda else None
+        self._d2h = torch.cuda.Stream(self.device) if self._cuda else None
+        self._h2d = torch.cuda.Stream(self.device) if self._cuda else None
+        self._pending_grads: list[Future] = []
+        self._param_ready: dict[int, torch.cuda.Event] = {}
+        self._host_done: Future | None = None
+        self._staging: dict[int, torch.Tensor] = {}
+        self.after_first_step: Any = None
+        """Called once after the first applied step (the warm-up re-plan)."""
+        for param, (_, slot) in zip(self._params_in_member_order(), self.members):
+            param.register_post_accumulate_grad_hook(self._make_grad_hook(slot))
+
+    def _params_in_member_order(self) -> list[nn.Parameter]:
+        return [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
+
+    # ------------------------------------------------------------------ torch.optim surface
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> dict:
+        return {"step": self.step_count}
+
+    # ------------------------------------------------------------------ gradients
+    def _make_grad_hook(self, slot: TensorSlot):
+        def hook(param: nn.Parameter) -> None:
+            grad = param.grad
+            param.grad = None
+            if self.store.tier_of(slot) == DEVICE or not self._cuda:
+                self.store.state_view(slot, "grad").add_(grad.reshape(-1))
+                return
+            self._pending_grads.append(self._copy_grad_to_host(slot, grad))
+
+        return hook
+
+    def _copy_grad_to_host(self, slot: TensorSlot, grad: torch.Tensor) -> Future:
+        """Async D2H into the chunk's pinned staging buffer, then an fp32 add on the worker."""
+        staging = self._staging_chunk(slot.chunk)[slot.offset:slot.offset + slot.numel]
+        self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._d2h):
+            staging.copy_(grad.reshape(-1), non_blocking=True)
+            grad.record_stream(self._d2h)  # keep the gradient alive until the copy is done
+            copied = torch.cuda.Event()
+            copied.record()
+        accumulator = self.store.state_view(slot, "grad")
+
+        def accumulate() -> None:
+            copied.synchronize()
+            accumulator.add_(staging)
+
+        return self._worker.submit(accumulate)
+
+    def _staging_chunk(self, chunk: int) -> torch.Tensor:
+        if chunk not in self._staging:
+            numel = self.store.layout.chunk_numel
+            self._staging[chunk] = self.store.tiers[HOST].allocate(numel, self.store.param_chunks[chunk].dtype)
+        return self._staging[chunk]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.store.groups:
+            group.field("grad").zero_()
+
+    # ------------------------------------------------------------------ step
+    def _grad_norm(self) -> float:
+        for future in self._pending_grads:
+            future.result()
+        self._pending_grads.clear()
+        squares = {DEVICE: [], HOST: []}
+        for group in self.store.groups:
+            squares[group.tier].append(group.field("grad"))
+        total = 0.0
+        for tensors in squares.values():
+            if tensors:
+                total += float(torch.stack([torch.linalg.vector_norm(t) ** 2 for t in tensors]).sum())
+        return math.sqrt(total)
+
+    def step(self) -> bool:
+        """Apply the accumulated gradients; False if skipped for an fp16 overflow."""
+        scale = self.loss_scaler.scale if self.loss_scaler else 1.0
+        norm = self._grad_norm() / scale
+        self.overflow = not math.isfinite(norm)  # a non-finite gradient skips the step in any precision
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(self.overflow)
+        if self.overflow:
+            self.last_grad_norm = None
+            self.zero_grad()
+            return False
+        self.last_grad_norm = norm
+        grad_factor = 1.0 / scale
+        if self.gradient_clipping > 0 and norm > self.gradient_clipping:
+            grad_factor *= self.gradient_clipping / (norm + 1e-6)  # clip_grad_norm_'s rule
+        self.step_count += 1
+        if self._cuda:
+            self._host_done = self._worker.submit(self._update_tier, HOST, grad_factor)
+        else:
+            self._update_tier(HOST, grad_factor)
+        self._update_tier(DEVICE, grad_factor)
+        if self.step_count == 1 and self.after_first_step is not None:
+            self.after_first_step()
+        return True
+
+    def _update_tier(self, tier: str, grad_factor: float) -> None:
+        """Fused Adam over every parameter whose optimizer group lives in ``tier``, then refresh its params."""
+        by_group: dict[int, list[TensorSlot]] = {}
+        for index, slot in self.members:
+            if self.store.tier_of(slot) == tier:
+                by_group.setdefault(index, []).append(slot)
+        if not by_group:
+            return
+        device = self.store.tiers[tier].device
+        step = torch.tensor(float(self.step_count), device=device)
+        for index, slots in by_group.items():
+            hyper = self.optimizer.param_groups[index]
+            views = {f: [self.store.state_view(s, f) for s in slots] for f in ("master", "exp_avg", "exp_avg_sq", "grad")}
+            if grad_factor != 1.0:
+                torch._foreach_mul_(views["grad"], grad_factor)
+            beta1, beta2 = hyper["betas"]
+            self.kernel(views["master"], views["grad"], views["exp_avg"], views["exp_avg_sq"], [],
+                        [step] * len(slots), lr=float(hyper["lr"]), beta1=beta1, beta2=beta2,
+                        weight_decay=hyper["weight_decay"], eps=hyper["eps"], amsgrad=False, maximize=False)
+        for chunk, group in enumerate(self.store.groups):
+            if group.tier == tier:
+                self._refresh_param_chunk(chunk)
+                group.field("grad").zero_()
+
+    def _refresh_param_chunk(self, chunk: int) -> None:
+        """Write the chunk's updated masters into its compute-dtype param chunk."""
+        master = self.store.groups[chunk].field("master")
+        param_chunk = self.store.param_chunks[chunk]
+        if master.device == param_chunk.device:
+            param_chunk.copy_(master)
+            return
+        staging = self._staging_chunk(chunk)
+        staging.copy_(master)  # fp32 -> compute dtype on the host, so the bus carries half the bytes
+        with torch.cuda.stream(self._h2d):
+            param_chunk.copy_(staging, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        self._param_ready[chunk] = ready
+
+    def wait_for_chunk(self, chunk: int) -> None:
+        """Make the compute stream wait until ``chunk``'s params are updated (forward pre-hook)."""
+        if self._host_done is not None:
+            self._host_done.result()  # the worker has issued every host chunk's copy
+            self._host_done = None
+        ready = self._param_ready.pop(chunk, None)
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
+
+    def finish_pending(self) -> None:
+        """Block until every host update and copy has landed (before checkpoints and re-planning)."""
+        for chunk in list(self._param_ready):
+            self.wait_for_chunk(chunk)
+        if self._host_done is not None:
+            self._host_done.result()
+            self._host_done = None
+        if self._cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    # ------------------------------------------------------------------ checkpoints
+    def master_state_dict(self) -> dict[str, torch.Tensor]:
+        self.finish_pending()
+        return {s.name: self.store.state_view(s, "master").detach().cpu().clone().view(s.shape) for _, s in self.members}
+
+    def load_master_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.finish_pending()
+        missing = [name for name in self.names if name not in state]
+        if missing:
+            raise KeyError(f"checkpoint lacks master weights for {missing[:5]}")
+        with torch.no_grad():
+            for _, slot in self.members:
+                self.store.state_view(slot, "master").copy_(state[slot.name].reshape(-1))
+            for chunk in range(len(self.store.groups)):
+                self._refresh_param_chunk(chunk)
+        self.finish_pending()
+
+    def refresh_masters_from_params(self) -> None:
+        with torch.no_grad():
+            for _, slot in self.members:
+                self.store.state_view(slot, "master").copy_(self.store.param_view(slot).reshape(-1))
+
+    def state_dict(self) -> dict[str, Any]:
+        self.finish_pending()
+        moments = {f: {s.name: self.store.state_view(s, f).cpu().clone() for _, s in self.members}
+                   for f in ("exp_avg", "exp_avg_sq")}
+        hypers = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        return {"optimizer": {"step": self.step_count, "param_groups": hypers, **moments},
+                "masters": self.master_state_dict(),
+                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None}
+
+    def load_state_dict(self, state: dict[str, Any], *, load_optimizer_states: bool = True) -> None:
+        self.load_master_state_dict(state["masters"])
+        if not load_optimizer_states:
+            return
+        saved = state["optimizer"]
+        self.step_count = saved["step"]
+        for group, hyper in zip(self.optimizer.param_groups, saved["param_groups"]):
+            group.update(hyper)
+        with torch.no_grad():
+            for field in ("exp_avg", "exp_avg_sq"):
+                for _, slot in self.members:
+                    self.store.state_view(slot, field).copy_(saved[field][slot.name])
+        if self.loss_scaler is not None and state.get("loss_scaler"):
+            self.loss_scaler.load_state_dict(state["loss_scaler"])

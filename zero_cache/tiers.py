@@ -1,0 +1,82 @@
+"""Memory tiers behind one interface: a byte budget, allocate/free, and usage counters.
+
+The device tier is the compute device (CUDA, or the CPU in CPU-only runs, so every path runs in
+tests); the host tier is pinned CPU memory when CUDA is present (pinned once at allocation, reused
+for the whole run: no per-step pinning). An NVMe tier (its own issue) implements the same methods.
+"""
+
+from __future__ import annotations
+
+import psutil
+import torch
+
+from zero_cache.units import format_bytes
+
+AUTO_MARGIN_FRACTION = 0.10
+""""auto" budgets leave this share of the measured free memory to everything else."""
+
+
+class TierFullError(MemoryError):
+    """An allocation would exceed the tier's budget (a planning bug: plans are checked up front)."""
+
+
+class Tier:
+    """A budgeted pool of tensors on one device.
+
+    Args:
+        name: "device" or "host" (used in messages).
+        device: where tensors are allocated.
+        budget_bytes: most bytes this tier may hold.
+        pin_memory: allocate page-locked host memory (host tier with CUDA present).
+    """
+
+    def __init__(self, name: str, device: torch.device, budget_bytes: int, *, pin_memory: bool = False) -> None:
+        self.name = name
+        self.device = device
+        self.budget_bytes = budget_bytes
+        self.pin_memory = pin_memory
+        self.used_bytes = 0
+        self.peak_bytes = 0
+
+    @property
+    def free_bytes(self) -> int:
+        return self.budget_bytes - self.used_bytes
+
+    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed flat tensor counted against the budget."""
+        num_bytes = numel * torch.empty((), dtype=dtype).element_size()
+        if num_bytes > self.free_bytes:
+            raise TierFullError(f"{self.name} tier: allocating {format_bytes(num_bytes)} exceeds its budget "
+                                f"({format_bytes(self.used_bytes)} of {format_bytes(self.budget_bytes)} in use)")
+        tensor = torch.zeros(numel, dtype=dtype, device=self.device, pin_memory=self.pin_memory)
+        self.used_bytes += num_bytes
+        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+        return tensor
+
+    def free(self, tensor: torch.Tensor) -> None:
+        """Return a tensor's bytes to the budget (the caller drops its references)."""
+        self.used_bytes -= tensor.numel() * tensor.element_size()
+        assert self.used_bytes >= 0, f"{self.name} tier freed more than it allocated"
+
+
+def auto_device_budget(device: torch.device) -> int:
+    """Free memory on the compute device, less the margin (host RAM stands in on CPU-only runs)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * (1 - AUTO_MARGIN_FRACTION))
+    return int(psutil.virtual_memory().available * 0.5 * (1 - AUTO_MARGIN_FRACTION))
+
+
+def auto_host_budget(device: torch.device) -> int:
+    """Available host RAM, less the margin (half of it when the device tier is host RAM too)."""
+    available = psutil.virtual_memory().available
+    share = 0.5 if device.type == "cpu" else 1.0
+    return int(available * share * (1 - AUTO_MARGIN_FRACTION))
+
+
+def build_tiers(device: torch.device, device_budget: int | None, host_budget: int | None) -> tuple[Tier, Tier]:
+    """The device and host tiers, with "auto" (None) budgets measured now."""
+    device_tier = Tier("device", device, device_budget if device_budget is not None else auto_device_budget(device))
+    host_tier = Tier("host", torch.device("cpu"), host_budget if host_budget is not None else auto_host_budget(device),
+                     pin_memory=device.type == "cuda")
+    return device_tier, host_tier
