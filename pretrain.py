@@ -54,7 +54,11 @@ def read_config(args: argparse.Namespace) -> dict:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ConfigError(f"{path}: not valid JSON at line {err.lineno}: {err.msg}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a JSON object {{...}}, not a {json_type(raw)}")
     train = raw.setdefault("train", {})
+    if not isinstance(train, dict):
+        raise ConfigError(f"{path}: \"train\" must be a JSON object {{...}}, not a {json_type(train)}")
     if args.steps is not None:
         train["steps"] = args.steps
     if args.save_dir is not None:
@@ -62,6 +66,33 @@ def read_config(args: argparse.Namespace) -> dict:
     if args.no_resume:
         train["resume"] = False
     return raw
+
+
+def json_type(value: object) -> str:
+    """The JSON name of a parsed value's type, for messages."""
+    names = {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def refuse_fresh_start_over_a_run(save_dir: str, ctx: DistContext) -> None:
+    """A fresh start (resume off) must not write into a save_dir that already holds another run's checkpoints.
+
+    Its ``global_stepN`` tags would mix with the old run's: ``latest`` would jump between runs and
+    pruning would count (or spare) the wrong run's checkpoints.
+    """
+    latest = Path(save_dir) / "latest"
+    if any_rank(latest.is_file(), ctx):
+        raise CheckpointError(
+            f"{save_dir!r} already holds a checkpoint ({latest} names {read_latest(latest)!r}) and resume is off "
+            f"(--no-resume or train.resume=false); starting a new run there would mix its checkpoints with the "
+            f"old run's. Pass --save-dir with another directory, or drop --no-resume to continue the old run")
+
+
+def read_latest(latest: Path) -> str | None:
+    try:
+        return latest.read_text().strip()
+    except OSError:  # another rank sees it, or it went away: the message still names the directory
+        return None
 
 
 def build_dataset(cfg: EngineConfig, ctx: DistContext) -> TokenDataset:
@@ -88,13 +119,28 @@ def any_rank(flag: bool, ctx: DistContext) -> bool:
     return bool(tensor.item())
 
 
+def step_of(tag: str) -> int | None:
+    """N for a ``global_stepN`` tag, else None."""
+    digits = tag.removeprefix("global_step")
+    return int(digits) if digits != tag and digits.isdigit() else None
+
+
 def prune_checkpoints(save_dir: str, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` ``global_stepN`` checkpoints (never the one ``latest`` names)."""
+    """Keep the newest ``keep_last`` ``global_stepN`` checkpoints up to the one ``latest`` names; delete older ones.
+
+    Only tags with N <= the step of ``latest`` are candidates: newer ones are not this run's
+    checkpoints (another run's, or a save that never became ``latest``) and are left alone, as is
+    the ``latest`` one itself and any tag not of the form ``global_stepN``. Without a ``latest``
+    naming a ``global_stepN`` tag nothing is deleted.
+    """
     root = Path(save_dir)
     latest = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
-    steps = sorted((int(p.name.removeprefix("global_step")), p) for p in root.glob("global_step*")
-                   if p.name.removeprefix("global_step").isdigit())
-    for _, path in steps[:-keep_last]:
+    latest_step = step_of(latest) if latest is not None else None
+    if latest_step is None:
+        return
+    steps = sorted((step, p) for p in root.glob("global_step*")
+                   if p.is_dir() and (step := step_of(p.name)) is not None and step <= latest_step)
+    for _, path in steps[:max(len(steps) - keep_last, 0)]:
         if path.name != latest:
             shutil.rmtree(path, ignore_errors=True)
 
@@ -127,7 +173,9 @@ def train(raw: dict) -> float:
     """Run the configured training; returns the last logged loss."""
     ctx = init_distributed()
     cfg = load_config(raw, world_size=ctx.world_size)
-    torch.manual_seed(cfg.seed)
+    if not cfg.train.resume:
+        refuse_fresh_start_over_a_run(cfg.train.save_dir, ctx)
+    torch.manual_seed(cfg.seed if cfg.seed is not None else 0)  # model init is reproducible either way
     dataset = build_dataset(cfg, ctx)
     model = build_model(cfg.model)
     weight_decay = cfg.optimizer.weight_decay if cfg.optimizer else 0.0

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from angelptm import checkpoint
@@ -46,12 +47,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("output", help="the .safetensors file to write")
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in 'latest')")
     args = parser.parse_args(argv)
+    parent = Path(args.output).parent
+    if not parent.is_dir():  # checked first: no point reading a large checkpoint that cannot be written out
+        problem = "is not a directory" if parent.exists() else "does not exist"
+        print(f"error: cannot write {args.output}: the directory {str(parent)!r} {problem}", file=sys.stderr)
+        return 1
     try:
         state = consolidated_fp32_state_dict(args.load_dir, args.tag)
     except CheckpointError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    save_file(state, args.output)
+    try:
+        save_file(state, args.output)
+    except (OSError, SafetensorError) as err:  # e.g. no permission, disk full
+        print(f"error: cannot write {args.output}: {err}", file=sys.stderr)
+        return 1
     numel = sum(t.numel() for t in state.values())
     print(f"wrote {len(state)} tensors ({numel:,} elements, fp32) to {args.output}")
     return 0

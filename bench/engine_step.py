@@ -22,6 +22,9 @@ SIZES = {  # GPT-2-style shapes; vocab 50304, seq 1024 as in the protocol
     "125m": dict(num_layers=12, hidden_size=768, num_heads=12),
     "350m": dict(num_layers=24, hidden_size=1024, num_heads=16),
     "1.3b": dict(num_layers=24, hidden_size=2048, num_heads=16),
+    "2.7b": dict(num_layers=32, hidden_size=2560, num_heads=32),
+    "6.9b": dict(num_layers=32, hidden_size=4096, num_heads=32, tie_embeddings=False),
+    "13b": dict(num_layers=40, hidden_size=5120, num_heads=40, tie_embeddings=False),
 }
 
 
@@ -34,10 +37,11 @@ def build(size: str, checkpointing: bool):
     torch.manual_seed(0)
     config = ModelConfig(flavour="gpt2", vocab_size=50304, max_seq_len=1024, dropout=0.0,
                          activation_checkpointing=checkpointing, **SIZES[size])
-    return build_model(config)
+    with torch.device("cuda"):  # initialise on the GPU: fast, and no host copy of a large model
+        return build_model(config).bfloat16()
 
 
-def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool) -> dict:
+def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, device_budget: str) -> dict:
     """Train ``steps`` steps in this process and return timings."""
     import torch
 
@@ -67,13 +71,32 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool) -
             engine.backward(loss)
             engine.step()
             return loss
+    elif mode == "zero_cache":
+        import angelptm
+
+        engine, optimizer, *_ = angelptm.initialize(model=model, config={**ds_config, "optimizer": {
+            "type": "AdamW", "params": {"lr": 1e-4}}, "zero_cache": {"enabled": True,
+                                                                   "device_memory_budget": device_budget}})
+        tiers = [group.tier for group in optimizer.store.groups]
+        print(f"zero_cache: {tiers.count('device')} of {len(tiers)} optimizer groups on the device, "
+              f"host optimizer {optimizer.host_adam.name}", file=sys.stderr)
+
+        def step(batch):
+            loss = engine(**batch)
+            engine.backward(loss)
+            engine.step()
+            return loss
     else:
         import deepspeed
 
-        model = model.cuda()
-        client = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=client,
-                                          config={**ds_config, "zero_optimization": {"stage": 1}})
+        if mode == "deepspeed":  # ZeRO-1, everything on the GPU, same fused torch AdamW
+            client = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+            engine, *_ = deepspeed.initialize(model=model, optimizer=client,
+                                              config={**ds_config, "zero_optimization": {"stage": 1}})
+        else:  # "deepspeed_offload": ZeRO-3 with the optimizer offloaded to DeepSpeedCPUAdam
+            engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
+                **ds_config, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+                "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}}})
 
         def step(batch):
             loss = engine(**batch)
@@ -94,7 +117,8 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool) -
     tokens = micro * 1024
     return {"size": size, "mode": mode, "params": num_params, "step_s": step_s, "tokens_per_s": tokens / step_s,
             "tflops": tokens * flops_per_token / step_s / 1e12,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "first_loss": losses[0], "last_loss": losses[-1]}
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "host_rss_gib": __import__("psutil").Process().memory_info().rss / 2**30, "first_loss": losses[0], "last_loss": losses[-1]}
 
 
 def main() -> None:
@@ -104,30 +128,37 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--micro", type=int, default=8)
     parser.add_argument("--no-checkpointing", action="store_true")
+    parser.add_argument("--device-budget", default="auto", help="zero_cache.device_memory_budget for zero_cache")
+    parser.add_argument("--anchor", default="deepspeed", help="mode the ratios are taken against")
     parser.add_argument("--child", nargs=2, metavar=("SIZE", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(run_one(*args.child, args.steps, args.micro, not args.no_checkpointing)))
+        print("RESULT " + json.dumps(run_one(*args.child, args.steps, args.micro, not args.no_checkpointing,
+                                             args.device_budget)))
         return
     results = []
     for size in args.sizes:
         for mode in args.modes:
             command = [sys.executable, __file__, "--child", size, mode, "--steps", str(args.steps),
-                       "--micro", str(args.micro)] + (["--no-checkpointing"] if args.no_checkpointing else [])
+                       "--micro", str(args.micro), "--device-budget", args.device_budget]
+            command += ["--no-checkpointing"] if args.no_checkpointing else []
             proc = subprocess.run(command, capture_output=True, text=True)
             lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
             if proc.returncode or not lines:
                 print(f"{size} {mode}: failed\n{proc.stderr[-2000:]}", flush=True)
                 continue
+            notes = [l for l in proc.stderr.splitlines() if l.startswith("zero_cache:")]
+            print("\n".join(notes), flush=True)
             result = json.loads(lines[-1].removeprefix("RESULT "))
             results.append(result)
             print(json.dumps(result), flush=True)
-    print(f"\n| size | mode | params | step s | tokens/s | TFLOPS | vs DeepSpeed | peak GiB |\n|---|---|---|---|---|---|---|---|")
+    print(f"\n| size | mode | params | step s | tokens/s | TFLOPS | vs {args.anchor} | peak GPU GiB | host RSS GiB |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        anchor = next((a for a in results if a["size"] == r["size"] and a["mode"] == "deepspeed"), None)
+        anchor = next((a for a in results if a["size"] == r["size"] and a["mode"] == args.anchor), None)
         ratio = f"{anchor['step_s'] / r['step_s']:.2f}x" if anchor else "n/a"
         print(f"| {r['size']} | {r['mode']} | {r['params'] / 1e6:.0f}M | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} "
-              f"| {r['tflops']:.0f} | {ratio} | {r['peak_gib']:.1f} |")
+              f"| {r['tflops']:.0f} | {ratio} | {r['peak_gib']:.1f} | {r['host_rss_gib']:.1f} |")
 
 
 if __name__ == "__main__":

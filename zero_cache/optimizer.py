@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from zero_cache.chunks import ChunkStore
+from zero_cache.host_adam import HostAdam
 from zero_cache.layout import TensorSlot
 from zero_cache.planner import DEVICE, HOST
 
@@ -58,6 +59,7 @@ class ZeroCacheOptimizer:
         self.gradient_clipping = gradient_clipping
         self.kernel = _adam_kernel(decoupled_weight_decay)
         self.device = store.tiers[DEVICE].device
+        self.host_adam = HostAdam(decoupled_weight_decay, try_deepspeed=self.device.type == "cuda")
         slot_of = {slot.name: slot for slot in store.slots}
         # (group index, slot) for every parameter, in the optimizer's group order.
         self.members: list[tuple[int, TensorSlot]] = []
@@ -173,28 +175,40 @@ class ZeroCacheOptimizer:
         return True
 
     def _update_tier(self, tier: str, grad_factor: float) -> None:
-        """Fused Adam over every parameter whose optimizer group lives in ``tier``, then refresh its params."""
-        by_group: dict[int, list[TensorSlot]] = {}
-        for index, slot in self.members:
-            if self.store.tier_of(slot) == tier:
-                by_group.setdefault(index, []).append(slot)
-        if not by_group:
+        """Adam over every parameter whose optimizer group lives in ``tier``, then refresh its params.
+
+        The device tier runs one fused kernel per param group over all its chunks; the host tier
+        goes chunk by chunk in forward order, starting each chunk's host->device copy as soon as
+        its update is done, so copies overlap the remaining CPU work and the next forward.
+        """
+        chunks = [c for c, group in enumerate(self.store.groups) if group.tier == tier]
+        if not chunks:
             return
-        device = self.store.tiers[tier].device
-        step = torch.tensor(float(self.step_count), device=device)
-        for index, slots in by_group.items():
-            hyper = self.optimizer.param_groups[index]
-            views = {f: [self.store.state_view(s, f) for s in slots] for f in ("master", "exp_avg", "exp_avg_sq", "grad")}
-            if grad_factor != 1.0:
-                torch._foreach_mul_(views["grad"], grad_factor)
-            beta1, beta2 = hyper["betas"]
-            self.kernel(views["master"], views["grad"], views["exp_avg"], views["exp_avg_sq"], [],
-                        [step] * len(slots), lr=float(hyper["lr"]), beta1=beta1, beta2=beta2,
-                        weight_decay=hyper["weight_decay"], eps=hyper["eps"], amsgrad=False, maximize=False)
-        for chunk, group in enumerate(self.store.groups):
-            if group.tier == tier:
+        batches = [chunks] if tier == DEVICE else [[c] for c in chunks]
+        for batch in batches:
+            in_batch = set(batch)
+            by_group: dict[int, list[TensorSlot]] = {}
+            for index, slot in self.members:
+                if slot.chunk in in_batch:
+                    by_group.setdefault(index, []).append(slot)
+            for index, slots in by_group.items():
+                self._adam(tier, slots, self.optimizer.param_groups[index], grad_factor)
+            for chunk in batch:
                 self._refresh_param_chunk(chunk)
-                group.field("grad").zero_()
+                self.store.groups[chunk].field("grad").zero_()
+
+    def _adam(self, tier: str, slots: list[TensorSlot], hyper: dict[str, Any], grad_factor: float) -> None:
+        views = {f: [self.store.state_view(s, f) for s in slots] for f in ("master", "exp_avg", "exp_avg_sq", "grad")}
+        if grad_factor != 1.0:
+            torch._foreach_mul_(views["grad"], grad_factor)
+        args = (views["master"], views["grad"], views["exp_avg"], views["exp_avg_sq"])
+        hypers = dict(lr=float(hyper["lr"]), eps=hyper["eps"], weight_decay=hyper["weight_decay"])
+        if tier == HOST:
+            self.host_adam.update(*args, step=self.step_count, betas=tuple(hyper["betas"]), **hypers)
+            return
+        step = torch.tensor(float(self.step_count), device=self.device)
+        beta1, beta2 = hyper["betas"]
+        self.kernel(*args, [], [step] * len(slots), beta1=beta1, beta2=beta2, amsgrad=False, maximize=False, **hypers)
 
     def _refresh_param_chunk(self, chunk: int) -> None:
         """Write the chunk's updated masters into its compute-dtype param chunk."""

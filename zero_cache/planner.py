@@ -13,7 +13,8 @@ The plan decides, in this order of value per device byte:
    otherwise a cache of ``cache_slots`` param chunks, filled along the trace with prefetch and
    emptied by Belady's rule (evict the chunk whose next use is furthest away: optimal for
    equal-size pages, Belady 1966);
-3. as many optimizer groups on the device as fit (updated by the GPU Adam, no traffic);
+3. as many optimizer groups on the device as fit (updated by the GPU Adam, no traffic), for the
+   chunks used first in the forward, so the host's update of the later chunks hides behind it;
 4. everything else on the host, within its budget.
 
 If something does not fit, :func:`make_plan` raises :class:`PlanError` with the shortfall per
@@ -121,10 +122,10 @@ def make_plan(inputs: PlanInputs) -> Plan:
             f"{format_bytes(inputs.nonmodel_peak_bytes)} of activations")))
     device_optim = max(0, room - param_device) // inputs.optimizer_chunk_bytes if params_resident else 0
     device_optim = min(n, device_optim)
-    # Optimizer groups go to the device for the chunks whose gradients are ready first in backward
-    # (the last chunks of the forward order), so the GPU Adam can start while backward still runs.
+    # Device optimizer groups go to the chunks the next forward needs first: the host groups' CPU
+    # Adam and their host->device copies then overlap the forward through those early layers.
     order = first_use_order(inputs.trace, n)
-    on_device = set(order[n - device_optim:]) if device_optim else set()
+    on_device = set(order[:device_optim])
     tiers = tuple(DEVICE if c in on_device else HOST for c in range(n))
     host_bytes = (n - device_optim) * inputs.optimizer_chunk_bytes + (0 if params_resident else all_params)
     if host_bytes > inputs.host_budget_bytes:

@@ -4,6 +4,10 @@ The order is a pure function of (seed, epoch): a seeded permutation (or identity
 strided slice per data-parallel rank like ``DistributedSampler`` with ``drop_last``. The loader
 counts the batches it has *handed out* (not those its workers prefetched), which is exactly the
 position to restart from.
+
+The DataLoader's own generator (which draws each iterator's worker base seed) is reseeded from
+(seed, epoch) at every ``iter``, so the seeds of an epoch's workers are also a pure function of
+(seed, epoch) and a resumed run gives its workers the same seeds as the original run did.
 """
 
 from __future__ import annotations
@@ -74,10 +78,14 @@ class ResumableDataLoader:
                 f"each rank gets {len(self.sampler)} samples per epoch, fewer than one micro-batch of {batch_size}"
             )
         # A private generator: every DataLoader iterator draws a base seed from it, and drawing from the
-        # global RNG instead would shift the dropout stream of a resumed run by one draw.
+        # global RNG instead would shift the dropout stream of a resumed run by one draw. It is reseeded
+        # from (seed, epoch) by every __iter__, so the worker seeds do not depend on how many iterators
+        # this process created before (a resumed run would otherwise replay epoch 0's seeds).
+        self.seed = seed
+        self.generator = torch.Generator()
         self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, num_workers=num_workers,
                                  collate_fn=collate_fn, drop_last=True, pin_memory=pin_memory,
-                                 persistent_workers=False, generator=torch.Generator().manual_seed(seed))
+                                 persistent_workers=False, generator=self.generator)
         self.batches_consumed = 0
 
     def __len__(self) -> int:
@@ -88,7 +96,12 @@ class ResumableDataLoader:
     def epoch(self) -> int:
         return self.sampler.epoch
 
+    def _epoch_seed(self) -> int:
+        """The seed of this epoch's worker base seed: a pure function of (seed, epoch), in torch's seed range."""
+        return (self.seed * 1_000_003 + self.sampler.epoch) % (1 << 64)
+
     def __iter__(self) -> Iterator[Any]:
+        self.generator.manual_seed(self._epoch_seed())
         self.sampler.start = self.batches_consumed * self.batch_size
         for batch in self.loader:
             self.batches_consumed += 1
@@ -103,6 +116,31 @@ class ResumableDataLoader:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.sampler.epoch = state["epoch"]
         self.batches_consumed = state["batches_consumed"]
+
+    def seek(self, global_samples: int) -> None:
+        """Position the loader after ``global_samples`` samples consumed by all ranks together.
+
+        For resuming a checkpoint saved at another world size, where the per-rank positions do not
+        apply. One global batch is ``batch_size * world_size`` samples (this loader's values) and an
+        epoch is ``len(self)`` global batches; the position becomes
+        ``epoch = global_samples // samples_per_epoch`` and
+        ``batches_consumed = (global_samples % samples_per_epoch) // (batch_size * world_size)``
+        (a partial global batch is rounded down: those samples are seen again).
+
+        The order within an epoch is one permutation of the dataset that depends on (seed, epoch)
+        only, and the ranks take strided slices of its first ``samples_per_epoch`` entries; the
+        first ``n`` global batches therefore cover its first ``n * batch_size * world_size`` entries
+        whatever the world size. So when the epoch length in global samples is unchanged (the
+        dataset's length divides into both the old and the new global batch), the samples the
+        resumed run still sees in this epoch are exactly those the original run had not yet seen;
+        otherwise the epoch boundaries move and the match is approximate.
+        """
+        if global_samples < 0:
+            raise ValueError(f"global_samples must be >= 0, got {global_samples}")
+        global_batch = self.batch_size * self.sampler.world_size
+        samples_per_epoch = len(self) * global_batch
+        self.sampler.epoch = global_samples // samples_per_epoch
+        self.batches_consumed = (global_samples % samples_per_epoch) // global_batch
 
 
 def repeat_batches(loader: ResumableDataLoader) -> Iterator[Any]:

@@ -166,6 +166,22 @@ def test_fp32_export_loads_into_the_plain_model(tmp_path):
     assert export_main([str(tmp_path / "empty"), str(tmp_path / "x.safetensors")]) == 1
 
 
+def test_export_into_a_missing_directory_is_an_error_message(tmp_path, capsys):
+    engine = small_engine()
+    train_steps(engine, 1)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    missing = tmp_path / f"no_such_dir_{torch.randint(1 << 30, ()).item()}" / "sub"
+    capsys.readouterr()
+    assert export_main([str(tmp_path / "ckpt"), str(missing / "out.safetensors")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(missing) in err and "does not exist" in err
+    assert not missing.exists()
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert export_main([str(tmp_path / "ckpt"), str(a_file / "out.safetensors")]) == 1
+    assert str(a_file) in capsys.readouterr().err
+
+
 def test_module_only_load_takes_weights_not_counters(tmp_path):
     engine = small_engine()
     train_steps(engine, 2)

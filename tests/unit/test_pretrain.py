@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import re
 import signal
 import subprocess
@@ -72,7 +73,67 @@ def test_prune_keeps_the_newest_and_the_latest(tmp_path):
     for step in (1, 5, 10, 20, 100):
         (tmp_path / f"global_step{step}").mkdir()
     (tmp_path / "custom_tag").mkdir()
-    (tmp_path / "latest").write_text("global_step5")
+    (tmp_path / "latest").write_text("global_step100")
     prune_checkpoints(str(tmp_path), keep_last=2)
     left = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
-    assert left == ["custom_tag", "global_step100", "global_step20", "global_step5"]
+    assert left == ["custom_tag", "global_step100", "global_step20"]
+
+
+def test_prune_never_touches_tags_newer_than_latest(tmp_path):
+    sys.path.insert(0, str(ROOT))
+    from pretrain import prune_checkpoints
+
+    rng = random.Random()
+    steps = rng.sample(range(1, 1000), rng.randrange(6, 12))
+    latest = sorted(steps)[rng.randrange(1, len(steps) - 1)]  # some tags are older than latest, some newer
+    keep_last = rng.randrange(1, 4)
+    for step in steps:
+        (tmp_path / f"global_step{step}").mkdir()
+    (tmp_path / "custom_tag").mkdir()
+    (tmp_path / "latest").write_text(f"global_step{latest}\n")
+    prune_checkpoints(str(tmp_path), keep_last=keep_last)
+    older = sorted(s for s in steps if s <= latest)
+    expected = {f"global_step{s}" for s in older[-keep_last:] + [s for s in steps if s > latest]} | {"custom_tag"}
+    assert {p.name for p in tmp_path.iterdir() if p.is_dir()} == expected, (steps, latest, keep_last)
+    assert f"global_step{latest}" in expected
+    # No "latest", or one naming a tag that is not global_stepN: nothing to anchor on, nothing deleted.
+    before = {p.name for p in tmp_path.iterdir()}
+    (tmp_path / "latest").write_text("custom_tag")
+    prune_checkpoints(str(tmp_path), keep_last=1)
+    (tmp_path / "latest").unlink()
+    prune_checkpoints(str(tmp_path), keep_last=1)
+    assert {p.name for p in tmp_path.iterdir()} == before - {"latest"}
+
+
+def test_no_resume_into_a_directory_with_a_checkpoint_is_refused(tmp_path, capsys, monkeypatch):
+    sys.path.insert(0, str(ROOT))
+    import pretrain as job
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the run should stop before building anything")
+
+    monkeypatch.setattr(job, "build_dataset", no_model)
+    monkeypatch.setattr(job, "build_model", no_model)
+    save_dir = tmp_path / f"run{random.randrange(1 << 30)}"
+    (save_dir / "global_step7").mkdir(parents=True)
+    (save_dir / "latest").write_text("global_step7")
+    assert job.main(["--no-resume", "--save-dir", str(save_dir), "--steps", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(save_dir) in err and "--save-dir" in err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in save_dir.iterdir()) == ["global_step7", "latest"]  # nothing written or deleted
+
+
+@pytest.mark.parametrize("top_level", [[], [{"train_batch_size": 4}], "tiny", 3, None])
+def test_config_whose_top_level_is_not_an_object_is_a_config_error(tmp_path, top_level):
+    sys.path.insert(0, str(ROOT))
+    import pretrain as job
+    from angelptm.errors import ConfigError
+
+    path = tmp_path / f"cfg{random.randrange(1 << 30)}.json"
+    path.write_text(json.dumps(top_level))
+    with pytest.raises(ConfigError, match=re.escape(str(path)) + ".*JSON object"):
+        job.read_config(job.parse_args(["--config", str(path)]))
+    path.write_text(json.dumps({"train_batch_size": 4, "train": top_level}))
+    with pytest.raises(ConfigError, match=re.escape(str(path)) + '.*"train" must be a JSON object'):
+        job.read_config(job.parse_args(["--config", str(path), "--steps", "5"]))

@@ -115,12 +115,12 @@ def test_everything_on_the_device_when_it_fits():
 
 
 @pytest.mark.parametrize("extra_chunks", [0, 1, 3, 7])
-def test_device_takes_resident_params_then_optimizer_groups_of_the_last_chunks(extra_chunks):
+def test_device_takes_resident_params_then_optimizer_groups_of_the_first_chunks(extra_chunks):
     budget = 20_000 + extra_chunks * 16_000 + 15_999  # params, then whole optimizer groups only
     plan = make_plan(inputs(device_budget_bytes=budget, nonmodel_peak_bytes=0))
     assert plan.params_resident
     assert plan.optimizer_tier.count(DEVICE) == extra_chunks
-    assert all(t == DEVICE for t in plan.optimizer_tier[10 - extra_chunks:])  # backward finishes these first
+    assert all(t == DEVICE for t in plan.optimizer_tier[:extra_chunks])  # the next forward needs these first
     assert plan.host_bytes == (10 - extra_chunks) * 16_000
 
 
