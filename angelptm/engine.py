@@ -161,6 +161,8 @@ class Engine(nn.Module):
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}"
                              f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
         start = self._clock()
+        if self.optimizer is not None:
+            self.optimizer.prepare_backward(self.is_gradient_accumulation_boundary())
         if scale_wrt_gas:
             loss = loss / self.gradient_accumulation_steps()
         scaled = loss.float() * self.loss_scale

@@ -100,6 +100,9 @@ class MixedPrecisionOptimizer:
     def state(self) -> dict:
         return self.optimizer.state
 
+    def prepare_backward(self, boundary: bool) -> None:
+        """Nothing to prepare: gradients always accumulate into the flat fp32 buffer."""
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the accumulated gradients (the buffer is reused, never freed)."""
         self.flat_grad.zero_()

@@ -114,6 +114,9 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
         losses.append(step(batch).item())  # .item() syncs
         times.append(time.perf_counter() - start)
     step_s = statistics.median(times[3:])
+    if mode == "zero_cache":
+        waits = ", ".join(f"{k} {v / steps * 1e3:.0f} ms" for k, v in optimizer.timings.items())
+        print(f"zero_cache: per step {waits}", file=sys.stderr)
     tokens = micro * 1024
     return {"size": size, "mode": mode, "params": num_params, "step_s": step_s, "tokens_per_s": tokens / step_s,
             "tflops": tokens * flops_per_token / step_s / 1e12,

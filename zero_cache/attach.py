@@ -17,7 +17,7 @@ from zero_cache.chunks import ChunkStore
 from zero_cache.config import ZeroCacheConfig
 from zero_cache.layout import ChunkLayout, pack, search_chunk_size
 from zero_cache.optimizer import ZeroCacheOptimizer
-from zero_cache.planner import DEVICE, HOST, Plan, PlanInputs, make_plan
+from zero_cache.planner import DEVICE, HOST, Plan, PlanError, PlanInputs, make_plan
 from zero_cache.tiers import build_tiers
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class WarmupTracer:
         if self.recording:
             self.trace.extend(chunks)
 
-    def replan(self, optimizer: ZeroCacheOptimizer) -> Plan:
+    def replan(self, optimizer: ZeroCacheOptimizer) -> Plan | None:
         """Plan again from the recorded trace and measured peak; move groups whose tier changed."""
         self.recording = False
         store = optimizer.store
@@ -60,7 +60,11 @@ class WarmupTracer:
             nonmodel = max(0, torch.cuda.max_memory_allocated(device_tier.device) - device_tier.used_bytes)
         inputs = plan_inputs(self.layout, self.config, self.compute_dtype, device_tier.budget_bytes,
                              host_tier.budget_bytes, tuple(self.trace), nonmodel)
-        plan = make_plan(inputs)
+        try:
+            plan = make_plan(inputs)
+        except PlanError as err:  # the running plan works; a worse estimate must not stop the run
+            logger.warning("ZeRO-Cache re-plan after warm-up failed, keeping the current placement: %s", err)
+            return None
         optimizer.finish_pending()
         moved = store.apply_plan(plan)
         logger.info("ZeRO-Cache re-plan after warm-up (non-model peak %d MiB): %s; %d groups moved",
@@ -101,6 +105,8 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     hybrid = ZeroCacheOptimizer(store, optimizer, names, decoupled_weight_decay=decoupled_weight_decay,
                                 loss_scaler=loss_scaler, gradient_clipping=gradient_clipping)
     tracer = WarmupTracer(layout, config, compute_dtype)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # the warm-up measures the non-model peak from here
     _register_forward_hooks(module, store, hybrid, tracer)
     hybrid.after_first_step = lambda: tracer.replan(hybrid)
     return hybrid

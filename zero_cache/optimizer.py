@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -79,6 +80,11 @@ class ZeroCacheOptimizer:
         self._param_ready: dict[int, torch.cuda.Event] = {}
         self._host_done: Future | None = None
         self._staging: dict[int, torch.Tensor] = {}
+        self._written: set[str] = set()  # slots that received a gradient in this accumulation window
+        self._host_squares: list[float] = []  # squared norms of host slots, taken by the worker
+        self._boundary = True
+        self.timings = dict.fromkeys(("grad_wait", "host_update", "chunk_wait"), 0.0)
+        """Seconds the training thread waited for host gradients / for host updates, and worker time."""
         self.after_first_step: Any = None
         """Called once after the first applied step (the warm-up re-plan)."""
         for param, (_, slot) in zip(self._params_in_member_order(), self.members):
@@ -97,19 +103,30 @@ class ZeroCacheOptimizer:
         return {"step": self.step_count}
 
     # ------------------------------------------------------------------ gradients
+    def prepare_backward(self, boundary: bool) -> None:
+        """Told by the engine before each backward whether it completes an accumulation window."""
+        self._boundary = boundary
+
     def _make_grad_hook(self, slot: TensorSlot):
         def hook(param: nn.Parameter) -> None:
             grad = param.grad
             param.grad = None
+            first = slot.name not in self._written  # the first gradient of a window is copied, not added
+            self._written.add(slot.name)
             if self.store.tier_of(slot) == DEVICE or not self._cuda:
-                self.store.state_view(slot, "grad").add_(grad.reshape(-1))
+                accumulator = self.store.state_view(slot, "grad")
+                accumulator.copy_(grad.reshape(-1)) if first else accumulator.add_(grad.reshape(-1))
                 return
-            self._pending_grads.append(self._copy_grad_to_host(slot, grad))
+            self._pending_grads.append(self._copy_grad_to_host(slot, grad, first))
 
         return hook
 
-    def _copy_grad_to_host(self, slot: TensorSlot, grad: torch.Tensor) -> Future:
-        """Async D2H into the chunk's pinned staging buffer, then an fp32 add on the worker."""
+    def _copy_grad_to_host(self, slot: TensorSlot, grad: torch.Tensor, first: bool) -> Future:
+        """Async D2H into the chunk's pinned staging buffer, then an fp32 copy/add on the worker.
+
+        At the window's last micro-step the worker also takes the slot's squared norm, so the
+        global norm at ``step()`` is a sum of partials computed while backward was still running.
+        """
         staging = self._staging_chunk(slot.chunk)[slot.offset:slot.offset + slot.numel]
         self._d2h.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._d2h):
@@ -118,10 +135,13 @@ class ZeroCacheOptimizer:
             copied = torch.cuda.Event()
             copied.record()
         accumulator = self.store.state_view(slot, "grad")
+        boundary = self._boundary
 
         def accumulate() -> None:
             copied.synchronize()
-            accumulator.add_(staging)
+            accumulator.copy_(staging) if first else accumulator.add_(staging)
+            if boundary:
+                self._host_squares.append(float(torch.linalg.vector_norm(accumulator)) ** 2)
 
         return self._worker.submit(accumulate)
 
@@ -132,21 +152,28 @@ class ZeroCacheOptimizer:
         return self._staging[chunk]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for group in self.store.groups:
-            group.field("grad").zero_()
-
-    # ------------------------------------------------------------------ step
-    def _grad_norm(self) -> float:
+        """Start a new accumulation window: the next gradient of each parameter overwrites its buffer."""
         for future in self._pending_grads:
             future.result()
         self._pending_grads.clear()
-        squares = {DEVICE: [], HOST: []}
-        for group in self.store.groups:
-            squares[group.tier].append(group.field("grad"))
-        total = 0.0
-        for tensors in squares.values():
-            if tensors:
-                total += float(torch.stack([torch.linalg.vector_norm(t) ** 2 for t in tensors]).sum())
+        self._written.clear()
+        self._host_squares.clear()
+
+    # ------------------------------------------------------------------ step
+    def _grad_norm(self) -> float:
+        start = time.perf_counter()
+        for future in self._pending_grads:
+            future.result()
+        self._pending_grads.clear()
+        self.timings["grad_wait"] += time.perf_counter() - start
+        for _, slot in self.members:  # parameters that got no gradient this window hold stale values
+            if slot.name not in self._written:
+                self.store.state_view(slot, "grad").zero_()
+        inline = [self.store.state_view(s, "grad") for _, s in self.members
+                  if self.store.tier_of(s) == DEVICE or not self._cuda or not self._host_squares]
+        total = sum(self._host_squares) if self._cuda and self._host_squares else 0.0
+        if inline:
+            total += float(torch.stack(torch._foreach_norm(inline)).double().pow(2).sum())
         return math.sqrt(total)
 
     def step(self) -> bool:
@@ -166,13 +193,20 @@ class ZeroCacheOptimizer:
             grad_factor *= self.gradient_clipping / (norm + 1e-6)  # clip_grad_norm_'s rule
         self.step_count += 1
         if self._cuda:
-            self._host_done = self._worker.submit(self._update_tier, HOST, grad_factor)
+            self._host_done = self._worker.submit(self._timed_host_update, grad_factor)
         else:
-            self._update_tier(HOST, grad_factor)
+            self._timed_host_update(grad_factor)
         self._update_tier(DEVICE, grad_factor)
+        self._written.clear()
+        self._host_squares.clear()
         if self.step_count == 1 and self.after_first_step is not None:
             self.after_first_step()
         return True
+
+    def _timed_host_update(self, grad_factor: float) -> None:
+        start = time.perf_counter()
+        self._update_tier(HOST, grad_factor)
+        self.timings["host_update"] += time.perf_counter() - start
 
     def _update_tier(self, tier: str, grad_factor: float) -> None:
         """Adam over every parameter whose optimizer group lives in ``tier``, then refresh its params.
@@ -195,7 +229,6 @@ class ZeroCacheOptimizer:
                 self._adam(tier, slots, self.optimizer.param_groups[index], grad_factor)
             for chunk in batch:
                 self._refresh_param_chunk(chunk)
-                self.store.groups[chunk].field("grad").zero_()
 
     def _adam(self, tier: str, slots: list[TensorSlot], hyper: dict[str, Any], grad_factor: float) -> None:
         views = {f: [self.store.state_view(s, f) for s in slots] for f in ("master", "exp_avg", "exp_avg_sq", "grad")}
@@ -228,8 +261,10 @@ class ZeroCacheOptimizer:
     def wait_for_chunk(self, chunk: int) -> None:
         """Make the compute stream wait until ``chunk``'s params are updated (forward pre-hook)."""
         if self._host_done is not None:
+            start = time.perf_counter()
             self._host_done.result()  # the worker has issued every host chunk's copy
             self._host_done = None
+            self.timings["chunk_wait"] += time.perf_counter() - start
         ready = self._param_ready.pop(chunk, None)
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)

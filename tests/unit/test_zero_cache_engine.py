@@ -29,10 +29,12 @@ def budgets(model: torch.nn.Module) -> tuple[int, int]:
     return total // 4, int(total * 0.9)
 
 
-def zero_cache_config(device_budget: int, host_budget: int, **extra) -> dict:
-    return ds_config(bf16={"enabled": True}, gradient_clipping=1.0,
-                     zero_cache={"enabled": True, "device_memory_budget": device_budget,
-                                 "host_memory_budget": host_budget, "chunk_size": CHUNK_NUMEL, **extra})
+def zero_cache_config(device_budget: int, host_budget: int, **overrides) -> dict:
+    config = ds_config(bf16={"enabled": True}, gradient_clipping=1.0,
+                       zero_cache={"enabled": True, "device_memory_budget": device_budget,
+                                   "host_memory_budget": host_budget, "chunk_size": CHUNK_NUMEL})
+    config.update(overrides)
+    return config
 
 
 def run(engine: angelptm.Engine, batches: list[dict]) -> list[float]:
@@ -73,15 +75,16 @@ def test_states_four_times_the_device_budget_train_like_the_reference():
         torch.testing.assert_close(param.float(), masters[name].to(torch.bfloat16).float(), rtol=0, atol=0)
 
 
-def test_fp32_zero_cache_matches_the_replicated_engine_closely():
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_fp32_zero_cache_matches_the_replicated_engine_closely(accumulation):
     seed = torch.randint(0, 10_000, ()).item()
-    batches = random_batches(seed, count=5, batch=4)
+    batches = random_batches(seed, count=4 * accumulation, batch=4)
     device_budget, host_budget = budgets(six_layer_llama(seed))
-    config = zero_cache_config(device_budget, host_budget)
+    config = zero_cache_config(device_budget, host_budget, gradient_accumulation_steps=accumulation)
     del config["bf16"]
     zc_engine, zc_opt, _, _ = angelptm.initialize(model=six_layer_llama(seed), config=config)
-    plain_engine, plain_opt, _, _ = angelptm.initialize(model=six_layer_llama(seed),
-                                                        config=ds_config(gradient_clipping=1.0))
+    plain_engine, plain_opt, _, _ = angelptm.initialize(model=six_layer_llama(seed), config=ds_config(
+        gradient_clipping=1.0, gradient_accumulation_steps=accumulation))
     assert run(zc_engine, batches) == pytest.approx(run(plain_engine, batches), rel=1e-5)
     zc, plain = zc_opt.master_state_dict(), plain_opt.master_state_dict()
     for name in plain:
