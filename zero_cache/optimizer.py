@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -82,6 +83,8 @@ class ZeroCacheOptimizer:
         self._staging: dict[int, torch.Tensor] = {}
         self._written: set[str] = set()  # slots that received a gradient in this accumulation window
         self._host_squares: list[float] = []  # squared norms of host slots, taken by the worker
+        self._device_squares: list[torch.Tensor] = []  # squared norms of host slots' grads, taken on the GPU
+        self._host_ready: dict[int, threading.Event] = {}  # host chunks whose update is still being issued
         self._boundary = True
         self.timings = dict.fromkeys(("grad_wait", "host_update", "chunk_wait"), 0.0)
         """Seconds the training thread waited for host gradients / for host updates, and worker time."""
@@ -117,11 +120,13 @@ class ZeroCacheOptimizer:
                 accumulator = self.store.state_view(slot, "grad")
                 accumulator.copy_(grad.reshape(-1)) if first else accumulator.add_(grad.reshape(-1))
                 return
-            self._pending_grads.append(self._copy_grad_to_host(slot, grad, first))
+            if first and self._boundary:  # the whole window is this one gradient: take its norm on the GPU
+                self._device_squares.append(torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2)
+            self._pending_grads.append(self._copy_grad_to_host(slot, grad, first, norm_on_host=not first))
 
         return hook
 
-    def _copy_grad_to_host(self, slot: TensorSlot, grad: torch.Tensor, first: bool) -> Future:
+    def _copy_grad_to_host(self, slot: TensorSlot, grad: torch.Tensor, first: bool, norm_on_host: bool) -> Future:
         """Async D2H into the chunk's pinned staging buffer, then an fp32 copy/add on the worker.
 
         At the window's last micro-step the worker also takes the slot's squared norm, so the
@@ -135,7 +140,7 @@ class ZeroCacheOptimizer:
             copied = torch.cuda.Event()
             copied.record()
         accumulator = self.store.state_view(slot, "grad")
-        boundary = self._boundary
+        boundary = self._boundary and norm_on_host
 
         def accumulate() -> None:
             copied.synchronize()
@@ -158,6 +163,7 @@ class ZeroCacheOptimizer:
         self._pending_grads.clear()
         self._written.clear()
         self._host_squares.clear()
+        self._device_squares.clear()
 
     # ------------------------------------------------------------------ step
     def _grad_norm(self) -> float:
@@ -169,11 +175,14 @@ class ZeroCacheOptimizer:
         for _, slot in self.members:  # parameters that got no gradient this window hold stale values
             if slot.name not in self._written:
                 self.store.state_view(slot, "grad").zero_()
+        host_done = self._cuda and (self._host_squares or self._device_squares)
         inline = [self.store.state_view(s, "grad") for _, s in self.members
-                  if self.store.tier_of(s) == DEVICE or not self._cuda or not self._host_squares]
-        total = sum(self._host_squares) if self._cuda and self._host_squares else 0.0
-        if inline:
-            total += float(torch.stack(torch._foreach_norm(inline)).double().pow(2).sum())
+                  if self.store.tier_of(s) == DEVICE or not host_done]
+        total = sum(self._host_squares) if host_done else 0.0
+        squares = [n.pow(2) for n in torch._foreach_norm(inline)] if inline else []
+        squares += self._device_squares if host_done else []
+        if squares:
+            total += float(torch.stack([q.double() for q in squares]).sum())  # the one sync of the step
         return math.sqrt(total)
 
     def step(self) -> bool:
@@ -193,12 +202,14 @@ class ZeroCacheOptimizer:
             grad_factor *= self.gradient_clipping / (norm + 1e-6)  # clip_grad_norm_'s rule
         self.step_count += 1
         if self._cuda:
+            self._host_ready = {c: threading.Event() for c, g in enumerate(self.store.groups) if g.tier == HOST}
             self._host_done = self._worker.submit(self._timed_host_update, grad_factor)
         else:
             self._timed_host_update(grad_factor)
         self._update_tier(DEVICE, grad_factor)
         self._written.clear()
         self._host_squares.clear()
+        self._device_squares.clear()
         if self.step_count == 1 and self.after_first_step is not None:
             self.after_first_step()
         return True
@@ -257,13 +268,19 @@ class ZeroCacheOptimizer:
             ready = torch.cuda.Event()
             ready.record()
         self._param_ready[chunk] = ready
+        issued = self._host_ready.get(chunk)
+        if issued is not None:
+            issued.set()  # the training thread may now order its stream after this copy
 
     def wait_for_chunk(self, chunk: int) -> None:
         """Make the compute stream wait until ``chunk``'s params are updated (forward pre-hook)."""
-        if self._host_done is not None:
+        issued = self._host_ready.pop(chunk, None)
+        if issued is not None and not issued.is_set():
             start = time.perf_counter()
-            self._host_done.result()  # the worker has issued every host chunk's copy
-            self._host_done = None
+            while not issued.wait(0.005):  # only this chunk's update, not the whole host tier
+                if self._host_done is not None and self._host_done.done():
+                    self._host_done.result()  # re-raises a worker failure instead of waiting forever
+                    break
             self.timings["chunk_wait"] += time.perf_counter() - start
         ready = self._param_ready.pop(chunk, None)
         if ready is not None:
@@ -271,7 +288,7 @@ class ZeroCacheOptimizer:
 
     def finish_pending(self) -> None:
         """Block until every host update and copy has landed (before checkpoints and re-planning)."""
-        for chunk in list(self._param_ready):
+        for chunk in list(self._host_ready) + list(self._param_ready):
             self.wait_for_chunk(chunk)
         if self._host_done is not None:
             self._host_done.result()

@@ -57,7 +57,7 @@ class PlanInputs:
     """Peak device bytes not owned by ZeRO-Cache (activations, workspace), from the warm-up."""
     prefetch_depth: int = 2
     """Chunks fetched ahead of use when params are cached rather than resident."""
-    margin_fraction: float = 0.05
+    margin_fraction: float = 0.03
     """Device budget kept free for allocator fragmentation and transients."""
 
     @property

@@ -12,8 +12,10 @@ import torch
 
 from zero_cache.units import format_bytes
 
-AUTO_MARGIN_FRACTION = 0.10
-""""auto" budgets leave this share of the measured free memory to everything else."""
+AUTO_MARGIN_FRACTION = 0.03
+""""auto" budgets leave this share of the measured free memory to everything else..."""
+AUTO_MARGIN_MIN_BYTES = 2**30
+"""...and at least this many bytes."""
 
 
 class TierFullError(MemoryError):
@@ -63,7 +65,7 @@ def auto_device_budget(device: torch.device) -> int:
     """Free memory on the compute device, less the margin (host RAM stands in on CPU-only runs)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free * (1 - AUTO_MARGIN_FRACTION))
+        return int(free - max(AUTO_MARGIN_MIN_BYTES, free * AUTO_MARGIN_FRACTION))
     return int(psutil.virtual_memory().available * 0.5 * (1 - AUTO_MARGIN_FRACTION))
 
 
