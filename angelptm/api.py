@@ -151,7 +151,8 @@ def _attach_zero_cache(model: nn.Module, inner: torch.optim.Optimizer, names: di
     try:
         return zero_cache.attach(model, inner, names, cfg.zero_cache, compute_dtype=cfg.precision.dtype,
                                  device=ctx.device, decoupled_weight_decay=decoupled, loss_scaler=scaler,
-                                 gradient_clipping=cfg.gradient_clipping)
+                                 gradient_clipping=cfg.gradient_clipping,
+                                 accumulation_steps=cfg.batch.gradient_accumulation_steps)
     except ValueError as err:  # PlanError (does not fit) or a layout error (chunk_size too small)
         raise ConfigError(str(err)) from None
 

@@ -30,10 +30,18 @@ def build_layout(params: list[tuple[str, nn.Parameter]], config: ZeroCacheConfig
     return pack(shapes, chunk_numel)
 
 
+def grad_dtype(compute_dtype: torch.dtype, accumulation_steps: int) -> torch.dtype:
+    """Gradients stay in the compute dtype when each window is one micro-batch, else accumulate in fp32."""
+    return compute_dtype if accumulation_steps == 1 else torch.float32
+
+
 def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: torch.dtype, device_budget: int,
-                host_budget: int, trace: tuple[int, ...] = (), nonmodel_peak_bytes: int = 0) -> PlanInputs:
+                host_budget: int, accumulation_steps: int, trace: tuple[int, ...] = (),
+                nonmodel_peak_bytes: int = 0) -> PlanInputs:
     return PlanInputs(num_chunks=layout.num_chunks, chunk_numel=layout.chunk_numel,
                       param_bytes_per_element=torch.empty((), dtype=compute_dtype).element_size(),
+                      grad_bytes_per_element=torch.empty((), dtype=grad_dtype(compute_dtype,
+                                                                              accumulation_steps)).element_size(),
                       device_budget_bytes=device_budget, host_budget_bytes=host_budget, trace=trace,
                       nonmodel_peak_bytes=nonmodel_peak_bytes, prefetch_depth=config.prefetch_depth)
 
@@ -41,8 +49,10 @@ def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: tor
 class WarmupTracer:
     """Records chunk order in the first forward and re-plans after the first step."""
 
-    def __init__(self, layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: torch.dtype) -> None:
+    def __init__(self, layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: torch.dtype,
+                 accumulation_steps: int) -> None:
         self.layout, self.config, self.compute_dtype = layout, config, compute_dtype
+        self.accumulation_steps = accumulation_steps
         self.trace: list[int] = []
         self.recording = True
 
@@ -59,7 +69,7 @@ class WarmupTracer:
         if device_tier.device.type == "cuda":
             nonmodel = max(0, torch.cuda.max_memory_allocated(device_tier.device) - device_tier.used_bytes)
         inputs = plan_inputs(self.layout, self.config, self.compute_dtype, device_tier.budget_bytes,
-                             host_tier.budget_bytes, tuple(self.trace), nonmodel)
+                             host_tier.budget_bytes, self.accumulation_steps, tuple(self.trace), nonmodel)
         try:
             plan = make_plan(inputs)
         except PlanError as err:  # the running plan works; a worse estimate must not stop the run
@@ -74,7 +84,8 @@ class WarmupTracer:
 
 def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int, str], config: ZeroCacheConfig,
            *, compute_dtype: torch.dtype, device: torch.device, decoupled_weight_decay: bool = True,
-           loss_scaler: Any = None, gradient_clipping: float = 0.0) -> ZeroCacheOptimizer:
+           loss_scaler: Any = None, gradient_clipping: float = 0.0, accumulation_steps: int = 1
+           ) -> ZeroCacheOptimizer:
     """Move ``module``'s trainable parameters into ZeRO-Cache and return the hybrid optimizer.
 
     Args:
@@ -84,6 +95,7 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
         config: the ``zero_cache`` section.
         compute_dtype, device: the module's dtype and device.
         decoupled_weight_decay, loss_scaler, gradient_clipping: as in the replicated optimizer.
+        accumulation_steps: micro-batches per step (1 keeps gradients in the compute dtype).
 
     Raises:
         PlanError: the model states do not fit; nothing has been allocated.
@@ -98,13 +110,15 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     params = [(name, p) for name, p in module.named_parameters() if id(p) in in_optimizer]
     layout = build_layout(params, config)
     device_tier, host_tier = build_tiers(device, config.device_budget_bytes, config.host_budget_bytes)
-    plan = make_plan(plan_inputs(layout, config, compute_dtype, device_tier.budget_bytes, host_tier.budget_bytes))
+    plan = make_plan(plan_inputs(layout, config, compute_dtype, device_tier.budget_bytes, host_tier.budget_bytes,
+                                 accumulation_steps))
     logger.info("ZeRO-Cache: %d chunks of %d elements (%.1f%% padding); %s", layout.num_chunks,
                 layout.chunk_numel, 100 * layout.waste_fraction, plan.summary())
-    store = ChunkStore(layout, [p for _, p in params], plan, {DEVICE: device_tier, HOST: host_tier}, compute_dtype)
+    store = ChunkStore(layout, [p for _, p in params], plan, {DEVICE: device_tier, HOST: host_tier}, compute_dtype,
+                       grad_dtype(compute_dtype, accumulation_steps))
     hybrid = ZeroCacheOptimizer(store, optimizer, names, decoupled_weight_decay=decoupled_weight_decay,
                                 loss_scaler=loss_scaler, gradient_clipping=gradient_clipping)
-    tracer = WarmupTracer(layout, config, compute_dtype)
+    tracer = WarmupTracer(layout, config, compute_dtype, accumulation_steps)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # the warm-up measures the non-model peak from here
     _register_forward_hooks(module, store, hybrid, tracer)

@@ -122,9 +122,22 @@ class ZeroCacheOptimizer:
                 return
             if first and self._boundary:  # the whole window is this one gradient: take its norm on the GPU
                 self._device_squares.append(torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2)
+            if self.store.grad_dtype == grad.dtype:  # single-micro-batch windows: straight into the host chunk
+                self._copy_async(self.store.state_view(slot, "grad"), grad)
+                return
             self._pending_grads.append(self._copy_grad_to_host(slot, grad, first, norm_on_host=not first))
 
         return hook
+
+    def _copy_async(self, destination: torch.Tensor, grad: torch.Tensor) -> torch.cuda.Event:
+        """Device-to-host copy on the D2H stream, ordered after the gradient's producer."""
+        self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._d2h):
+            destination.copy_(grad.reshape(-1), non_blocking=True)
+            grad.record_stream(self._d2h)  # keep the gradient alive until the copy is done
+            copied = torch.cuda.Event()
+            copied.record()
+        return copied
 
     def _copy_grad_to_host(self, slot: TensorSlot, grad: torch.Tensor, first: bool, norm_on_host: bool) -> Future:
         """Async D2H into the chunk's pinned staging buffer, then an fp32 copy/add on the worker.
@@ -133,12 +146,7 @@ class ZeroCacheOptimizer:
         global norm at ``step()`` is a sum of partials computed while backward was still running.
         """
         staging = self._staging_chunk(slot.chunk)[slot.offset:slot.offset + slot.numel]
-        self._d2h.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._d2h):
-            staging.copy_(grad.reshape(-1), non_blocking=True)
-            grad.record_stream(self._d2h)  # keep the gradient alive until the copy is done
-            copied = torch.cuda.Event()
-            copied.record()
+        copied = self._copy_async(staging, grad)
         accumulator = self.store.state_view(slot, "grad")
         boundary = self._boundary and norm_on_host
 
@@ -203,7 +211,9 @@ class ZeroCacheOptimizer:
         self.step_count += 1
         if self._cuda:
             self._host_ready = {c: threading.Event() for c, g in enumerate(self.store.groups) if g.tier == HOST}
-            self._host_done = self._worker.submit(self._timed_host_update, grad_factor)
+            grads_landed = torch.cuda.Event()
+            grads_landed.record(self._d2h)  # after every gradient copy issued during backward
+            self._host_done = self._worker.submit(self._timed_host_update, grad_factor, grads_landed)
         else:
             self._timed_host_update(grad_factor)
         self._update_tier(DEVICE, grad_factor)
@@ -214,38 +224,42 @@ class ZeroCacheOptimizer:
             self.after_first_step()
         return True
 
-    def _timed_host_update(self, grad_factor: float) -> None:
+    def _timed_host_update(self, grad_factor: float, grads_landed: torch.cuda.Event | None = None) -> None:
         start = time.perf_counter()
+        if grads_landed is not None:
+            grads_landed.synchronize()
         self._update_tier(HOST, grad_factor)
         self.timings["host_update"] += time.perf_counter() - start
 
     def _update_tier(self, tier: str, grad_factor: float) -> None:
-        """Adam over every parameter whose optimizer group lives in ``tier``, then refresh its params.
+        """Adam over every chunk whose optimizer group lives in ``tier``, in forward order.
 
-        The device tier runs one fused kernel per param group over all its chunks; the host tier
-        goes chunk by chunk in forward order, starting each chunk's host->device copy as soon as
-        its update is done, so copies overlap the remaining CPU work and the next forward.
+        Each chunk's params are refreshed as soon as its update is done; for host chunks that
+        starts the host->device copy, which overlaps the remaining CPU work and the next forward.
         """
-        chunks = [c for c, group in enumerate(self.store.groups) if group.tier == tier]
-        if not chunks:
-            return
-        batches = [chunks] if tier == DEVICE else [[c] for c in chunks]
-        for batch in batches:
-            in_batch = set(batch)
-            by_group: dict[int, list[TensorSlot]] = {}
-            for index, slot in self.members:
-                if slot.chunk in in_batch:
-                    by_group.setdefault(index, []).append(slot)
-            for index, slots in by_group.items():
-                self._adam(tier, slots, self.optimizer.param_groups[index], grad_factor)
-            for chunk in batch:
-                self._refresh_param_chunk(chunk)
+        slots_of: dict[int, dict[int, list[TensorSlot]]] = {}
+        for index, slot in self.members:
+            if self.store.tier_of(slot) == tier:
+                slots_of.setdefault(slot.chunk, {}).setdefault(index, []).append(slot)
+        for chunk in sorted(slots_of):
+            grads = self._fp32_grads(chunk, tier, grad_factor)
+            for index, slots in slots_of[chunk].items():
+                self._adam(tier, slots, grads, self.optimizer.param_groups[index])
+            self._refresh_param_chunk(chunk)
 
-    def _adam(self, tier: str, slots: list[TensorSlot], hyper: dict[str, Any], grad_factor: float) -> None:
-        views = {f: [self.store.state_view(s, f) for s in slots] for f in ("master", "exp_avg", "exp_avg_sq", "grad")}
+    def _fp32_grads(self, chunk: int, tier: str, grad_factor: float) -> torch.Tensor:
+        """The chunk's gradient in fp32, unscaled and clipped: in place if fp32, else via the tier's scratch."""
+        grad = self.store.groups[chunk].grad
+        if grad.dtype != torch.float32:
+            grad = self.store.scratch[tier].copy_(grad)
         if grad_factor != 1.0:
-            torch._foreach_mul_(views["grad"], grad_factor)
-        args = (views["master"], views["grad"], views["exp_avg"], views["exp_avg_sq"])
+            grad.mul_(grad_factor)
+        return grad
+
+    def _adam(self, tier: str, slots: list[TensorSlot], grads: torch.Tensor, hyper: dict[str, Any]) -> None:
+        views = {f: [self.store.state_view(s, f) for s in slots] for f in ("master", "exp_avg", "exp_avg_sq")}
+        grad_views = [grads[s.offset:s.offset + s.numel] for s in slots]
+        args = (views["master"], grad_views, views["exp_avg"], views["exp_avg_sq"])
         hypers = dict(lr=float(hyper["lr"]), eps=hyper["eps"], weight_decay=hyper["weight_decay"])
         if tier == HOST:
             self.host_adam.update(*args, step=self.step_count, betas=tuple(hyper["betas"]), **hypers)
@@ -261,7 +275,10 @@ class ZeroCacheOptimizer:
         if master.device == param_chunk.device:
             param_chunk.copy_(master)
             return
-        staging = self._staging_chunk(chunk)
+        grad = self.store.groups[chunk].grad
+        # The consumed low-precision gradient chunk doubles as the staging buffer: the next backward
+        # writes it again only after the next forward has waited for this copy.
+        staging = grad if grad.dtype == param_chunk.dtype else self._staging_chunk(chunk)
         staging.copy_(master)  # fp32 -> compute dtype on the host, so the bus carries half the bytes
         with torch.cuda.stream(self._h2d):
             param_chunk.copy_(staging, non_blocking=True)

@@ -3,8 +3,8 @@
 Per chunk there are two groups of state:
 
 * the **param** chunk in the compute dtype, read by forward and backward;
-* the **optimizer group**: fp32 master, exp_avg, exp_avg_sq and the fp32 gradient accumulator,
-  read and written once per step by the optimizer.
+* the **optimizer group**: fp32 master, exp_avg, exp_avg_sq and the gradient (fp32 when
+  micro-batches accumulate, else in the compute dtype), read and written once per step.
 
 The plan decides, in this order of value per device byte:
 
@@ -29,8 +29,8 @@ from typing import Sequence
 from zero_cache.units import format_bytes
 
 DEVICE, HOST = "device", "host"
-OPTIMIZER_BYTES_PER_ELEMENT = 16
-"""fp32 master + exp_avg + exp_avg_sq + fp32 gradient accumulator."""
+STATE_BYTES_PER_ELEMENT = 12
+"""fp32 master + exp_avg + exp_avg_sq (the gradient's bytes come on top, by its dtype)."""
 
 
 class PlanError(ValueError):
@@ -59,14 +59,25 @@ class PlanInputs:
     """Chunks fetched ahead of use when params are cached rather than resident."""
     margin_fraction: float = 0.03
     """Device budget kept free for allocator fragmentation and transients."""
+    grad_bytes_per_element: int = 4
+    """4 for an fp32 gradient accumulator, 2 when single-micro-batch windows keep bf16/fp16 gradients."""
 
     @property
     def param_chunk_bytes(self) -> int:
         return self.chunk_numel * self.param_bytes_per_element
 
     @property
+    def optimizer_bytes_per_element(self) -> int:
+        return STATE_BYTES_PER_ELEMENT + self.grad_bytes_per_element
+
+    @property
     def optimizer_chunk_bytes(self) -> int:
-        return self.chunk_numel * OPTIMIZER_BYTES_PER_ELEMENT
+        return self.chunk_numel * self.optimizer_bytes_per_element
+
+    @property
+    def scratch_bytes(self) -> int:
+        """One fp32 chunk per tier through which the update reads low-precision gradients."""
+        return self.chunk_numel * 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +117,8 @@ def make_plan(inputs: PlanInputs) -> Plan:
         The plan, maximising device residency in the order described in the module docstring.
     """
     n = inputs.num_chunks
-    room = int(inputs.device_budget_bytes * (1 - inputs.margin_fraction)) - inputs.nonmodel_peak_bytes
+    room = (int(inputs.device_budget_bytes * (1 - inputs.margin_fraction)) - inputs.nonmodel_peak_bytes
+            - inputs.scratch_bytes)
     all_params = n * inputs.param_chunk_bytes
     min_slots = min(n, inputs.prefetch_depth + 2)  # in use + being fetched + one spare
     if room >= all_params:
@@ -116,7 +128,7 @@ def make_plan(inputs: PlanInputs) -> Plan:
         # Leave room for optimizer groups only once params are resident; a param cache takes it all.
         params_resident, param_device = False, cache_slots * inputs.param_chunk_bytes
     else:
-        need = min_slots * inputs.param_chunk_bytes + inputs.nonmodel_peak_bytes
+        need = min_slots * inputs.param_chunk_bytes + inputs.nonmodel_peak_bytes + inputs.scratch_bytes
         raise PlanError(_shortfall_message("device", need, inputs.device_budget_bytes, inputs, detail=(
             f"it needs room for {min_slots} param chunks of {format_bytes(inputs.param_chunk_bytes)} besides "
             f"{format_bytes(inputs.nonmodel_peak_bytes)} of activations")))
@@ -127,12 +139,13 @@ def make_plan(inputs: PlanInputs) -> Plan:
     order = first_use_order(inputs.trace, n)
     on_device = set(order[:device_optim])
     tiers = tuple(DEVICE if c in on_device else HOST for c in range(n))
-    host_bytes = (n - device_optim) * inputs.optimizer_chunk_bytes + (0 if params_resident else all_params)
+    host_bytes = ((n - device_optim) * inputs.optimizer_chunk_bytes + (0 if params_resident else all_params)
+                  + inputs.scratch_bytes)
     if host_bytes > inputs.host_budget_bytes:
         raise PlanError(_shortfall_message("host", host_bytes, inputs.host_budget_bytes, inputs, detail=(
-            f"{n - device_optim} chunks' optimizer states ({OPTIMIZER_BYTES_PER_ELEMENT} B/element)"
+            f"{n - device_optim} chunks' optimizer states ({inputs.optimizer_bytes_per_element} B/element)"
             + ("" if params_resident else " and every param chunk's home copy") + " live there")))
-    device_bytes = param_device + device_optim * inputs.optimizer_chunk_bytes
+    device_bytes = param_device + device_optim * inputs.optimizer_chunk_bytes + inputs.scratch_bytes
     return Plan(params_resident=params_resident, cache_slots=cache_slots, optimizer_tier=tiers,
                 device_bytes=device_bytes, host_bytes=host_bytes, prefetch_order=order)
 

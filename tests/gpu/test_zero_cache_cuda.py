@@ -20,13 +20,16 @@ def model(seed: int) -> torch.nn.Module:
                                    num_heads=4))
 
 
-def test_split_tiers_on_cuda_track_the_reference_over_20_steps():
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_split_tiers_on_cuda_track_the_reference_over_20_steps(accumulation):
+    """accumulation 1: bf16 gradients copied straight into pinned host chunks; 2: fp32 accumulation on the worker."""
     seed = torch.randint(0, 10_000, ()).item()
-    batches = random_batches(seed, count=20, batch=8)
+    batches = random_batches(seed, count=20 * accumulation, batch=8)
     layout = pack([(n, tuple(p.shape)) for n, p in model(seed).named_parameters()], 8192)
     total = layout.num_chunks * layout.chunk_numel * 18
-    config = ds_config(bf16={"enabled": True}, gradient_clipping=1.0, zero_cache={
-        "enabled": True, "chunk_size": 8192, "device_memory_budget": total // 4, "host_memory_budget": total})
+    config = ds_config(bf16={"enabled": True}, gradient_clipping=1.0, gradient_accumulation_steps=accumulation,
+                       zero_cache={"enabled": True, "chunk_size": 8192, "device_memory_budget": total // 4,
+                                   "host_memory_budget": total})
     engine, optimizer, _, _ = angelptm.initialize(model=model(seed), config=config)
     tiers = {group.tier for group in optimizer.store.groups}
     assert tiers == {DEVICE, HOST} and engine.device.type == "cuda"
@@ -36,7 +39,7 @@ def test_split_tiers_on_cuda_track_the_reference_over_20_steps():
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    ref_losses, ref_masters = reference_loop(model(seed), batches, dtype=torch.bfloat16, accumulation=1,
+    ref_losses, ref_masters = reference_loop(model(seed), batches, dtype=torch.bfloat16, accumulation=accumulation,
                                              lr=3e-3, clip=1.0, device="cuda")
     assert losses[-1] < losses[0] - 0.5
     assert losses == pytest.approx(ref_losses, rel=2e-2)

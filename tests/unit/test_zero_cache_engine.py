@@ -12,7 +12,10 @@ from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop
 from zero_cache.layout import pack
 from zero_cache.planner import DEVICE, HOST
 
-STATE_BYTES_PER_ELEMENT = 2 + 16  # bf16 param + fp32 master, exp_avg, exp_avg_sq, grad
+# Bytes of model state per chunk element: the param, fp32 master + exp_avg + exp_avg_sq, and the
+# gradient (compute dtype for single-micro-batch steps, fp32 when micro-batches accumulate).
+BF16_BYTES_PER_ELEMENT = 2 + 12 + 2
+FP32_BYTES_PER_ELEMENT = 4 + 12 + 4
 CHUNK_NUMEL = 8192
 
 
@@ -22,10 +25,10 @@ def six_layer_llama(seed: int) -> torch.nn.Module:
                                    hidden_size=32, num_heads=4))
 
 
-def budgets(model: torch.nn.Module) -> tuple[int, int]:
+def budgets(model: torch.nn.Module, bytes_per_element: int = BF16_BYTES_PER_ELEMENT) -> tuple[int, int]:
     """A device budget 4x smaller than the model states, and a host budget that cannot hold them alone."""
     layout = pack([(n, tuple(p.shape)) for n, p in model.named_parameters()], CHUNK_NUMEL)
-    total = layout.num_chunks * layout.chunk_numel * STATE_BYTES_PER_ELEMENT
+    total = layout.num_chunks * layout.chunk_numel * bytes_per_element
     return total // 4, int(total * 0.9)
 
 
@@ -79,7 +82,7 @@ def test_states_four_times_the_device_budget_train_like_the_reference():
 def test_fp32_zero_cache_matches_the_replicated_engine_closely(accumulation):
     seed = torch.randint(0, 10_000, ()).item()
     batches = random_batches(seed, count=4 * accumulation, batch=4)
-    device_budget, host_budget = budgets(six_layer_llama(seed))
+    device_budget, host_budget = budgets(six_layer_llama(seed), FP32_BYTES_PER_ELEMENT)
     config = zero_cache_config(device_budget, host_budget, gradient_accumulation_steps=accumulation)
     del config["bf16"]
     zc_engine, zc_opt, _, _ = angelptm.initialize(model=six_layer_llama(seed), config=config)

@@ -109,33 +109,33 @@ def inputs(**overrides) -> PlanInputs:
 
 
 def test_everything_on_the_device_when_it_fits():
-    plan = make_plan(inputs(device_budget_bytes=10 * 18_000))
+    plan = make_plan(inputs(device_budget_bytes=10 * 18_000 + 4_000))  # + one fp32 scratch chunk
     assert plan.params_resident and plan.optimizer_tier == (DEVICE,) * 10
-    assert plan.host_bytes == 0 and plan.device_bytes == 180_000
+    assert plan.host_bytes == 4_000 and plan.device_bytes == 184_000
 
 
 @pytest.mark.parametrize("extra_chunks", [0, 1, 3, 7])
 def test_device_takes_resident_params_then_optimizer_groups_of_the_first_chunks(extra_chunks):
-    budget = 20_000 + extra_chunks * 16_000 + 15_999  # params, then whole optimizer groups only
+    budget = 4_000 + 20_000 + extra_chunks * 16_000 + 15_999  # scratch, params, then whole groups only
     plan = make_plan(inputs(device_budget_bytes=budget, nonmodel_peak_bytes=0))
     assert plan.params_resident
     assert plan.optimizer_tier.count(DEVICE) == extra_chunks
     assert all(t == DEVICE for t in plan.optimizer_tier[:extra_chunks])  # the next forward needs these first
-    assert plan.host_bytes == (10 - extra_chunks) * 16_000
+    assert plan.host_bytes == (10 - extra_chunks) * 16_000 + 4_000
 
 
 def test_nonmodel_peak_and_margin_reduce_device_room():
     roomy = make_plan(inputs(device_budget_bytes=100_000))
     tight = make_plan(inputs(device_budget_bytes=100_000, nonmodel_peak_bytes=30_000, margin_fraction=0.1))
-    assert roomy.optimizer_tier.count(DEVICE) == 5
-    assert tight.optimizer_tier.count(DEVICE) == (90_000 - 30_000 - 20_000) // 16_000
+    assert roomy.optimizer_tier.count(DEVICE) == (100_000 - 4_000 - 20_000) // 16_000
+    assert tight.optimizer_tier.count(DEVICE) == (90_000 - 30_000 - 4_000 - 20_000) // 16_000
 
 
 def test_params_cached_when_they_do_not_all_fit():
-    plan = make_plan(inputs(device_budget_bytes=9_000))
+    plan = make_plan(inputs(device_budget_bytes=13_000))
     assert not plan.params_resident and plan.cache_slots == 4
     assert plan.optimizer_tier == (HOST,) * 10
-    assert plan.host_bytes == 10 * 16_000 + 10 * 2_000
+    assert plan.host_bytes == 10 * 16_000 + 10 * 2_000 + 4_000
 
 
 def test_device_shortfall_is_explained():
@@ -144,10 +144,17 @@ def test_device_shortfall_is_explained():
 
 
 def test_host_shortfall_is_explained():
-    with pytest.raises(PlanError, match=r"host tier needs 156\.25 KiB .*short by") as info:
-        make_plan(inputs(device_budget_bytes=20_000, host_budget_bytes=50_000))
+    with pytest.raises(PlanError, match=r"host tier needs 160\.16 KiB .*short by") as info:
+        make_plan(inputs(device_budget_bytes=24_000, host_budget_bytes=50_000))
     assert "zero_cache.host_memory_budget" in str(info.value)
 
 
 def test_first_use_order_follows_the_trace():
     assert first_use_order((3, 1, 3, 0), 5) == (3, 1, 0, 2, 4)
+
+
+def test_low_precision_gradients_put_more_groups_on_the_device():
+    fp32_grads = make_plan(inputs(device_budget_bytes=120_000))
+    bf16_grads = make_plan(inputs(device_budget_bytes=120_000, grad_bytes_per_element=2))
+    assert fp32_grads.optimizer_tier.count(DEVICE) == (120_000 - 4_000 - 20_000) // 16_000
+    assert bf16_grads.optimizer_tier.count(DEVICE) == (120_000 - 4_000 - 20_000) // 14_000
