@@ -25,6 +25,7 @@ SIZES = {  # GPT-2-style shapes; vocab 50304, seq 1024 as in the protocol
     "2.7b": dict(num_layers=32, hidden_size=2560, num_heads=32),
     "6.9b": dict(num_layers=32, hidden_size=4096, num_heads=32, tie_embeddings=False),
     "13b": dict(num_layers=40, hidden_size=5120, num_heads=40, tie_embeddings=False),
+    "13.7b": dict(num_layers=42, hidden_size=5120, num_heads=40, tie_embeddings=False),
 }
 
 

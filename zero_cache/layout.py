@@ -92,18 +92,19 @@ def pack(tensors: Sequence[tuple[str, tuple[int, ...]]], chunk_numel: int) -> Ch
     return ChunkLayout(chunk_numel=chunk_numel, slots=tuple(slots), num_chunks=chunk + 1 if slots else 0)
 
 
-def search_chunk_size(tensors: Sequence[tuple[str, tuple[int, ...]]], *, min_chunks: int = 8,
+def search_chunk_size(tensors: Sequence[tuple[str, tuple[int, ...]]], *, max_chunks: int = 256,
                       candidates_per_octave: int = 16) -> int:
-    """The chunk size with the least padding, among sizes from the largest tensor upwards.
+    """The chunk size with the least padding, among sizes just above the largest tensor.
 
-    Larger chunks mean fewer, bigger transfers; smaller ones a finer placement. Candidates run
-    from the largest tensor up to the size that gives about ``min_chunks`` chunks (or 1.25x the
-    largest tensor, whichever is larger), and the one with the least padding wins, ties going to
-    the smaller size. PatrickStar searches a range the same way.
+    Smaller chunks place state more finely (a chunk's optimizer group moves between tiers as a
+    whole, so a coarse chunk can strand gigabytes on the wrong side); larger ones mean fewer
+    kernel launches per step. Candidates run from the largest tensor (or total / ``max_chunks``,
+    if larger) to 1.25x that, and the one with the least padding wins, ties going to the smaller
+    size. PatrickStar searches a range the same way.
 
     Args:
         tensors: (name, shape) in model order.
-        min_chunks: do not consider sizes so large that fewer chunks than this result.
+        max_chunks: do not consider sizes so small that more chunks than about this result.
         candidates_per_octave: geometric resolution of the search.
 
     Returns:
@@ -113,12 +114,11 @@ def search_chunk_size(tensors: Sequence[tuple[str, tuple[int, ...]]], *, min_chu
         raise ValueError("the model has no trainable parameters to place in chunks")
     largest = max(_align(math.prod(shape)) for _, shape in tensors)
     total = sum(_align(math.prod(shape)) for _, shape in tensors)
-    # Granularity first: at least min_chunks chunks where the largest tensor allows, and never more
-    # than a quarter above the largest tensor when it does not.
-    upper = max(largest * 5 // 4, total // min_chunks)
-    best_size, best_waste = largest, math.inf
+    lower = max(largest, _align(total // max_chunks))
+    upper = lower * 5 // 4
+    best_size, best_waste = lower, math.inf
     step = 2 ** (1 / candidates_per_octave)
-    size = float(largest)
+    size = float(lower)
     while size <= upper:
         candidate = _align(int(size))
         waste = pack(tensors, candidate).waste_fraction
