@@ -18,7 +18,7 @@ from zero_cache.config import ZeroCacheConfig
 from zero_cache.layout import ChunkLayout, pack, search_chunk_size
 from zero_cache.optimizer import ZeroCacheOptimizer
 from zero_cache.planner import DEVICE, HOST, Plan, PlanError, PlanInputs, make_plan
-from zero_cache.tiers import build_tiers
+from zero_cache.tiers import auto_device_budget, build_tiers
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,13 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     in_optimizer = {id(p) for p in ordered}
     params = [(name, p) for name, p in module.named_parameters() if id(p) in in_optimizer]
     layout = build_layout(params, config)
-    device_tier, host_tier = build_tiers(device, config.device_budget_bytes, config.host_budget_bytes)
+    device_budget = config.device_budget_bytes
+    if device_budget is None:
+        # "auto": free memory now, plus the parameters about to move into chunks (their current
+        # storage is released as each one is rebound to its chunk view).
+        reclaimable = sum(p.numel() * p.element_size() for _, p in params if p.device == device)
+        device_budget = auto_device_budget(device) + reclaimable
+    device_tier, host_tier = build_tiers(device, device_budget, config.host_budget_bytes)
     plan = make_plan(plan_inputs(layout, config, compute_dtype, device_tier.budget_bytes, host_tier.budget_bytes,
                                  accumulation_steps))
     logger.info("ZeRO-Cache: %d chunks of %d elements (%.1f%% padding); %s", layout.num_chunks,
