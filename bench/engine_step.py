@@ -149,7 +149,8 @@ def main() -> None:
             proc = subprocess.run(command, capture_output=True, text=True)
             lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
             if proc.returncode or not lines:
-                print(f"{size} {mode}: failed\n{proc.stderr[-2000:]}", flush=True)
+                errors = [l for l in proc.stderr.splitlines() if "Error" in l or "error" in l]
+                print(f"{size} {mode}: failed\n" + "\n".join(errors[-6:]), flush=True)
                 continue
             notes = [l for l in proc.stderr.splitlines() if l.startswith("zero_cache:")]
             print("\n".join(notes), flush=True)

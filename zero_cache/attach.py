@@ -22,6 +22,9 @@ from zero_cache.tiers import auto_device_budget, build_tiers
 
 logger = logging.getLogger(__name__)
 
+WARMUP_ACTIVATION_RESERVE = 0.2
+"""Share of the device budget held back for activations until the warm-up has measured them."""
+
 
 def build_layout(params: list[tuple[str, nn.Parameter]], config: ZeroCacheConfig) -> ChunkLayout:
     """Pack parameters (model order) into chunks of the configured or searched size."""
@@ -116,8 +119,11 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
         reclaimable = sum(p.numel() * p.element_size() for _, p in params if p.device == device)
         device_budget = auto_device_budget(device) + reclaimable
     device_tier, host_tier = build_tiers(device, device_budget, config.host_budget_bytes)
+    # Before the warm-up has measured activations, keep part of the device for them; the re-plan
+    # after the first step replaces this guess with the measured peak (and moves groups back).
+    reserve = int(WARMUP_ACTIVATION_RESERVE * device_tier.budget_bytes) if device.type == "cuda" else 0
     plan = make_plan(plan_inputs(layout, config, compute_dtype, device_tier.budget_bytes, host_tier.budget_bytes,
-                                 accumulation_steps))
+                                 accumulation_steps, nonmodel_peak_bytes=reserve))
     logger.info("ZeRO-Cache: %d chunks of %d elements (%.1f%% padding); %s", layout.num_chunks,
                 layout.chunk_numel, 100 * layout.waste_fraction, plan.summary())
     store = ChunkStore(layout, [p for _, p in params], plan, {DEVICE: device_tier, HOST: host_tier}, compute_dtype,
