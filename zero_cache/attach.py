@@ -22,7 +22,7 @@ from zero_cache.tiers import auto_device_budget, build_tiers
 
 logger = logging.getLogger(__name__)
 
-WARMUP_ACTIVATION_RESERVE = 0.2
+WARMUP_ACTIVATION_RESERVE = 0.1
 """Share of the device budget held back for activations until the warm-up has measured them."""
 
 

@@ -69,11 +69,17 @@ def auto_device_budget(device: torch.device) -> int:
     return int(psutil.virtual_memory().available * 0.5 * (1 - AUTO_MARGIN_FRACTION))
 
 
+HOST_MARGIN_FRACTION = 0.10
+"""Pinned memory cannot be swapped out: "auto" leaves this share of *total* RAM (at least 4 GiB) to the
+process itself and the OS, so a full host tier never wakes the OOM killer."""
+
+
 def auto_host_budget(device: torch.device) -> int:
-    """Available host RAM, less the margin (half of it when the device tier is host RAM too)."""
-    available = psutil.virtual_memory().available
+    """Available host RAM less the margin (half of it when the device tier is host RAM too)."""
+    memory = psutil.virtual_memory()
+    usable = memory.available - max(4 * 2**30, int(memory.total * HOST_MARGIN_FRACTION))
     share = 0.5 if device.type == "cpu" else 1.0
-    return int(available * share * (1 - AUTO_MARGIN_FRACTION))
+    return max(0, int(usable * share))
 
 
 def build_tiers(device: torch.device, device_budget: int | None, host_budget: int | None) -> tuple[Tier, Tier]:
