@@ -48,3 +48,17 @@ def test_split_tiers_on_cuda_track_the_reference_over_20_steps(accumulation):
     for name, expected in ref_masters.items():
         moved = (expected.cpu() - initial[name].detach()).abs().max().item()
         assert (masters[name] - expected.cpu()).abs().max().item() < 0.1 * moved
+
+
+def test_host_tier_pins_exactly_what_it_allocates():
+    from zero_cache.tiers import Tier
+
+    tier = Tier("host", torch.device("cpu"), 2**31, pin_memory=True)
+    tensor = tier.allocate(3 * 2**20 + 7, torch.float32)  # not a power of two
+    assert tensor.is_pinned() and tier.used_bytes == (3 * 2**20 + 7) * 4
+    on_gpu = torch.randn(tensor.numel(), device="cuda")
+    tensor.copy_(on_gpu, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(tensor, on_gpu.cpu())
+    tier.free(tensor)
+    assert tier.used_bytes == 0
