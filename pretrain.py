@@ -24,12 +24,13 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import angelptm
+import zero_cache
 from angelptm.config import EngineConfig, load_config
 from angelptm.data import TokenDataset, prepare_default_dataset, repeat_batches
 from angelptm.distributed import DistContext, init_distributed
 from angelptm.errors import CheckpointError, ConfigError
 from angelptm.models import build_model
-from angelptm.monitor import ThroughputMeter, format_memory, memory_snapshot
+from angelptm.monitor import ThroughputMeter, format_memory, format_tiers, memory_snapshot
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.json"
 logger = logging.getLogger("pretrain")
@@ -41,6 +42,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, help="override train.steps")
     parser.add_argument("--save-dir", help="override train.save_dir")
     parser.add_argument("--no-resume", action="store_true", help="start fresh even if save_dir has a checkpoint")
+    parser.add_argument("--plan", action="store_true",
+                        help="print where ZeRO-Cache would place the model states (or the shortfall) and exit")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser.parse_args(argv)
 
@@ -235,14 +238,37 @@ def log_metrics(step: int, loss: float, engine: angelptm.Engine, meter: Throughp
                 total_steps: int) -> None:
     rates = meter.lap()
     memory = memory_snapshot(ctx.device)
+    tiers = engine.optimizer.report() if hasattr(engine.optimizer, "report") else {}  # ZeRO-Cache only
     if not ctx.is_main:
         return
     lr = engine.get_lr()[0]
     tflops = rates.get("tflops", float("nan"))
     tqdm.write(f"step {step}/{total_steps} | loss {loss:.4f} | lr {lr:.3e} | {rates['tokens_per_s']:,.0f} tokens/s "
-               f"| {tflops:.3f} TFLOPS | {format_memory(memory)}")
+               f"| {tflops:.3f} TFLOPS | {format_memory(memory)}{format_tiers(tiers)}")
     if engine.monitor is not None and engine.monitor.enabled:  # the engine writes loss and lr itself
-        engine.monitor.write(step, {"loss_all_ranks": loss, **rates, **memory})
+        engine.monitor.write(step, {"loss_all_ranks": loss, **rates, **memory, **tiers})
+
+
+def print_plan(raw: dict) -> int:
+    """``--plan``: lay the model out on the meta device and plan it, allocating nothing."""
+    cfg = load_config(raw)
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    print(f"model: {model.num_params() / 1e6:,.1f}M parameters, {cfg.precision.dtype}, device {device}")
+    if not cfg.zero_cache.enabled:
+        print("zero_cache is not enabled in this config: every rank holds all model states on its device")
+        return 0
+    try:
+        layout, plan = zero_cache.dry_run(shapes, cfg.zero_cache, compute_dtype=cfg.precision.dtype, device=device,
+                                          accumulation_steps=cfg.batch.gradient_accumulation_steps)
+    except zero_cache.PlanError as err:
+        print(f"does not fit: {err}")
+        return 2
+    print(f"{layout.num_chunks} chunks of {layout.chunk_numel:,} elements ({100 * layout.waste_fraction:.1f}% "
+          f"padding)\n{plan.summary()}\n(before the warm-up measures activations; it re-plans after step 1)")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     try:
+        if args.plan:
+            return print_plan(read_config(args))
         loss = train(read_config(args))
     except (ConfigError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -11,6 +11,8 @@ from typing import Any
 import psutil
 import torch
 
+from zero_cache import format_bytes
+
 logger = logging.getLogger(__name__)
 
 
@@ -55,6 +57,18 @@ def format_memory(snapshot: dict[str, int]) -> str:
         parts.append(f"device {_gib(snapshot['device_allocated'])} (peak {_gib(snapshot['device_peak'])})")
     parts.append(f"host {_gib(snapshot['host_rss'])}")
     return " | ".join(parts)
+
+
+def format_tiers(report: dict[str, float]) -> str:
+    """`` | zero-cache device 1.20 GiB, host 3.40 GiB, moved d2h 0.50 GiB h2d 0.50 GiB, overlap 87%``, or ""."""
+    if not report:
+        return ""
+    size = {k: format_bytes(v) for k, v in report.items() if k.endswith("_bytes")}
+    text = (f" | zero-cache device {size['zero_cache_device_bytes']}, host {size['zero_cache_host_bytes']}"
+            f", moved d2h {size['zero_cache_d2h_bytes']} h2d {size['zero_cache_h2d_bytes']}")
+    if "zero_cache_overlap" in report:
+        text += f", overlap {100 * report['zero_cache_overlap']:.0f}%"
+    return text
 
 
 class ThroughputMeter:

@@ -4,11 +4,11 @@ This package never imports ``angelptm``; it owns its typed config and takes runt
 (device, process group, streams) as arguments.
 """
 
-from zero_cache.attach import attach
+from zero_cache.attach import attach, dry_run
 from zero_cache.config import ZeroCacheConfig
 from zero_cache.optimizer import ZeroCacheOptimizer
 from zero_cache.planner import Plan, PlanError, PlanInputs, make_plan
 from zero_cache.units import format_bytes, parse_budget, parse_bytes
 
-__all__ = ["Plan", "PlanError", "PlanInputs", "ZeroCacheConfig", "ZeroCacheOptimizer", "attach", "format_bytes",
+__all__ = ["Plan", "PlanError", "PlanInputs", "ZeroCacheConfig", "ZeroCacheOptimizer", "attach", "dry_run", "format_bytes",
            "make_plan", "parse_budget", "parse_bytes"]

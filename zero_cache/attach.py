@@ -85,6 +85,27 @@ class WarmupTracer:
         return plan
 
 
+def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, *, compute_dtype: torch.dtype,
+            device: torch.device, accumulation_steps: int = 1) -> tuple[ChunkLayout, Plan]:
+    """The layout and first plan :func:`attach` would make, without allocating anything.
+
+    Args:
+        shapes: (name, shape) of the trainable parameters in model order (a meta-device model gives them).
+        config, compute_dtype, device, accumulation_steps: as for :func:`attach`; "auto" budgets are
+            measured now (nothing of the model is resident yet).
+
+    Raises:
+        PlanError: the model states do not fit; the message has the shortfall per tier.
+    """
+    chunk_numel = search_chunk_size(shapes) if config.chunk_size == "auto" else int(config.chunk_size)
+    layout = pack(shapes, chunk_numel)
+    device_tier, host_tier = build_tiers(device, config.device_budget_bytes, config.host_budget_bytes)
+    reserve = int(WARMUP_ACTIVATION_RESERVE * device_tier.budget_bytes) if device.type == "cuda" else 0
+    plan = make_plan(plan_inputs(layout, config, compute_dtype, device_tier.budget_bytes, host_tier.budget_bytes,
+                                 accumulation_steps, nonmodel_peak_bytes=reserve))
+    return layout, plan
+
+
 def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int, str], config: ZeroCacheConfig,
            *, compute_dtype: torch.dtype, device: torch.device, decoupled_weight_decay: bool = True,
            loss_scaler: Any = None, gradient_clipping: float = 0.0, accumulation_steps: int = 1

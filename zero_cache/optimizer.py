@@ -87,6 +87,8 @@ class ZeroCacheOptimizer:
         self._host_ready: dict[int, threading.Event] = {}  # host chunks whose update is still being issued
         self._boundary = True
         self.timings = dict.fromkeys(("grad_wait", "host_update", "chunk_wait"), 0.0)
+        self.moved_bytes = {"d2h": 0, "h2d": 0}
+        """Bytes copied device->host (gradients) and host->device (updated params) since the last report."""
         """Seconds the training thread waited for host gradients / for host updates, and worker time."""
         self.after_first_step: Any = None
         """Called once after the first applied step (the warm-up re-plan)."""
@@ -134,6 +136,7 @@ class ZeroCacheOptimizer:
         self._d2h.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._d2h):
             destination.copy_(grad.reshape(-1), non_blocking=True)
+            self.moved_bytes["d2h"] += grad.numel() * grad.element_size()
             grad.record_stream(self._d2h)  # keep the gradient alive until the copy is done
             copied = torch.cuda.Event()
             copied.record()
@@ -285,6 +288,7 @@ class ZeroCacheOptimizer:
             ready = torch.cuda.Event()
             ready.record()
         self._param_ready[chunk] = ready
+        self.moved_bytes["h2d"] += param_chunk.numel() * param_chunk.element_size()
         issued = self._host_ready.get(chunk)
         if issued is not None:
             issued.set()  # the training thread may now order its stream after this copy
@@ -312,6 +316,23 @@ class ZeroCacheOptimizer:
             self._host_done = None
         if self._cuda:
             torch.cuda.current_stream(self.device).synchronize()
+
+    def report(self) -> dict[str, float]:
+        """Per-tier bytes and the traffic and waiting since the previous report (then resets those).
+
+        ``overlap`` is the share of the host tier's work (gradient accumulation and CPU Adam) that
+        the training thread did not wait for: 1.0 means fully hidden under GPU compute.
+        """
+        host_work = self.timings["host_update"]
+        waited = self.timings["grad_wait"] + self.timings["chunk_wait"]
+        report = {f"zero_cache_{name}_bytes": tier.used_bytes for name, tier in self.store.tiers.items()}
+        report.update({f"zero_cache_{way}_bytes": moved for way, moved in self.moved_bytes.items()})
+        report.update({f"zero_cache_{name}_s": seconds for name, seconds in self.timings.items()})
+        if host_work > 0 and self._cuda:  # without CUDA the host work runs inline: nothing to hide it under
+            report["zero_cache_overlap"] = max(0.0, 1.0 - waited / host_work)
+        self.timings = dict.fromkeys(self.timings, 0.0)
+        self.moved_bytes = dict.fromkeys(self.moved_bytes, 0)
+        return report
 
     # ------------------------------------------------------------------ checkpoints
     def master_state_dict(self) -> dict[str, torch.Tensor]:

@@ -137,3 +137,23 @@ def test_config_whose_top_level_is_not_an_object_is_a_config_error(tmp_path, top
     path.write_text(json.dumps({"train_batch_size": 4, "train": top_level}))
     with pytest.raises(ConfigError, match=re.escape(str(path)) + '.*"train" must be a JSON object'):
         job.read_config(job.parse_args(["--config", str(path), "--steps", "5"]))
+
+
+def test_zero_cache_job_plans_trains_and_reports_its_tiers(tmp_path):
+    config = str(ROOT / "configs" / "tiny_zero_cache.json")
+    plan = pretrain(tmp_path, "--config", config, "--plan")
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    assert re.search(r"optimizer states of 1/3 chunks on the device", plan.stdout)
+    run = pretrain(tmp_path, "--config", config, "--steps", "10")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.search(r"step 10/10 \| loss \d+\.\d+ .*zero-cache device 12\.00 MiB, host 16\.00 MiB", run.stdout)
+
+
+def test_plan_explains_a_model_that_does_not_fit(tmp_path):
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "model": {"num_layers": 2},
+                                "zero_cache": {"enabled": True, "device_memory_budget": "1MiB",
+                                               "host_memory_budget": "1GB"}}))
+    result = pretrain(tmp_path, "--config", str(path), "--plan")
+    assert result.returncode == 2
+    assert "device tier needs 6.00 MiB but its budget is 1.00 MiB (short by 5.00 MiB)" in result.stdout
