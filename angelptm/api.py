@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import zero_cache
+
 from angelptm.config import EngineConfig, load_config
 from angelptm.data.loader import ResumableDataLoader
 from angelptm.distributed import DistContext, init_distributed
@@ -19,7 +21,6 @@ from angelptm.errors import ConfigError
 from angelptm.loss_scaler import LossScaler
 from angelptm.mixed_precision import MixedPrecisionOptimizer
 from angelptm.schedulers import build_scheduler
-import zero_cache
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ def _attach_zero_cache(model: nn.Module, inner: torch.optim.Optimizer, names: di
                                  device=ctx.device, decoupled_weight_decay=decoupled, loss_scaler=scaler,
                                  gradient_clipping=cfg.gradient_clipping,
                                  accumulation_steps=cfg.batch.gradient_accumulation_steps)
-    except ValueError as err:  # PlanError (does not fit) or a layout error (chunk_size too small)
+    except (ValueError, NotImplementedError) as err:  # does not fit, chunk_size too small, or a feature not built
         raise ConfigError(str(err)) from None
 
 

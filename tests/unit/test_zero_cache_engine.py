@@ -129,3 +129,9 @@ def test_deepspeed_stage3_offload_turns_zero_cache_on():
         "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}}})
     assert config.zero_cache.enabled
     assert not load_config({"train_batch_size": 8, "zero_optimization": {"stage": 3}}).zero_cache.enabled
+
+
+def test_nvme_offload_is_reported_as_not_built_yet():
+    config = ds_config(zero_optimization={"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}})
+    with pytest.raises(angelptm.ConfigError, match="NVMe tier is not implemented yet"):
+        angelptm.initialize(model=six_layer_llama(0), config=config)
