@@ -3,12 +3,14 @@
 Step order (exact: every update uses this step's gradients, like a plain AdamW loop):
 
 1. backward: a post-accumulate-grad hook moves each gradient out of autograd into its chunk's
-   fp32 accumulator right away: an in-place add for device groups; for host groups an async copy
-   on the device->host stream into a pinned staging chunk, then an add on the host worker thread;
-2. ``step()``: one global norm over both tiers (for clipping and the fp16 overflow check); the
-   host worker runs a fused CPU Adam over the host groups and starts each updated chunk's
+   gradient buffer right away. Device groups: an in-place copy (first micro-batch of a window) or
+   add. Host groups: an async copy on the device->host stream, straight into the pinned gradient
+   chunk when each window is one micro-batch (bf16 gradients; their norms are taken on the GPU),
+   or into a staging chunk that the host worker adds into an fp32 accumulator otherwise;
+2. ``step()``: one global norm over both tiers (for clipping and the overflow check); the host
+   worker runs CPU Adam chunk by chunk in forward order and starts each updated chunk's
    host->device copy on its own stream, while the main thread runs the fused GPU Adam over the
-   device groups;
+   device groups (low-precision gradients are read through one fp32 scratch chunk per tier);
 3. the next forward waits, per chunk, only for that chunk's copy (a stream-event wait, no
    ``synchronize()``), so late chunks' copies overlap early layers' compute.
 
