@@ -135,3 +135,19 @@ def test_nvme_offload_is_reported_as_not_built_yet():
     config = ds_config(zero_optimization={"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}})
     with pytest.raises(angelptm.ConfigError, match="NVMe tier is not implemented yet"):
         angelptm.initialize(model=six_layer_llama(0), config=config)
+
+
+def test_deepspeed_zero_init_block_runs_unchanged():
+    import angelptm as deepspeed
+
+    config = zero_cache_config(*budgets(six_layer_llama(0)))
+    before = torch.get_default_dtype()
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        torch.manual_seed(0)
+        model = build_model(ModelConfig(flavour="llama", vocab_size=VOCAB, max_seq_len=SEQ, num_layers=6,
+                                        hidden_size=32, num_heads=4))
+    assert torch.get_default_dtype() == before
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())  # built in the compute dtype
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, config=config)
+    losses = run(engine, random_batches(0, 4, 4))
+    assert all(torch.isfinite(torch.tensor(losses))) and optimizer.step_count == 4
