@@ -148,6 +148,9 @@ def _attach_zero_cache(model: nn.Module, inner: torch.optim.Optimizer, names: di
     if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
         raise ConfigError(f"zero_cache runs its own hybrid Adam and needs an Adam/AdamW optimizer, got "
                           f"{type(inner).__name__}")
+    unsupported = [name for name in ("amsgrad", "maximize") if inner.defaults.get(name)]
+    if unsupported:
+        raise ConfigError(f"zero_cache's hybrid Adam does not implement {', '.join(unsupported)}; turn it off")
     decoupled = isinstance(inner, torch.optim.AdamW) or bool(inner.defaults.get("decoupled_weight_decay"))
     try:
         return zero_cache.attach(model, inner, names, cfg.zero_cache, compute_dtype=cfg.precision.dtype,

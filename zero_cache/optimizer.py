@@ -87,6 +87,10 @@ class ZeroCacheOptimizer:
         self._host_squares: list[float] = []  # squared norms of host slots, taken by the worker
         self._device_squares: list[torch.Tensor] = []  # squared norms of host slots' grads, taken on the GPU
         self._host_ready: dict[int, threading.Event] = {}  # host chunks whose update is still being issued
+        self._covered: set[str] = set()  # host slots whose squared norm is already recorded this window
+        self._slot_jobs: dict[str, Future] = {}  # last accumulation job per host slot (its staging slice)
+        self._staging_lock = threading.Lock()
+        self._replanned = False
         self._boundary = True
         self.timings = dict.fromkeys(("grad_wait", "host_update", "chunk_wait"), 0.0)
         self.moved_bytes = {"d2h": 0, "h2d": 0}
@@ -124,12 +128,16 @@ class ZeroCacheOptimizer:
                 accumulator = self.store.state_view(slot, "grad")
                 accumulator.copy_(grad.reshape(-1)) if first else accumulator.add_(grad.reshape(-1))
                 return
-            if first and self._boundary:  # the whole window is this one gradient: take its norm on the GPU
-                self._device_squares.append(torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2)
-            if self.store.grad_dtype == grad.dtype:  # single-micro-batch windows: straight into the host chunk
+            # The host chunk may still be the staging source of this chunk's last param update.
+            self.wait_for_chunk(slot.chunk)
+            direct = first and self.store.grad_dtype == grad.dtype and self.store.grad_dtype != torch.float32
+            if direct:  # single-micro-batch windows: straight into the pinned host gradient chunk
+                if self._boundary:
+                    self._device_squares.append(torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2)
+                    self._covered.add(slot.name)
                 self._copy_async(self.store.state_view(slot, "grad"), grad)
                 return
-            self._pending_grads.append(self._copy_grad_to_host(slot, grad, first, norm_on_host=not first))
+            self._pending_grads.append(self._copy_grad_to_host(slot, grad, first))
 
         return hook
 
@@ -144,62 +152,79 @@ class ZeroCacheOptimizer:
             copied.record()
         return copied
 
-    def _copy_grad_to_host(self, slot: TensorSlot, grad: torch.Tensor, first: bool, norm_on_host: bool) -> Future:
+    def _copy_grad_to_host(self, slot: TensorSlot, grad: torch.Tensor, first: bool) -> Future:
         """Async D2H into the chunk's pinned staging buffer, then an fp32 copy/add on the worker.
 
         At the window's last micro-step the worker also takes the slot's squared norm, so the
         global norm at ``step()`` is a sum of partials computed while backward was still running.
         """
+        previous = self._slot_jobs.pop(slot.name, None)
+        if previous is not None:
+            previous.result()  # the worker has read this staging slice; it may be written again
         staging = self._staging_chunk(slot.chunk)[slot.offset:slot.offset + slot.numel]
         copied = self._copy_async(staging, grad)
         accumulator = self.store.state_view(slot, "grad")
-        boundary = self._boundary and norm_on_host
+        boundary = self._boundary
+        if boundary:
+            self._covered.add(slot.name)
 
         def accumulate() -> None:
             copied.synchronize()
             accumulator.copy_(staging) if first else accumulator.add_(staging)
             if boundary:
-                self._host_squares.append(float(torch.linalg.vector_norm(accumulator)) ** 2)
+                self._host_squares.append(float(torch.linalg.vector_norm(accumulator, dtype=torch.float32)) ** 2)
 
-        return self._worker.submit(accumulate)
+        job = self._worker.submit(accumulate)
+        self._slot_jobs[slot.name] = job
+        return job
 
     def _staging_chunk(self, chunk: int) -> torch.Tensor:
-        if chunk not in self._staging:
-            numel = self.store.layout.chunk_numel
-            self._staging[chunk] = self.store.tiers[HOST].allocate(numel, self.store.param_chunks[chunk].dtype)
-        return self._staging[chunk]
+        with self._staging_lock:  # the hook (training thread) and the update (worker) both ask
+            if chunk not in self._staging:
+                numel = self.store.layout.chunk_numel
+                self._staging[chunk] = self.store.tiers[HOST].allocate(numel, self.store.param_chunks[chunk].dtype)
+            return self._staging[chunk]
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Start a new accumulation window: the next gradient of each parameter overwrites its buffer."""
-        for future in self._pending_grads:
-            future.result()
-        self._pending_grads.clear()
-        self._written.clear()
-        self._host_squares.clear()
-        self._device_squares.clear()
-
-    # ------------------------------------------------------------------ step
-    def _grad_norm(self) -> float:
+    def _drain_gradient_jobs(self) -> None:
         start = time.perf_counter()
         for future in self._pending_grads:
             future.result()
         self._pending_grads.clear()
+        self._slot_jobs.clear()
         self.timings["grad_wait"] += time.perf_counter() - start
-        for _, slot in self.members:  # parameters that got no gradient this window hold stale values
-            if slot.name not in self._written:
-                self.store.state_view(slot, "grad").zero_()
-        host_done = self._cuda and (self._host_squares or self._device_squares)
-        inline = [self.store.state_view(s, "grad") for _, s in self.members
-                  if self.store.tier_of(s) == DEVICE or not host_done]
-        total = sum(self._host_squares) if host_done else 0.0
-        squares = [n.pow(2) for n in torch._foreach_norm(inline)] if inline else []
-        squares += self._device_squares if host_done else []
-        if squares:
-            total += float(torch.stack([q.double() for q in squares]).sum())  # the one sync of the step
+
+    def _reset_window(self) -> None:
+        self._written.clear()
+        self._covered.clear()
+        self._host_squares.clear()
+        self._device_squares.clear()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Start a new accumulation window: the next gradient of each parameter overwrites its buffer."""
+        self._drain_gradient_jobs()
+        self._reset_window()
+
+    # ------------------------------------------------------------------ step
+    def _grad_norm(self) -> float:
+        """Global norm over the gradients written in this window (parameters without one take no step)."""
+        self._drain_gradient_jobs()
+        total = sum(self._host_squares)
+        on_device = list(self._device_squares)
+        for _, slot in self.members:
+            if slot.name not in self._written or slot.name in self._covered:
+                continue
+            square = torch.linalg.vector_norm(self.store.state_view(slot, "grad"), dtype=torch.float32) ** 2
+            if square.device.type == "cpu":
+                total += float(square)
+            else:
+                on_device.append(square)
+        if on_device:
+            total += float(torch.stack(on_device).double().sum())  # the one device sync of the step
         return math.sqrt(total)
 
     def step(self) -> bool:
-        """Apply the accumulated gradients; False if skipped for an fp16 overflow."""
+        """Apply the accumulated gradients; False if skipped for non-finite gradients (e.g. fp16 overflow)."""
+        self._finish_previous_update()
         scale = self.loss_scaler.scale if self.loss_scaler else 1.0
         norm = self._grad_norm() / scale
         self.overflow = not math.isfinite(norm)  # a non-finite gradient skips the step in any precision
@@ -207,50 +232,66 @@ class ZeroCacheOptimizer:
             self.loss_scaler.update(self.overflow)
         if self.overflow:
             self.last_grad_norm = None
-            self.zero_grad()
+            self._reset_window()
             return False
         self.last_grad_norm = norm
         grad_factor = 1.0 / scale
         if self.gradient_clipping > 0 and norm > self.gradient_clipping:
             grad_factor *= self.gradient_clipping / (norm + 1e-6)  # clip_grad_norm_'s rule
         self.step_count += 1
+        written = frozenset(self._written)
         if self._cuda:
-            self._host_ready = {c: threading.Event() for c, g in enumerate(self.store.groups) if g.tier == HOST}
+            host_ready = {c: threading.Event() for c, g in enumerate(self.store.groups) if g.tier == HOST}
+            self._host_ready = host_ready
             grads_landed = torch.cuda.Event()
             grads_landed.record(self._d2h)  # after every gradient copy issued during backward
-            self._host_done = self._worker.submit(self._timed_host_update, grad_factor, grads_landed)
+            self._host_done = self._worker.submit(self._timed_host_update, grad_factor, written, host_ready,
+                                                  grads_landed)
         else:
-            self._timed_host_update(grad_factor)
-        self._update_tier(DEVICE, grad_factor)
-        self._written.clear()
-        self._host_squares.clear()
-        self._device_squares.clear()
-        if self.step_count == 1 and self.after_first_step is not None:
+            self._timed_host_update(grad_factor, written, {})
+        self._update_tier(DEVICE, grad_factor, written, {})
+        self._reset_window()
+        if not self._replanned and self.after_first_step is not None:
+            self._replanned = True
             self.after_first_step()
         return True
 
-    def _timed_host_update(self, grad_factor: float, grads_landed: torch.cuda.Event | None = None) -> None:
+    def _finish_previous_update(self) -> None:
+        """Surface a failed host update and order this step after any copy no forward waited for."""
+        if self._host_done is not None:
+            self._host_done.result()
+            self._host_done = None
+        for chunk in list(self._host_ready) + list(self._param_ready):
+            self.wait_for_chunk(chunk)
+
+    def _timed_host_update(self, grad_factor: float, written: frozenset, host_ready: dict[int, threading.Event],
+                           grads_landed: torch.cuda.Event | None = None) -> None:
         start = time.perf_counter()
         if grads_landed is not None:
             grads_landed.synchronize()
-        self._update_tier(HOST, grad_factor)
+        self._update_tier(HOST, grad_factor, written, host_ready)
         self.timings["host_update"] += time.perf_counter() - start
 
-    def _update_tier(self, tier: str, grad_factor: float) -> None:
-        """Adam over every chunk whose optimizer group lives in ``tier``, in forward order.
+    def _update_tier(self, tier: str, grad_factor: float, written: frozenset,
+                     host_ready: dict[int, threading.Event]) -> None:
+        """Adam over every chunk whose optimizer group lives in ``tier``, in chunk (= model) order.
 
+        Like torch's AdamW, a parameter that received no gradient in this window is not stepped.
         Each chunk's params are refreshed as soon as its update is done; for host chunks that
         starts the host->device copy, which overlaps the remaining CPU work and the next forward.
         """
         slots_of: dict[int, dict[int, list[TensorSlot]]] = {}
         for index, slot in self.members:
-            if self.store.tier_of(slot) == tier:
+            if self.store.tier_of(slot) == tier and slot.name in written:
                 slots_of.setdefault(slot.chunk, {}).setdefault(index, []).append(slot)
         for chunk in sorted(slots_of):
             grads = self._fp32_grads(chunk, tier, grad_factor)
             for index, slots in slots_of[chunk].items():
                 self._adam(tier, slots, grads, self.optimizer.param_groups[index])
-            self._refresh_param_chunk(chunk)
+            self._refresh_param_chunk(chunk, host_ready)
+        for chunk, issued in host_ready.items():  # host chunks with nothing to update: nothing to wait for
+            if chunk not in slots_of:
+                issued.set()
 
     def _fp32_grads(self, chunk: int, tier: str, grad_factor: float) -> torch.Tensor:
         """The chunk's gradient in fp32, unscaled and clipped: in place if fp32, else via the tier's scratch."""
@@ -273,7 +314,7 @@ class ZeroCacheOptimizer:
         beta1, beta2 = hyper["betas"]
         self.kernel(*args, [], [step] * len(slots), beta1=beta1, beta2=beta2, amsgrad=False, maximize=False, **hypers)
 
-    def _refresh_param_chunk(self, chunk: int) -> None:
+    def _refresh_param_chunk(self, chunk: int, host_ready: dict[int, threading.Event] | None = None) -> None:
         """Write the chunk's updated masters into its compute-dtype param chunk."""
         master = self.store.groups[chunk].field("master")
         param_chunk = self.store.param_chunks[chunk]
@@ -291,7 +332,7 @@ class ZeroCacheOptimizer:
             ready.record()
         self._param_ready[chunk] = ready
         self.moved_bytes["h2d"] += param_chunk.numel() * param_chunk.element_size()
-        issued = self._host_ready.get(chunk)
+        issued = (host_ready or {}).get(chunk)
         if issued is not None:
             issued.set()  # the training thread may now order its stream after this copy
 
@@ -354,6 +395,7 @@ class ZeroCacheOptimizer:
         self.finish_pending()
 
     def refresh_masters_from_params(self) -> None:
+        self.finish_pending()
         with torch.no_grad():
             for _, slot in self.members:
                 self.store.state_view(slot, "master").copy_(self.store.param_view(slot).reshape(-1))

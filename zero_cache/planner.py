@@ -139,8 +139,10 @@ def make_plan(inputs: PlanInputs) -> Plan:
     order = first_use_order(inputs.trace, n)
     on_device = set(order[:device_optim])
     tiers = tuple(DEVICE if c in on_device else HOST for c in range(n))
-    host_bytes = ((n - device_optim) * inputs.optimizer_chunk_bytes + (0 if params_resident else all_params)
-                  + inputs.scratch_bytes)
+    # fp32 gradients arrive through a pinned staging chunk in the compute dtype, one per host chunk.
+    staging = inputs.param_chunk_bytes if inputs.grad_bytes_per_element == 4 else 0
+    host_bytes = ((n - device_optim) * (inputs.optimizer_chunk_bytes + staging)
+                  + (0 if params_resident else all_params) + inputs.scratch_bytes)
     if host_bytes > inputs.host_budget_bytes:
         raise PlanError(_shortfall_message("host", host_bytes, inputs.host_budget_bytes, inputs, detail=(
             f"{n - device_optim} chunks' optimizer states ({inputs.optimizer_bytes_per_element} B/element)"

@@ -15,7 +15,7 @@ from zero_cache.planner import DEVICE, HOST
 # Bytes of model state per chunk element: the param, fp32 master + exp_avg + exp_avg_sq, and the
 # gradient (compute dtype for single-micro-batch steps, fp32 when micro-batches accumulate).
 BF16_BYTES_PER_ELEMENT = 2 + 12 + 2
-FP32_BYTES_PER_ELEMENT = 4 + 12 + 4
+FP32_BYTES_PER_ELEMENT = 4 + 12 + 4 + 4  # + the host staging chunk fp32 gradients arrive through
 CHUNK_NUMEL = 8192
 
 
@@ -151,3 +151,19 @@ def test_deepspeed_zero_init_block_runs_unchanged():
     engine, optimizer, _, _ = deepspeed.initialize(model=model, config=config)
     losses = run(engine, random_batches(0, 4, 4))
     assert all(torch.isfinite(torch.tensor(losses))) and optimizer.step_count == 4
+
+
+def test_parameters_without_gradient_are_not_stepped_and_fp16_norms_do_not_overflow():
+    """As in torch's AdamW, a parameter with no gradient keeps its weight (no decay, no momentum)."""
+    seed = torch.randint(0, 10_000, ()).item()
+    model = six_layer_llama(seed)
+    model.unused = torch.nn.Linear(8, 8, bias=False)  # never called in forward
+    config = zero_cache_config(10**9, 10**9)
+    del config["bf16"]
+    config["fp16"] = {"enabled": True}  # initial scale 2**16: fp16 squares of scaled norms would overflow
+    engine, optimizer, _, _ = angelptm.initialize(model=model, config=config)
+    before = engine.module.unused.weight.detach().clone()
+    run(engine, random_batches(seed, 3, 4))
+    assert engine.skipped_steps == 0, "fp16 norms must be taken in fp32"
+    assert torch.equal(engine.module.unused.weight, before)
+    assert optimizer.step_count == 3

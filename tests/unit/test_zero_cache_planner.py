@@ -121,7 +121,7 @@ def test_device_takes_resident_params_then_optimizer_groups_of_the_first_chunks(
     assert plan.params_resident
     assert plan.optimizer_tier.count(DEVICE) == extra_chunks
     assert all(t == DEVICE for t in plan.optimizer_tier[:extra_chunks])  # the next forward needs these first
-    assert plan.host_bytes == (10 - extra_chunks) * 16_000 + 4_000
+    assert plan.host_bytes == (10 - extra_chunks) * (16_000 + 2_000) + 4_000  # + a staging chunk each
 
 
 def test_nonmodel_peak_and_margin_reduce_device_room():
@@ -135,7 +135,7 @@ def test_params_cached_when_they_do_not_all_fit():
     plan = make_plan(inputs(device_budget_bytes=13_000))
     assert not plan.params_resident and plan.cache_slots == 4
     assert plan.optimizer_tier == (HOST,) * 10
-    assert plan.host_bytes == 10 * 16_000 + 10 * 2_000 + 4_000
+    assert plan.host_bytes == 10 * (16_000 + 2_000) + 10 * 2_000 + 4_000
 
 
 def test_device_shortfall_is_explained():
@@ -144,7 +144,7 @@ def test_device_shortfall_is_explained():
 
 
 def test_host_shortfall_is_explained():
-    with pytest.raises(PlanError, match=r"host tier needs 160\.16 KiB .*short by") as info:
+    with pytest.raises(PlanError, match=r"host tier needs 179\.69 KiB .*short by") as info:
         make_plan(inputs(device_budget_bytes=24_000, host_budget_bytes=50_000))
     assert "zero_cache.host_memory_budget" in str(info.value)
 
@@ -158,3 +158,10 @@ def test_low_precision_gradients_put_more_groups_on_the_device():
     bf16_grads = make_plan(inputs(device_budget_bytes=120_000, grad_bytes_per_element=2))
     assert fp32_grads.optimizer_tier.count(DEVICE) == (120_000 - 4_000 - 20_000) // 16_000
     assert bf16_grads.optimizer_tier.count(DEVICE) == (120_000 - 4_000 - 20_000) // 14_000
+
+
+def test_fp32_gradient_accumulators_need_host_staging_chunks():
+    accumulating = make_plan(inputs(device_budget_bytes=24_000))
+    single = make_plan(inputs(device_budget_bytes=24_000, grad_bytes_per_element=2))
+    assert accumulating.host_bytes == 10 * (16_000 + 2_000) + 4_000
+    assert single.host_bytes == 10 * 14_000 + 4_000
