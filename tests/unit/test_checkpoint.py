@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 import angelptm
 from angelptm import checkpoint
-from angelptm.data import TokenDataset, TokenWriter
+from angelptm.data import TokenWriter
 from angelptm.export import main as export_main
 from angelptm.models import ModelConfig, build_model
 

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 import angelptm
-from angelptm.models import ModelConfig, build_model
 
 from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop, tiny_gpt
 
