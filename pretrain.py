@@ -12,7 +12,6 @@ in ``train.save_dir`` continues from it; Ctrl-C or SIGTERM finishes the current 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import shutil
 import signal
@@ -25,7 +24,7 @@ from tqdm import tqdm
 
 import angelptm
 import zero_cache
-from angelptm.config import EngineConfig, load_config
+from angelptm.config import EngineConfig, load_config, read_config_source
 from angelptm.data import TokenDataset, prepare_default_dataset, repeat_batches
 from angelptm.distributed import DistContext, init_distributed
 from angelptm.errors import CheckpointError, ConfigError
@@ -51,14 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def read_config(args: argparse.Namespace) -> dict:
     """The JSON config with the command-line overrides applied (still a dict: the edge parses it)."""
     path = Path(args.config)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{path}: not valid JSON at line {err.lineno}: {err.msg}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the top level must be a JSON object {{...}}, not a {json_type(raw)}")
+    raw = read_config_source(path)
     train = raw.setdefault("train", {})
     if not isinstance(train, dict):
         raise ConfigError(f"{path}: \"train\" must be a JSON object {{...}}, not a {json_type(train)}")
@@ -183,7 +175,7 @@ def train(raw: dict) -> float:
     model = build_model(cfg.model)
     weight_decay = cfg.optimizer.weight_decay if cfg.optimizer else 0.0
     engine, _, loader, _ = angelptm.initialize(model=model, model_parameters=model.param_groups(weight_decay),
-                                               training_data=dataset, config=raw)
+                                               training_data=dataset, config=cfg)
     save_dir = cfg.train.save_dir
     if cfg.train.resume:
         path, _ = engine.load_checkpoint(save_dir)

@@ -30,7 +30,8 @@ def initialize(args: Any = None, model: nn.Module | None = None,
                model_parameters: Iterable | None = None, training_data: torch.utils.data.Dataset | None = None,
                lr_scheduler: Any = None, distributed_port: int | None = None, mpu: Any = None,
                dist_init_required: bool | None = None, collate_fn: Callable | None = None,
-               config: str | dict | None = None, mesh_param: Any = None, config_params: str | dict | None = None
+               config: str | dict | EngineConfig | None = None, mesh_param: Any = None,
+               config_params: str | dict | None = None
                ) -> tuple[Engine, MixedPrecisionOptimizer | None, ResumableDataLoader | None, Any]:
     """Build the training engine, like ``deepspeed.initialize``.
 
@@ -48,7 +49,8 @@ def initialize(args: Any = None, model: nn.Module | None = None,
             is not supported, so ``mpu`` / ``mesh_param`` must be None.
         dist_init_required: None = join a process group when the launcher started several ranks.
         collate_fn: batch collation for ``training_data``.
-        config: a DeepSpeed JSON config, as a path or a dict (``config_params`` is an alias).
+        config: a DeepSpeed JSON config, as a path or a dict (``config_params`` is an alias), or an
+            :class:`EngineConfig` already loaded with :func:`load_config` (not parsed again).
 
     Returns:
         ``(engine, optimizer, training_dataloader, lr_scheduler)``; items not requested are None.
@@ -59,7 +61,10 @@ def initialize(args: Any = None, model: nn.Module | None = None,
         raise ConfigError("angelptm.initialize: mpu/mesh_param (tensor or sequence parallelism) are not supported")
     config = _pick_config(args, config, config_params)
     ctx = init_distributed(dist_init_required=dist_init_required)
-    cfg = load_config(config, world_size=ctx.world_size)
+    cfg = config if isinstance(config, EngineConfig) else load_config(config, world_size=ctx.world_size)
+    if cfg.batch.world_size != ctx.world_size:
+        raise ConfigError(f"the config was resolved for {cfg.batch.world_size} ranks but this run has "
+                          f"{ctx.world_size}; load it with load_config(..., world_size={ctx.world_size})")
     _report_ignored(cfg, ctx)
     if cfg.seed is not None:
         _seed_everything(cfg.seed)

@@ -14,6 +14,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+def fused_adam_kernel(decoupled: bool):
+    """torch's fused multi-tensor Adam (CUDA and CPU): AdamW with decoupled weight decay, or Adam with L2."""
+    return torch._fused_adamw_ if decoupled else torch._fused_adam_
+
+
 class HostAdam:
     """One Adam/AdamW update over lists of flat fp32 CPU tensors.
 
@@ -40,7 +45,7 @@ class HostAdam:
                 module.adam_update(opt_id, step, lr, betas[0], betas[1], eps, weight_decay, True, master, grad,
                                    exp_avg, exp_avg_sq)
             return
-        kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
+        kernel = fused_adam_kernel(self.decoupled)
         step_tensor = torch.tensor(float(step))
         kernel(masters, grads, exp_avgs, exp_avg_sqs, [], [step_tensor] * len(masters), lr=lr, beta1=betas[0],
                beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)

@@ -31,15 +31,11 @@ import torch
 from torch import nn
 
 from zero_cache.chunks import ChunkStore
-from zero_cache.host_adam import HostAdam
+from zero_cache.host_adam import HostAdam, fused_adam_kernel
 from zero_cache.layout import TensorSlot
 from zero_cache.planner import DEVICE, HOST
 
 logger = logging.getLogger(__name__)
-
-
-def _adam_kernel(decoupled: bool):
-    return torch._fused_adamw_ if decoupled else torch._fused_adam_
 
 
 class ZeroCacheOptimizer:
@@ -61,7 +57,7 @@ class ZeroCacheOptimizer:
         self.optimizer = optimizer
         self.loss_scaler = loss_scaler
         self.gradient_clipping = gradient_clipping
-        self.kernel = _adam_kernel(decoupled_weight_decay)
+        self.kernel = fused_adam_kernel(decoupled_weight_decay)
         self.device = store.tiers[DEVICE].device
         self.host_adam = HostAdam(decoupled_weight_decay, try_deepspeed=self.device.type == "cuda")
         slot_of = {slot.name: slot for slot in store.slots}

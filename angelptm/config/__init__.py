@@ -1,6 +1,6 @@
 """DeepSpeed JSON at the edge, typed dataclasses inside."""
 
-from angelptm.config.loader import load_config, resolve_batch_sizes
+from angelptm.config.loader import load_config, read_config_source, resolve_batch_sizes
 from angelptm.config.typed import (
     BatchConfig, EngineConfig, LossScaleConfig, MonitorConfig, OptimizerConfig, PrecisionConfig, SchedulerConfig,
     TrainConfig, ZeroConfig,
@@ -8,5 +8,5 @@ from angelptm.config.typed import (
 
 __all__ = [
     "BatchConfig", "EngineConfig", "LossScaleConfig", "MonitorConfig", "OptimizerConfig", "PrecisionConfig",
-    "SchedulerConfig", "TrainConfig", "ZeroConfig", "load_config", "resolve_batch_sizes",
+    "SchedulerConfig", "TrainConfig", "ZeroConfig", "load_config", "read_config_source", "resolve_batch_sizes",
 ]

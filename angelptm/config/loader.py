@@ -40,7 +40,7 @@ def load_config(config: str | os.PathLike | dict | None, *, world_size: int = 1)
         ConfigError: unreadable file, unknown key, wrong type or inconsistent values; the message
             lists every problem found, each with its key path.
     """
-    raw = _read(config)
+    raw = read_config_source(config)
     problems = _unknown_key_problems(raw, edge.EdgeConfig, "")
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
@@ -57,7 +57,12 @@ def load_config(config: str | os.PathLike | dict | None, *, world_size: int = 1)
         raise ConfigError(f"invalid config:\n  {err}") from None
 
 
-def _read(config: str | os.PathLike | dict | None) -> dict:
+def read_config_source(config: str | os.PathLike | dict | None) -> dict:
+    """The raw JSON object of a config given as a path or a dict (a deep copy), before any checking.
+
+    Raises:
+        ConfigError: missing file, invalid JSON (with line and column), or not a JSON object.
+    """
     if config is None:
         raise ConfigError("no config given: pass config=PATH_OR_DICT (a DeepSpeed JSON config)")
     if isinstance(config, dict):

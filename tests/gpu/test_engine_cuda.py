@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import angelptm
-from reference import ds_config, random_batches, reference_loop, tiny_gpt
+from reference import ds_config, random_batches, reference_loop, tiny_gpt, train_steps
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,12 +24,7 @@ def test_bf16_engine_on_cuda_tracks_reference_loop():
     engine, optimizer, _, _ = angelptm.initialize(model=tiny_gpt(seed, "llama"),
                                                   config=ds_config(bf16={"enabled": True}))
     assert engine.device.type == "cuda" and optimizer.optimizer.defaults.get("fused")
-    losses = []
-    for batch in batches:
-        loss = engine(**batch)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = train_steps(engine, batches)
     assert losses[-1] < losses[0] - 0.5
     # The fused and the foreach Adam kernels round differently, so compare within bf16 noise.
     assert losses == pytest.approx(ref_losses, rel=2e-2)

@@ -7,7 +7,7 @@ import torch
 
 import angelptm
 from angelptm.models import ModelConfig, build_model
-from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop
+from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop, train_steps
 from zero_cache.layout import pack
 from zero_cache.planner import DEVICE, HOST
 
@@ -33,12 +33,7 @@ def test_split_tiers_on_cuda_track_the_reference_over_20_steps(accumulation):
     engine, optimizer, _, _ = angelptm.initialize(model=model(seed), config=config)
     tiers = {group.tier for group in optimizer.store.groups}
     assert tiers == {DEVICE, HOST} and engine.device.type == "cuda"
-    losses = []
-    for batch in batches:
-        loss = engine(**batch)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = train_steps(engine, batches)
     ref_losses, ref_masters = reference_loop(model(seed), batches, dtype=torch.bfloat16, accumulation=accumulation,
                                              lr=3e-3, clip=1.0, device="cuda")
     assert losses[-1] < losses[0] - 0.5

@@ -70,3 +70,14 @@ def reference_loop(model: nn.Module, batches: list[dict], *, dtype: torch.dtype,
                 p.copy_(master)
     names = [name for name, _ in model.named_parameters()]
     return losses, {name: m.detach() for name, m in zip(names, masters)}
+
+
+def train_steps(engine, batches: list[dict]) -> list[float]:
+    """Forward, backward and step an engine once per batch; returns the losses."""
+    losses = []
+    for batch in batches:
+        loss = engine(**batch)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses

@@ -11,18 +11,12 @@ from torch import nn
 
 import angelptm
 
-from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop, tiny_gpt
+from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop, tiny_gpt, train_steps
 
 
 def engine_loop(model: nn.Module, batches: list[dict], config: dict) -> tuple[list[float], angelptm.Engine]:
     engine, _, _, _ = angelptm.initialize(model=model, config=config)
-    losses = []
-    for batch in batches:
-        loss = engine(**batch)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses, engine
+    return train_steps(engine, batches), engine
 
 
 @pytest.mark.parametrize("dtype_key,dtype", [("bf16", torch.bfloat16), (None, torch.float32)])
