@@ -109,7 +109,3 @@ class ChunkStore:
             self.tiers[old.tier].free(old.grad)
             self.groups[chunk] = new
         return len(moves)
-
-    def tier_bytes(self) -> dict[str, int]:
-        """Bytes in use per tier."""
-        return {name: tier.used_bytes for name, tier in self.tiers.items()}

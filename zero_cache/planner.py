@@ -23,7 +23,7 @@ tier and what to change, before a single byte is allocated.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 from zero_cache.units import format_bytes
@@ -94,8 +94,6 @@ class Plan:
     """Model-state bytes planned on the device."""
     host_bytes: int
     """Model-state bytes planned on the host."""
-    prefetch_order: tuple[int, ...] = field(default=())
-    """Chunks in first-use order along the trace (what to fetch next)."""
 
     def summary(self) -> str:
         on_device = self.optimizer_tier.count(DEVICE)
@@ -149,7 +147,7 @@ def make_plan(inputs: PlanInputs) -> Plan:
             + ("" if params_resident else " and every param chunk's home copy") + " live there")))
     device_bytes = param_device + device_optim * inputs.optimizer_chunk_bytes + inputs.scratch_bytes
     return Plan(params_resident=params_resident, cache_slots=cache_slots, optimizer_tier=tiers,
-                device_bytes=device_bytes, host_bytes=host_bytes, prefetch_order=order)
+                device_bytes=device_bytes, host_bytes=host_bytes)
 
 
 def _shortfall_message(tier: str, need: int, have: int, inputs: PlanInputs, detail: str) -> str:
