@@ -194,6 +194,7 @@ def test_deepspeed_api_details():
     loss = engine(**batch)
     returned = engine.backward(loss)
     assert returned.item() == pytest.approx(loss.item() / 2)  # ... backward returns loss / gas ...
+    assert engine.optimizer.flat_grad.abs().sum() > 0
     engine.zero_grad()  # ... zero_grad drops the accumulated sum ...
     assert engine.optimizer.flat_grad.abs().sum() == 0
     engine.step()
