@@ -245,7 +245,8 @@ class Engine(nn.Module):
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """The full module state dict with fp32 weights on CPU, loadable into the plain model."""
-        return checkpoint.consolidate(self.module.state_dict(), self._named_master_weights(), self._param_aliases())
+        masters = self._named_master_weights()  # first: it waits for weights still landing from the last step
+        return checkpoint.consolidate(self.module.state_dict(), masters, self._param_aliases())
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> Path:
@@ -264,6 +265,8 @@ class Engine(nn.Module):
                            self.gradient_accumulation_steps())
 
         def shared() -> dict[str, Any]:
+            if self.optimizer is not None:
+                self.optimizer.finish_pending()  # weights may still be landing from a background update
             module_state = self.module.state_dict()
             if exclude_frozen_parameters:
                 frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}

@@ -103,6 +103,9 @@ class MixedPrecisionOptimizer:
     def prepare_backward(self, boundary: bool) -> None:
         """Nothing to prepare: gradients always accumulate into the flat fp32 buffer."""
 
+    def finish_pending(self) -> None:
+        """Nothing runs in the background: the module's weights are current after every step."""
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the accumulated gradients (the buffer is reused, never freed)."""
         self.flat_grad.zero_()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -26,6 +27,8 @@ SIZES = {  # GPT-2-style shapes; vocab 50304, seq 1024 as in the protocol
     "6.9b": dict(num_layers=32, hidden_size=4096, num_heads=32, tie_embeddings=False),
     "13b": dict(num_layers=40, hidden_size=5120, num_heads=40, tie_embeddings=False),
     "13.7b": dict(num_layers=42, hidden_size=5120, num_heads=40, tie_embeddings=False),
+    "16b": dict(num_layers=50, hidden_size=5120, num_heads=40, tie_embeddings=False),
+    "18b": dict(num_layers=56, hidden_size=5120, num_heads=40, tie_embeddings=False),
 }
 
 
@@ -42,7 +45,8 @@ def build(size: str, checkpointing: bool):
         return build_model(config).bfloat16()
 
 
-def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, device_budget: str) -> dict:
+def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, device_budget: str,
+            clip: float) -> dict:
     """Train ``steps`` steps in this process and return timings."""
     import torch
 
@@ -50,7 +54,7 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
     num_params = model.num_params()
     flops_per_token = model.flops_per_token(1024)
     ds_config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
-                 "bf16": {"enabled": True}, "steps_per_print": 10**9}
+                 "bf16": {"enabled": True}, "steps_per_print": 10**9, "gradient_clipping": clip}
     if mode == "torch":  # bf16 weights stepped directly: the protocol's "no fp32 master" anchor
         model = model.cuda().bfloat16()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -78,9 +82,14 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
         engine, optimizer, *_ = angelptm.initialize(model=model, config={**ds_config, "optimizer": {
             "type": "AdamW", "params": {"lr": 1e-4}}, "zero_cache": {"enabled": True,
                                                                    "device_memory_budget": device_budget}})
+        import logging
+
+        logging.basicConfig(level=logging.WARNING, format="zero_cache: %(name)s %(message)s")
+        logging.getLogger("zero_cache").setLevel(logging.INFO)  # the plan and the warm-up re-plan
         tiers = [group.tier for group in optimizer.store.groups]
         print(f"zero_cache: {tiers.count('device')} of {len(tiers)} optimizer groups on the device, "
-              f"host optimizer {optimizer.host_adam.name}", file=sys.stderr)
+              f"host optimizer {optimizer.host_adam.name}, host chunks update "
+              f"{'during' if optimizer.update_in_backward else 'after'} backward", file=sys.stderr)
 
         def step(batch):
             loss = engine(**batch)
@@ -115,14 +124,23 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
         losses.append(step(batch).item())  # .item() syncs
         times.append(time.perf_counter() - start)
     step_s = statistics.median(times[3:])
+    extra = {}
     if mode == "zero_cache":
-        waits = ", ".join(f"{k} {v / steps * 1e3:.0f} ms" for k, v in optimizer.timings.items())
-        print(f"zero_cache: per step {waits}", file=sys.stderr)
+        report = optimizer.report()
+        seconds = {k.removeprefix("zero_cache_").removesuffix("_s"): v for k, v in report.items() if k.endswith("_s")}
+        print("zero_cache: per step " + ", ".join(f"{k} {v / steps * 1e3:.0f} ms" for k, v in seconds.items())
+              + f"; moved per step d2h {report['zero_cache_d2h_bytes'] / steps / 2**30:.2f} GiB, "
+              f"h2d {report['zero_cache_h2d_bytes'] / steps / 2**30:.2f} GiB", file=sys.stderr)
+        tiers = [group.tier for group in optimizer.store.groups]
+        extra = {"device_groups": f"{tiers.count('device')} of {len(tiers)}",
+                 "overlap": report.get("zero_cache_overlap"), "in_backward": optimizer.update_in_backward}
     tokens = micro * 1024
     return {"size": size, "mode": mode, "params": num_params, "step_s": step_s, "tokens_per_s": tokens / step_s,
             "tflops": tokens * flops_per_token / step_s / 1e12,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "host_rss_gib": __import__("psutil").Process().memory_info().rss / 2**30, "first_loss": losses[0], "last_loss": losses[-1]}
+            # ru_maxrss: the process's peak resident set (KiB on Linux), pinned host memory included
+            "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "losses": [round(loss, 3) for loss in losses], **extra}
 
 
 def main() -> None:
@@ -133,24 +151,27 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=8)
     parser.add_argument("--no-checkpointing", action="store_true")
     parser.add_argument("--device-budget", default="auto", help="zero_cache.device_memory_budget for zero_cache")
+    parser.add_argument("--gradient-clipping", type=float, default=0.0)
     parser.add_argument("--anchor", default="deepspeed", help="mode the ratios are taken against")
     parser.add_argument("--child", nargs=2, metavar=("SIZE", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print("RESULT " + json.dumps(run_one(*args.child, args.steps, args.micro, not args.no_checkpointing,
-                                             args.device_budget)))
+                                             args.device_budget, args.gradient_clipping)))
         return
     results = []
     for size in args.sizes:
         for mode in args.modes:
             command = [sys.executable, __file__, "--child", size, mode, "--steps", str(args.steps),
-                       "--micro", str(args.micro), "--device-budget", args.device_budget]
+                       "--micro", str(args.micro), "--device-budget", args.device_budget,
+                       "--gradient-clipping", str(args.gradient_clipping)]
             command += ["--no-checkpointing"] if args.no_checkpointing else []
             proc = subprocess.run(command, capture_output=True, text=True)
             lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
             if proc.returncode or not lines:
                 errors = [l for l in proc.stderr.splitlines() if "Error" in l or "error" in l]
-                print(f"{size} {mode}: failed\n" + "\n".join(errors[-6:]), flush=True)
+                print(f"{size} {mode}: failed (exit {proc.returncode})\n" + "\n".join(errors[-6:] or proc.stderr.splitlines()[-6:]),
+                      flush=True)
                 continue
             notes = [l for l in proc.stderr.splitlines() if l.startswith("zero_cache:")]
             print("\n".join(notes), flush=True)

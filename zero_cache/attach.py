@@ -15,6 +15,7 @@ from torch import nn
 
 from zero_cache.chunks import ChunkStore
 from zero_cache.config import ZeroCacheConfig
+from zero_cache.host_update import STAGING_BUFFERS
 from zero_cache.layout import ChunkLayout, pack, search_chunk_size
 from zero_cache.optimizer import ZeroCacheOptimizer
 from zero_cache.planner import DEVICE, HOST, Plan, PlanError, PlanInputs, make_plan
@@ -33,9 +34,29 @@ def build_layout(params: list[tuple[str, nn.Parameter]], config: ZeroCacheConfig
     return pack(shapes, chunk_numel)
 
 
-def grad_dtype(compute_dtype: torch.dtype, accumulation_steps: int) -> torch.dtype:
-    """Gradients stay in the compute dtype when each window is one micro-batch, else accumulate in fp32."""
-    return compute_dtype if accumulation_steps == 1 else torch.float32
+def grad_bytes_per_element(accumulation_steps: int) -> int:
+    """fp32 accumulators when micro-batches accumulate; none when gradients are written over the params."""
+    return 4 if accumulation_steps > 1 else 0
+
+
+def resolve_update_in_backward(config: ZeroCacheConfig, *, gradient_clipping: float, loss_scaler: Any,
+                               accumulation_steps: int) -> bool:
+    """Whether host chunks update during backward: "auto" turns it on wherever it is exact."""
+    blockers = []
+    if gradient_clipping > 0:
+        blockers.append(f"gradient_clipping is {gradient_clipping} (the clip factor needs the global norm, "
+                        "known only after backward)")
+    if loss_scaler is not None:
+        blockers.append("fp16 loss scaling is on (an overflow must be able to skip the step)")
+    if accumulation_steps > 1:
+        blockers.append(f"gradient_accumulation_steps is {accumulation_steps} (only the last micro-batch's "
+                        "backward completes a gradient)")
+    if config.update_in_backward == "auto":
+        return not blockers
+    if config.update_in_backward and blockers:
+        raise ValueError("zero_cache.update_in_backward is true but " + "; ".join(blockers)
+                         + ". Set it to \"auto\" or false")
+    return bool(config.update_in_backward)
 
 
 def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: torch.dtype, device_budget: int,
@@ -43,10 +64,10 @@ def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: tor
                 nonmodel_peak_bytes: int = 0) -> PlanInputs:
     return PlanInputs(num_chunks=layout.num_chunks, chunk_numel=layout.chunk_numel,
                       param_bytes_per_element=torch.empty((), dtype=compute_dtype).element_size(),
-                      grad_bytes_per_element=torch.empty((), dtype=grad_dtype(compute_dtype,
-                                                                              accumulation_steps)).element_size(),
+                      grad_bytes_per_element=grad_bytes_per_element(accumulation_steps),
                       device_budget_bytes=device_budget, host_budget_bytes=host_budget, trace=trace,
-                      nonmodel_peak_bytes=nonmodel_peak_bytes, prefetch_depth=config.prefetch_depth)
+                      nonmodel_peak_bytes=nonmodel_peak_bytes, prefetch_depth=config.prefetch_depth,
+                      staging_buffers=STAGING_BUFFERS)
 
 
 class WarmupTracer:
@@ -119,7 +140,7 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
         config: the ``zero_cache`` section.
         compute_dtype, device: the module's dtype and device.
         decoupled_weight_decay, loss_scaler, gradient_clipping: as in the replicated optimizer.
-        accumulation_steps: micro-batches per step (1 keeps gradients in the compute dtype).
+        accumulation_steps: micro-batches per step (1 writes gradients over the params: no gradient buffers).
 
     Raises:
         PlanError: the model states do not fit; nothing has been allocated.
@@ -129,6 +150,8 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
                                   "implemented yet; leave it false for the exact update")
     if config.nvme_path is not None:
         raise NotImplementedError("zero_cache.nvme_path: the NVMe tier is not implemented yet")
+    in_backward = resolve_update_in_backward(config, gradient_clipping=gradient_clipping, loss_scaler=loss_scaler,
+                                             accumulation_steps=accumulation_steps)
     ordered = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     in_optimizer = {id(p) for p in ordered}
     params = [(name, p) for name, p in module.named_parameters() if id(p) in in_optimizer]
@@ -145,12 +168,14 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     reserve = int(WARMUP_ACTIVATION_RESERVE * device_tier.budget_bytes) if device.type == "cuda" else 0
     plan = make_plan(plan_inputs(layout, config, compute_dtype, device_tier.budget_bytes, host_tier.budget_bytes,
                                  accumulation_steps, nonmodel_peak_bytes=reserve))
-    logger.info("ZeRO-Cache: %d chunks of %d elements (%.1f%% padding); %s", layout.num_chunks,
-                layout.chunk_numel, 100 * layout.waste_fraction, plan.summary())
+    logger.info("ZeRO-Cache: %d chunks of %d elements (%.1f%% padding); %s; host chunks update %s",
+                layout.num_chunks, layout.chunk_numel, 100 * layout.waste_fraction, plan.summary(),
+                "during backward" if in_backward else "after backward")
     store = ChunkStore(layout, [p for _, p in params], plan, {DEVICE: device_tier, HOST: host_tier}, compute_dtype,
-                       grad_dtype(compute_dtype, accumulation_steps))
+                       accumulate=accumulation_steps > 1)
     hybrid = ZeroCacheOptimizer(store, optimizer, names, decoupled_weight_decay=decoupled_weight_decay,
-                                loss_scaler=loss_scaler, gradient_clipping=gradient_clipping)
+                                loss_scaler=loss_scaler, gradient_clipping=gradient_clipping,
+                                update_in_backward=in_backward)
     tracer = WarmupTracer(layout, config, compute_dtype, accumulation_steps)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # the warm-up measures the non-model peak from here

@@ -1,9 +1,13 @@
 """Chunk storage: the param chunks on the device and each chunk's optimizer group in its planned tier.
 
 Every parameter becomes a view into its chunk (``param.data`` is rebound), so a model state exists
-exactly once. The optimizer group of a chunk (fp32 master, exp_avg, exp_avg_sq, and the gradient)
-lives in the tier the plan names; moving it (re-planning) copies it to the other tier and frees
-the old one.
+exactly once. The optimizer group of a chunk (fp32 master, exp_avg, exp_avg_sq, and an fp32
+gradient accumulator when micro-batches accumulate) lives in the tier the plan names; moving it
+(re-planning) copies it to the other tier and frees the old one.
+
+When every step is one micro-batch there is no gradient buffer at all: as PatrickStar does, a
+parameter's gradient is written over the parameter itself once backward has produced it (the
+parameter is not read again in that iteration, and the fp32 master regenerates it at the step).
 """
 
 from __future__ import annotations
@@ -22,22 +26,19 @@ STATE_FIELDS = ("master", "exp_avg", "exp_avg_sq")
 
 @dataclass(slots=True)
 class OptimizerGroup:
-    """One chunk's optimizer state in one tier: fp32 master, exp_avg, exp_avg_sq, and the gradient.
-
-    The gradient is kept in the compute dtype when every window is a single micro-batch (the
-    update reads it through an fp32 scratch chunk), and in fp32 when micro-batches accumulate.
-    """
+    """One chunk's optimizer state in one tier: fp32 master, exp_avg, exp_avg_sq (and a gradient accumulator)."""
 
     tier: str
     states: torch.Tensor
     """3 x chunk_numel fp32: master | exp_avg | exp_avg_sq."""
-    grad: torch.Tensor
-    """chunk_numel gradient (compute dtype or fp32)."""
+    grad: torch.Tensor | None
+    """chunk_numel fp32 gradient accumulator, or None when gradients are written into the param chunk."""
 
     def field(self, name: str) -> torch.Tensor:
         if name == "grad":
+            assert self.grad is not None, "gradients live in the param chunk"
             return self.grad
-        numel = self.grad.numel()
+        numel = self.states.numel() // len(STATE_FIELDS)
         index = STATE_FIELDS.index(name)
         return self.states[index * numel:(index + 1) * numel]
 
@@ -51,11 +52,12 @@ class ChunkStore:
         plan: where each chunk's optimizer group lives (params must be resident).
         tiers: {"device": Tier, "host": Tier}.
         compute_dtype: dtype of the param chunks.
-        grad_dtype: dtype of the gradient chunks (see :class:`OptimizerGroup`).
+        accumulate: keep an fp32 gradient accumulator per chunk (micro-batches accumulate); without
+            it, gradients are written into the param chunks.
     """
 
     def __init__(self, layout: ChunkLayout, params: list[nn.Parameter], plan: Plan, tiers: dict[str, Tier],
-                 compute_dtype: torch.dtype, grad_dtype: torch.dtype = torch.float32) -> None:
+                 compute_dtype: torch.dtype, accumulate: bool = True) -> None:
         if not plan.params_resident:
             raise NotImplementedError(
                 "this plan streams param chunks from the host (the params alone exceed the device budget); only "
@@ -65,22 +67,25 @@ class ChunkStore:
         self.params = params
         self.slots: list[TensorSlot] = list(layout.slots)
         self.param_chunks = [tiers[DEVICE].allocate(layout.chunk_numel, compute_dtype) for _ in range(layout.num_chunks)]
-        self.grad_dtype = grad_dtype
-        self.groups = [self._allocate_group(tier) for tier in plan.optimizer_tier]
-        # One fp32 chunk per tier through which the update reads low-precision gradients.
-        self.scratch = {name: tier.allocate(layout.chunk_numel, torch.float32) for name, tier in tiers.items()}
         with torch.no_grad():
             for param, slot in zip(params, self.slots):
                 view = self.param_view(slot)
                 view.copy_(param.detach())
-                # Masters start from the compute-dtype weights, as a mixed-precision loop's would.
-                self.state_view(slot, "master").copy_(view.reshape(-1))
                 param.data = view  # the original storage is released; the chunk is the only copy
+        # Optimizer groups only now, so the device never holds the original params and the groups at once.
+        self.grads_in_accumulators = accumulate
+        self.groups = [self._allocate_group(tier) for tier in plan.optimizer_tier]
+        # One fp32 chunk per tier through which the update reads compute-dtype gradients.
+        self.scratch = {name: tier.allocate(layout.chunk_numel, torch.float32) for name, tier in tiers.items()}
+        for group, param_chunk in zip(self.groups, self.param_chunks):
+            # Masters start from the compute-dtype weights, as a mixed-precision loop's would.
+            group.field("master").copy_(param_chunk)
 
     def _allocate_group(self, tier: str) -> OptimizerGroup:
         numel = self.layout.chunk_numel
+        grad = self.tiers[tier].allocate(numel, torch.float32) if self.grads_in_accumulators else None
         return OptimizerGroup(tier=tier, states=self.tiers[tier].allocate(len(STATE_FIELDS) * numel, torch.float32),
-                              grad=self.tiers[tier].allocate(numel, self.grad_dtype))
+                              grad=grad)
 
     def param_view(self, slot: TensorSlot) -> torch.Tensor:
         """The parameter's compute-dtype view (shaped)."""
@@ -104,8 +109,9 @@ class ChunkStore:
             old = self.groups[chunk]
             new = self._allocate_group(plan.optimizer_tier[chunk])
             new.states.copy_(old.states)
-            new.grad.copy_(old.grad)
             self.tiers[old.tier].free(old.states)
-            self.tiers[old.tier].free(old.grad)
+            if old.grad is not None:
+                new.grad.copy_(old.grad)
+                self.tiers[old.tier].free(old.grad)
             self.groups[chunk] = new
         return len(moves)

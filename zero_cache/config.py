@@ -32,6 +32,14 @@ class ZeroCacheConfig:
     """Update host-resident chunks one step late while the GPU computes (AngelPTM's lock-free update).
     Off by default: the default step is exact."""
 
+    update_in_backward: bool | str = AUTO
+    """Start each host-resident chunk's Adam update during backward, as soon as the chunk's last
+    gradient is written, so CPU Adam overlaps the rest of backward and the next forward. Exact (the
+    same arithmetic as updating after backward) but it needs the global gradient norm to be
+    irrelevant: no gradient clipping, no fp16 loss scaling, one micro-batch per step. A non-finite
+    gradient then cannot skip the step and stops the run with an error instead. "auto" turns it on
+    whenever those conditions hold."""
+
     nvme_path: str | None = None
     """Directory for the NVMe tier's swap files; None keeps all states in GPU + host memory."""
 
@@ -44,6 +52,9 @@ class ZeroCacheConfig:
         # Parse now so a bad size fails at load time, not at the first allocation.
         parse_budget(self.device_memory_budget, name="zero_cache.device_memory_budget")
         parse_budget(self.host_memory_budget, name="zero_cache.host_memory_budget")
+        if not isinstance(self.update_in_backward, bool) and self.update_in_backward != AUTO:
+            raise ValueError(f"zero_cache.update_in_backward: expected true, false or 'auto', "
+                             f"got {self.update_in_backward!r}")
         if self.prefetch_depth < 0:
             raise ValueError(f"zero_cache.prefetch_depth: must be >= 0, got {self.prefetch_depth}")
 

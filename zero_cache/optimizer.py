@@ -1,30 +1,33 @@
 """The hybrid Adam over chunked model states: GPU-resident groups on the device, the rest on the host.
 
-Step order (exact: every update uses this step's gradients, like a plain AdamW loop):
+Gradient paths (chosen once, from the accumulation steps):
 
-1. backward: a post-accumulate-grad hook moves each gradient out of autograd into its chunk's
-   gradient buffer right away. Device groups: an in-place copy (first micro-batch of a window) or
-   add. Host groups: an async copy on the device->host stream, straight into the pinned gradient
-   chunk when each window is one micro-batch (bf16 gradients; their norms are taken on the GPU),
-   or into a staging chunk that the host worker adds into an fp32 accumulator otherwise;
-2. ``step()``: one global norm over both tiers (for clipping and the overflow check); the host
-   worker runs CPU Adam chunk by chunk in forward order and starts each updated chunk's
-   host->device copy on its own stream, while the main thread runs the fused GPU Adam over the
-   device groups (low-precision gradients are read through one fp32 scratch chunk per tier);
-3. the next forward waits, per chunk, only for that chunk's copy (a stream-event wait, no
-   ``synchronize()``), so late chunks' copies overlap early layers' compute.
+* **one micro-batch per step**: a post-accumulate-grad hook writes each gradient over its own
+  parameter in the param chunk (no gradient buffers anywhere) and adds its squared norm to a
+  per-chunk sum on the device;
+* **accumulating micro-batches**: gradients are added into fp32 accumulators in the chunk's
+  optimizer group; host accumulators receive them through pinned staging buffers and the worker.
 
-The host worker exists only with CUDA; on a CPU-only run every tier is host memory and the same
-code runs inline, which is what the tests exercise.
+Update order (exact: every update uses this step's gradients, like a plain AdamW loop):
+
+1. host chunks are queued on the :class:`~zero_cache.host_update.HostUpdater` in forward order,
+   at ``step()`` once the global norm is known (clipping, overflow skip), or, with
+   ``update_in_backward``, from the gradient hook as soon as a chunk's last gradient is written,
+   so CPU Adam runs under the rest of backward;
+2. the device chunks are updated by torch's fused Adam on the compute stream, each param chunk
+   rewritten from its masters;
+3. the next forward waits, per chunk, only for that chunk's host->device copy (a stream-event
+   wait, no ``synchronize()``), so late chunks' updates overlap early layers' compute.
+
+On a CPU-only run the "device" tier is host memory too; the worker thread and every path above
+run the same way (copies are synchronous), which is what the unit tests exercise.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+import weakref
 from typing import Any
 
 import torch
@@ -32,10 +35,10 @@ from torch import nn
 
 from zero_cache.chunks import ChunkStore
 from zero_cache.host_adam import HostAdam, fused_adam_kernel
+from zero_cache.host_update import (ChunkUpdate, HostUpdater, NonFiniteGradientError, Transfers, adam_step,
+                                   fp32_gradient, wait)
 from zero_cache.layout import TensorSlot
 from zero_cache.planner import DEVICE, HOST
-
-logger = logging.getLogger(__name__)
 
 
 class ZeroCacheOptimizer:
@@ -49,56 +52,58 @@ class ZeroCacheOptimizer:
         decoupled_weight_decay: AdamW (True) or Adam with L2 (False).
         loss_scaler: fp16 loss scaler (``.scale``, ``.update(overflow)``), or None.
         gradient_clipping: max global gradient norm (0 = off).
+        update_in_backward: queue host chunks from backward (see ``ZeroCacheConfig.update_in_backward``).
     """
 
     def __init__(self, store: ChunkStore, optimizer: torch.optim.Optimizer, names: dict[int, str], *,
-                 decoupled_weight_decay: bool = True, loss_scaler: Any = None, gradient_clipping: float = 0.0) -> None:
+                 decoupled_weight_decay: bool = True, loss_scaler: Any = None, gradient_clipping: float = 0.0,
+                 update_in_backward: bool = False) -> None:
+        assert not (update_in_backward and (store.grads_in_accumulators or loss_scaler or gradient_clipping)), \
+            "update_in_backward needs one micro-batch per step, no loss scaler and no clipping"
         self.store = store
         self.optimizer = optimizer
         self.loss_scaler = loss_scaler
         self.gradient_clipping = gradient_clipping
-        self.kernel = fused_adam_kernel(decoupled_weight_decay)
+        self.update_in_backward = update_in_backward
         self.device = store.tiers[DEVICE].device
+        self._device_kernel = fused_adam_kernel(decoupled_weight_decay)
         self.host_adam = HostAdam(decoupled_weight_decay, try_deepspeed=self.device.type == "cuda")
+        self.transfers = Transfers(self.device)
+        self.host = HostUpdater(store, self.transfers, self.host_adam)
         slot_of = {slot.name: slot for slot in store.slots}
-        # (group index, slot) for every parameter, in the optimizer's group order.
+        # (param-group index, slot) for every parameter, in the optimizer's group order.
         self.members: list[tuple[int, TensorSlot]] = []
         for index, group in enumerate(optimizer.param_groups):
             for param in group["params"]:
                 if param.requires_grad:
                     self.members.append((index, slot_of[names[id(param)]]))
         self.names = [slot.name for _, slot in self.members]
+        self._members_of_chunk: dict[int, list[tuple[int, TensorSlot]]] = {}
+        for index, slot in self.members:
+            self._members_of_chunk.setdefault(slot.chunk, []).append((index, slot))
         self.step_count = 0
         self.overflow = False
         self.last_grad_norm: float | None = None
-        self._cuda = self.device.type == "cuda"
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-cache-host") if self._cuda else None
-        self._d2h = torch.cuda.Stream(self.device) if self._cuda else None
-        self._h2d = torch.cuda.Stream(self.device) if self._cuda else None
-        self._pending_grads: list[Future] = []
-        self._param_ready: dict[int, torch.cuda.Event] = {}
-        self._host_done: Future | None = None
-        self._staging: dict[int, torch.Tensor] = {}
+        # Squared gradient norms: per chunk on the device (in-param gradients), per host slot from
+        # the worker (host accumulators); both summed once per step.
+        self._chunk_squares = torch.zeros(store.layout.num_chunks, dtype=torch.float32, device=self.device)
+        self._squares_pinned = torch.zeros(store.layout.num_chunks, dtype=torch.float32,
+                                           pin_memory=self.device.type == "cuda")
+        self._host_squares: list[float] = []
         self._written: set[str] = set()  # slots that received a gradient in this accumulation window
-        self._host_squares: list[float] = []  # squared norms of host slots, taken by the worker
-        self._device_squares: list[torch.Tensor] = []  # squared norms of host slots' grads, taken on the GPU
-        self._host_ready: dict[int, threading.Event] = {}  # host chunks whose update is still being issued
-        self._covered: set[str] = set()  # host slots whose squared norm is already recorded this window
-        self._slot_jobs: dict[str, Future] = {}  # last accumulation job per host slot (its staging slice)
-        self._staging_lock = threading.Lock()
-        self._replanned = False
+        self._missing: dict[int, int] = {}  # gradients still to come per chunk, this window
+        self._queued: set[int] = set()  # host chunks already queued from backward in this window
+        self._pending: dict[int, ChunkUpdate] = {}  # host chunk -> its latest queued update, until waited for
         self._boundary = True
-        self.timings = dict.fromkeys(("grad_wait", "host_update", "chunk_wait"), 0.0)
-        self.moved_bytes = {"d2h": 0, "h2d": 0}
-        """Bytes copied device->host (gradients) and host->device (updated params) since the last report."""
-        """Seconds the training thread waited for host gradients / for host updates, and worker time."""
+        self._replanned = False
+        self.timings = dict.fromkeys(("grad_wait", "chunk_wait"), 0.0)
+        """Seconds the training thread waited for host gradient accumulation / for host chunk updates."""
         self.after_first_step: Any = None
         """Called once after the first applied step (the warm-up re-plan)."""
-        for param, (_, slot) in zip(self._params_in_member_order(), self.members):
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        for param, (_, slot) in zip(params, self.members):
             param.register_post_accumulate_grad_hook(self._make_grad_hook(slot))
-
-    def _params_in_member_order(self) -> list[nn.Parameter]:
-        return [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
+        self._reset_window()
 
     # ------------------------------------------------------------------ torch.optim surface
     @property
@@ -115,119 +120,113 @@ class ZeroCacheOptimizer:
         self._boundary = boundary
 
     def _make_grad_hook(self, slot: TensorSlot):
+        # Weak: a tensor's hooks are invisible to the garbage collector, so a strong reference
+        # from the hook would keep this optimizer, its chunks and its worker alive forever.
+        optimizer = weakref.ref(self)
+
         def hook(param: nn.Parameter) -> None:
-            grad = param.grad
-            param.grad = None
-            first = slot.name not in self._written  # the first gradient of a window is copied, not added
-            self._written.add(slot.name)
-            if self.store.tier_of(slot) == DEVICE or not self._cuda:
-                accumulator = self.store.state_view(slot, "grad")
-                accumulator.copy_(grad.reshape(-1)) if first else accumulator.add_(grad.reshape(-1))
-                return
-            # The host chunk may still be the staging source of this chunk's last param update.
-            self.wait_for_chunk(slot.chunk)
-            direct = first and self.store.grad_dtype == grad.dtype and self.store.grad_dtype != torch.float32
-            if direct:  # single-micro-batch windows: straight into the pinned host gradient chunk
-                if self._boundary:
-                    self._device_squares.append(torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2)
-                    self._covered.add(slot.name)
-                self._copy_async(self.store.state_view(slot, "grad"), grad)
-                return
-            self._pending_grads.append(self._copy_grad_to_host(slot, grad, first))
+            owner = optimizer()
+            if owner is not None:
+                owner._take_gradient(slot, param)
 
         return hook
 
-    def _copy_async(self, destination: torch.Tensor, grad: torch.Tensor) -> torch.cuda.Event:
-        """Device-to-host copy on the D2H stream, ordered after the gradient's producer."""
-        self._d2h.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._d2h):
-            destination.copy_(grad.reshape(-1), non_blocking=True)
-            self.moved_bytes["d2h"] += grad.numel() * grad.element_size()
-            grad.record_stream(self._d2h)  # keep the gradient alive until the copy is done
-            copied = torch.cuda.Event()
-            copied.record()
-        return copied
+    def _take_gradient(self, slot: TensorSlot, param: nn.Parameter) -> None:
+        """Move ``param``'s gradient out of autograd into ZeRO-Cache (post-accumulate-grad hook)."""
+        grad = param.grad
+        param.grad = None
+        first = slot.name not in self._written  # the first gradient of a window is copied, not added
+        self._written.add(slot.name)
+        self.wait_for_chunk(slot.chunk)  # the chunk's last host update has landed before we write it
+        if not self.store.grads_in_accumulators:
+            self._write_over_param(slot, grad, first)
+        elif self.store.tier_of(slot) == DEVICE:
+            accumulator = self.store.state_view(slot, "grad")
+            accumulator.copy_(grad.reshape(-1)) if first else accumulator.add_(grad.reshape(-1))
+        else:
+            self._accumulate_on_host(slot, grad, first)
 
-    def _copy_grad_to_host(self, slot: TensorSlot, grad: torch.Tensor, first: bool) -> Future:
-        """Async D2H into the chunk's pinned staging buffer, then an fp32 copy/add on the worker.
+    def _write_over_param(self, slot: TensorSlot, grad: torch.Tensor, first: bool) -> None:
+        """Single-micro-batch path: the gradient replaces the parameter it belongs to."""
+        if not first:
+            raise RuntimeError(f"{slot.name} received a second gradient in one step; with one micro-batch per "
+                               "step ZeRO-Cache writes gradients over the parameters, so backward may run once "
+                               "per step (set gradient_accumulation_steps for several micro-batches)")
+        self.store.param_view(slot).copy_(grad)
+        square = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+        self._chunk_squares[slot.chunk:slot.chunk + 1].add_(square)
+        self._missing[slot.chunk] -= 1
+        if self.update_in_backward and self._missing[slot.chunk] == 0 and self.store.tier_of(slot) == HOST:
+            # The chunk's gradients are complete: update it now, under the rest of backward.
+            squares = self._squares_pinned[slot.chunk:slot.chunk + 1]
+            squares.copy_(self._chunk_squares[slot.chunk:slot.chunk + 1], non_blocking=True)
+            self._queued.add(slot.chunk)
+            self._queue_host_update(slot.chunk, step=self.step_count + 1, grad_factor=1.0, squares=squares)
+
+    def _accumulate_on_host(self, slot: TensorSlot, grad: torch.Tensor, first: bool) -> None:
+        """Accumulating path: stage the gradient through a pinned buffer; the worker adds it in fp32.
 
         At the window's last micro-step the worker also takes the slot's squared norm, so the
         global norm at ``step()`` is a sum of partials computed while backward was still running.
         """
-        previous = self._slot_jobs.pop(slot.name, None)
-        if previous is not None:
-            previous.result()  # the worker has read this staging slice; it may be written again
-        staging = self._staging_chunk(slot.chunk)[slot.offset:slot.offset + slot.numel]
-        copied = self._copy_async(staging, grad)
+        buffer = self.host.pool.acquire()
+        staged = buffer[:slot.numel]
+        copied = self.transfers.copy(staged, grad.reshape(-1), "d2h", after=self.transfers.mark())
         accumulator = self.store.state_view(slot, "grad")
         boundary = self._boundary
-        if boundary:
-            self._covered.add(slot.name)
 
         def accumulate() -> None:
-            copied.synchronize()
-            accumulator.copy_(staging) if first else accumulator.add_(staging)
+            wait(copied)
+            accumulator.copy_(staged) if first else accumulator.add_(staged)
+            self.host.pool.release(buffer)
             if boundary:
                 self._host_squares.append(float(torch.linalg.vector_norm(accumulator, dtype=torch.float32)) ** 2)
 
-        job = self._worker.submit(accumulate)
-        self._slot_jobs[slot.name] = job
-        return job
-
-    def _staging_chunk(self, chunk: int) -> torch.Tensor:
-        with self._staging_lock:  # the hook (training thread) and the update (worker) both ask
-            if chunk not in self._staging:
-                numel = self.store.layout.chunk_numel
-                self._staging[chunk] = self.store.tiers[HOST].allocate(numel, self.store.param_chunks[chunk].dtype)
-            return self._staging[chunk]
-
-    def _drain_gradient_jobs(self) -> None:
-        start = time.perf_counter()
-        for future in self._pending_grads:
-            future.result()
-        self._pending_grads.clear()
-        self._slot_jobs.clear()
-        self.timings["grad_wait"] += time.perf_counter() - start
+        self.host.submit(accumulate)
 
     def _reset_window(self) -> None:
         self._written.clear()
-        self._covered.clear()
+        self._queued.clear()
         self._host_squares.clear()
-        self._device_squares.clear()
+        self._chunk_squares.zero_()
+        self._missing = {chunk: len(members) for chunk, members in self._members_of_chunk.items()}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Start a new accumulation window: the next gradient of each parameter overwrites its buffer."""
-        self._drain_gradient_jobs()
+        """Start a new accumulation window: drop the gradients of this one."""
+        if self._queued:
+            raise RuntimeError("zero_grad() after a backward whose host chunks were already updated during it "
+                               "(zero_cache.update_in_backward): those updates cannot be undone. Call step() after "
+                               "each backward, or set zero_cache.update_in_backward false")
+        self._drain_host_gradients()
+        if self._written and not self.store.grads_in_accumulators:
+            self._restore_params(frozenset(self._written))  # the dropped gradients overwrote parameters
         self._reset_window()
 
-    # ------------------------------------------------------------------ step
-    def _grad_norm(self) -> float:
-        """Global norm over the gradients written in this window (parameters without one take no step)."""
-        self._drain_gradient_jobs()
-        total = sum(self._host_squares)
-        on_device = list(self._device_squares)
-        for _, slot in self.members:
-            if slot.name not in self._written or slot.name in self._covered:
-                continue
-            square = torch.linalg.vector_norm(self.store.state_view(slot, "grad"), dtype=torch.float32) ** 2
-            if square.device.type == "cpu":
-                total += float(square)
-            else:
-                on_device.append(square)
-        if on_device:
-            total += float(torch.stack(on_device).double().sum())  # the one device sync of the step
-        return math.sqrt(total)
+    def _drain_host_gradients(self) -> None:
+        start = time.perf_counter()
+        self.host.drain()
+        self.timings["grad_wait"] += time.perf_counter() - start
 
+    # ------------------------------------------------------------------ step
     def step(self) -> bool:
         """Apply the accumulated gradients; False if skipped for non-finite gradients (e.g. fp16 overflow)."""
-        self._finish_previous_update()
+        self.host.raise_if_failed()
         scale = self.loss_scaler.scale if self.loss_scaler else 1.0
         norm = self._grad_norm() / scale
         self.overflow = not math.isfinite(norm)  # a non-finite gradient skips the step in any precision
+        if self.overflow and self.update_in_backward:
+            self.host.drain()  # raises the worker's error if a host chunk's gradient was the non-finite one
+            raise NonFiniteGradientError(
+                f"non-finite gradient norm ({norm}) while zero_cache updated host chunks during backward: the step "
+                "cannot be skipped. Resume from the last checkpoint with zero_cache.update_in_backward false (or "
+                "gradient_clipping > 0), which skips such steps")
         if self.loss_scaler is not None:
             self.loss_scaler.update(self.overflow)
+        written = frozenset(self._written)
         if self.overflow:
             self.last_grad_norm = None
+            if not self.store.grads_in_accumulators:
+                self._restore_params(written)
             self._reset_window()
             return False
         self.last_grad_norm = norm
@@ -235,142 +234,123 @@ class ZeroCacheOptimizer:
         if self.gradient_clipping > 0 and norm > self.gradient_clipping:
             grad_factor *= self.gradient_clipping / (norm + 1e-6)  # clip_grad_norm_'s rule
         self.step_count += 1
-        written = frozenset(self._written)
-        if self._cuda:
-            host_ready = {c: threading.Event() for c, g in enumerate(self.store.groups) if g.tier == HOST}
-            self._host_ready = host_ready
-            grads_landed = torch.cuda.Event()
-            grads_landed.record(self._d2h)  # after every gradient copy issued during backward
-            self._host_done = self._worker.submit(self._timed_host_update, grad_factor, written, host_ready,
-                                                  grads_landed)
-        else:
-            self._timed_host_update(grad_factor, written, {})
-        self._update_tier(DEVICE, grad_factor, written, {})
+        for chunk in self._chunks_in(HOST, written):
+            if chunk not in self._queued:
+                self._queue_host_update(chunk, step=self.step_count, grad_factor=grad_factor)
+        self._update_device_chunks(written, grad_factor)
         self._reset_window()
         if not self._replanned and self.after_first_step is not None:
             self._replanned = True
             self.after_first_step()
         return True
 
-    def _finish_previous_update(self) -> None:
-        """Surface a failed host update and order this step after any copy no forward waited for."""
-        if self._host_done is not None:
-            self._host_done.result()
-            self._host_done = None
-        for chunk in list(self._host_ready) + list(self._param_ready):
-            self.wait_for_chunk(chunk)
+    def _grad_norm(self) -> float:
+        """Global norm over the gradients written in this window (the one device sync of the step)."""
+        if not self.store.grads_in_accumulators:
+            return math.sqrt(float(self._chunk_squares.sum()))
+        self._drain_host_gradients()
+        total = sum(self._host_squares)
+        on_device = [torch.linalg.vector_norm(self.store.state_view(slot, "grad"), dtype=torch.float32).square()
+                     for _, slot in self.members if slot.name in self._written and self.store.tier_of(slot) == DEVICE]
+        if on_device:
+            total += float(torch.stack(on_device).double().sum())
+        return math.sqrt(total)
 
-    def _timed_host_update(self, grad_factor: float, written: frozenset, host_ready: dict[int, threading.Event],
-                           grads_landed: torch.cuda.Event | None = None) -> None:
-        start = time.perf_counter()
-        if grads_landed is not None:
-            grads_landed.synchronize()
-        self._update_tier(HOST, grad_factor, written, host_ready)
-        self.timings["host_update"] += time.perf_counter() - start
+    def _chunks_in(self, tier: str, written: frozenset) -> list[int]:
+        """Chunks of ``tier`` with at least one written slot, in model (= the next forward's) order."""
+        return [c for c in sorted(self._members_of_chunk) if self.store.groups[c].tier == tier
+                and any(slot.name in written for _, slot in self._members_of_chunk.get(c, ()))]
 
-    def _update_tier(self, tier: str, grad_factor: float, written: frozenset,
-                     host_ready: dict[int, threading.Event]) -> None:
-        """Adam over every chunk whose optimizer group lives in ``tier``, in chunk (= model) order.
+    def _step_members(self, chunk: int, written: frozenset) -> dict[int, list[TensorSlot]]:
+        members: dict[int, list[TensorSlot]] = {}
+        for index, slot in self._members_of_chunk.get(chunk, ()):
+            if slot.name in written:  # like torch's AdamW, a parameter without a gradient is not stepped
+                members.setdefault(index, []).append(slot)
+        return members
 
-        Like torch's AdamW, a parameter that received no gradient in this window is not stepped.
-        Each chunk's params are refreshed as soon as its update is done; for host chunks that
-        starts the host->device copy, which overlaps the remaining CPU work and the next forward.
-        """
-        slots_of: dict[int, dict[int, list[TensorSlot]]] = {}
-        for index, slot in self.members:
-            if self.store.tier_of(slot) == tier and slot.name in written:
-                slots_of.setdefault(slot.chunk, {}).setdefault(index, []).append(slot)
-        for chunk in sorted(slots_of):
-            grads = self._fp32_grads(chunk, tier, grad_factor)
-            for index, slots in slots_of[chunk].items():
-                self._adam(tier, slots, grads, self.optimizer.param_groups[index])
-            self._refresh_param_chunk(chunk, host_ready)
-        for chunk, issued in host_ready.items():  # host chunks with nothing to update: nothing to wait for
-            if chunk not in slots_of:
-                issued.set()
+    def _hypers(self) -> list[dict[str, Any]]:
+        """This step's hyperparameters, captured now: the scheduler may change them before the worker runs."""
+        return [{"lr": float(g["lr"]), "betas": tuple(g["betas"]), "eps": g["eps"], "weight_decay": g["weight_decay"]}
+                for g in self.optimizer.param_groups]
 
-    def _fp32_grads(self, chunk: int, tier: str, grad_factor: float) -> torch.Tensor:
-        """The chunk's gradient in fp32, unscaled and clipped: in place if fp32, else via the tier's scratch."""
-        grad = self.store.groups[chunk].grad
-        if grad.dtype != torch.float32:
-            grad = self.store.scratch[tier].copy_(grad)
-        if grad_factor != 1.0:
-            grad.mul_(grad_factor)
-        return grad
+    def _queue_host_update(self, chunk: int, *, step: int, grad_factor: float, squares: torch.Tensor | None = None,
+                           restore_only: bool = False) -> None:
+        written = frozenset(self._written)
+        update = ChunkUpdate(chunk=chunk, members=self._step_members(chunk, written), hypers=self._hypers(),
+                             step=step, grad_factor=grad_factor, grads_written=self.transfers.mark(), squares=squares,
+                             restore_only=restore_only)
+        self._pending[chunk] = update
+        self.host.submit_update(update)
 
-    def _adam(self, tier: str, slots: list[TensorSlot], grads: torch.Tensor, hyper: dict[str, Any]) -> None:
-        views = {f: [self.store.state_view(s, f) for s in slots] for f in ("master", "exp_avg", "exp_avg_sq")}
-        grad_views = [grads[s.offset:s.offset + s.numel] for s in slots]
-        args = (views["master"], grad_views, views["exp_avg"], views["exp_avg_sq"])
-        hypers = dict(lr=float(hyper["lr"]), eps=hyper["eps"], weight_decay=hyper["weight_decay"])
-        if tier == HOST:
-            self.host_adam.update(*args, step=self.step_count, betas=tuple(hyper["betas"]), **hypers)
-            return
-        step = torch.tensor(float(self.step_count), device=self.device)
-        beta1, beta2 = hyper["betas"]
-        self.kernel(*args, [], [step] * len(slots), beta1=beta1, beta2=beta2, amsgrad=False, maximize=False, **hypers)
+    def _update_device_chunks(self, written: frozenset, grad_factor: float) -> None:
+        """Fused Adam over each written device chunk, then its param chunk rewritten from the masters."""
+        for chunk in self._chunks_in(DEVICE, written):
+            group = self.store.groups[chunk]
+            source = group.grad if self.store.grads_in_accumulators else self.store.param_chunks[chunk]
+            grads = fp32_gradient(source, self.store.scratch[DEVICE], grad_factor)
+            hypers = self._hypers()
+            for index, slots in self._step_members(chunk, written).items():
+                adam_step(self.store, slots, grads, hypers[index], self.step_count, self._device_adam)
+            self.store.param_chunks[chunk].copy_(group.field("master"))
 
-    def _refresh_param_chunk(self, chunk: int, host_ready: dict[int, threading.Event] | None = None) -> None:
-        """Write the chunk's updated masters into its compute-dtype param chunk."""
-        master = self.store.groups[chunk].field("master")
-        param_chunk = self.store.param_chunks[chunk]
-        if master.device == param_chunk.device:
-            param_chunk.copy_(master)
-            return
-        grad = self.store.groups[chunk].grad
-        # The consumed low-precision gradient chunk doubles as the staging buffer: the next backward
-        # writes it again only after the next forward has waited for this copy.
-        staging = grad if grad.dtype == param_chunk.dtype else self._staging_chunk(chunk)
-        staging.copy_(master)  # fp32 -> compute dtype on the host, so the bus carries half the bytes
-        with torch.cuda.stream(self._h2d):
-            param_chunk.copy_(staging, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-        self._param_ready[chunk] = ready
-        self.moved_bytes["h2d"] += param_chunk.numel() * param_chunk.element_size()
-        issued = (host_ready or {}).get(chunk)
-        if issued is not None:
-            issued.set()  # the training thread may now order its stream after this copy
+    def _device_adam(self, masters, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float,
+                     betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+        step_tensor = torch.tensor(float(step), device=self.device)
+        self._device_kernel(masters, grads, exp_avgs, exp_avg_sqs, [], [step_tensor] * len(masters), lr=lr,
+                            beta1=betas[0], beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=False,
+                            maximize=False)
 
+    def _restore_params(self, written: frozenset) -> None:
+        """Rewrite param chunks that hold this window's gradients from their masters (no step taken)."""
+        for chunk in self._chunks_in(DEVICE, written):
+            self.store.param_chunks[chunk].copy_(self.store.groups[chunk].field("master"))
+        for chunk in self._chunks_in(HOST, written):
+            self._queue_host_update(chunk, step=self.step_count, grad_factor=1.0, restore_only=True)
+
+    # ------------------------------------------------------------------ waiting
     def wait_for_chunk(self, chunk: int) -> None:
-        """Make the compute stream wait until ``chunk``'s params are updated (forward pre-hook)."""
-        issued = self._host_ready.pop(chunk, None)
-        if issued is not None and not issued.is_set():
+        """Order the compute stream after ``chunk``'s latest host update (forward pre-hook, gradient hook)."""
+        update = self._pending.pop(chunk, None)
+        if update is None:
+            return
+        if not update.issued.is_set():
             start = time.perf_counter()
-            while not issued.wait(0.005):  # only this chunk's update, not the whole host tier
-                if self._host_done is not None and self._host_done.done():
-                    self._host_done.result()  # re-raises a worker failure instead of waiting forever
-                    break
+            while not update.issued.wait(0.005):  # only this chunk's update, not the whole host tier
+                self.host.raise_if_failed()
             self.timings["chunk_wait"] += time.perf_counter() - start
-        ready = self._param_ready.pop(chunk, None)
+        self.host.raise_if_failed()
+        ready = self.host.param_ready.pop(chunk, None)
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
 
     def finish_pending(self) -> None:
         """Block until every host update and copy has landed (before checkpoints and re-planning)."""
-        for chunk in list(self._host_ready) + list(self._param_ready):
+        self.host.drain()
+        for chunk in list(self._pending):
             self.wait_for_chunk(chunk)
-        if self._host_done is not None:
-            self._host_done.result()
-            self._host_done = None
-        if self._cuda:
+        if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+
+    def close(self) -> None:
+        """Finish pending host work and stop the worker thread (the optimizer cannot step afterwards)."""
+        self.finish_pending()
+        self.host.close()
 
     def report(self) -> dict[str, float]:
         """Per-tier bytes and the traffic and waiting since the previous report (then resets those).
 
-        ``overlap`` is the share of the host tier's work (gradient accumulation and CPU Adam) that
-        the training thread did not wait for: 1.0 means fully hidden under GPU compute.
+        ``overlap`` is the share of the host worker's time (gradient accumulation and CPU Adam)
+        that the training thread did not wait for: 1.0 means fully hidden under GPU compute.
         """
-        host_work = self.timings["host_update"]
+        host_work, self.host.busy_s = self.host.busy_s, 0.0
         waited = self.timings["grad_wait"] + self.timings["chunk_wait"]
         report = {f"zero_cache_{name}_bytes": tier.used_bytes for name, tier in self.store.tiers.items()}
-        report.update({f"zero_cache_{way}_bytes": moved for way, moved in self.moved_bytes.items()})
+        report.update({f"zero_cache_{way}_bytes": moved for way, moved in self.transfers.take_moved_bytes().items()})
         report.update({f"zero_cache_{name}_s": seconds for name, seconds in self.timings.items()})
-        if host_work > 0 and self._cuda:  # without CUDA the host work runs inline: nothing to hide it under
+        report["zero_cache_host_update_s"] = host_work
+        if host_work > 0 and self.device.type == "cuda":  # on CPU the "device" competes for the same cores
             report["zero_cache_overlap"] = max(0.0, 1.0 - waited / host_work)
         self.timings = dict.fromkeys(self.timings, 0.0)
-        self.moved_bytes = dict.fromkeys(self.moved_bytes, 0)
         return report
 
     # ------------------------------------------------------------------ checkpoints
@@ -386,8 +366,7 @@ class ZeroCacheOptimizer:
         with torch.no_grad():
             for _, slot in self.members:
                 self.store.state_view(slot, "master").copy_(state[slot.name].reshape(-1))
-            for chunk in range(len(self.store.groups)):
-                self._refresh_param_chunk(chunk)
+            self._restore_params(frozenset(self.names))
         self.finish_pending()
 
     def refresh_masters_from_params(self) -> None:

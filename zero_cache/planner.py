@@ -3,8 +3,9 @@
 Per chunk there are two groups of state:
 
 * the **param** chunk in the compute dtype, read by forward and backward;
-* the **optimizer group**: fp32 master, exp_avg, exp_avg_sq and the gradient (fp32 when
-  micro-batches accumulate, else in the compute dtype), read and written once per step.
+* the **optimizer group**: fp32 master, exp_avg, exp_avg_sq, and an fp32 gradient accumulator
+  when micro-batches accumulate (single-micro-batch gradients are written into the param chunk
+  and take no bytes of their own), read and written once per step.
 
 The plan decides, in this order of value per device byte:
 
@@ -15,7 +16,8 @@ The plan decides, in this order of value per device byte:
    equal-size pages, Belady 1966);
 3. as many optimizer groups on the device as fit (updated by the GPU Adam, no traffic), for the
    chunks used first in the forward, so the host's update of the later chunks hides behind it;
-4. everything else on the host, within its budget.
+4. everything else on the host, within its budget, plus ``staging_buffers`` pinned param-sized
+   buffers through which every host<->device transfer goes.
 
 If something does not fit, :func:`make_plan` raises :class:`PlanError` with the shortfall per
 tier and what to change, before a single byte is allocated.
@@ -60,7 +62,9 @@ class PlanInputs:
     margin_fraction: float = 0.03
     """Device budget kept free for allocator fragmentation and transients."""
     grad_bytes_per_element: int = 4
-    """4 for an fp32 gradient accumulator, 2 when single-micro-batch windows keep bf16/fp16 gradients."""
+    """4 for an fp32 gradient accumulator, 0 when single-micro-batch gradients are written into the param chunk."""
+    staging_buffers: int = 4
+    """Pinned param-chunk-sized transfer buffers on the host (when any optimizer group is there)."""
 
     @property
     def param_chunk_bytes(self) -> int:
@@ -137,9 +141,8 @@ def make_plan(inputs: PlanInputs) -> Plan:
     order = first_use_order(inputs.trace, n)
     on_device = set(order[:device_optim])
     tiers = tuple(DEVICE if c in on_device else HOST for c in range(n))
-    # fp32 gradients arrive through a pinned staging chunk in the compute dtype, one per host chunk.
-    staging = inputs.param_chunk_bytes if inputs.grad_bytes_per_element == 4 else 0
-    host_bytes = ((n - device_optim) * (inputs.optimizer_chunk_bytes + staging)
+    staging = inputs.staging_buffers * inputs.param_chunk_bytes if device_optim < n else 0
+    host_bytes = ((n - device_optim) * inputs.optimizer_chunk_bytes + staging
                   + (0 if params_resident else all_params) + inputs.scratch_bytes)
     if host_bytes > inputs.host_budget_bytes:
         raise PlanError(_shortfall_message("host", host_bytes, inputs.host_budget_bytes, inputs, detail=(

@@ -20,29 +20,64 @@ def model(seed: int) -> torch.nn.Module:
                                    num_heads=4))
 
 
-@pytest.mark.parametrize("accumulation", [1, 2])
-def test_split_tiers_on_cuda_track_the_reference_over_20_steps(accumulation):
-    """accumulation 1: bf16 gradients copied straight into pinned host chunks; 2: fp32 accumulation on the worker."""
+@pytest.mark.parametrize("accumulation, clip", [(1, 1.0), (2, 1.0), (1, 0.0)])
+def test_split_tiers_on_cuda_track_the_reference_over_20_steps(accumulation, clip):
+    """(1, 1.0): gradients written over the params, host chunks fetched and updated after backward;
+    (2, 1.0): fp32 accumulation on the worker; (1, 0.0): host chunks updated during backward."""
     seed = torch.randint(0, 10_000, ()).item()
     batches = random_batches(seed, count=20 * accumulation, batch=8)
     layout = pack([(n, tuple(p.shape)) for n, p in model(seed).named_parameters()], 8192)
     total = layout.num_chunks * layout.chunk_numel * 18
-    config = ds_config(bf16={"enabled": True}, gradient_clipping=1.0, gradient_accumulation_steps=accumulation,
+    config = ds_config(bf16={"enabled": True}, gradient_clipping=clip, gradient_accumulation_steps=accumulation,
                        zero_cache={"enabled": True, "chunk_size": 8192, "device_memory_budget": total // 4,
                                    "host_memory_budget": total})
     engine, optimizer, _, _ = angelptm.initialize(model=model(seed), config=config)
     tiers = {group.tier for group in optimizer.store.groups}
     assert tiers == {DEVICE, HOST} and engine.device.type == "cuda"
+    assert optimizer.update_in_backward == (clip == 0.0)
     losses = train_steps(engine, batches)
     ref_losses, ref_masters = reference_loop(model(seed), batches, dtype=torch.bfloat16, accumulation=accumulation,
-                                             lr=3e-3, clip=1.0, device="cuda")
+                                             lr=3e-3, clip=clip, device="cuda")
     assert losses[-1] < losses[0] - 0.5
     assert losses == pytest.approx(ref_losses, rel=2e-2)
-    masters = optimizer.master_state_dict()
-    initial = dict(model(seed).named_parameters())
-    for name, expected in ref_masters.items():
-        moved = (expected.cpu() - initial[name].detach()).abs().max().item()
-        assert (masters[name] - expected.cpu()).abs().max().item() < 0.1 * moved
+    assert_masters_close(optimizer.master_state_dict(), ref_masters, dict(model(seed).named_parameters()))
+
+
+def assert_masters_close(masters: dict, expected_masters: dict, initial: dict) -> None:
+    """All masters together within a tenth of how far training moved them (fused vs foreach Adam, bf16
+    rounding). Taken over the whole model: a parameter whose gradient is pure rounding noise (a
+    key bias, which softmax ignores) takes steps of random sign, in any two implementations."""
+    diff = moved = 0.0
+    for name, expected in expected_masters.items():
+        start = initial[name].detach().cpu().float()
+        moved += (expected.cpu().float() - start).square().sum().item()
+        diff += (masters[name] - expected.cpu()).square().sum().item()
+    assert diff ** 0.5 < 0.1 * moved ** 0.5, f"masters differ by {diff ** 0.5:.2e} (norm), moved {moved ** 0.5:.2e}"
+
+
+def test_gpt_125m_with_host_chunks_tracks_the_reference_over_20_steps():
+    """The issue's GPU numerics check: GPT-2 125M, half its optimizer states on the host."""
+    def gpt_125m() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return build_model(ModelConfig(flavour="gpt2", vocab_size=50304, max_seq_len=256, num_layers=12,
+                                       hidden_size=768, num_heads=12, dropout=0.0))
+
+    generator = torch.Generator().manual_seed(1)
+    # A repeated random batch: the loss must fall far, so agreement is tested along a real trajectory.
+    ids = torch.randint(0, 50304, (8, 257), generator=generator)
+    batches = [{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}] * 20
+    config = ds_config(train_micro_batch_size_per_gpu=8, bf16={"enabled": True}, gradient_clipping=0.0,
+                       optimizer={"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+                       zero_cache={"enabled": True, "device_memory_budget": "3GB"})
+    engine, optimizer, _, _ = angelptm.initialize(model=gpt_125m(), config=config)
+    tiers = [group.tier for group in optimizer.store.groups]
+    assert tiers.count(HOST) >= len(tiers) // 3, tiers
+    losses = train_steps(engine, batches)
+    ref_losses, ref_masters = reference_loop(gpt_125m(), batches, dtype=torch.bfloat16, accumulation=1, lr=1e-4,
+                                             device="cuda")
+    assert losses[-1] < losses[0] - 2.0
+    assert losses == pytest.approx(ref_losses, rel=2e-2)
+    assert_masters_close(optimizer.master_state_dict(), ref_masters, dict(gpt_125m().named_parameters()))
 
 
 def test_host_tier_pins_exactly_what_it_allocates():

@@ -9,35 +9,8 @@ import angelptm
 from angelptm.config import load_config
 from angelptm.models import ModelConfig, build_model
 from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop, train_steps
-from zero_cache.layout import pack
 from zero_cache.planner import DEVICE, HOST
-
-# Bytes of model state per chunk element: the param, fp32 master + exp_avg + exp_avg_sq, and the
-# gradient (compute dtype for single-micro-batch steps, fp32 when micro-batches accumulate).
-BF16_BYTES_PER_ELEMENT = 2 + 12 + 2
-FP32_BYTES_PER_ELEMENT = 4 + 12 + 4 + 4  # + the host staging chunk fp32 gradients arrive through
-CHUNK_NUMEL = 8192
-
-
-def six_layer_llama(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return build_model(ModelConfig(flavour="llama", vocab_size=VOCAB, max_seq_len=SEQ, num_layers=6,
-                                   hidden_size=32, num_heads=4))
-
-
-def budgets(model: torch.nn.Module, bytes_per_element: int = BF16_BYTES_PER_ELEMENT) -> tuple[int, int]:
-    """A device budget 4x smaller than the model states, and a host budget that cannot hold them alone."""
-    layout = pack([(n, tuple(p.shape)) for n, p in model.named_parameters()], CHUNK_NUMEL)
-    total = layout.num_chunks * layout.chunk_numel * bytes_per_element
-    return total // 4, int(total * 0.9)
-
-
-def zero_cache_config(device_budget: int, host_budget: int, **overrides) -> dict:
-    config = ds_config(bf16={"enabled": True}, gradient_clipping=1.0,
-                       zero_cache={"enabled": True, "device_memory_budget": device_budget,
-                                   "host_memory_budget": host_budget, "chunk_size": CHUNK_NUMEL})
-    config.update(overrides)
-    return config
+from zero_cache_setup import FP32_BYTES_PER_ELEMENT, budgets, six_layer_llama, zero_cache_config
 
 
 def test_states_four_times_the_device_budget_train_like_the_reference():

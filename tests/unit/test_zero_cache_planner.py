@@ -121,7 +121,8 @@ def test_device_takes_resident_params_then_optimizer_groups_of_the_first_chunks(
     assert plan.params_resident
     assert plan.optimizer_tier.count(DEVICE) == extra_chunks
     assert all(t == DEVICE for t in plan.optimizer_tier[:extra_chunks])  # the next forward needs these first
-    assert plan.host_bytes == (10 - extra_chunks) * (16_000 + 2_000) + 4_000  # + a staging chunk each
+    # + four param-sized staging buffers for the host transfers, + the host's fp32 scratch chunk
+    assert plan.host_bytes == (10 - extra_chunks) * 16_000 + 4 * 2_000 + 4_000
 
 
 def test_nonmodel_peak_and_margin_reduce_device_room():
@@ -135,7 +136,7 @@ def test_params_cached_when_they_do_not_all_fit():
     plan = make_plan(inputs(device_budget_bytes=13_000))
     assert not plan.params_resident and plan.cache_slots == 4
     assert plan.optimizer_tier == (HOST,) * 10
-    assert plan.host_bytes == 10 * (16_000 + 2_000) + 10 * 2_000 + 4_000
+    assert plan.host_bytes == 10 * 16_000 + 4 * 2_000 + 10 * 2_000 + 4_000
 
 
 def test_device_shortfall_is_explained():
@@ -144,7 +145,7 @@ def test_device_shortfall_is_explained():
 
 
 def test_host_shortfall_is_explained():
-    with pytest.raises(PlanError, match=r"host tier needs 179\.69 KiB .*short by") as info:
+    with pytest.raises(PlanError, match=r"host tier needs 167\.97 KiB .*short by") as info:
         make_plan(inputs(device_budget_bytes=24_000, host_budget_bytes=50_000))
     assert "zero_cache.host_memory_budget" in str(info.value)
 
@@ -153,15 +154,17 @@ def test_first_use_order_follows_the_trace():
     assert first_use_order((3, 1, 3, 0), 5) == (3, 1, 0, 2, 4)
 
 
-def test_low_precision_gradients_put_more_groups_on_the_device():
-    fp32_grads = make_plan(inputs(device_budget_bytes=120_000))
-    bf16_grads = make_plan(inputs(device_budget_bytes=120_000, grad_bytes_per_element=2))
-    assert fp32_grads.optimizer_tier.count(DEVICE) == (120_000 - 4_000 - 20_000) // 16_000
-    assert bf16_grads.optimizer_tier.count(DEVICE) == (120_000 - 4_000 - 20_000) // 14_000
+def test_gradients_written_over_params_put_more_groups_on_the_device():
+    accumulators = make_plan(inputs(device_budget_bytes=120_000))
+    in_params = make_plan(inputs(device_budget_bytes=120_000, grad_bytes_per_element=0))
+    assert accumulators.optimizer_tier.count(DEVICE) == (120_000 - 4_000 - 20_000) // 16_000
+    assert in_params.optimizer_tier.count(DEVICE) == (120_000 - 4_000 - 20_000) // 12_000
 
 
-def test_fp32_gradient_accumulators_need_host_staging_chunks():
+def test_staging_buffers_only_when_some_group_is_on_the_host():
     accumulating = make_plan(inputs(device_budget_bytes=24_000))
-    single = make_plan(inputs(device_budget_bytes=24_000, grad_bytes_per_element=2))
-    assert accumulating.host_bytes == 10 * (16_000 + 2_000) + 4_000
-    assert single.host_bytes == 10 * 14_000 + 4_000
+    single = make_plan(inputs(device_budget_bytes=24_000, grad_bytes_per_element=0, staging_buffers=3))
+    all_on_device = make_plan(inputs(device_budget_bytes=10 * 18_000 + 4_000))
+    assert accumulating.host_bytes == 10 * 16_000 + 4 * 2_000 + 4_000
+    assert single.host_bytes == 10 * 12_000 + 3 * 2_000 + 4_000
+    assert all_on_device.host_bytes == 4_000

@@ -1,0 +1,150 @@
+"""ZeRO-Cache's two update schedules on CPU: host chunks updated during backward, or after it.
+
+The worker thread, the staging buffers and the per-chunk waits run here as on a GPU (copies are
+synchronous), so the ordering logic is exercised in CI.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import angelptm
+from reference import random_batches, reference_loop, train_steps
+from zero_cache.host_update import NonFiniteGradientError
+from zero_cache.planner import HOST
+from zero_cache_setup import budgets, six_layer_llama, zero_cache_config
+
+
+def build(seed: int, *, clip: float = 1.0, update_in_backward: bool | str = "auto"):
+    config = zero_cache_config(*budgets(six_layer_llama(seed)), clip=clip)
+    config["zero_cache"]["update_in_backward"] = update_in_backward
+    engine, optimizer, _, _ = angelptm.initialize(model=six_layer_llama(seed), config=config)
+    return engine, optimizer
+
+
+def host_chunks(optimizer) -> set[int]:
+    return {c for c, group in enumerate(optimizer.store.groups) if group.tier == HOST}
+
+
+def test_update_in_backward_is_the_same_arithmetic_as_after_backward():
+    seed = torch.randint(0, 10_000, ()).item()
+    batches = random_batches(seed, count=8, batch=8)
+    during, during_opt = build(seed, clip=0.0)  # "auto": on, since nothing needs the global norm first
+    after, after_opt = build(seed, clip=0.0, update_in_backward=False)
+    assert during_opt.update_in_backward and not after_opt.update_in_backward
+    assert host_chunks(during_opt), "the budgets must put some chunks on the host"
+    losses = []
+    for batch in batches:
+        loss = during(**batch)
+        during.backward(loss)
+        # Before step(): every host chunk's update was queued by the gradient hook.
+        assert during_opt._queued == host_chunks(during_opt)
+        during.step()
+        losses.append(loss.item())
+    assert losses == train_steps(after, batches)
+    during_masters, after_masters = during_opt.master_state_dict(), after_opt.master_state_dict()
+    for name, value in after_masters.items():
+        assert torch.equal(during_masters[name], value), name
+    ref_losses, _ = reference_loop(six_layer_llama(seed), batches, dtype=torch.bfloat16, accumulation=1, lr=3e-3)
+    assert losses[-1] < losses[0] - 0.3
+    assert losses == pytest.approx(ref_losses, rel=1e-2)
+
+
+def params_equal_rounded_masters(engine, optimizer) -> None:
+    masters = optimizer.master_state_dict()
+    for name, param in engine.module.named_parameters():
+        assert torch.equal(param, masters[name].to(param.dtype)), f"{name} does not hold its weight"
+
+
+def test_zero_grad_after_backward_restores_the_params_the_gradients_overwrote():
+    seed = torch.randint(0, 10_000, ()).item()
+    batches = random_batches(seed, count=4, batch=4)
+    engine, optimizer = build(seed)  # clipping on: host chunks update after backward
+    train_steps(engine, batches[:2])
+    optimizer.finish_pending()  # host updates land in the params asynchronously
+    before = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    engine.backward(engine(**batches[2]))
+    assert any(not torch.equal(p, before[n]) for n, p in engine.module.named_parameters()), \
+        "with one micro-batch per step gradients are written over the params"
+    engine.zero_grad()
+    train_steps(engine, batches[3:])
+    straight, straight_opt = build(seed)
+    train_steps(straight, batches[:2] + batches[3:])
+    straight_opt.finish_pending()  # the last step's host updates may still be landing in the params
+    params_equal_rounded_masters(engine, optimizer)
+    for (name, param), (_, expected) in zip(engine.module.named_parameters(), straight.module.named_parameters()):
+        assert torch.equal(param, expected), name
+
+
+def test_zero_grad_cannot_undo_updates_made_during_backward():
+    seed = torch.randint(0, 10_000, ()).item()
+    engine, _ = build(seed, clip=0.0)
+    engine.backward(engine(**random_batches(seed, 1, 4)[0]))
+    with pytest.raises(RuntimeError, match="cannot be undone.*update_in_backward false"):
+        engine.zero_grad()
+
+
+def poison(engine, optimizer, tier: str) -> str:
+    """Make one parameter of a chunk in ``tier`` receive a NaN gradient; returns its name."""
+    tiers = {slot.name: optimizer.store.tier_of(slot) for slot in optimizer.store.slots}
+    name, param = next((n, p) for n, p in engine.module.named_parameters() if tiers[n] == tier)
+    param.register_hook(lambda grad: grad * float("nan"))
+    return name
+
+
+@pytest.mark.parametrize("tier", ["device", "host"])
+def test_a_non_finite_gradient_skips_the_step_and_keeps_every_weight(tier):
+    seed = torch.randint(0, 10_000, ()).item()
+    engine, optimizer = build(seed)
+    train_steps(engine, random_batches(seed, 2, 4))
+    optimizer.finish_pending()  # host updates land in the params asynchronously
+    before = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    poison(engine, optimizer, tier)
+    train_steps(engine, random_batches(seed + 1, 1, 4))
+    assert engine.skipped_steps == 1 and optimizer.step_count == 2
+    optimizer.finish_pending()
+    for name, param in engine.module.named_parameters():
+        assert torch.equal(param, before[name]), f"{name} changed in a skipped step"
+
+
+@pytest.mark.parametrize("tier", ["device", "host"])
+def test_a_non_finite_gradient_during_backward_updates_stops_with_an_explanation(tier):
+    seed = torch.randint(0, 10_000, ()).item()
+    engine, optimizer = build(seed, clip=0.0)
+    poison(engine, optimizer, tier)
+    with pytest.raises(NonFiniteGradientError, match="cannot be skipped.*update_in_backward false"):
+        train_steps(engine, random_batches(seed, 1, 4))
+
+
+def test_a_failing_host_update_surfaces_on_the_training_thread():
+    seed = torch.randint(0, 10_000, ()).item()
+    engine, optimizer = build(seed, clip=0.0)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cpu adam exploded")
+
+    optimizer.host_adam.update = broken
+    with pytest.raises(RuntimeError, match="cpu adam exploded"):
+        train_steps(engine, random_batches(seed, 3, 4))
+
+
+def test_update_in_backward_true_with_clipping_is_a_config_error():
+    with pytest.raises(angelptm.ConfigError, match="update_in_backward is true but gradient_clipping is 1.0"):
+        build(0, update_in_backward=True)
+
+
+def test_a_dropped_engine_stops_its_worker_and_frees_its_memory():
+    import gc
+    import weakref
+
+    seed = torch.randint(0, 10_000, ()).item()
+    engine, optimizer = build(seed, clip=0.0)
+    train_steps(engine, random_batches(seed, 2, 4))
+    thread, store = optimizer.host._thread, weakref.ref(optimizer.store)
+    assert thread.is_alive()
+    optimizer.finish_pending()  # a worker in the middle of a job holds the store until the job ends
+    del engine, optimizer
+    gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and store() is None
