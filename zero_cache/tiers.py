@@ -7,6 +7,9 @@ for the whole run: no per-step pinning). An NVMe tier (its own issue) implements
 
 from __future__ import annotations
 
+import weakref
+
+import numpy
 import psutil
 import torch
 
@@ -50,39 +53,44 @@ class Tier:
         if num_bytes > self.free_bytes:
             raise TierFullError(f"{self.name} tier: allocating {format_bytes(num_bytes)} exceeds its budget "
                                 f"({format_bytes(self.used_bytes)} of {format_bytes(self.budget_bytes)} in use)")
-        tensor = torch.zeros(numel, dtype=dtype, device=self.device)
-        if self.pin_memory:
-            _pin_exactly(tensor)
+        tensor = _pinned_zeros(numel, dtype) if self.pin_memory else torch.zeros(numel, dtype=dtype, device=self.device)
         self.used_bytes += num_bytes
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
         return tensor
 
     def free(self, tensor: torch.Tensor) -> None:
-        """Return a tensor's bytes to the budget (the caller drops its references)."""
-        if self.pin_memory:
-            torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+        """Return a tensor's bytes to the budget (the caller drops its references; pinned pages are
+        unpinned when the last view of them is gone)."""
         self.used_bytes -= tensor.numel() * tensor.element_size()
         assert self.used_bytes >= 0, f"{self.name} tier freed more than it allocated"
 
 
-def _pin_exactly(tensor: torch.Tensor) -> None:
-    """Page-lock exactly the tensor's bytes.
+def _pinned_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Zeroed host memory page-locked exactly, and unlocked when its last view is gone.
 
     ``pin_memory=True`` goes through CUDA's caching host allocator, which rounds every request up
     to a power of two: a 3.8 GB optimizer group takes 4 GiB and a 0.6 GB gradient chunk 1 GiB, and
     since pinned pages cannot be swapped, that slack alone can exhaust host RAM. Registering an
-    ordinary allocation (as DeepSpeed's swapper does) pins only what is used.
+    ordinary allocation (as DeepSpeed's swapper does) pins only what is used. The numpy array owns
+    the memory (the tensor keeps it alive), and its finalizer unregisters the pages before they
+    are freed: memory returned to the OS while still registered breaks later registrations.
     """
-    num_bytes = tensor.numel() * tensor.element_size()
-    error = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), num_bytes, 0)
-    if int(error) != 0:
-        raise TierFullError(f"could not page-lock {format_bytes(num_bytes)} of host memory (CUDA error {int(error)}); "
+    num_bytes = numel * torch.empty((), dtype=dtype).element_size()
+    owner = numpy.zeros(max(num_bytes, 1), dtype=numpy.uint8)  # calloc: pages arrive zeroed, on first touch
+    address = owner.ctypes.data
+    error = int(torch.cuda.cudart().cudaHostRegister(address, owner.nbytes, 0))
+    if error != 0:
+        torch.cuda.cudart().cudaGetLastError()  # clear it, or the next kernel launch reports it
+        raise TierFullError(f"could not page-lock {format_bytes(num_bytes)} of host memory (CUDA error {error}); "
                             "lower zero_cache.host_memory_budget")
+    weakref.finalize(owner, torch.cuda.cudart().cudaHostUnregister, address)
+    return torch.from_numpy(owner)[:num_bytes].view(dtype)
 
 
 def auto_device_budget(device: torch.device) -> int:
     """Free memory on the compute device, less the margin (host RAM stands in on CPU-only runs)."""
     if device.type == "cuda":
+        torch.cuda.empty_cache()  # blocks cached by the allocator (e.g. an fp32 copy of the model) are free too
         free, _ = torch.cuda.mem_get_info(device)
         return int(free - max(AUTO_MARGIN_MIN_BYTES, free * AUTO_MARGIN_FRACTION))
     return int(psutil.virtual_memory().available * 0.5 * (1 - AUTO_MARGIN_FRACTION))
