@@ -175,7 +175,9 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
                        accumulate=accumulation_steps > 1)
     hybrid = ZeroCacheOptimizer(store, optimizer, names, decoupled_weight_decay=decoupled_weight_decay,
                                 loss_scaler=loss_scaler, gradient_clipping=gradient_clipping,
-                                update_in_backward=in_backward)
+                                update_in_backward=in_backward,
+                                native_host_adam=(device.type == "cuda" if config.native_host_adam == "auto"
+                                                  else config.native_host_adam))
     tracer = WarmupTracer(layout, config, compute_dtype, accumulation_steps)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # the warm-up measures the non-model peak from here

@@ -40,6 +40,12 @@ class ZeroCacheConfig:
     gradient then cannot skip the step and stops the run with an error instead. "auto" turns it on
     whenever those conditions hold."""
 
+    native_host_adam: bool | str = AUTO
+    """Update host chunks with ``csrc/fused_host_adam.cpp`` (built on first use; bf16 gradient in, bf16
+    weight out in one pass) instead of the library CPU Adam. "auto": on when the compute device is a
+    GPU, where the host update runs beside GPU work and its speed sets the step time. A failed build
+    is logged and falls back to the library kernel."""
+
     nvme_path: str | None = None
     """Directory for the NVMe tier's swap files; None keeps all states in GPU + host memory."""
 
@@ -52,9 +58,10 @@ class ZeroCacheConfig:
         # Parse now so a bad size fails at load time, not at the first allocation.
         parse_budget(self.device_memory_budget, name="zero_cache.device_memory_budget")
         parse_budget(self.host_memory_budget, name="zero_cache.host_memory_budget")
-        if not isinstance(self.update_in_backward, bool) and self.update_in_backward != AUTO:
-            raise ValueError(f"zero_cache.update_in_backward: expected true, false or 'auto', "
-                             f"got {self.update_in_backward!r}")
+        for key in ("update_in_backward", "native_host_adam"):
+            value = getattr(self, key)
+            if not isinstance(value, bool) and value != AUTO:
+                raise ValueError(f"zero_cache.{key}: expected true, false or 'auto', got {value!r}")
         if self.prefetch_depth < 0:
             raise ValueError(f"zero_cache.prefetch_depth: must be >= 0, got {self.prefetch_depth}")
 

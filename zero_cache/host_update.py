@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from zero_cache.chunks import ChunkStore
+from zero_cache.chunks import STATE_FIELDS, ChunkStore
 from zero_cache.host_adam import HostAdam
 from zero_cache.layout import TensorSlot
 from zero_cache.planner import HOST
@@ -245,14 +245,24 @@ class HostUpdater:
                     f"non-finite gradient (squared norm {square}) in chunk {chunk} while zero_cache updated host "
                     "chunks during backward: the step cannot be skipped. Resume from the last checkpoint with "
                     "zero_cache.update_in_backward false (or gradient_clipping > 0), which skips such steps")
-        if not update.restore_only:
-            source = self.store.groups[chunk].grad if buffer is None else buffer
-            grads = fp32_gradient(source, self.store.scratch[HOST], update.grad_factor)
+        if buffer is not None and not update.restore_only and self.host_adam.fuses(buffer.dtype):
+            # One pass: the buffer's gradients become the new weights. Slots without a gradient
+            # still hold their weights (the fetch copied the whole param chunk), padding is zero.
             for index, slots in update.members.items():
-                adam_step(self.store, slots, grads, update.hypers[index], update.step, self.host_adam.update)
-        if buffer is None:
-            buffer = self.pool.acquire()
-        buffer.copy_(self.store.groups[chunk].field("master"))  # fp32 -> compute dtype here: half the bus bytes
+                for slot in slots:
+                    master, exp_avg, exp_avg_sq = (self.store.state_view(slot, f) for f in STATE_FIELDS)
+                    self.host_adam.update_in_place(master, buffer[slot.offset:slot.offset + slot.numel], exp_avg,
+                                                   exp_avg_sq, step=update.step, grad_scale=update.grad_factor,
+                                                   **update.hypers[index])
+        else:
+            if not update.restore_only:
+                source = self.store.groups[chunk].grad if buffer is None else buffer
+                grads = fp32_gradient(source, self.store.scratch[HOST], update.grad_factor)
+                for index, slots in update.members.items():
+                    adam_step(self.store, slots, grads, update.hypers[index], update.step, self.host_adam.update)
+            if buffer is None:
+                buffer = self.pool.acquire()
+            buffer.copy_(self.store.groups[chunk].field("master"))  # fp32 -> compute dtype here: half the bus bytes
         ready = self.transfers.copy(self.store.param_chunks[chunk], buffer, "h2d")
         self.pool.release(buffer, ready)
         self.param_ready[chunk] = ready

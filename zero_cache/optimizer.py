@@ -53,11 +53,12 @@ class ZeroCacheOptimizer:
         loss_scaler: fp16 loss scaler (``.scale``, ``.update(overflow)``), or None.
         gradient_clipping: max global gradient norm (0 = off).
         update_in_backward: queue host chunks from backward (see ``ZeroCacheConfig.update_in_backward``).
+        native_host_adam: build and use ``csrc/fused_host_adam.cpp`` for host chunks (``ZeroCacheConfig.native_host_adam``).
     """
 
     def __init__(self, store: ChunkStore, optimizer: torch.optim.Optimizer, names: dict[int, str], *,
                  decoupled_weight_decay: bool = True, loss_scaler: Any = None, gradient_clipping: float = 0.0,
-                 update_in_backward: bool = False) -> None:
+                 update_in_backward: bool = False, native_host_adam: bool = False) -> None:
         assert not (update_in_backward and (store.grads_in_accumulators or loss_scaler or gradient_clipping)), \
             "update_in_backward needs one micro-batch per step, no loss scaler and no clipping"
         self.store = store
@@ -67,7 +68,8 @@ class ZeroCacheOptimizer:
         self.update_in_backward = update_in_backward
         self.device = store.tiers[DEVICE].device
         self._device_kernel = fused_adam_kernel(decoupled_weight_decay)
-        self.host_adam = HostAdam(decoupled_weight_decay, try_deepspeed=self.device.type == "cuda")
+        self.host_adam = HostAdam(decoupled_weight_decay, try_deepspeed=self.device.type == "cuda",
+                                  try_native=native_host_adam)
         self.transfers = Transfers(self.device)
         self.host = HostUpdater(store, self.transfers, self.host_adam)
         slot_of = {slot.name: slot for slot in store.slots}
