@@ -11,6 +11,7 @@ the same pass (see bench/host_adam.py and BENCHMARKS.md for the measured differe
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -36,6 +37,8 @@ class HostAdam:
         self.decoupled = decoupled
         self._ds = None
         self._native = fused_host_adam() if try_native else None
+        # Every core but one: the training thread must keep launching GPU kernels meanwhile.
+        self.threads = max(1, len(os.sched_getaffinity(0)) - 1)
         if try_deepspeed:
             self._ds = _load_deepspeed_cpu_adam(decoupled)
         self.name = "deepspeed cpu_adam" if self._ds is not None else "torch fused CPU Adam"
@@ -52,7 +55,7 @@ class HostAdam:
                         weight_decay: float, grad_scale: float) -> None:
         """One step over flat views; ``grad_and_param`` holds the gradient and receives the rounded new weight."""
         self._native.fused_adam_(master, grad_and_param, exp_avg, exp_avg_sq, step, lr, betas[0], betas[1], eps,
-                                 weight_decay, grad_scale, self.decoupled)
+                                 weight_decay, grad_scale, self.decoupled, self.threads)
 
     def update(self, masters: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                exp_avg_sqs: list[torch.Tensor], *, step: int, lr: float, betas: tuple[float, float], eps: float,

@@ -176,7 +176,7 @@ def test_native_fused_adam_equals_torch_adam_then_rounding(native_adam, decouple
            maximize=False, **hyper)
     grad_and_out = grad.clone()
     native_adam.fused_adam_(master, grad_and_out, exp_avg, exp_avg_sq, 7, hyper["lr"], hyper["beta1"], hyper["beta2"],
-                            hyper["eps"], hyper["weight_decay"], 0.5, decoupled)
+                            hyper["eps"], hyper["weight_decay"], 0.5, decoupled, 2)
     for got, want in zip((master, exp_avg, exp_avg_sq), expected):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
     assert torch.equal(grad_and_out, master.to(dtype)), "the weight written back is the master, rounded to nearest"
