@@ -103,6 +103,10 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
             client = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
             engine, *_ = deepspeed.initialize(model=model, optimizer=client,
                                               config={**ds_config, "zero_optimization": {"stage": 1}})
+        elif mode == "deepspeed_zero3":  # ZeRO-3 without offload, same fused torch AdamW
+            client = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+            engine, *_ = deepspeed.initialize(model=model, optimizer=client,
+                                              config={**ds_config, "zero_optimization": {"stage": 3}})
         else:  # "deepspeed_offload": ZeRO-3 with the optimizer offloaded to DeepSpeedCPUAdam
             engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
                 **ds_config, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
