@@ -5,9 +5,11 @@ For each host-resident chunk the worker runs one :class:`ChunkUpdate`:
 1. fetch the chunk's gradient: a device->host copy of the whole param chunk (single-micro-batch
    steps write gradients into the param chunk's own memory) into a pinned staging buffer, or the
    fp32 accumulator that already lives on the host;
-2. CPU Adam over the chunk's fp32 master / exp_avg / exp_avg_sq;
-3. the new master, converted to the compute dtype in that same staging buffer, copied into the
-   param chunk on the host->device stream; the next forward waits for that copy alone.
+2. CPU Adam over the chunk's fp32 master / exp_avg / exp_avg_sq, leaving the new weights in the
+   compute dtype in that same staging buffer (``csrc/fused_host_adam.cpp`` does both in one pass
+   over the buffer's gradients; the library kernels need a conversion pass before and after);
+3. the buffer copied into the param chunk on the host->device stream; the next forward waits for
+   that copy alone.
 
 While it updates chunk i the worker has already issued the fetch of chunk i + 1, so the copies of
 one chunk overlap CPU Adam of the next. A few buffers serve every transfer (no per-step pinning,
