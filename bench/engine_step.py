@@ -28,7 +28,6 @@ SIZES = {  # GPT-2-style shapes; vocab 50304, seq 1024 as in the protocol
     "13b": dict(num_layers=40, hidden_size=5120, num_heads=40, tie_embeddings=False),
     "13.7b": dict(num_layers=42, hidden_size=5120, num_heads=40, tie_embeddings=False),
     "16b": dict(num_layers=50, hidden_size=5120, num_heads=40, tie_embeddings=False),
-    "18b": dict(num_layers=56, hidden_size=5120, num_heads=40, tie_embeddings=False),
 }
 
 
@@ -174,8 +173,8 @@ def main() -> None:
             lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
             if proc.returncode or not lines:
                 errors = [l for l in proc.stderr.splitlines() if "Error" in l or "error" in l]
-                print(f"{size} {mode}: failed (exit {proc.returncode})\n" + "\n".join(errors[-6:] or proc.stderr.splitlines()[-6:]),
-                      flush=True)
+                tail = errors[-6:] or proc.stderr.splitlines()[-6:]
+                print(f"{size} {mode}: failed (exit {proc.returncode})\n" + "\n".join(tail), flush=True)
                 continue
             notes = [l for l in proc.stderr.splitlines() if l.startswith("zero_cache:")]
             print("\n".join(notes), flush=True)

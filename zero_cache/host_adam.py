@@ -20,9 +20,14 @@ from zero_cache.native import fused_host_adam
 logger = logging.getLogger(__name__)
 
 
-def fused_adam_kernel(decoupled: bool):
-    """torch's fused multi-tensor Adam (CUDA and CPU): AdamW with decoupled weight decay, or Adam with L2."""
-    return torch._fused_adamw_ if decoupled else torch._fused_adam_
+def torch_fused_adam(masters: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                     exp_avg_sqs: list[torch.Tensor], *, decoupled: bool, step: int, lr: float,
+                     betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """torch's fused multi-tensor Adam (CUDA and CPU, on the tensors' device): AdamW, or Adam with L2 decay."""
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    step_tensor = torch.tensor(float(step), device=masters[0].device)
+    kernel(masters, grads, exp_avgs, exp_avg_sqs, [], [step_tensor] * len(masters), lr=lr, beta1=betas[0],
+           beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
 
 
 class HostAdam:
@@ -67,10 +72,8 @@ class HostAdam:
                 module.adam_update(opt_id, step, lr, betas[0], betas[1], eps, weight_decay, True, master, grad,
                                    exp_avg, exp_avg_sq)
             return
-        kernel = fused_adam_kernel(self.decoupled)
-        step_tensor = torch.tensor(float(step))
-        kernel(masters, grads, exp_avgs, exp_avg_sqs, [], [step_tensor] * len(masters), lr=lr, beta1=betas[0],
-               beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+        torch_fused_adam(masters, grads, exp_avgs, exp_avg_sqs, decoupled=self.decoupled, step=step, lr=lr,
+                         betas=betas, eps=eps, weight_decay=weight_decay)
 
 
 def _load_deepspeed_cpu_adam(decoupled: bool):

@@ -43,6 +43,11 @@ STAGING_BUFFERS = 4
 class NonFiniteGradientError(FloatingPointError):
     """A gradient was inf/NaN while host chunks were being updated during backward (cannot be skipped)."""
 
+    def __init__(self, where: str) -> None:
+        super().__init__(f"non-finite gradient ({where}) while zero_cache updated host chunks during backward: the "
+                         "step cannot be skipped. Resume from the last checkpoint with zero_cache.update_in_backward "
+                         "false (or gradient_clipping > 0), which skips such steps")
+
 
 class Transfers:
     """Copies between the device and pinned host memory on their own CUDA streams (plain copies on CPU).
@@ -174,7 +179,7 @@ class HostUpdater:
         self._thread = threading.Thread(target=_serve, args=(self._jobs, weakref.ref(self)), name="zero-cache-host",
                                         daemon=True)
         self._thread.start()
-        self._finalizer = weakref.finalize(self, _stop, self._jobs, self._thread)
+        weakref.finalize(self, _stop, self._jobs, self._thread)
 
     # ------------------------------------------------------------------ queueing
     def submit_update(self, update: ChunkUpdate) -> None:
@@ -193,10 +198,6 @@ class HostUpdater:
         if self.error is not None:
             raise self.error
 
-    def close(self) -> None:
-        """Let the worker finish what is queued, then stop it (idempotent)."""
-        self._finalizer()
-
     # ------------------------------------------------------------------ the worker
     def _start(self, job):
         """(job, what its prepare step returned): start a chunk update's gradient transfer."""
@@ -209,18 +210,15 @@ class HostUpdater:
             return job, None
 
     def _run(self, job, prepared) -> None:
-        if self.error is not None:  # after a failure nothing else runs; waiters re-raise it
-            if isinstance(job, ChunkUpdate):
-                job.issued.set()
-            return
-        start = time.perf_counter()
-        try:
-            self._update(job, prepared) if isinstance(job, ChunkUpdate) else job()
-        except BaseException as err:
-            self.error = err
-            if isinstance(job, ChunkUpdate):
-                job.issued.set()
-        self.busy_s += time.perf_counter() - start
+        if self.error is None:  # after a failure nothing else runs; waiters re-raise it
+            start = time.perf_counter()
+            try:
+                self._update(job, prepared) if isinstance(job, ChunkUpdate) else job()
+            except BaseException as err:
+                self.error = err
+            self.busy_s += time.perf_counter() - start
+        if self.error is not None and isinstance(job, ChunkUpdate):
+            job.issued.set()  # wake the waiter, which re-raises the error
 
     # ------------------------------------------------------------------ one chunk
     def _fetch(self, update: ChunkUpdate) -> tuple[torch.Tensor, torch.cuda.Event | None] | None:
@@ -243,32 +241,38 @@ class HostUpdater:
             if not math.isfinite(square):
                 if buffer is not None:
                     self.pool.release(buffer)
-                raise NonFiniteGradientError(
-                    f"non-finite gradient (squared norm {square}) in chunk {chunk} while zero_cache updated host "
-                    "chunks during backward: the step cannot be skipped. Resume from the last checkpoint with "
-                    "zero_cache.update_in_backward false (or gradient_clipping > 0), which skips such steps")
+                raise NonFiniteGradientError(f"squared norm {square} in chunk {chunk}")
         if buffer is not None and not update.restore_only and self.host_adam.fuses(buffer.dtype):
-            # One pass: the buffer's gradients become the new weights. Slots without a gradient
-            # still hold their weights (the fetch copied the whole param chunk), padding is zero.
-            for index, slots in update.members.items():
-                for slot in slots:
-                    master, exp_avg, exp_avg_sq = (self.store.state_view(slot, f) for f in STATE_FIELDS)
-                    self.host_adam.update_in_place(master, buffer[slot.offset:slot.offset + slot.numel], exp_avg,
-                                                   exp_avg_sq, step=update.step, grad_scale=update.grad_factor,
-                                                   **update.hypers[index])
+            self._step_in_buffer(update, buffer)
         else:
-            if not update.restore_only:
-                source = self.store.groups[chunk].grad if buffer is None else buffer
-                grads = fp32_gradient(source, self.store.scratch[HOST], update.grad_factor)
-                for index, slots in update.members.items():
-                    adam_step(self.store, slots, grads, update.hypers[index], update.step, self.host_adam.update)
-            if buffer is None:
-                buffer = self.pool.acquire()
-            buffer.copy_(self.store.groups[chunk].field("master"))  # fp32 -> compute dtype here: half the bus bytes
+            buffer = self._step_then_round(update, buffer)
         ready = self.transfers.copy(self.store.param_chunks[chunk], buffer, "h2d")
         self.pool.release(buffer, ready)
         self.param_ready[chunk] = ready
         update.issued.set()
+
+    def _step_in_buffer(self, update: ChunkUpdate, buffer: torch.Tensor) -> None:
+        """csrc kernel, one pass: the buffer's gradients become the new weights. Slots without a
+        gradient still hold their weights (the fetch copied the whole param chunk); padding is zero."""
+        for index, slots in update.members.items():
+            for slot in slots:
+                master, exp_avg, exp_avg_sq = (self.store.state_view(slot, f) for f in STATE_FIELDS)
+                self.host_adam.update_in_place(master, buffer[slot.offset:slot.offset + slot.numel], exp_avg,
+                                               exp_avg_sq, step=update.step, grad_scale=update.grad_factor,
+                                               **update.hypers[index])
+
+    def _step_then_round(self, update: ChunkUpdate, buffer: torch.Tensor | None) -> torch.Tensor:
+        """Library kernel on an fp32 gradient, then the masters rounded into a staging buffer (returned)."""
+        group = self.store.groups[update.chunk]
+        if not update.restore_only:
+            source = group.grad if buffer is None else buffer
+            grads = fp32_gradient(source, self.store.scratch[HOST], update.grad_factor)
+            for index, slots in update.members.items():
+                adam_step(self.store, slots, grads, update.hypers[index], update.step, self.host_adam.update)
+        if buffer is None:
+            buffer = self.pool.acquire()
+        buffer.copy_(group.field("master"))  # fp32 -> compute dtype here: half the bus bytes
+        return buffer
 
 
 def _serve(jobs: queue.Queue, updater_ref: weakref.ref) -> None:

@@ -25,6 +25,7 @@ run the same way (copies are synchronous), which is what the unit tests exercise
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import weakref
@@ -34,7 +35,7 @@ import torch
 from torch import nn
 
 from zero_cache.chunks import ChunkStore
-from zero_cache.host_adam import HostAdam, fused_adam_kernel
+from zero_cache.host_adam import HostAdam, torch_fused_adam
 from zero_cache.host_update import (ChunkUpdate, HostUpdater, NonFiniteGradientError, Transfers, adam_step,
                                    fp32_gradient, wait)
 from zero_cache.layout import TensorSlot
@@ -67,7 +68,7 @@ class ZeroCacheOptimizer:
         self.gradient_clipping = gradient_clipping
         self.update_in_backward = update_in_backward
         self.device = store.tiers[DEVICE].device
-        self._device_kernel = fused_adam_kernel(decoupled_weight_decay)
+        self._device_adam = functools.partial(torch_fused_adam, decoupled=decoupled_weight_decay)
         self.host_adam = HostAdam(decoupled_weight_decay, try_deepspeed=self.device.type == "cuda",
                                   try_native=native_host_adam)
         self.transfers = Transfers(self.device)
@@ -163,7 +164,8 @@ class ZeroCacheOptimizer:
             squares = self._squares_pinned[slot.chunk:slot.chunk + 1]
             squares.copy_(self._chunk_squares[slot.chunk:slot.chunk + 1], non_blocking=True)
             self._queued.add(slot.chunk)
-            self._queue_host_update(slot.chunk, step=self.step_count + 1, grad_factor=1.0, squares=squares)
+            self._queue_host_update(slot.chunk, frozenset(self._written), self._hypers(), step=self.step_count + 1,
+                                    grad_factor=1.0, squares=squares)
 
     def _accumulate_on_host(self, slot: TensorSlot, grad: torch.Tensor, first: bool) -> None:
         """Accumulating path: stage the gradient through a pinned buffer; the worker adds it in fp32.
@@ -218,10 +220,7 @@ class ZeroCacheOptimizer:
         self.overflow = not math.isfinite(norm)  # a non-finite gradient skips the step in any precision
         if self.overflow and self.update_in_backward:
             self.host.drain()  # raises the worker's error if a host chunk's gradient was the non-finite one
-            raise NonFiniteGradientError(
-                f"non-finite gradient norm ({norm}) while zero_cache updated host chunks during backward: the step "
-                "cannot be skipped. Resume from the last checkpoint with zero_cache.update_in_backward false (or "
-                "gradient_clipping > 0), which skips such steps")
+            raise NonFiniteGradientError(f"global norm {norm}")
         if self.loss_scaler is not None:
             self.loss_scaler.update(self.overflow)
         written = frozenset(self._written)
@@ -236,10 +235,11 @@ class ZeroCacheOptimizer:
         if self.gradient_clipping > 0 and norm > self.gradient_clipping:
             grad_factor *= self.gradient_clipping / (norm + 1e-6)  # clip_grad_norm_'s rule
         self.step_count += 1
+        hypers = self._hypers()
         for chunk in self._chunks_in(HOST, written):
             if chunk not in self._queued:
-                self._queue_host_update(chunk, step=self.step_count, grad_factor=grad_factor)
-        self._update_device_chunks(written, grad_factor)
+                self._queue_host_update(chunk, written, hypers, step=self.step_count, grad_factor=grad_factor)
+        self._update_device_chunks(written, hypers, grad_factor)
         self._reset_window()
         if not self._replanned and self.after_first_step is not None:
             self._replanned = True
@@ -260,8 +260,8 @@ class ZeroCacheOptimizer:
 
     def _chunks_in(self, tier: str, written: frozenset) -> list[int]:
         """Chunks of ``tier`` with at least one written slot, in model (= the next forward's) order."""
-        return [c for c in sorted(self._members_of_chunk) if self.store.groups[c].tier == tier
-                and any(slot.name in written for _, slot in self._members_of_chunk.get(c, ()))]
+        return [c for c, members in sorted(self._members_of_chunk.items()) if self.store.groups[c].tier == tier
+                and any(slot.name in written for _, slot in members)]
 
     def _step_members(self, chunk: int, written: frozenset) -> dict[int, list[TensorSlot]]:
         members: dict[int, list[TensorSlot]] = {}
@@ -275,39 +275,29 @@ class ZeroCacheOptimizer:
         return [{"lr": float(g["lr"]), "betas": tuple(g["betas"]), "eps": g["eps"], "weight_decay": g["weight_decay"]}
                 for g in self.optimizer.param_groups]
 
-    def _queue_host_update(self, chunk: int, *, step: int, grad_factor: float, squares: torch.Tensor | None = None,
-                           restore_only: bool = False) -> None:
-        written = frozenset(self._written)
-        update = ChunkUpdate(chunk=chunk, members=self._step_members(chunk, written), hypers=self._hypers(),
-                             step=step, grad_factor=grad_factor, grads_written=self.transfers.mark(), squares=squares,
+    def _queue_host_update(self, chunk: int, written: frozenset, hypers: list[dict[str, Any]], *, step: int,
+                           grad_factor: float, squares: torch.Tensor | None = None, restore_only: bool = False) -> None:
+        update = ChunkUpdate(chunk=chunk, members=self._step_members(chunk, written), hypers=hypers, step=step, grad_factor=grad_factor, grads_written=self.transfers.mark(), squares=squares,
                              restore_only=restore_only)
         self._pending[chunk] = update
         self.host.submit_update(update)
 
-    def _update_device_chunks(self, written: frozenset, grad_factor: float) -> None:
+    def _update_device_chunks(self, written: frozenset, hypers: list[dict[str, Any]], grad_factor: float) -> None:
         """Fused Adam over each written device chunk, then its param chunk rewritten from the masters."""
         for chunk in self._chunks_in(DEVICE, written):
             group = self.store.groups[chunk]
             source = group.grad if self.store.grads_in_accumulators else self.store.param_chunks[chunk]
             grads = fp32_gradient(source, self.store.scratch[DEVICE], grad_factor)
-            hypers = self._hypers()
             for index, slots in self._step_members(chunk, written).items():
                 adam_step(self.store, slots, grads, hypers[index], self.step_count, self._device_adam)
             self.store.param_chunks[chunk].copy_(group.field("master"))
-
-    def _device_adam(self, masters, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float,
-                     betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-        step_tensor = torch.tensor(float(step), device=self.device)
-        self._device_kernel(masters, grads, exp_avgs, exp_avg_sqs, [], [step_tensor] * len(masters), lr=lr,
-                            beta1=betas[0], beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=False,
-                            maximize=False)
 
     def _restore_params(self, written: frozenset) -> None:
         """Rewrite param chunks that hold this window's gradients from their masters (no step taken)."""
         for chunk in self._chunks_in(DEVICE, written):
             self.store.param_chunks[chunk].copy_(self.store.groups[chunk].field("master"))
         for chunk in self._chunks_in(HOST, written):
-            self._queue_host_update(chunk, step=self.step_count, grad_factor=1.0, restore_only=True)
+            self._queue_host_update(chunk, written, [], step=self.step_count, grad_factor=1.0, restore_only=True)
 
     # ------------------------------------------------------------------ waiting
     def wait_for_chunk(self, chunk: int) -> None:
@@ -332,11 +322,6 @@ class ZeroCacheOptimizer:
             self.wait_for_chunk(chunk)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-
-    def close(self) -> None:
-        """Finish pending host work and stop the worker thread (the optimizer cannot step afterwards)."""
-        self.finish_pending()
-        self.host.close()
 
     def report(self) -> dict[str, float]:
         """Per-tier bytes and the traffic and waiting since the previous report (then resets those).
