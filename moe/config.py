@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
+DROP_POLICIES = (None, "position", "probs", "random")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -58,6 +59,35 @@ class MoEConfig:
     ranks_per_node: int | None = None
     """Override the launcher's LOCAL_WORLD_SIZE when planning the hierarchical exchange."""
 
+    drop_policy: str | None = None
+    """Which routes an over-full expert keeps: "position" (GShard: first choices before second
+    choices, then token order), "probs" (highest gate probability), "random" (Switch's random token
+    selection). None = what deepspeed.moe does for top_k: "random" for k=1 with use_rts, "position"
+    for k=2 (and k=1 without use_rts), "probs" for k>2."""
+
+    use_rts: bool = True
+    """Random token selection for k=1 (DeepSpeed's ``use_rts``); only read when drop_policy is None."""
+
+    ffn_hidden_size: int | None = None
+    """Inner width of each expert; None = the model's ffn_hidden_size."""
+
+    overlap_chunks: int = 1
+    """Split each MoE layer's tokens into this many chunks so one chunk's all-to-all overlaps
+    another's expert compute (1 = no split)."""
+
+    intra_node_bandwidth_gbs: float = 350.0
+    """Per-GPU all-to-all bandwidth inside a node in GB/s (1e9 bytes/s), for the "auto" choice.
+    350 is an NVLink-4 (H100/H200) figure; bench/moe_alltoall.py measures it."""
+
+    inter_node_bandwidth_gbs: float = 50.0
+    """Per-GPU bandwidth between nodes in GB/s (50 = one 400 Gb/s InfiniBand NIC per GPU)."""
+
+    intra_node_latency_us: float = 5.0
+    """Per-message latency inside a node, microseconds."""
+
+    inter_node_latency_us: float = 15.0
+    """Per-message latency between nodes, microseconds."""
+
     def __post_init__(self) -> None:
         if self.num_experts < 1:
             raise ValueError(f"moe.num_experts: must be >= 1, got {self.num_experts}")
@@ -82,6 +112,25 @@ class MoEConfig:
             raise ValueError(f"moe.hierarchical_all_to_all: true, false or 'auto', got {self.hierarchical_all_to_all!r}")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ValueError(f"moe.ranks_per_node: must be >= 1, got {self.ranks_per_node}")
+        if self.drop_policy not in DROP_POLICIES:
+            raise ValueError(f"moe.drop_policy: must be one of {DROP_POLICIES}, got {self.drop_policy!r}")
+        if self.ffn_hidden_size is not None and self.ffn_hidden_size < 1:
+            raise ValueError(f"moe.ffn_hidden_size: must be >= 1 or null, got {self.ffn_hidden_size}")
+        if self.overlap_chunks < 1:
+            raise ValueError(f"moe.overlap_chunks: must be >= 1, got {self.overlap_chunks}")
+        for name in ("intra_node_bandwidth_gbs", "inter_node_bandwidth_gbs", "intra_node_latency_us",
+                     "inter_node_latency_us"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"moe.{name}: must be > 0, got {getattr(self, name)}")
+
+    @property
+    def resolved_drop_policy(self) -> str:
+        """The drop policy in effect (``drop_policy``, or deepspeed.moe's choice for ``top_k``)."""
+        if self.drop_policy is not None:
+            return self.drop_policy
+        if self.top_k == 1:
+            return "random" if self.use_rts else "position"
+        return "position" if self.top_k == 2 else "probs"
 
     def capacity(self, num_tokens: int, *, training: bool) -> int:
         """Tokens each expert may take for a batch of ``num_tokens`` (GShard's capacity formula).
