@@ -125,9 +125,11 @@ class MoELayer(nn.Module):
         """[W][C][E] kept rows every rank sends to every expert, per chunk, as host integers."""
         if self.ep_groups is None:
             return [rows_CE.tolist()]
-        gathered_WCE = rows_CE.new_empty((self.ep_groups.size, *rows_CE.shape))
-        dist.all_gather_into_tensor(gathered_WCE, rows_CE.contiguous(), group=self.ep_groups.group)
-        return gathered_WCE.tolist()
+        flat = rows_CE.new_empty(self.ep_groups.size * rows_CE.numel())  # 1-D: gloo wants dim-0 concatenation
+        # torch >= 2.13 renames all_gather_into_tensor to all_gather_single.
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(flat, rows_CE.reshape(-1), group=self.ep_groups.group)
+        return flat.view(self.ep_groups.size, *rows_CE.shape).tolist()
 
     def _use_hierarchical(self, counts_WCE: list[list[list[int]]], row_bytes: int) -> bool:
         """Same answer on every rank: decided from the all-gathered counts only."""
