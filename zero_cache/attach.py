@@ -8,17 +8,19 @@ those measurements and optimizer groups move between tiers if it changed.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from zero_cache.chunks import ChunkStore
+from zero_cache.chunks import SWAP_BUFFERS, ChunkStore
 from zero_cache.config import ZeroCacheConfig
 from zero_cache.host_update import STAGING_BUFFERS
 from zero_cache.layout import ChunkLayout, pack, search_chunk_size
 from zero_cache.optimizer import ZeroCacheOptimizer
-from zero_cache.planner import DEVICE, HOST, Plan, PlanError, PlanInputs, make_plan
+from zero_cache.nvme import NvmeTier, auto_nvme_budget, check_directory
+from zero_cache.planner import DEVICE, HOST, NVME, Plan, PlanError, PlanInputs, make_plan
 from zero_cache.tiers import auto_device_budget, build_tiers
 
 logger = logging.getLogger(__name__)
@@ -61,13 +63,30 @@ def resolve_update_in_backward(config: ZeroCacheConfig, *, gradient_clipping: fl
 
 def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: torch.dtype, device_budget: int,
                 host_budget: int, accumulation_steps: int, trace: tuple[int, ...] = (),
-                nonmodel_peak_bytes: int = 0) -> PlanInputs:
+                nonmodel_peak_bytes: int = 0, nvme_budget: int = 0) -> PlanInputs:
     return PlanInputs(num_chunks=layout.num_chunks, chunk_numel=layout.chunk_numel,
                       param_bytes_per_element=torch.empty((), dtype=compute_dtype).element_size(),
                       grad_bytes_per_element=grad_bytes_per_element(accumulation_steps),
                       device_budget_bytes=device_budget, host_budget_bytes=host_budget, trace=trace,
                       nonmodel_peak_bytes=nonmodel_peak_bytes, prefetch_depth=config.prefetch_depth,
-                      staging_buffers=STAGING_BUFFERS)
+                      staging_buffers=STAGING_BUFFERS, nvme_budget_bytes=nvme_budget, swap_buffers=SWAP_BUFFERS)
+
+
+def nvme_budget(config: ZeroCacheConfig) -> tuple[Path | None, int]:
+    """(checked swap directory, its byte budget), or (None, 0) without an NVMe tier.
+
+    Raises:
+        NvmeSetupError: nvme_path is missing or not writable.
+    """
+    if config.nvme_path is None:
+        return None, 0
+    directory = check_directory(config.nvme_path)
+    budget = config.nvme_budget_bytes
+    return directory, auto_nvme_budget(directory) if budget is None else budget
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 class WarmupTracer:
@@ -89,11 +108,13 @@ class WarmupTracer:
         self.recording = False
         store = optimizer.store
         device_tier, host_tier = store.tiers[DEVICE], store.tiers[HOST]
+        nvme_tier = store.tiers.get(NVME)
         nonmodel = 0
         if device_tier.device.type == "cuda":
             nonmodel = max(0, torch.cuda.max_memory_allocated(device_tier.device) - device_tier.used_bytes)
         inputs = plan_inputs(self.layout, self.config, self.compute_dtype, device_tier.budget_bytes,
-                             host_tier.budget_bytes, self.accumulation_steps, tuple(self.trace), nonmodel)
+                             host_tier.budget_bytes, self.accumulation_steps, tuple(self.trace), nonmodel,
+                             nvme_budget=nvme_tier.budget_bytes if nvme_tier is not None else 0)
         try:
             plan = make_plan(inputs)
         except PlanError as err:  # the running plan works; a worse estimate must not stop the run
@@ -121,9 +142,10 @@ def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, 
     chunk_numel = search_chunk_size(shapes) if config.chunk_size == "auto" else int(config.chunk_size)
     layout = pack(shapes, chunk_numel)
     device_tier, host_tier = build_tiers(device, config.device_budget_bytes, config.host_budget_bytes)
+    _, disk_budget = nvme_budget(config)
     reserve = int(WARMUP_ACTIVATION_RESERVE * device_tier.budget_bytes) if device.type == "cuda" else 0
     plan = make_plan(plan_inputs(layout, config, compute_dtype, device_tier.budget_bytes, host_tier.budget_bytes,
-                                 accumulation_steps, nonmodel_peak_bytes=reserve))
+                                 accumulation_steps, nonmodel_peak_bytes=reserve, nvme_budget=disk_budget))
     return layout, plan
 
 
@@ -148,8 +170,6 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     if config.overlap_optimizer_step:
         raise NotImplementedError("zero_cache.overlap_optimizer_step (the one-step-late host update) is not "
                                   "implemented yet; leave it false for the exact update")
-    if config.nvme_path is not None:
-        raise NotImplementedError("zero_cache.nvme_path: the NVMe tier is not implemented yet")
     in_backward = resolve_update_in_backward(config, gradient_clipping=gradient_clipping, loss_scaler=loss_scaler,
                                              accumulation_steps=accumulation_steps)
     ordered = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
@@ -163,16 +183,20 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
         reclaimable = sum(p.numel() * p.element_size() for _, p in params if p.device == device)
         device_budget = auto_device_budget(device) + reclaimable
     device_tier, host_tier = build_tiers(device, device_budget, config.host_budget_bytes)
+    swap_directory, disk_budget = nvme_budget(config)
     # Before the warm-up has measured activations, keep part of the device for them; the re-plan
     # after the first step replaces this guess with the measured peak (and moves groups back).
     reserve = int(WARMUP_ACTIVATION_RESERVE * device_tier.budget_bytes) if device.type == "cuda" else 0
-    plan = make_plan(plan_inputs(layout, config, compute_dtype, device_tier.budget_bytes, host_tier.budget_bytes,
-                                 accumulation_steps, nonmodel_peak_bytes=reserve))
+    inputs = plan_inputs(layout, config, compute_dtype, device_tier.budget_bytes, host_tier.budget_bytes,
+                         accumulation_steps, nonmodel_peak_bytes=reserve, nvme_budget=disk_budget)
+    plan = make_plan(inputs)
+    tiers = {DEVICE: device_tier, HOST: host_tier}
+    if swap_directory is not None:  # even if this plan needs no disk: the re-plan after warm-up may
+        tiers[NVME] = NvmeTier(swap_directory, inputs.swap_slot_bytes, disk_budget, config.aio, rank=_rank())
     logger.info("ZeRO-Cache: %d chunks of %d elements (%.1f%% padding); %s; host chunks update %s",
                 layout.num_chunks, layout.chunk_numel, 100 * layout.waste_fraction, plan.summary(),
                 "during backward" if in_backward else "after backward")
-    store = ChunkStore(layout, [p for _, p in params], plan, {DEVICE: device_tier, HOST: host_tier}, compute_dtype,
-                       accumulate=accumulation_steps > 1)
+    store = ChunkStore(layout, [p for _, p in params], plan, tiers, compute_dtype, accumulate=accumulation_steps > 1)
     hybrid = ZeroCacheOptimizer(store, optimizer, names, decoupled_weight_decay=decoupled_weight_decay,
                                 loss_scaler=loss_scaler, gradient_clipping=gradient_clipping,
                                 update_in_backward=in_backward,

@@ -12,35 +12,50 @@ parameter is not read again in that iteration, and the fp32 master regenerates i
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from torch import nn
 
 from zero_cache.layout import ChunkLayout, TensorSlot
-from zero_cache.planner import DEVICE, Plan
-from zero_cache.tiers import Tier
+from zero_cache.nvme import ALIGN_BYTES, NvmeTier
+from zero_cache.planner import DEVICE, HOST, NVME, Plan
+from zero_cache.tiers import BufferPool, Tier
 
 STATE_FIELDS = ("master", "exp_avg", "exp_avg_sq")
+SWAP_BUFFERS = 3
+"""Pinned bounce buffers of the NVMe tier: one being read (chunk i+1), one under CPU Adam (chunk i),
+one being written (chunk i-1)."""
+
+
+def state_field(states: torch.Tensor, field: str) -> torch.Tensor:
+    """One field (master, exp_avg or exp_avg_sq) of a group's flat fp32 states."""
+    numel = states.numel() // len(STATE_FIELDS)
+    index = STATE_FIELDS.index(field)
+    return states[index * numel:(index + 1) * numel]
 
 
 @dataclass(slots=True)
 class OptimizerGroup:
-    """One chunk's optimizer state in one tier: fp32 master, exp_avg, exp_avg_sq (and a gradient accumulator)."""
+    """One chunk's optimizer state: fp32 master, exp_avg, exp_avg_sq in one tier (and a gradient accumulator)."""
 
     tier: str
-    states: torch.Tensor
-    """3 x chunk_numel fp32: master | exp_avg | exp_avg_sq."""
+    states: torch.Tensor | None
+    """3 x chunk_numel fp32: master | exp_avg | exp_avg_sq; None when they are on NVMe."""
     grad: torch.Tensor | None
-    """chunk_numel fp32 gradient accumulator, or None when gradients are written into the param chunk."""
+    """chunk_numel fp32 gradient accumulator (on the host for NVMe groups), or None when gradients
+    are written into the param chunk."""
+    swap_offset: int | None = None
+    """Byte offset of the states' slot in the swap file (NVMe groups)."""
 
     def field(self, name: str) -> torch.Tensor:
         if name == "grad":
             assert self.grad is not None, "gradients live in the param chunk"
             return self.grad
-        numel = self.states.numel() // len(STATE_FIELDS)
-        index = STATE_FIELDS.index(name)
-        return self.states[index * numel:(index + 1) * numel]
+        assert self.states is not None, "an NVMe group's states are read through ChunkStore.open_states"
+        return state_field(self.states, name)
 
 
 class ChunkStore:
@@ -50,13 +65,13 @@ class ChunkStore:
         layout: the chunk layout of the trainable parameters.
         params: parameter objects in layout order.
         plan: where each chunk's optimizer group lives (params must be resident).
-        tiers: {"device": Tier, "host": Tier}.
+        tiers: {"device": Tier, "host": Tier} and, when the plan uses disk, "nvme": NvmeTier.
         compute_dtype: dtype of the param chunks.
         accumulate: keep an fp32 gradient accumulator per chunk (micro-batches accumulate); without
             it, gradients are written into the param chunks.
     """
 
-    def __init__(self, layout: ChunkLayout, params: list[nn.Parameter], plan: Plan, tiers: dict[str, Tier],
+    def __init__(self, layout: ChunkLayout, params: list[nn.Parameter], plan: Plan, tiers: dict[str, Tier | NvmeTier],
                  compute_dtype: torch.dtype, accumulate: bool = True) -> None:
         if not plan.params_resident:
             raise NotImplementedError(
@@ -72,46 +87,103 @@ class ChunkStore:
                 view = self.param_view(slot)
                 view.copy_(param.detach())
                 param.data = view  # the original storage is released; the chunk is the only copy
+        # One fp32 chunk per memory tier through which the update reads compute-dtype gradients.
+        self.scratch = {name: tiers[name].allocate(layout.chunk_numel, torch.float32) for name in (DEVICE, HOST)}
+        self.swap_buffers = None
+        if NVME in tiers:
+            host, slot_bytes = tiers[HOST], tiers[NVME].slot_bytes
+            self.swap_buffers = BufferPool(SWAP_BUFFERS, lambda: host.allocate_aligned(slot_bytes, ALIGN_BYTES))
         # Optimizer groups only now, so the device never holds the original params and the groups at once.
         self.grads_in_accumulators = accumulate
-        self.groups = [self._allocate_group(tier) for tier in plan.optimizer_tier]
-        # One fp32 chunk per tier through which the update reads compute-dtype gradients.
-        self.scratch = {name: tier.allocate(layout.chunk_numel, torch.float32) for name, tier in tiers.items()}
-        for group, param_chunk in zip(self.groups, self.param_chunks):
-            # Masters start from the compute-dtype weights, as a mixed-precision loop's would.
-            group.field("master").copy_(param_chunk)
+        self.groups: list[OptimizerGroup] = []
+        for chunk, tier in enumerate(plan.optimizer_tier):
+            self.groups.append(self._allocate_group(tier))
+            with self.open_states(chunk, write_back=True) as states:
+                # Masters start from the compute-dtype weights, as a mixed-precision loop's would.
+                state_field(states, "master").copy_(self.param_chunks[chunk])
 
     def _allocate_group(self, tier: str) -> OptimizerGroup:
         numel = self.layout.chunk_numel
-        grad = self.tiers[tier].allocate(numel, torch.float32) if self.grads_in_accumulators else None
+        grad_tier = self.tiers[HOST if tier == NVME else tier]
+        grad = grad_tier.allocate(numel, torch.float32) if self.grads_in_accumulators else None
+        if tier == NVME:
+            return OptimizerGroup(tier=tier, states=None, grad=grad, swap_offset=self.tiers[NVME].allocate_slot())
         return OptimizerGroup(tier=tier, states=self.tiers[tier].allocate(len(STATE_FIELDS) * numel, torch.float32),
                               grad=grad)
+
+    def _free_group(self, group: OptimizerGroup) -> None:
+        if group.tier == NVME:
+            self.tiers[NVME].free_slot(group.swap_offset)
+        else:
+            self.tiers[group.tier].free(group.states)
+        if group.grad is not None:
+            self.tiers[HOST if group.tier == NVME else group.tier].free(group.grad)
 
     def param_view(self, slot: TensorSlot) -> torch.Tensor:
         """The parameter's compute-dtype view (shaped)."""
         return self.param_chunks[slot.chunk][slot.offset:slot.offset + slot.numel].view(slot.shape)
 
-    def state_view(self, slot: TensorSlot, field: str) -> torch.Tensor:
-        """A flat view of one optimizer field (master, exp_avg, exp_avg_sq, grad) of one parameter."""
-        return self.groups[slot.chunk].field(field)[slot.offset:slot.offset + slot.numel]
+    def state_view(self, slot: TensorSlot, field: str, states: torch.Tensor | None = None) -> torch.Tensor:
+        """A flat view of one optimizer field (master, exp_avg, exp_avg_sq, grad) of one parameter.
+
+        ``states`` are the chunk's states when they are not resident (an NVMe group read into a buffer).
+        """
+        whole = self.groups[slot.chunk].field(field) if states is None or field == "grad" else state_field(states, field)
+        return whole[slot.offset:slot.offset + slot.numel]
 
     def tier_of(self, slot: TensorSlot) -> str:
         return self.groups[slot.chunk].tier
 
+    def states_in(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The fp32 states inside a swap bounce buffer (the rest of it is block padding)."""
+        return buffer[:len(STATE_FIELDS) * self.layout.chunk_numel * 4].view(torch.float32)
+
+    @contextlib.contextmanager
+    def open_states(self, chunk: int, *, write_back: bool = False) -> Iterator[torch.Tensor]:
+        """The chunk's fp32 states, readable (and writable) in memory for the duration of the block.
+
+        Resident groups are yielded as they are; an NVMe group is read into a bounce buffer and,
+        with ``write_back``, written back when the block ends. Synchronous: for checkpoints,
+        initialisation and re-planning, never on the training path.
+        """
+        group = self.groups[chunk]
+        if group.tier != NVME:
+            yield group.states
+            return
+        nvme = self.tiers[NVME]
+        buffer = self.swap_buffers.acquire()
+        write = None
+        try:
+            nvme.read(group.swap_offset, buffer).wait()
+            yield self.states_in(buffer)
+            if write_back:
+                write = nvme.write(group.swap_offset, buffer)
+                write.wait()
+        finally:
+            self.swap_buffers.release(buffer)
+
+    def flush(self) -> None:
+        """Wait for the NVMe tier's writes in flight (raises a failed write's error)."""
+        if NVME in self.tiers:
+            self.tiers[NVME].flush()
+
     def apply_plan(self, plan: Plan) -> int:
         """Move optimizer groups whose tier changed; returns the number moved.
 
-        Groups leaving a tier are moved first, so a swap never needs both copies in one tier.
+        Groups leaving the device go first, then those leaving the host, so a tier receiving
+        groups has been emptied of those it is giving away.
         """
         moves = [c for c, tier in enumerate(plan.optimizer_tier) if self.groups[c].tier != tier]
-        moves.sort(key=lambda c: plan.optimizer_tier[c] == DEVICE)  # device->host first frees device room
+        leaving = {DEVICE: 0, HOST: 1, NVME: 2}
+        moves.sort(key=lambda c: leaving[self.groups[c].tier])
         for chunk in moves:
             old = self.groups[chunk]
-            new = self._allocate_group(plan.optimizer_tier[chunk])
-            new.states.copy_(old.states)
-            self.tiers[old.tier].free(old.states)
+            with self.open_states(chunk) as states:
+                new = self._allocate_group(plan.optimizer_tier[chunk])
+                self.groups[chunk] = new
+                with self.open_states(chunk, write_back=True) as destination:
+                    destination.copy_(states)
             if old.grad is not None:
                 new.grad.copy_(old.grad)
-                self.tiers[old.tier].free(old.grad)
-            self.groups[chunk] = new
+            self._free_group(old)
         return len(moves)

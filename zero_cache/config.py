@@ -2,11 +2,45 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from zero_cache.units import AUTO, parse_budget
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+AIO_BACKENDS = ("auto", "native", "deepspeed", "libaio", "threads")
+
+
+@dataclass(kw_only=True, slots=True)
+class AioConfig:
+    """DeepSpeed's ``aio`` block, which drives the NVMe tier's IO."""
+
+    block_size: int = 1_048_576
+    """Bytes per IO piece (a multiple of 4096)."""
+
+    queue_depth: int = 8
+    """Pieces in flight at once."""
+
+    thread_count: int = 1
+    """Worker threads of the ``threads`` and ``deepspeed`` backends (DeepSpeed's intra_op_parallelism)."""
+
+    single_submit: bool = False
+    """Submit pieces one system call at a time instead of in batches."""
+
+    overlap_events: bool = True
+    """Reap completions while submitting (DeepSpeed's knob; the native backend always does)."""
+
+    backend: str = "auto"
+    """"auto", or force one of "native", "deepspeed", "libaio", "threads"."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 4096 or self.block_size % 4096:
+            raise ValueError(f"aio.block_size: must be a positive multiple of 4096 bytes, got {self.block_size}")
+        if self.queue_depth < 1:
+            raise ValueError(f"aio.queue_depth: must be >= 1, got {self.queue_depth}")
+        if self.thread_count < 1:
+            raise ValueError(f"aio.thread_count: must be >= 1, got {self.thread_count}")
+        if self.backend not in AIO_BACKENDS:
+            raise ValueError(f"zero_cache.aio.backend: must be one of {AIO_BACKENDS}, got {self.backend!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -47,7 +81,15 @@ class ZeroCacheConfig:
     is logged and falls back to the library kernel."""
 
     nvme_path: str | None = None
-    """Directory for the NVMe tier's swap files; None keeps all states in GPU + host memory."""
+    """Directory for the NVMe tier's swap files; None keeps all states in GPU + host memory. Optimizer
+    states that fit in neither the device nor the host budget go there (DeepSpeed's
+    ``offload_optimizer.nvme_path`` / ``offload_param.nvme_path`` carry over)."""
+
+    nvme_memory_budget: int | str = AUTO
+    """Bytes the swap files may take ("auto" = the free space under nvme_path, less a margin)."""
+
+    aio: AioConfig = field(default_factory=AioConfig)
+    """How the NVMe tier does its IO (filled from DeepSpeed's top-level ``aio`` block)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.chunk_size, str):
@@ -58,6 +100,9 @@ class ZeroCacheConfig:
         # Parse now so a bad size fails at load time, not at the first allocation.
         parse_budget(self.device_memory_budget, name="zero_cache.device_memory_budget")
         parse_budget(self.host_memory_budget, name="zero_cache.host_memory_budget")
+        parse_budget(self.nvme_memory_budget, name="zero_cache.nvme_memory_budget")
+        if self.nvme_path is not None and not str(self.nvme_path).strip():
+            raise ValueError("zero_cache.nvme_path: empty; give a directory on the NVMe drive, or null for no disk tier")
         for key in ("update_in_backward", "native_host_adam"):
             value = getattr(self, key)
             if not isinstance(value, bool) and value != AUTO:
@@ -69,6 +114,11 @@ class ZeroCacheConfig:
     def device_budget_bytes(self) -> int | None:
         """The device budget in bytes, or None for "auto"."""
         return parse_budget(self.device_memory_budget, name="zero_cache.device_memory_budget")
+
+    @property
+    def nvme_budget_bytes(self) -> int | None:
+        """The NVMe budget in bytes, or None for "auto"."""
+        return parse_budget(self.nvme_memory_budget, name="zero_cache.nvme_memory_budget")
 
     @property
     def host_budget_bytes(self) -> int | None:

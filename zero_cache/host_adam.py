@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from zero_cache.native import fused_host_adam
+from zero_cache.native import load_csrc
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class HostAdam:
     def __init__(self, decoupled: bool, *, try_deepspeed: bool, try_native: bool = False) -> None:
         self.decoupled = decoupled
         self._ds = None
-        self._native = fused_host_adam() if try_native else None
+        self._native = load_csrc("fused_host_adam") if try_native else None
         # Every core but one: the training thread must keep launching GPU kernels meanwhile.
         self.threads = max(1, len(os.sched_getaffinity(0)) - 1)
         if try_deepspeed:

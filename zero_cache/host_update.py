@@ -23,17 +23,16 @@ import queue
 import threading
 import time
 import weakref
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from zero_cache.chunks import STATE_FIELDS, ChunkStore
+from zero_cache.chunks import STATE_FIELDS, ChunkStore, state_field
 from zero_cache.host_adam import HostAdam
 from zero_cache.layout import TensorSlot
-from zero_cache.planner import HOST
-from zero_cache.tiers import Tier
+from zero_cache.planner import HOST, NVME
+from zero_cache.tiers import BufferPool, wait
 
 _STOP = object()
 STAGING_BUFFERS = 4
@@ -96,41 +95,6 @@ class Transfers:
         return moved
 
 
-def wait(event: torch.cuda.Event | None) -> None:
-    if event is not None:
-        event.synchronize()
-
-
-class StagingPool:
-    """A few pinned buffers of one chunk each, allocated at the first use and reused for the whole run.
-
-    A released buffer carries the event of the copy still reading it; ``acquire`` waits for that
-    event before handing the buffer out again.
-    """
-
-    def __init__(self, tier: Tier, count: int, numel: int, dtype: torch.dtype) -> None:
-        self.tier, self.count, self.numel, self.dtype = tier, count, numel, dtype
-        self._free: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = deque()
-        self._allocated = False
-        self._available = threading.Condition()
-
-    def acquire(self) -> torch.Tensor:
-        with self._available:
-            if not self._allocated:  # all at once, so the tier's usage does not depend on timing
-                self._allocated = True
-                self._free.extend((self.tier.allocate(self.numel, self.dtype), None) for _ in range(self.count))
-            while not self._free:
-                self._available.wait()
-            buffer, in_use_until = self._free.popleft()
-        wait(in_use_until)
-        return buffer
-
-    def release(self, buffer: torch.Tensor, in_use_until: torch.cuda.Event | None = None) -> None:
-        with self._available:
-            self._free.append((buffer, in_use_until))
-            self._available.notify()
-
-
 @dataclass(slots=True)
 class ChunkUpdate:
     """One host chunk's update in one step (everything the worker needs, captured when it is queued)."""
@@ -166,8 +130,9 @@ class HostUpdater:
         self.store = store
         self.transfers = transfers
         self.host_adam = host_adam
-        self.pool = StagingPool(store.tiers[HOST], STAGING_BUFFERS, store.layout.chunk_numel,
-                                store.param_chunks[0].dtype if store.param_chunks else torch.float32)
+        host, numel = store.tiers[HOST], store.layout.chunk_numel
+        dtype = store.param_chunks[0].dtype if store.param_chunks else torch.float32
+        self.pool = BufferPool(STAGING_BUFFERS, lambda: host.allocate(numel, dtype))
         self.param_ready: dict[int, torch.cuda.Event | None] = {}
         """Chunk -> completion event of its latest host->device param copy (popped by the waiter)."""
         self.busy_s = 0.0
@@ -221,58 +186,92 @@ class HostUpdater:
             job.issued.set()  # wake the waiter, which re-raises the error
 
     # ------------------------------------------------------------------ one chunk
-    def _fetch(self, update: ChunkUpdate) -> tuple[torch.Tensor, torch.cuda.Event | None] | None:
-        """Start copying the chunk's in-param gradient to a staging buffer (None: fp32 accumulator on the host)."""
-        if update.restore_only or self.store.grads_in_accumulators:
-            return None
-        buffer = self.pool.acquire()
-        return buffer, self.transfers.copy(buffer, self.store.param_chunks[update.chunk], "d2h",
-                                           after=update.grads_written)
+    def _fetch(self, update: ChunkUpdate) -> Fetched:
+        """Start the chunk's input transfers: its in-param gradient to a staging buffer (none when the
+        fp32 accumulator already lives on the host), and its states from disk (NVMe groups)."""
+        fetched = Fetched()
+        if not (update.restore_only or self.store.grads_in_accumulators):
+            fetched.grads = self.pool.acquire()
+            fetched.grads_copied = self.transfers.copy(fetched.grads, self.store.param_chunks[update.chunk], "d2h",
+                                                       after=update.grads_written)
+        group = self.store.groups[update.chunk]
+        if group.tier == NVME:
+            fetched.swap = self.store.swap_buffers.acquire()
+            fetched.swap_read = self.store.tiers[NVME].read(group.swap_offset, fetched.swap)
+        return fetched
 
-    def _update(self, update: ChunkUpdate, fetched) -> None:
+    def _update(self, update: ChunkUpdate, fetched: Fetched) -> None:
         chunk = update.chunk
-        buffer = None
-        if fetched is not None:
-            buffer, copied = fetched
-            wait(copied)
-        if update.squares is not None:
-            wait(update.grads_written)
-            square = float(update.squares)
-            if not math.isfinite(square):
-                if buffer is not None:
-                    self.pool.release(buffer)
-                raise NonFiniteGradientError(f"squared norm {square} in chunk {chunk}")
+        try:
+            wait(fetched.grads_copied)
+            wait(fetched.swap_read)
+            if update.squares is not None:
+                wait(update.grads_written)
+                square = float(update.squares)
+                if not math.isfinite(square):
+                    raise NonFiniteGradientError(f"squared norm {square} in chunk {chunk}")
+        except BaseException:
+            fetched.release(self.pool, self.store.swap_buffers)
+            raise
+        states = None if fetched.swap is None else self.store.states_in(fetched.swap)
+        buffer = fetched.grads
         if buffer is not None and not update.restore_only and self.host_adam.fuses(buffer.dtype):
-            self._step_in_buffer(update, buffer)
+            self._step_in_buffer(update, buffer, states)
         else:
-            buffer = self._step_then_round(update, buffer)
+            buffer = self._step_then_round(update, buffer, states)
+        if fetched.swap is not None:  # written behind: the buffer is reused once the write has landed
+            written = None if update.restore_only else self.store.tiers[NVME].write(
+                self.store.groups[chunk].swap_offset, fetched.swap)
+            self.store.swap_buffers.release(fetched.swap, written)
         ready = self.transfers.copy(self.store.param_chunks[chunk], buffer, "h2d")
         self.pool.release(buffer, ready)
         self.param_ready[chunk] = ready
         update.issued.set()
 
-    def _step_in_buffer(self, update: ChunkUpdate, buffer: torch.Tensor) -> None:
+    def _step_in_buffer(self, update: ChunkUpdate, buffer: torch.Tensor, states: torch.Tensor | None) -> None:
         """csrc kernel, one pass: the buffer's gradients become the new weights. Slots without a
         gradient still hold their weights (the fetch copied the whole param chunk); padding is zero."""
         for index, slots in update.members.items():
             for slot in slots:
-                master, exp_avg, exp_avg_sq = (self.store.state_view(slot, f) for f in STATE_FIELDS)
+                master, exp_avg, exp_avg_sq = (self.store.state_view(slot, f, states) for f in STATE_FIELDS)
                 self.host_adam.update_in_place(master, buffer[slot.offset:slot.offset + slot.numel], exp_avg,
                                                exp_avg_sq, step=update.step, grad_scale=update.grad_factor,
                                                **update.hypers[index])
 
-    def _step_then_round(self, update: ChunkUpdate, buffer: torch.Tensor | None) -> torch.Tensor:
+    def _step_then_round(self, update: ChunkUpdate, buffer: torch.Tensor | None,
+                         states: torch.Tensor | None) -> torch.Tensor:
         """Library kernel on an fp32 gradient, then the masters rounded into a staging buffer (returned)."""
         group = self.store.groups[update.chunk]
         if not update.restore_only:
             source = group.grad if buffer is None else buffer
             grads = fp32_gradient(source, self.store.scratch[HOST], update.grad_factor)
             for index, slots in update.members.items():
-                adam_step(self.store, slots, grads, update.hypers[index], update.step, self.host_adam.update)
+                adam_step(self.store, slots, grads, update.hypers[index], update.step, self.host_adam.update, states)
         if buffer is None:
             buffer = self.pool.acquire()
-        buffer.copy_(group.field("master"))  # fp32 -> compute dtype here: half the bus bytes
+        # fp32 -> compute dtype here: half the bus bytes
+        buffer.copy_(group.field("master") if states is None else state_field(states, "master"))
         return buffer
+
+
+@dataclass(slots=True)
+class Fetched:
+    """A chunk update's input transfers, started one job ahead by the worker."""
+
+    grads: torch.Tensor | None = None
+    """Staging buffer receiving the in-param gradient."""
+    grads_copied: torch.cuda.Event | None = None
+    swap: torch.Tensor | None = None
+    """Bounce buffer receiving the states of an NVMe group."""
+    swap_read: Any = None
+    """The disk read's IO request."""
+
+    def release(self, pool: BufferPool, swap_buffers: BufferPool | None) -> None:
+        """Give the buffers back without using them (a failed update); pending transfers finish first."""
+        if self.grads is not None:
+            pool.release(self.grads, self.grads_copied)
+        if self.swap is not None:
+            swap_buffers.release(self.swap, self.swap_read)
 
 
 def _serve(jobs: queue.Queue, updater_ref: weakref.ref) -> None:
@@ -311,8 +310,9 @@ def fp32_gradient(source: torch.Tensor, scratch: torch.Tensor, grad_factor: floa
 
 
 def adam_step(store: ChunkStore, slots: list[TensorSlot], grads: torch.Tensor, hyper: dict[str, Any], step: int,
-              kernel: Callable[..., None]) -> None:
-    """One Adam step over ``slots`` (of one chunk and one param group); ``grads`` is the chunk's fp32 gradient."""
-    views = {f: [store.state_view(s, f) for s in slots] for f in ("master", "exp_avg", "exp_avg_sq")}
+              kernel: Callable[..., None], states: torch.Tensor | None = None) -> None:
+    """One Adam step over ``slots`` (of one chunk and one param group); ``grads`` is the chunk's fp32 gradient,
+    ``states`` the chunk's states when they are not resident (read from NVMe)."""
+    views = {f: [store.state_view(s, f, states) for s in slots] for f in STATE_FIELDS}
     grad_views = [grads[s.offset:s.offset + s.numel] for s in slots]
     kernel(views["master"], grad_views, views["exp_avg"], views["exp_avg_sq"], step=step, **hyper)

@@ -26,6 +26,7 @@ run the same way (copies are synchronous), which is what the unit tests exercise
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import time
 import weakref
@@ -34,12 +35,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from zero_cache.chunks import ChunkStore
+from zero_cache.chunks import STATE_FIELDS, ChunkStore
 from zero_cache.host_adam import HostAdam, torch_fused_adam
 from zero_cache.host_update import (ChunkUpdate, HostUpdater, NonFiniteGradientError, Transfers, adam_step,
                                    fp32_gradient, wait)
 from zero_cache.layout import TensorSlot
-from zero_cache.planner import DEVICE, HOST
+from zero_cache.planner import DEVICE, HOST, NVME
+
+OFF_DEVICE = (HOST, NVME)
+"""Tiers whose chunks the host worker updates (NVMe groups through bounce buffers)."""
 
 
 class ZeroCacheOptimizer:
@@ -159,7 +163,7 @@ class ZeroCacheOptimizer:
         square = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
         self._chunk_squares[slot.chunk:slot.chunk + 1].add_(square)
         self._missing[slot.chunk] -= 1
-        if self.update_in_backward and self._missing[slot.chunk] == 0 and self.store.tier_of(slot) == HOST:
+        if self.update_in_backward and self._missing[slot.chunk] == 0 and self.store.tier_of(slot) != DEVICE:
             # The chunk's gradients are complete: update it now, under the rest of backward.
             squares = self._squares_pinned[slot.chunk:slot.chunk + 1]
             squares.copy_(self._chunk_squares[slot.chunk:slot.chunk + 1], non_blocking=True)
@@ -236,7 +240,7 @@ class ZeroCacheOptimizer:
             grad_factor *= self.gradient_clipping / (norm + 1e-6)  # clip_grad_norm_'s rule
         self.step_count += 1
         hypers = self._hypers()
-        for chunk in self._chunks_in(HOST, written):
+        for chunk in self._chunks_in(OFF_DEVICE, written):
             if chunk not in self._queued:
                 self._queue_host_update(chunk, written, hypers, step=self.step_count, grad_factor=grad_factor)
         self._update_device_chunks(written, hypers, grad_factor)
@@ -258,9 +262,9 @@ class ZeroCacheOptimizer:
             total += float(torch.stack(on_device).double().sum())
         return math.sqrt(total)
 
-    def _chunks_in(self, tier: str, written: frozenset) -> list[int]:
-        """Chunks of ``tier`` with at least one written slot, in model (= the next forward's) order."""
-        return [c for c, members in sorted(self._members_of_chunk.items()) if self.store.groups[c].tier == tier
+    def _chunks_in(self, tiers: str | tuple[str, ...], written: frozenset) -> list[int]:
+        """Chunks of ``tiers`` with at least one written slot, in model (= the next forward's) order."""
+        return [c for c, members in sorted(self._members_of_chunk.items()) if self.store.groups[c].tier in tiers
                 and any(slot.name in written for _, slot in members)]
 
     def _step_members(self, chunk: int, written: frozenset) -> dict[int, list[TensorSlot]]:
@@ -296,7 +300,7 @@ class ZeroCacheOptimizer:
         """Rewrite param chunks that hold this window's gradients from their masters (no step taken)."""
         for chunk in self._chunks_in(DEVICE, written):
             self.store.param_chunks[chunk].copy_(self.store.groups[chunk].field("master"))
-        for chunk in self._chunks_in(HOST, written):
+        for chunk in self._chunks_in(OFF_DEVICE, written):
             self._queue_host_update(chunk, written, [], step=self.step_count, grad_factor=1.0, restore_only=True)
 
     # ------------------------------------------------------------------ waiting
@@ -318,6 +322,7 @@ class ZeroCacheOptimizer:
     def finish_pending(self) -> None:
         """Block until every host update and copy has landed (before checkpoints and re-planning)."""
         self.host.drain()
+        self.store.flush()
         for chunk in list(self._pending):
             self.wait_for_chunk(chunk)
         if self.device.type == "cuda":
@@ -333,6 +338,9 @@ class ZeroCacheOptimizer:
         waited = self.timings["grad_wait"] + self.timings["chunk_wait"]
         report = {f"zero_cache_{name}_bytes": tier.used_bytes for name, tier in self.store.tiers.items()}
         report.update({f"zero_cache_{way}_bytes": moved for way, moved in self.transfers.take_moved_bytes().items()})
+        if NVME in self.store.tiers:
+            report.update({f"zero_cache_nvme_{way}_bytes": moved
+                           for way, moved in self.store.tiers[NVME].take_moved_bytes().items()})
         report.update({f"zero_cache_{name}_s": seconds for name, seconds in self.timings.items()})
         report["zero_cache_host_update_s"] = host_work
         if host_work > 0 and self.device.type == "cuda":  # on CPU the "device" competes for the same cores
@@ -341,34 +349,50 @@ class ZeroCacheOptimizer:
         return report
 
     # ------------------------------------------------------------------ checkpoints
-    def master_state_dict(self) -> dict[str, torch.Tensor]:
+    def _chunk_states(self, *, write_back: bool = False):
+        """(slots, states) per chunk; the states are in memory while the caller holds them (NVMe: read, and
+        written back with ``write_back``). Synchronous, one chunk at a time."""
         self.finish_pending()
-        return {s.name: self.store.state_view(s, "master").detach().cpu().clone().view(s.shape) for _, s in self.members}
+        for chunk, members in sorted(self._members_of_chunk.items()):
+            with self.store.open_states(chunk, write_back=write_back) as states:
+                yield [slot for _, slot in members], states
+
+    def _read_fields(self, fields: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
+        """{field: {parameter name: a CPU copy}} for the optimizer fields in ``fields``."""
+        out: dict[str, dict[str, torch.Tensor]] = {f: {} for f in fields}
+        for slots, states in self._chunk_states():
+            for slot in slots:
+                for f in fields:
+                    out[f][slot.name] = self.store.state_view(slot, f, states).detach().cpu().clone()
+        return out
+
+    def master_state_dict(self) -> dict[str, torch.Tensor]:
+        masters = self._read_fields(("master",))["master"]
+        return {slot.name: masters[slot.name].view(slot.shape) for _, slot in self.members}
 
     def load_master_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.finish_pending()
         missing = [name for name in self.names if name not in state]
         if missing:
             raise KeyError(f"checkpoint lacks master weights for {missing[:5]}")
         with torch.no_grad():
-            for _, slot in self.members:
-                self.store.state_view(slot, "master").copy_(state[slot.name].reshape(-1))
+            for slots, states in self._chunk_states(write_back=True):
+                for slot in slots:
+                    self.store.state_view(slot, "master", states).copy_(state[slot.name].reshape(-1))
             self._restore_params(frozenset(self.names))
         self.finish_pending()
 
     def refresh_masters_from_params(self) -> None:
-        self.finish_pending()
         with torch.no_grad():
-            for _, slot in self.members:
-                self.store.state_view(slot, "master").copy_(self.store.param_view(slot).reshape(-1))
+            for slots, states in self._chunk_states(write_back=True):
+                for slot in slots:
+                    self.store.state_view(slot, "master", states).copy_(self.store.param_view(slot).reshape(-1))
 
     def state_dict(self) -> dict[str, Any]:
-        self.finish_pending()
-        moments = {f: {s.name: self.store.state_view(s, f).cpu().clone() for _, s in self.members}
-                   for f in ("exp_avg", "exp_avg_sq")}
+        fields = self._read_fields(STATE_FIELDS)
+        masters = fields.pop("master")
         hypers = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
-        return {"optimizer": {"step": self.step_count, "param_groups": hypers, **moments},
-                "masters": self.master_state_dict(),
+        return {"optimizer": {"step": self.step_count, "param_groups": hypers, **fields},
+                "masters": {slot.name: masters[slot.name].view(slot.shape) for _, slot in self.members},
                 "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None}
 
     def load_state_dict(self, state: dict[str, Any], *, load_optimizer_states: bool = True) -> None:
@@ -380,8 +404,8 @@ class ZeroCacheOptimizer:
         for group, hyper in zip(self.optimizer.param_groups, saved["param_groups"]):
             group.update(hyper)
         with torch.no_grad():
-            for field in ("exp_avg", "exp_avg_sq"):
-                for _, slot in self.members:
-                    self.store.state_view(slot, field).copy_(saved[field][slot.name])
+            for slots, states in self._chunk_states(write_back=True):
+                for slot, field in itertools.product(slots, ("exp_avg", "exp_avg_sq")):
+                    self.store.state_view(slot, field, states).copy_(saved[field][slot.name])
         if self.loss_scaler is not None and state.get("loss_scaler"):
             self.loss_scaler.load_state_dict(state["loss_scaler"])

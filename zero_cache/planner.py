@@ -16,8 +16,13 @@ The plan decides, in this order of value per device byte:
    equal-size pages, Belady 1966);
 3. as many optimizer groups on the device as fit (updated by the GPU Adam, no traffic), for the
    chunks used first in the forward, so the host's update of the later chunks hides behind it;
-4. everything else on the host, within its budget, plus ``staging_buffers`` pinned param-sized
-   buffers through which every host<->device transfer goes.
+4. as many of the rest on the host as its budget holds, plus ``staging_buffers`` pinned param-sized
+   buffers through which every host<->device transfer goes;
+5. with an NVMe tier, the remaining groups in its swap file: those of the chunks used *last* in the
+   forward, whose updates start first in backward and are needed last by the next forward, so
+   their disk reads and writes have the most compute to hide under. They cost the host
+   ``swap_buffers`` pinned bounce buffers (read chunk i+1 while updating chunk i while writing
+   chunk i-1) and, when micro-batches accumulate, their fp32 gradient accumulators.
 
 If something does not fit, :func:`make_plan` raises :class:`PlanError` with the shortfall per
 tier and what to change, before a single byte is allocated.
@@ -30,7 +35,9 @@ from typing import Sequence
 
 from zero_cache.units import format_bytes
 
-DEVICE, HOST = "device", "host"
+DEVICE, HOST, NVME = "device", "host", "nvme"
+SWAP_ALIGN_BYTES = 4096
+"""Swap slots and bounce buffers are whole 4 KiB blocks (O_DIRECT)."""
 STATE_BYTES_PER_ELEMENT = 12
 """fp32 master + exp_avg + exp_avg_sq (the gradient's bytes come on top, by its dtype)."""
 
@@ -65,6 +72,10 @@ class PlanInputs:
     """4 for an fp32 gradient accumulator, 0 when single-micro-batch gradients are written into the param chunk."""
     staging_buffers: int = 4
     """Pinned param-chunk-sized transfer buffers on the host (when any optimizer group is there)."""
+    nvme_budget_bytes: int = 0
+    """Bytes the NVMe tier may take; 0 = no NVMe tier."""
+    swap_buffers: int = 3
+    """Pinned bounce buffers of one swap slot each (when any optimizer group is on NVMe)."""
 
     @property
     def param_chunk_bytes(self) -> int:
@@ -77,6 +88,11 @@ class PlanInputs:
     @property
     def optimizer_chunk_bytes(self) -> int:
         return self.chunk_numel * self.optimizer_bytes_per_element
+
+    @property
+    def swap_slot_bytes(self) -> int:
+        """Disk bytes of one optimizer group: its fp32 states, padded to whole 4 KiB blocks."""
+        return -(-self.chunk_numel * STATE_BYTES_PER_ELEMENT // SWAP_ALIGN_BYTES) * SWAP_ALIGN_BYTES
 
     @property
     def scratch_bytes(self) -> int:
@@ -93,17 +109,21 @@ class Plan:
     cache_slots: int
     """Param chunks the device holds at once when not resident."""
     optimizer_tier: tuple[str, ...]
-    """DEVICE or HOST for each chunk's optimizer group."""
+    """DEVICE, HOST or NVME for each chunk's optimizer group."""
     device_bytes: int
     """Model-state bytes planned on the device."""
     host_bytes: int
     """Model-state bytes planned on the host."""
+    nvme_bytes: int = 0
+    """Swap-file bytes planned on the NVMe tier."""
 
     def summary(self) -> str:
-        on_device = self.optimizer_tier.count(DEVICE)
+        counts = {tier: self.optimizer_tier.count(tier) for tier in (DEVICE, HOST, NVME)}
         params = "resident on the device" if self.params_resident else f"cached in {self.cache_slots} device slots"
-        return (f"params {params}; optimizer states of {on_device}/{len(self.optimizer_tier)} chunks on the device; "
-                f"device {format_bytes(self.device_bytes)}, host {format_bytes(self.host_bytes)}")
+        disk = f", nvme {format_bytes(self.nvme_bytes)}" if self.nvme_bytes else ""
+        return (f"params {params}; optimizer states of {len(self.optimizer_tier)} chunks: {counts[DEVICE]} on the "
+                f"device, {counts[HOST]} on the host, {counts[NVME]} on NVMe; device {format_bytes(self.device_bytes)}, "
+                f"host {format_bytes(self.host_bytes)}{disk}")
 
 
 def first_use_order(trace: Sequence[int], num_chunks: int) -> tuple[int, ...]:
@@ -139,26 +159,57 @@ def make_plan(inputs: PlanInputs) -> Plan:
     # Device optimizer groups go to the chunks the next forward needs first: the host groups' CPU
     # Adam and their host->device copies then overlap the forward through those early layers.
     order = first_use_order(inputs.trace, n)
-    on_device = set(order[:device_optim])
-    tiers = tuple(DEVICE if c in on_device else HOST for c in range(n))
-    staging = inputs.staging_buffers * inputs.param_chunk_bytes if device_optim < n else 0
-    host_bytes = ((n - device_optim) * inputs.optimizer_chunk_bytes + staging
-                  + (0 if params_resident else all_params) + inputs.scratch_bytes)
-    if host_bytes > inputs.host_budget_bytes:
-        raise PlanError(_shortfall_message("host", host_bytes, inputs.host_budget_bytes, inputs, detail=(
-            f"{n - device_optim} chunks' optimizer states ({inputs.optimizer_bytes_per_element} B/element)"
-            + ("" if params_resident else " and every param chunk's home copy") + " live there")))
+    host_fixed = inputs.scratch_bytes + (0 if params_resident else all_params)
+    num_host, num_nvme, host_bytes = _split_host_and_nvme(inputs, n - device_optim, host_fixed)
+    tiers = [DEVICE] * n
+    for position, chunk in enumerate(order[device_optim:]):
+        tiers[chunk] = HOST if position < num_host else NVME
     device_bytes = param_device + device_optim * inputs.optimizer_chunk_bytes + inputs.scratch_bytes
-    return Plan(params_resident=params_resident, cache_slots=cache_slots, optimizer_tier=tiers,
-                device_bytes=device_bytes, host_bytes=host_bytes)
+    return Plan(params_resident=params_resident, cache_slots=cache_slots, optimizer_tier=tuple(tiers),
+                device_bytes=device_bytes, host_bytes=host_bytes, nvme_bytes=num_nvme * inputs.swap_slot_bytes)
+
+
+def _split_host_and_nvme(inputs: PlanInputs, off_device: int, host_fixed: int) -> tuple[int, int, int]:
+    """(groups on the host, groups on NVMe, host bytes) for the ``off_device`` groups, host first."""
+    staging = inputs.staging_buffers * inputs.param_chunk_bytes if off_device else 0
+    per_host = inputs.optimizer_chunk_bytes
+    per_nvme_on_host = inputs.chunk_numel * inputs.grad_bytes_per_element  # accumulators stay in RAM
+    bounce = inputs.swap_buffers * inputs.swap_slot_bytes
+
+    def host_bytes(num_host: int) -> int:
+        num_nvme = off_device - num_host
+        return (host_fixed + staging + num_host * per_host + num_nvme * per_nvme_on_host
+                + (bounce if num_nvme else 0))
+
+    if host_bytes(off_device) <= inputs.host_budget_bytes:
+        return off_device, 0, host_bytes(off_device)
+    if inputs.nvme_budget_bytes <= 0:
+        raise PlanError(_shortfall_message("host", host_bytes(off_device), inputs.host_budget_bytes, inputs, detail=(
+            f"{off_device} chunks' optimizer states ({inputs.optimizer_bytes_per_element} B/element)"
+            + ("" if host_fixed == inputs.scratch_bytes else " and every param chunk's home copy") + " live there")))
+    num_host = max(0, (inputs.host_budget_bytes - host_bytes(0)) // max(1, per_host - per_nvme_on_host))
+    num_host = min(num_host, off_device - 1)
+    if host_bytes(num_host) > inputs.host_budget_bytes:
+        raise PlanError(_shortfall_message("host", host_bytes(num_host), inputs.host_budget_bytes, inputs, detail=(
+            f"even with {off_device - num_host} optimizer groups on NVMe it holds {inputs.swap_buffers} bounce "
+            f"buffers of {format_bytes(inputs.swap_slot_bytes)}, {inputs.staging_buffers} staging buffers"
+            + (" and the gradient accumulators" if per_nvme_on_host else ""))))
+    num_nvme = off_device - num_host
+    if num_nvme * inputs.swap_slot_bytes > inputs.nvme_budget_bytes:
+        raise PlanError(_shortfall_message("nvme", num_nvme * inputs.swap_slot_bytes, inputs.nvme_budget_bytes,
+                                           inputs, detail=f"{num_nvme} optimizer groups of "
+                                                          f"{format_bytes(inputs.swap_slot_bytes)} go to disk"))
+    return num_host, num_nvme, host_bytes(num_host)
 
 
 def _shortfall_message(tier: str, need: int, have: int, inputs: PlanInputs, detail: str) -> str:
     total = inputs.num_chunks * (inputs.param_chunk_bytes + inputs.optimizer_chunk_bytes)
     return (f"model states do not fit: the {tier} tier needs {format_bytes(need)} but its budget is "
             f"{format_bytes(have)} (short by {format_bytes(need - have)}); {detail}. All model states together "
-            f"take {format_bytes(total)}. Raise zero_cache.{tier}_memory_budget, add an NVMe tier "
-            f"(zero_cache.nvme_path), shrink the micro-batch or enable activation checkpointing, or use more GPUs.")
+            f"take {format_bytes(total)}. Raise zero_cache.{tier}_memory_budget, "
+            + ("give the NVMe tier more room (free disk space under zero_cache.nvme_path)" if inputs.nvme_budget_bytes
+               else "add an NVMe tier (zero_cache.nvme_path)")
+            + ", shrink the micro-batch or enable activation checkpointing, or use more GPUs.")
 
 
 def belady_misses(trace: Sequence[int], capacity: int) -> tuple[int, list[tuple[int, int | None]]]:

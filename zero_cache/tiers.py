@@ -2,12 +2,16 @@
 
 The device tier is the compute device (CUDA, or the CPU in CPU-only runs, so every path runs in
 tests); the host tier is pinned CPU memory when CUDA is present (pinned once at allocation, reused
-for the whole run: no per-step pinning). An NVMe tier (its own issue) implements the same methods.
+for the whole run: no per-step pinning). The NVMe tier (``zero_cache.nvme``) keeps the same budget
+counters but hands out slots of a swap file instead of tensors.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
+from collections import deque
+from typing import Any, Callable
 
 import numpy
 import psutil
@@ -58,11 +62,61 @@ class Tier:
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
         return tensor
 
+    def allocate_aligned(self, num_bytes: int, align_bytes: int) -> torch.Tensor:
+        """A zeroed uint8 buffer whose address is a multiple of ``align_bytes`` (O_DIRECT IO needs it)."""
+        raw = self.allocate(num_bytes + align_bytes, torch.uint8)
+        start = -raw.data_ptr() % align_bytes
+        return raw[start:start + num_bytes]
+
     def free(self, tensor: torch.Tensor) -> None:
         """Return a tensor's bytes to the budget (the caller drops its references; pinned pages are
         unpinned when the last view of them is gone)."""
         self.used_bytes -= tensor.numel() * tensor.element_size()
         assert self.used_bytes >= 0, f"{self.name} tier freed more than it allocated"
+
+
+def wait(token: Any) -> None:
+    """Block until ``token`` has completed: a CUDA event, an IO request (``.wait()``), or None (nothing to wait for)."""
+    if token is None:
+        return
+    if isinstance(token, torch.cuda.Event):
+        token.synchronize()
+    else:
+        token.wait()
+
+
+class BufferPool:
+    """A few equal buffers, allocated together at the first use and reused for the whole run.
+
+    A released buffer carries the token of the transfer still using it (a CUDA event or an IO
+    request); ``acquire`` waits for that transfer before handing the buffer out again.
+
+    Args:
+        count: buffers in the pool.
+        allocate: makes one buffer (counted against its tier's budget by the tier).
+    """
+
+    def __init__(self, count: int, allocate: Callable[[], torch.Tensor]) -> None:
+        self.count, self._allocate = count, allocate
+        self._free: deque[tuple[torch.Tensor, Any]] = deque()
+        self._allocated = False
+        self._available = threading.Condition()
+
+    def acquire(self) -> torch.Tensor:
+        with self._available:
+            if not self._allocated:  # all at once, so the tier's usage does not depend on timing
+                self._allocated = True
+                self._free.extend((self._allocate(), None) for _ in range(self.count))
+            while not self._free:
+                self._available.wait()
+            buffer, in_use_until = self._free.popleft()
+        wait(in_use_until)
+        return buffer
+
+    def release(self, buffer: torch.Tensor, in_use_until: Any = None) -> None:
+        with self._available:
+            self._free.append((buffer, in_use_until))
+            self._available.notify()
 
 
 def _pinned_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -219,11 +219,12 @@ def _exact_div(numerator: int, denominator: int, arithmetic: str, derived: str) 
 
 
 def _not_acted_sections(raw: dict) -> tuple[str, ...]:
-    """Validated keys that are stored for ZeRO-Cache and the NVMe tier but change nothing yet."""
+    """Validated keys that are stored but change nothing here."""
     acted = {"stage", "reduce_bucket_size", "offload_param", "offload_optimizer"}
     zero = raw.get("zero_optimization") or {}
     keys = tuple(f"zero_optimization.{key}" for key in sorted(zero) if key not in acted)
-    keys += (("aio",) if "aio" in raw else ())
+    if (raw.get("aio") or {}).get("use_gds"):
+        keys += ("aio.use_gds",)
     # Keys inside acted-on sections that still change nothing here.
     quiet = {"fp16": ("fp16_master_weights_and_grads",), "bf16": ("immediate_grad_update", "check_grad_overflow"),
              "bfloat16": ("immediate_grad_update", "check_grad_overflow")}
@@ -295,8 +296,13 @@ def _to_typed(parsed: edge.EdgeConfig, scheduler: typed.SchedulerConfig | None, 
 
 
 def _zero_cache_section(parsed: edge.EdgeConfig) -> ZeroCacheConfig:
-    """ZeRO-3 with an offload device means "ZeRO-Cache on"; its nvme_path carries over."""
+    """ZeRO-3 with an offload device means "ZeRO-Cache on"; its nvme_path and the ``aio`` block carry over."""
     zero, section = parsed.zero_optimization, parsed.zero_cache
+    if "aio" in parsed.model_fields_set:  # DeepSpeed's block drives the IO; zero_cache.aio.backend still picks the backend
+        aio = parsed.aio
+        section = dataclasses.replace(section, aio=dataclasses.replace(
+            section.aio, block_size=aio.block_size, queue_depth=aio.queue_depth, thread_count=aio.intra_op_parallelism,
+            single_submit=aio.single_submit, overlap_events=aio.overlap_events))
     offloads = [o for o in (zero.offload_param, zero.offload_optimizer) if o is not None and o.device != "none"]
     if section.enabled or zero.stage != 3 or not offloads:
         return section

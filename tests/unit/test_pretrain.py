@@ -143,7 +143,7 @@ def test_zero_cache_job_plans_trains_and_reports_its_tiers(tmp_path):
     config = str(ROOT / "configs" / "tiny_zero_cache.json")
     plan = pretrain(tmp_path, "--config", config, "--plan")
     assert plan.returncode == 0, plan.stderr[-3000:]
-    assert re.search(r"optimizer states of 1/3 chunks on the device", plan.stdout)
+    assert re.search(r"optimizer states of 3 chunks: 1 on the device, 2 on the host, 0 on NVMe", plan.stdout)
     run = pretrain(tmp_path, "--config", config, "--steps", "10")
     assert run.returncode == 0, run.stderr[-3000:]
     assert re.search(r"step 10/10 \| loss \d+\.\d+ .*zero-cache device 11\.00 MiB, host 18\.00 MiB", run.stdout)

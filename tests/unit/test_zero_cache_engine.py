@@ -94,10 +94,14 @@ def test_deepspeed_stage3_offload_turns_zero_cache_on():
     assert not load_config({"train_batch_size": 8, "zero_optimization": {"stage": 3}}).zero_cache.enabled
 
 
-def test_nvme_offload_is_reported_as_not_built_yet():
-    config = ds_config(zero_optimization={"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}})
-    with pytest.raises(angelptm.ConfigError, match="NVMe tier is not implemented yet"):
-        angelptm.initialize(model=six_layer_llama(0), config=config)
+def test_deepspeed_nvme_offload_carries_its_path_and_aio_block_over(tmp_path):
+    config = load_config({"train_batch_size": 8, "aio": {"block_size": 262144, "queue_depth": 16, "thread_count": 2},
+                          "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",
+                                                                                  "nvme_path": str(tmp_path)}}})
+    assert config.zero_cache.enabled and config.zero_cache.nvme_path == str(tmp_path)
+    aio = config.zero_cache.aio
+    assert (aio.block_size, aio.queue_depth, aio.thread_count) == (262144, 16, 2)
+    assert "aio" not in config.accepted_not_acted
 
 
 def test_deepspeed_zero_init_block_runs_unchanged():

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from zero_cache.layout import ALIGN_NUMEL, pack, search_chunk_size
-from zero_cache.planner import DEVICE, HOST, PlanError, PlanInputs, belady_misses, first_use_order, make_plan
+from zero_cache.planner import DEVICE, HOST, NVME, PlanError, PlanInputs, belady_misses, first_use_order, make_plan
 
 
 def random_shapes(rng: random.Random, count: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -168,3 +168,48 @@ def test_staging_buffers_only_when_some_group_is_on_the_host():
     assert accumulating.host_bytes == 10 * 16_000 + 4 * 2_000 + 4_000
     assert single.host_bytes == 10 * 12_000 + 3 * 2_000 + 4_000
     assert all_on_device.host_bytes == 4_000
+
+
+def host_bytes_by_hand(inp: PlanInputs, num_host: int, num_nvme: int) -> int:
+    """Host bytes of a params-resident plan, written out term by term."""
+    staging = inp.staging_buffers * inp.param_chunk_bytes if num_host + num_nvme else 0
+    bounce = inp.swap_buffers * inp.swap_slot_bytes if num_nvme else 0
+    accumulators = num_nvme * inp.chunk_numel * inp.grad_bytes_per_element
+    return inp.scratch_bytes + staging + num_host * inp.optimizer_chunk_bytes + accumulators + bounce
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_nvme_takes_the_chunks_used_last_and_the_host_keeps_as_many_as_fit(seed):
+    rng = random.Random(seed * 104_729 + random.randrange(10**6))
+    order = list(range(10))
+    rng.shuffle(order)
+    inp = inputs(device_budget_bytes=4_000 + 20_000 + rng.randint(0, 3) * 16_000,
+                 host_budget_bytes=rng.randint(30_000, 200_000), nvme_budget_bytes=10**6,
+                 trace=tuple(order) + tuple(reversed(order)), grad_bytes_per_element=rng.choice([0, 4]),
+                 staging_buffers=rng.randint(1, 4), swap_buffers=rng.randint(1, 4))
+    num_device = (inp.device_budget_bytes - 24_000) // inp.optimizer_chunk_bytes
+    fitting = [k for k in range(10 - num_device + 1)
+               if host_bytes_by_hand(inp, k, 10 - num_device - k) <= inp.host_budget_bytes]
+    if not fitting:
+        with pytest.raises(PlanError, match="host tier needs"):
+            make_plan(inp)
+        return
+    plan = make_plan(inp)
+    num_host = max(fitting)
+    assert plan.optimizer_tier.count(HOST) == num_host
+    expected = [DEVICE] * num_device + [HOST] * num_host + [NVME] * (10 - num_device - num_host)
+    assert [plan.optimizer_tier[c] for c in order] == expected, "device first in forward order, disk last"
+    assert plan.host_bytes == host_bytes_by_hand(inp, num_host, 10 - num_device - num_host)
+    assert plan.nvme_bytes == (10 - num_device - num_host) * 12_288  # 12,000 state bytes in whole 4 KiB blocks
+
+
+def test_no_disk_and_no_bounce_buffers_when_the_host_holds_everything():
+    plan = make_plan(inputs(device_budget_bytes=24_000, nvme_budget_bytes=10**6))
+    assert NVME not in plan.optimizer_tier and plan.nvme_bytes == 0
+    assert plan.host_bytes == 10 * 16_000 + 4 * 2_000 + 4_000
+
+
+def test_nvme_shortfall_is_explained():
+    with pytest.raises(PlanError, match=r"nvme tier needs .*short by .*free disk space under zero_cache.nvme_path"):
+        make_plan(inputs(device_budget_bytes=24_000, host_budget_bytes=60_000, nvme_budget_bytes=20_000,
+                         grad_bytes_per_element=0))

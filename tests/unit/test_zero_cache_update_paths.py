@@ -152,9 +152,9 @@ def test_a_dropped_engine_stops_its_worker_and_frees_its_memory():
 
 @pytest.fixture(scope="module")
 def native_adam():
-    from zero_cache.native import fused_host_adam
+    from zero_cache.native import load_csrc
 
-    module = fused_host_adam()
+    module = load_csrc("fused_host_adam")
     if module is None:
         pytest.skip("no C++ toolchain to build csrc/fused_host_adam.cpp (the library kernel is used instead)")
     return module

@@ -1,0 +1,246 @@
+"""The NVMe tier on CPU: every IO backend available here, placement, training on disk, errors, resume."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+
+import pytest
+import torch
+
+import angelptm
+from reference import random_batches, reference_loop, train_steps
+from zero_cache.aio import NativeFileIO, ThreadFileIO, open_file_io
+from zero_cache.config import AioConfig
+from zero_cache.nvme import ALIGN_BYTES, SWAP_PREFIX, NvmeTier, check_directory
+from zero_cache.planner import DEVICE, HOST, NVME
+from zero_cache_setup import budgets, six_layer_llama, zero_cache_config
+
+BACKENDS = ("native", "deepspeed", "libaio", "threads")
+
+
+def aligned_bytes(num_bytes: int) -> torch.Tensor:
+    raw = torch.empty(num_bytes + ALIGN_BYTES, dtype=torch.uint8)
+    start = -raw.data_ptr() % ALIGN_BYTES
+    return raw[start:start + num_bytes]
+
+
+def backend_or_skip(name: str, **settings):
+    config = AioConfig(backend=name, **settings)
+    try:
+        return open_file_io(config, direct=True)
+    except Exception as err:  # not every backend builds on every machine; CI has native and threads
+        if name in ("native", "threads"):
+            raise
+        pytest.skip(f"{name} backend unavailable here: {err}")
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_each_backend_writes_and_reads_back_many_requests_in_flight(name, tmp_path):
+    io = backend_or_skip(name, block_size=8192, queue_depth=4)
+    path = tmp_path / "data.swap"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT)
+    try:
+        # Sizes that are not multiples of the block size, at offsets out of order, all in flight at once.
+        sizes = [ALIGN_BYTES * k for k in (1, 3, 7, 2, 5, 11)]
+        placement = torch.randperm(len(sizes)).tolist()  # the file order of the buffers
+        offsets = [sum(sizes[j] for j in placement[:placement.index(i)]) for i in range(len(sizes))]
+        written = [aligned_bytes(n) for n in sizes]
+        for buffer in written:
+            buffer.copy_(torch.randint(0, 256, buffer.shape, dtype=torch.uint8))
+        for request in [io.submit(path, fd, b, o, write=True) for b, o in zip(written, offsets)]:
+            request.wait()
+        read = [aligned_bytes(n) for n in sizes]
+        requests = [io.submit(path, fd, b, o, write=False) for b, o in zip(read, offsets)]
+        for request in requests:
+            request.wait()
+            assert request.done()
+        for expected, got in zip(written, read):
+            assert torch.equal(expected, got)
+    finally:
+        os.close(fd)
+
+
+def test_native_and_threads_report_a_failed_request_as_oserror(tmp_path):
+    path = tmp_path / "data.swap"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT)
+    try:
+        for io in (NativeFileIO(AioConfig()), ThreadFileIO(AioConfig())):
+            misaligned = aligned_bytes(2 * ALIGN_BYTES)[1:ALIGN_BYTES + 1]  # O_DIRECT refuses it: EINVAL
+            with pytest.raises(OSError, match="swap file failed") as caught:
+                io.submit(path, fd, misaligned, 0, write=True).wait()
+            assert caught.value.errno == errno.EINVAL and caught.value.filename == str(path)
+    finally:
+        os.close(fd)
+
+
+def test_tier_slots_round_trip_unaligned_state_sizes_and_remove_their_file(tmp_path):
+    tier = NvmeTier(tmp_path, slot_bytes=12 * 1000, budget_bytes=10**6, aio=AioConfig())
+    assert tier.slot_bytes == 3 * ALIGN_BYTES
+    offsets = [tier.allocate_slot() for _ in range(5)]
+    buffers = [aligned_bytes(tier.slot_bytes) for _ in offsets]
+    for buffer in buffers:
+        buffer.copy_(torch.randint(0, 256, buffer.shape, dtype=torch.uint8))
+    for offset, buffer in zip(offsets, buffers):
+        tier.write(offset, buffer)
+    for offset, buffer in zip(offsets, buffers):
+        back = aligned_bytes(tier.slot_bytes)
+        tier.read(offset, back).wait()  # waits for the slot's own write first
+        assert torch.equal(back, buffer)
+    assert tier.used_bytes == 5 * tier.slot_bytes and os.path.getsize(tier.file.path) >= tier.used_bytes
+    path = tier.file.path
+    tier.close()
+    assert not path.exists()
+
+
+def test_a_crashed_runs_swap_file_is_removed_and_a_live_one_kept(tmp_path, caplog):
+    stale = tmp_path / f"{SWAP_PREFIX}host-1-rank0.swap"
+    stale.write_bytes(b"x" * 8192)
+    live = tmp_path / f"{SWAP_PREFIX}host-2-rank0.swap"
+    live.write_bytes(b"y")
+    holder = os.open(live, os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        with caplog.at_level(logging.WARNING):
+            tier = NvmeTier(tmp_path, slot_bytes=ALIGN_BYTES, budget_bytes=10**6, aio=AioConfig())
+        assert not stale.exists() and live.exists()
+        assert "did not exit cleanly" in caplog.text
+        tier.close()
+    finally:
+        os.close(holder)
+
+
+def nvme_config(tmp_path, seed: int, **overrides) -> tuple[dict, int, int]:
+    """Budgets under which the optimizer states land on all three tiers."""
+    device_budget, host_budget = budgets(six_layer_llama(seed))
+    config = zero_cache_config(device_budget, host_budget // 2, clip=1.0, **overrides)
+    config["zero_cache"]["nvme_path"] = str(tmp_path)
+    return config, device_budget, host_budget // 2
+
+
+def tiers_of(optimizer) -> list[str]:
+    return [group.tier for group in optimizer.store.groups]
+
+
+@pytest.mark.parametrize("clip", [1.0, 0.0])  # 0: host and disk chunks update during backward
+def test_states_beyond_device_and_host_train_like_the_reference(tmp_path, clip):
+    seed = torch.randint(0, 10_000, ()).item()
+    batches = random_batches(seed, count=6, batch=8)
+    config, device_budget, host_budget = nvme_config(tmp_path, seed)
+    config["gradient_clipping"] = clip
+    engine, optimizer, _, _ = angelptm.initialize(model=six_layer_llama(seed), config=config)
+    tiers = tiers_of(optimizer)
+    assert {DEVICE, HOST, NVME} <= set(tiers), f"the budgets must use all three tiers, got {tiers}"
+    store = optimizer.store
+    assert store.tiers[DEVICE].used_bytes <= device_budget and store.tiers[HOST].used_bytes <= host_budget
+    losses = train_steps(engine, batches)
+    report = optimizer.report()
+    assert report["zero_cache_nvme_read_bytes"] > 0 and report["zero_cache_nvme_write_bytes"] > 0
+    ref_losses, ref_masters = reference_loop(six_layer_llama(seed), batches, dtype=torch.bfloat16,
+                                             accumulation=1, lr=3e-3, clip=clip)
+    assert losses[-1] < losses[0] - 0.3, "the model must learn, or agreement proves little"
+    assert losses == pytest.approx(ref_losses, rel=1e-2)
+    masters = optimizer.master_state_dict()
+    initial = dict(six_layer_llama(seed).named_parameters())
+    for name, expected in ref_masters.items():
+        moved = (expected - initial[name].detach()).abs().max().item()
+        assert (masters[name] - expected).abs().max().item() < 0.1 * moved, name
+    swap = store.tiers[NVME].file.path
+    del engine, optimizer, store
+    import gc
+    gc.collect()
+    assert not swap.exists(), "a dropped engine removes its swap file"
+
+
+def test_accumulating_micro_batches_with_disk_states_match_the_replicated_engine(tmp_path):
+    seed = torch.randint(0, 10_000, ()).item()
+    batches = random_batches(seed, count=6, batch=4)
+    config, _, _ = nvme_config(tmp_path, seed, gradient_accumulation_steps=2)
+    config["zero_cache"]["host_memory_budget"] *= 2  # room for the fp32 accumulators of the disk chunks
+    engine, optimizer, _, _ = angelptm.initialize(model=six_layer_llama(seed), config=config)
+    assert NVME in tiers_of(optimizer)
+    plain_config = {k: v for k, v in config.items() if k != "zero_cache"}
+    plain, plain_opt, _, _ = angelptm.initialize(model=six_layer_llama(seed), config=plain_config)
+    assert train_steps(engine, batches) == pytest.approx(train_steps(plain, batches), rel=1e-2)
+
+
+def test_resume_with_disk_resident_state_is_exact(tmp_path):
+    seed = torch.randint(0, 10_000, ()).item()
+    batches = random_batches(seed, count=6, batch=4)
+    config, _, _ = nvme_config(tmp_path / "swap", seed)
+    (tmp_path / "swap").mkdir()
+    straight, _, _, _ = angelptm.initialize(model=six_layer_llama(seed), config=config)
+    straight_losses = train_steps(straight, batches)
+    first, _, _, _ = angelptm.initialize(model=six_layer_llama(seed), config=config)
+    train_steps(first, batches[:3])
+    first.save_checkpoint(tmp_path / "ckpt")
+    resumed, resumed_opt, _, _ = angelptm.initialize(model=six_layer_llama(seed + 1), config=config)
+    assert NVME in tiers_of(resumed_opt)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    assert train_steps(resumed, batches[3:]) == straight_losses[3:]
+
+
+def test_bad_paths_and_a_too_small_disk_budget_stop_before_training(tmp_path):
+    seed = 0
+    config, _, _ = nvme_config(tmp_path / "missing", seed)
+    with pytest.raises(angelptm.ConfigError, match=r"nvme_path: .*missing.* is not an existing directory.*mkdir -p"):
+        angelptm.initialize(model=six_layer_llama(seed), config=config)
+    config, _, _ = nvme_config(tmp_path, seed)
+    config["zero_cache"]["nvme_memory_budget"] = 4096
+    with pytest.raises(angelptm.ConfigError, match=r"nvme tier needs .*short by .*free disk space"):
+        angelptm.initialize(model=six_layer_llama(seed), config=config)
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    with pytest.raises(ValueError, match="not an existing directory"):
+        check_directory(str(a_file))
+
+
+class FullDisk:
+    """An IO backend whose writes fail with ENOSPC after ``allowed`` requests (a disk filling up mid-run)."""
+
+    name = "full disk"
+
+    def __init__(self, real, allowed: int) -> None:
+        self.real, self.allowed = real, allowed
+
+    def submit(self, path, fd, buffer, offset, *, write):
+        if write:
+            self.allowed -= 1
+            if self.allowed < 0:
+                return FailedRequest(OSError(errno.ENOSPC, "writing the NVMe tier's swap file failed: "
+                                                           + os.strerror(errno.ENOSPC), str(path)))
+        return self.real.submit(path, fd, buffer, offset, write=write)
+
+
+class FailedRequest:
+    def __init__(self, error: OSError) -> None:
+        self.error = error
+
+    def done(self) -> bool:
+        raise self.error
+
+    def wait(self) -> None:
+        raise self.error
+
+
+def test_a_disk_filling_up_mid_run_stops_with_a_clear_error_and_keeps_the_checkpoint(tmp_path):
+    seed = torch.randint(0, 10_000, ()).item()
+    batches = random_batches(seed, count=6, batch=4)
+    config, _, _ = nvme_config(tmp_path / "swap", seed)
+    (tmp_path / "swap").mkdir()
+    engine, optimizer, _, _ = angelptm.initialize(model=six_layer_llama(seed), config=config)
+    train_steps(engine, batches[:2])
+    engine.save_checkpoint(tmp_path / "ckpt")
+    saved = optimizer.master_state_dict()
+    nvme = optimizer.store.tiers[NVME]
+    nvme.io = FullDisk(nvme.io, allowed=2)
+    with pytest.raises(OSError, match="No space left on device") as caught:
+        train_steps(engine, batches[2:])
+        optimizer.finish_pending()
+    assert caught.value.errno == errno.ENOSPC
+    restored, restored_opt, _, _ = angelptm.initialize(model=six_layer_llama(seed + 1), config=config)
+    restored.load_checkpoint(tmp_path / "ckpt")
+    for name, expected in saved.items():
+        torch.testing.assert_close(restored_opt.master_state_dict()[name], expected, rtol=0, atol=0)

@@ -1,0 +1,231 @@
+"""The NVMe tier: optimizer states of chunks in a swap file, moved through pinned bounce buffers.
+
+One swap file per engine (``angelptm-zero-cache-<host>-<pid>-rank<r>-<random>.swap`` under
+``zero_cache.nvme_path``) holds fixed-size slots, one per disk-resident optimizer group (fp32
+master | exp_avg | exp_avg_sq, padded to 4 KiB). Before anything is allocated the directory is
+checked: it exists, is writable, supports O_DIRECT (otherwise buffered IO with a warning), and
+has the bytes the plan needs. Slots are reserved with ``posix_fallocate`` as they are handed out,
+so a full disk is found when the plan is applied, not in the middle of a step. The file is locked
+(``flock``) while its run lives and removed at exit; a swap file whose lock nobody holds belongs
+to a run that crashed, and is reported and removed at the next start. Swap files never carry
+state across runs: checkpoints hold the disk-resident states like any other.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import secrets
+import shutil
+import socket
+import threading
+import weakref
+from pathlib import Path
+
+import torch
+
+from zero_cache.aio import FileIO, IORequest, open_file_io
+from zero_cache.config import AioConfig
+from zero_cache.planner import NVME
+from zero_cache.tiers import TierFullError
+from zero_cache.units import format_bytes
+
+logger = logging.getLogger(__name__)
+
+ALIGN_BYTES = 4096
+"""O_DIRECT transfers need buffer addresses, file offsets and lengths aligned to the logical block size."""
+SWAP_PREFIX = "angelptm-zero-cache-"
+AUTO_MARGIN_FRACTION = 0.05
+""""auto" leaves this share of the free disk space (at least 1 GiB) to everything else."""
+
+
+class NvmeSetupError(ValueError):
+    """zero_cache.nvme_path cannot hold the swap file (missing, not writable, or too small)."""
+
+
+def align_up(num_bytes: int) -> int:
+    return -(-num_bytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def check_directory(path: str) -> Path:
+    """The swap directory, after checking it exists and is writable (NvmeSetupError says what to do)."""
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        raise NvmeSetupError(f"zero_cache.nvme_path: {str(directory)!r} is not an existing directory; create it on "
+                             f"the NVMe drive (mkdir -p {directory}) or set nvme_path to null for no disk tier")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise NvmeSetupError(f"zero_cache.nvme_path: {str(directory)!r} is not writable by this user")
+    return directory
+
+
+def auto_nvme_budget(directory: Path) -> int:
+    """Free bytes under ``directory`` less the margin."""
+    free = shutil.disk_usage(directory).free
+    return max(0, int(free - max(2**30, free * AUTO_MARGIN_FRACTION)))
+
+
+def remove_stale_swap_files(directory: Path) -> list[Path]:
+    """Remove swap files that no live run holds locked (left by a crashed run); returns their paths."""
+    removed = []
+    for path in sorted(directory.glob(f"{SWAP_PREFIX}*.swap")):
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            continue  # its run just removed it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a live run's
+        else:
+            size = os.fstat(fd).st_size
+            path.unlink(missing_ok=True)
+            removed.append(path)
+            logger.warning("ZeRO-Cache: removed %s (%s), the swap file of a run that did not exit cleanly; its "
+                           "contents are not needed to resume (checkpoints hold every state)", path, format_bytes(size))
+        finally:
+            os.close(fd)
+    return removed
+
+
+class SwapFile:
+    """This process's swap file: open (O_DIRECT where the filesystem allows), locked, removed at exit."""
+
+    def __init__(self, directory: Path, rank: int) -> None:
+        # The random part keeps several engines of one process apart.
+        self.path = directory / f"{SWAP_PREFIX}{socket.gethostname()}-{os.getpid()}-rank{rank}-{secrets.token_hex(4)}.swap"
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
+        self.fd = os.open(self.path, flags | getattr(os, "O_DIRECT", 0))
+        self.direct = hasattr(os, "O_DIRECT") and _direct_io_works(self.fd)
+        if not self.direct:
+            os.close(self.fd)
+            self.fd = os.open(self.path, os.O_RDWR)
+            logger.warning("ZeRO-Cache: %s does not support O_DIRECT; the NVMe tier uses buffered IO through the "
+                           "page cache (slower and competing with host memory). Point zero_cache.nvme_path at a "
+                           "local NVMe filesystem (ext4, xfs)", directory)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        self.reserved_bytes = 0
+        self._finalizer = weakref.finalize(self, _remove, self.fd, self.path)
+
+    def reserve(self, num_bytes: int) -> None:
+        """Make the file hold ``num_bytes`` on disk now, so no later write finds the disk full."""
+        if num_bytes <= self.reserved_bytes:
+            return
+        try:
+            os.posix_fallocate(self.fd, self.reserved_bytes, num_bytes - self.reserved_bytes)
+        except OSError as err:
+            if err.errno == errno.ENOSPC:
+                raise TierFullError(f"nvme tier: {self.path.parent} has no room for {format_bytes(num_bytes)} of swap "
+                                    "(the disk filled up since the plan was made); free space or lower "
+                                    "zero_cache.nvme_memory_budget") from err
+            if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            os.ftruncate(self.fd, num_bytes)  # no fallocate here: a sparse file; ENOSPC may come at a write
+        self.reserved_bytes = num_bytes
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _direct_io_works(fd: int) -> bool:
+    """One aligned 4 KiB write through the O_DIRECT descriptor (some filesystems accept the flag, then fail IO)."""
+    probe = torch.zeros(2 * ALIGN_BYTES, dtype=torch.uint8)
+    start = -probe.data_ptr() % ALIGN_BYTES
+    try:
+        return os.pwritev(fd, [memoryview(probe[start:start + ALIGN_BYTES].numpy())], 0) == ALIGN_BYTES
+    except OSError:
+        return False
+
+
+def _remove(fd: int, path: Path) -> None:
+    os.close(fd)
+    path.unlink(missing_ok=True)
+
+
+class NvmeTier:
+    """Fixed-size slots of one swap file, with the byte counters of the other tiers.
+
+    Args:
+        directory: checked swap directory (:func:`check_directory`).
+        slot_bytes: bytes of one optimizer group (rounded up to 4 KiB).
+        budget_bytes: most bytes the swap file may take.
+        aio: the IO settings; the backend is chosen here (see ``zero_cache.aio``).
+        rank: this process's rank (in the file name).
+    """
+
+    name = NVME
+
+    def __init__(self, directory: Path, slot_bytes: int, budget_bytes: int, aio: AioConfig, rank: int = 0) -> None:
+        self.slot_bytes = align_up(slot_bytes)
+        self.budget_bytes = budget_bytes
+        self.used_bytes = self.peak_bytes = 0
+        remove_stale_swap_files(directory)
+        self.file = SwapFile(directory, rank)
+        self.io: FileIO = open_file_io(aio, direct=self.file.direct)
+        self._free_offsets: list[int] = []
+        self._end = 0
+        self._writes: dict[int, IORequest] = {}  # slot offset -> its latest write, until known complete
+        self._lock = threading.Lock()
+        self.moved_bytes = {"read": 0, "write": 0}
+
+    @property
+    def free_bytes(self) -> int:
+        return self.budget_bytes - self.used_bytes
+
+    def allocate_slot(self) -> int:
+        """The byte offset of a free slot, reserved on disk."""
+        if self.slot_bytes > self.free_bytes:
+            raise TierFullError(f"nvme tier: another {format_bytes(self.slot_bytes)} slot exceeds its budget "
+                                f"({format_bytes(self.used_bytes)} of {format_bytes(self.budget_bytes)} in use)")
+        if self._free_offsets:
+            offset = self._free_offsets.pop()
+        else:
+            offset, self._end = self._end, self._end + self.slot_bytes
+            self.file.reserve(self._end)
+        self.used_bytes += self.slot_bytes
+        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+        return offset
+
+    def free_slot(self, offset: int) -> None:
+        self._free_offsets.append(offset)
+        self.used_bytes -= self.slot_bytes
+        assert self.used_bytes >= 0, "nvme tier freed more than it allocated"
+
+    def read(self, offset: int, buffer: torch.Tensor) -> IORequest:
+        """Start reading one slot into an aligned uint8 ``buffer`` of ``slot_bytes``.
+
+        A write of the same slot still in flight is waited for first (a read must see it).
+        """
+        with self._lock:
+            pending = self._writes.pop(offset, None)
+        if pending is not None:
+            pending.wait()
+        return self._submit(offset, buffer, write=False)
+
+    def write(self, offset: int, buffer: torch.Tensor) -> IORequest:
+        """Start writing an aligned uint8 ``buffer`` of ``slot_bytes`` to one slot."""
+        request = self._submit(offset, buffer, write=True)
+        with self._lock:
+            self._writes[offset] = request
+        return request
+
+    def flush(self) -> None:
+        """Wait for every write in flight; raise the first failure (e.g. the disk filled up)."""
+        with self._lock:
+            pending, self._writes = list(self._writes.values()), {}
+        for request in pending:
+            request.wait()
+
+    def _submit(self, offset: int, buffer: torch.Tensor, *, write: bool) -> IORequest:
+        assert buffer.numel() == self.slot_bytes and buffer.data_ptr() % ALIGN_BYTES == 0, "unaligned swap buffer"
+        self.moved_bytes["write" if write else "read"] += self.slot_bytes
+        return self.io.submit(self.file.path, self.file.fd, buffer, offset, write=write)
+
+    def take_moved_bytes(self) -> dict[str, int]:
+        moved, self.moved_bytes = self.moved_bytes, dict.fromkeys(self.moved_bytes, 0)
+        return moved
+
+    def close(self) -> None:
+        """Remove the swap file now (it is also removed when the tier is garbage-collected, or at exit)."""
+        self.file.close()
