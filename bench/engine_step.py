@@ -1,6 +1,8 @@
-"""Step time of the non-ZeRO-Cache engine against plain PyTorch and DeepSpeed, same model, same run.
+"""Step time of the engine (replicated or ZeRO-Cache) against plain PyTorch and DeepSpeed, same model, same run.
 
     python bench/engine_step.py --sizes 125m 1.3b --modes torch angelptm deepspeed --steps 20
+    python bench/engine_step.py --sizes 1.3b --modes zero_cache deepspeed_nvme --anchor deepspeed_nvme \
+        --device-budget 12GB --host-budget 4GB --nvme-path /tmp/swap      # optimizer states on disk
 
 Each (size, mode) runs in its own process so peak memory is its own. Model TFLOPS follow the
 benchmark protocol: (6N + 12 L H S) x tokens / step time, recompute not counted. Prints one JSON
@@ -28,7 +30,11 @@ SIZES = {  # GPT-2-style shapes; vocab 50304, seq 1024 as in the protocol
     "13b": dict(num_layers=40, hidden_size=5120, num_heads=40, tie_embeddings=False),
     "13.7b": dict(num_layers=42, hidden_size=5120, num_heads=40, tie_embeddings=False),
     "16b": dict(num_layers=50, hidden_size=5120, num_heads=40, tie_embeddings=False),
+    "18b": dict(num_layers=56, hidden_size=5120, num_heads=40, tie_embeddings=False),
+    "20b": dict(num_layers=63, hidden_size=5120, num_heads=40, tie_embeddings=False),
 }
+AIO = {"block_size": 1 << 20, "queue_depth": 32, "thread_count": 4, "single_submit": False, "overlap_events": True}
+"""The same aio block for DeepSpeed's NVMe offload and ZeRO-Cache's NVMe tier."""
 
 
 def build(size: str, checkpointing: bool):
@@ -45,7 +51,7 @@ def build(size: str, checkpointing: bool):
 
 
 def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, device_budget: str,
-            clip: float) -> dict:
+            clip: float, host_budget: str = "auto", nvme_path: str | None = None) -> dict:
     """Train ``steps`` steps in this process and return timings."""
     import torch
 
@@ -78,15 +84,17 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
     elif mode == "zero_cache":
         import angelptm
 
-        engine, optimizer, *_ = angelptm.initialize(model=model, config={**ds_config, "optimizer": {
-            "type": "AdamW", "params": {"lr": 1e-4}}, "zero_cache": {"enabled": True,
-                                                                   "device_memory_budget": device_budget}})
         import logging
 
         logging.basicConfig(level=logging.WARNING, format="zero_cache: %(name)s %(message)s")
-        logging.getLogger("zero_cache").setLevel(logging.INFO)  # the plan and the warm-up re-plan
+        logging.getLogger("zero_cache").setLevel(logging.INFO)  # the plan, the IO backend, the re-plan
+        engine, optimizer, *_ = angelptm.initialize(model=model, config={**ds_config, "optimizer": {
+            "type": "AdamW", "params": {"lr": 1e-4}}, "aio": AIO, "zero_cache": {
+                "enabled": True, "device_memory_budget": device_budget, "host_memory_budget": host_budget,
+                "nvme_path": nvme_path}})
         tiers = [group.tier for group in optimizer.store.groups]
-        print(f"zero_cache: {tiers.count('device')} of {len(tiers)} optimizer groups on the device, "
+        print(f"zero_cache: optimizer groups {tiers.count('device')} device / {tiers.count('host')} host / "
+              f"{tiers.count('nvme')} nvme of {len(tiers)}, "
               f"host optimizer {optimizer.host_adam.name}, host chunks update "
               f"{'during' if optimizer.update_in_backward else 'after'} backward", file=sys.stderr)
 
@@ -106,6 +114,12 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
             client = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
             engine, *_ = deepspeed.initialize(model=model, optimizer=client,
                                               config={**ds_config, "zero_optimization": {"stage": 3}})
+        elif mode == "deepspeed_nvme":  # ZeRO-3, optimizer states on NVMe (ZeRO-Infinity), pipelined swaps
+            offload = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": True, "buffer_count": 4,
+                       "pipeline_read": True, "pipeline_write": True}
+            engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
+                **ds_config, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "aio": AIO,
+                "zero_optimization": {"stage": 3, "offload_optimizer": offload}})
         else:  # "deepspeed_offload": ZeRO-3 with the optimizer offloaded to DeepSpeedCPUAdam
             engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
                 **ds_config, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
@@ -133,9 +147,12 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
         seconds = {k.removeprefix("zero_cache_").removesuffix("_s"): v for k, v in report.items() if k.endswith("_s")}
         print("zero_cache: per step " + ", ".join(f"{k} {v / steps * 1e3:.0f} ms" for k, v in seconds.items())
               + f"; moved per step d2h {report['zero_cache_d2h_bytes'] / steps / 2**30:.2f} GiB, "
-              f"h2d {report['zero_cache_h2d_bytes'] / steps / 2**30:.2f} GiB", file=sys.stderr)
+              f"h2d {report['zero_cache_h2d_bytes'] / steps / 2**30:.2f} GiB, "
+              f"nvme read {report.get('zero_cache_nvme_read_bytes', 0) / steps / 2**30:.2f} GiB, "
+              f"nvme write {report.get('zero_cache_nvme_write_bytes', 0) / steps / 2**30:.2f} GiB", file=sys.stderr)
         tiers = [group.tier for group in optimizer.store.groups]
-        extra = {"device_groups": f"{tiers.count('device')} of {len(tiers)}",
+        extra = {"groups_device_host_nvme": [tiers.count(t) for t in ("device", "host", "nvme")],
+                 "nvme_gib": optimizer.store.tiers["nvme"].used_bytes / 2**30 if "nvme" in optimizer.store.tiers else 0,
                  "overlap": report.get("zero_cache_overlap"), "in_backward": optimizer.update_in_backward}
     tokens = micro * 1024
     return {"size": size, "mode": mode, "params": num_params, "step_s": step_s, "tokens_per_s": tokens / step_s,
@@ -154,21 +171,25 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=8)
     parser.add_argument("--no-checkpointing", action="store_true")
     parser.add_argument("--device-budget", default="auto", help="zero_cache.device_memory_budget for zero_cache")
+    parser.add_argument("--host-budget", default="auto", help="zero_cache.host_memory_budget for zero_cache")
+    parser.add_argument("--nvme-path", help="swap directory for zero_cache's NVMe tier and deepspeed_nvme")
     parser.add_argument("--gradient-clipping", type=float, default=0.0)
     parser.add_argument("--anchor", default="deepspeed", help="mode the ratios are taken against")
     parser.add_argument("--child", nargs=2, metavar=("SIZE", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print("RESULT " + json.dumps(run_one(*args.child, args.steps, args.micro, not args.no_checkpointing,
-                                             args.device_budget, args.gradient_clipping)))
+                                             args.device_budget, args.gradient_clipping, args.host_budget,
+                                             args.nvme_path)))
         return
     results = []
     for size in args.sizes:
         for mode in args.modes:
             command = [sys.executable, __file__, "--child", size, mode, "--steps", str(args.steps),
                        "--micro", str(args.micro), "--device-budget", args.device_budget,
-                       "--gradient-clipping", str(args.gradient_clipping)]
+                       "--gradient-clipping", str(args.gradient_clipping), "--host-budget", args.host_budget]
             command += ["--no-checkpointing"] if args.no_checkpointing else []
+            command += ["--nvme-path", args.nvme_path] if args.nvme_path else []
             proc = subprocess.run(command, capture_output=True, text=True)
             lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
             if proc.returncode or not lines:

@@ -9,7 +9,7 @@ import angelptm
 from angelptm.models import ModelConfig, build_model
 from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop, train_steps
 from zero_cache.layout import pack
-from zero_cache.planner import DEVICE, HOST
+from zero_cache.planner import DEVICE, HOST, NVME
 
 pytestmark = pytest.mark.gpu
 
@@ -37,6 +37,26 @@ def test_split_tiers_on_cuda_track_the_reference_over_20_steps(accumulation, cli
     assert optimizer.update_in_backward == (clip == 0.0)
     losses = train_steps(engine, batches)
     ref_losses, ref_masters = reference_loop(model(seed), batches, dtype=torch.bfloat16, accumulation=accumulation,
+                                             lr=3e-3, clip=clip, device="cuda")
+    assert losses[-1] < losses[0] - 0.5
+    assert losses == pytest.approx(ref_losses, rel=2e-2)
+    assert_masters_close(optimizer.master_state_dict(), ref_masters, dict(model(seed).named_parameters()))
+
+
+@pytest.mark.parametrize("clip", [1.0, 0.0])
+def test_three_tiers_on_cuda_track_the_reference_over_20_steps(tmp_path, clip):
+    """Optimizer states on the GPU, in pinned host memory and on disk (O_DIRECT into pinned bounce buffers)."""
+    seed = torch.randint(0, 10_000, ()).item()
+    batches = random_batches(seed, count=20, batch=8)
+    layout = pack([(n, tuple(p.shape)) for n, p in model(seed).named_parameters()], 8192)
+    total = layout.num_chunks * layout.chunk_numel * 14
+    config = ds_config(bf16={"enabled": True}, gradient_clipping=clip,
+                       zero_cache={"enabled": True, "chunk_size": 8192, "device_memory_budget": total // 4,
+                                   "host_memory_budget": total // 2, "nvme_path": str(tmp_path)})
+    engine, optimizer, _, _ = angelptm.initialize(model=model(seed), config=config)
+    assert {group.tier for group in optimizer.store.groups} == {DEVICE, HOST, NVME}
+    losses = train_steps(engine, batches)
+    ref_losses, ref_masters = reference_loop(model(seed), batches, dtype=torch.bfloat16, accumulation=1,
                                              lr=3e-3, clip=clip, device="cuda")
     assert losses[-1] < losses[0] - 0.5
     assert losses == pytest.approx(ref_losses, rel=2e-2)
