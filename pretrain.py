@@ -3,6 +3,7 @@
     python pretrain.py                      # the tiny default (configs/tiny.json), CPU or GPU
     python pretrain.py --config FILE        # any config
     torchrun --nproc-per-node 2 pretrain.py --config FILE   # data parallel
+    torchrun --nproc-per-node 2 pretrain.py --config configs/tiny_autopipe.json   # AutoPipe pipeline
 
 The model comes from the config's "model" section, the tokens from "data" (the shipped
 public-domain corpus when no path is given), the loop from "train". A run that finds a checkpoint
@@ -24,6 +25,7 @@ from tqdm import tqdm
 
 import angelptm
 import zero_cache
+from angelptm import pipeline
 from angelptm.config import EngineConfig, load_config, read_config_source
 from angelptm.data import TokenDataset, prepare_default_dataset, repeat_batches
 from angelptm.distributed import DistContext, init_distributed
@@ -168,11 +170,19 @@ def train(raw: dict) -> float:
     """Run the configured training; returns the last logged loss."""
     ctx = init_distributed()
     cfg = load_config(raw, world_size=ctx.world_size)
+    if cfg.moe.enabled and cfg.moe.ep_size > 1:  # the engine all-reduces every gradient over all ranks
+        raise ConfigError(f"moe.ep_size={cfg.moe.ep_size}: pretrain.py trains MoE with ep_size 1 (experts replicated "
+                          "on every data-parallel rank); the engine does not reduce expert gradients over "
+                          "expert-data-parallel groups yet. Set moe.ep_size to 1")
     if not cfg.train.resume:
         refuse_fresh_start_over_a_run(cfg.train.save_dir, ctx)
     torch.manual_seed(cfg.seed if cfg.seed is not None else 0)  # model init is reproducible either way
     dataset = build_dataset(cfg, ctx)
-    model = build_model(cfg.model)
+    if cfg.autopipe.enabled:  # pipeline parallelism: angelptm/pipeline.py builds the stages and their optimizer
+        stop = StopRequest()
+        return pipeline.train(cfg, ctx, dataset, stop_requested=lambda: stop.requested,
+                              after_save=lambda: prune_checkpoints(cfg.train.save_dir, cfg.train.keep_last))
+    model = build_model(cfg.model, moe=cfg.moe)
     weight_decay = cfg.optimizer.weight_decay if cfg.optimizer else 0.0
     engine, _, loader, _ = angelptm.initialize(model=model, model_parameters=model.param_groups(weight_decay),
                                                training_data=dataset, config=cfg)
@@ -231,21 +241,23 @@ def log_metrics(step: int, loss: float, engine: angelptm.Engine, meter: Throughp
     rates = meter.lap()
     memory = memory_snapshot(ctx.device)
     tiers = engine.optimizer.report() if hasattr(engine.optimizer, "report") else {}  # ZeRO-Cache only
+    moe = engine.module.moe_metrics() if hasattr(engine.module, "moe_metrics") else {}  # router loss, expert load
     if not ctx.is_main:
         return
     lr = engine.get_lr()[0]
     tflops = rates.get("tflops", float("nan"))
     tqdm.write(f"step {step}/{total_steps} | loss {loss:.4f} | lr {lr:.3e} | {rates['tokens_per_s']:,.0f} tokens/s "
-               f"| {tflops:.3f} TFLOPS | {format_memory(memory)}{format_tiers(tiers)}")
+               f"| {tflops:.3f} TFLOPS | {format_memory(memory)}{format_tiers(tiers)}"
+               + "".join(f" | {name} {value:.4f}" for name, value in moe.items()))
     if engine.monitor is not None and engine.monitor.enabled:  # the engine writes loss and lr itself
-        engine.monitor.write(step, {"loss_all_ranks": loss, **rates, **memory, **tiers})
+        engine.monitor.write(step, {"loss_all_ranks": loss, **rates, **memory, **tiers, **moe})
 
 
 def print_plan(raw: dict) -> int:
     """``--plan``: lay the model out on the meta device and plan it, allocating nothing."""
     cfg = load_config(raw)
     with torch.device("meta"):
-        model = build_model(cfg.model)
+        model = build_model(cfg.model, moe=cfg.moe)
     shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     print(f"model: {model.num_params() / 1e6:,.1f}M parameters, {cfg.precision.dtype}, device {device}")

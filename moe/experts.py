@@ -70,7 +70,8 @@ class GroupedExperts(nn.Module):
         ffn_hidden_size: F.
         activation: one of ACTIVATIONS; "swiglu" doubles W_in's width to [gate | up].
         bias: whether the two projections carry biases.
-        impl: "grouped" (``torch._grouped_mm``, falls back when unsupported), "loop", or "auto" (= grouped).
+        impl: "grouped" (``torch._grouped_mm``, falls back when unsupported), "loop", or "auto"
+            (grouped on CUDA, loop on CPU).
     """
 
     def __init__(self, num_local_experts: int, hidden_size: int, ffn_hidden_size: int, *,
@@ -112,7 +113,9 @@ class GroupedExperts(nn.Module):
         Returns:
             [N, D] expert outputs in the same row order.
         """
-        if self.impl != "loop" and grouped_mm_supported(x_ND, self.w_in_LDF):
+        # "auto" leaves CPU to the loop: torch's CPU grouped_mm is a slow reference kernel.
+        grouped = self.impl == "grouped" or (self.impl == "auto" and x_ND.is_cuda)
+        if grouped and grouped_mm_supported(x_ND, self.w_in_LDF):
             rows_dev_L = host_to_device(rows_L, x_ND.device)
             offsets_L = torch.cumsum(rows_dev_L, 0).to(torch.int32)
             h_NF = self._bias(torch._grouped_mm(x_ND, self.w_in_LDF, offs=offsets_L), self.b_in_LF, rows_dev_L)

@@ -1,7 +1,10 @@
 """Reference decoder-only GPT for pretraining (GPT-2 and Llama flavours).
 
 Shapes in comments: B = batch, S = sequence, H = hidden, V = vocab, N = heads,
-K = key/value heads, D = head dim, F = MLP inner width.
+K = key/value heads, D = head dim, F = MLP inner width, E = experts.
+
+With an enabled ``moe.MoEConfig`` every ``moe_every``-th block's MLP is a mixture of experts
+(GShard: every other layer) and the router losses are added to the LM loss.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+
+from moe import GroupedExperts, MoEConfig, MoELayer
+from moe.topology import ExpertParallelGroups
 
 from .config import ModelConfig
 
@@ -137,20 +143,52 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+class MoEBlock(Block):
+    """Pre-norm block whose MLP is a mixture of experts (same activation and bias as the dense MLP).
+
+    Its forward returns ``(x, router_loss, expert_counts_E)``: the router loss is
+    aux_loss_coef * balance + z_loss_coef * z (Switch / ST-MoE), already weighted.
+    """
+
+    def __init__(self, config: ModelConfig, moe: MoEConfig, ep_groups: ExpertParallelGroups | None = None) -> None:
+        super().__init__(config)
+        self.moe_config = moe
+        experts = GroupedExperts(moe.num_experts // moe.ep_size, config.hidden_size,
+                                 moe.ffn_hidden_size or config.ffn_hidden_size, bias=config.bias,
+                                 activation="swiglu" if config.mlp == "swiglu" else "gelu_tanh")
+        self.mlp = MoELayer(config.hidden_size, experts, moe, ep_groups)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor, cos: Tensor | None = None, sin: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """[B, S, H] -> ([B, S, H], router loss scalar, int64 [E] routes per expert)."""
+        x = x + self.attn(self.norm1(x), cos, sin)
+        moe = self.mlp(self.norm2(x))
+        loss = self.moe_config.aux_loss_coef * moe.balance_loss + self.moe_config.z_loss_coef * moe.z_loss
+        return x + self.drop(moe.output), loss, moe.expert_counts
+
+
 class GPT(nn.Module):
-    """Decoder-only transformer language model.
+    """Decoder-only transformer language model, optionally with mixture-of-experts blocks.
 
     Args:
         config: architecture; see :class:`ModelConfig`.
+        moe: when given and enabled, every ``moe.moe_every``-th block (blocks moe_every-1,
+            2*moe_every-1, ...) is a :class:`MoEBlock`.
+        ep_groups: expert-parallel groups for ``moe.ep_size > 1``.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, moe: MoEConfig | None = None,
+                 ep_groups: ExpertParallelGroups | None = None) -> None:
         super().__init__()
         self.config = config
+        self.moe_config = moe if moe is not None and moe.enabled else None
+        self.moe_stats: dict[str, Tensor] = {}  # last forward's router loss and expert load, detached
         self.tok_emb = nn.Embedding(config.vocab_size, config.hidden_size)
         self.pos_emb = nn.Embedding(config.max_seq_len, config.hidden_size) if config.position == "learned" else None
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        every = self.moe_config.moe_every if self.moe_config else 0
+        self.blocks = nn.ModuleList(MoEBlock(config, self.moe_config, ep_groups) if every and (i + 1) % every == 0
+                                    else Block(config) for i in range(config.num_layers))
         self.norm_f = _norm(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -185,6 +223,8 @@ class GPT(nn.Module):
                     module.weight.mul_(1.0 / math.sqrt(2 * self.config.num_layers))
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
+            elif isinstance(module, GroupedExperts):
+                module.reset_parameters(std, std / math.sqrt(2 * self.config.num_layers))
             elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                 nn.init.ones_(module.weight)
                 if getattr(module, "bias", None) is not None:
@@ -222,12 +262,33 @@ class GPT(nn.Module):
         if self.rope_cos is not None:
             cos, sin = self.rope_cos[:S], self.rope_sin[:S]  # [S, D]
         recompute = self.config.activation_checkpointing and self.training
+        router_losses, counts = [], []
         for block in self.blocks:
-            x = checkpoint(block, x, cos, sin, use_reentrant=False) if recompute else block(x, cos, sin)
+            out = checkpoint(block, x, cos, sin, use_reentrant=False) if recompute else block(x, cos, sin)
+            if isinstance(block, MoEBlock):
+                out, router_loss, counts_E = out
+                router_losses.append(router_loss)
+                counts.append(counts_E)
+            x = out
         logits = self.lm_head(self.norm_f(x))  # [B, S, V]
+        if router_losses:
+            router_loss = torch.stack(router_losses).sum()
+            self.moe_stats = {"router_loss": router_loss.detach(), "expert_counts": torch.stack(counts).detach()}
         if labels is None:
             return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+        return loss + router_loss if router_losses else loss
+
+    def moe_metrics(self) -> dict[str, float]:
+        """Router loss and expert load of the last forward, for logs ({} without MoE blocks).
+
+        ``moe_load_max`` is the busiest expert's routes over the mean (1.0 = balanced), worst layer.
+        """
+        if not self.moe_stats:
+            return {}
+        counts_LE = self.moe_stats["expert_counts"].float()
+        load = (counts_LE.max(-1).values / counts_LE.mean(-1).clamp(min=1e-9)).max()
+        return {"moe_router_loss": self.moe_stats["router_loss"].item(), "moe_load_max": load.item()}
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters, counting tied weights once.
@@ -253,7 +314,8 @@ class GPT(nn.Module):
         ``6 * N + 12 * L * H * S`` with N = all parameters (tied counted once), L = layers,
         H = hidden size, S = sequence length (PaLM, Chowdhery et al. 2022, appendix B).
         Activation recomputation is not counted (model FLOPs, not hardware FLOPs), and the
-        attention term counts the full S x S score matrix, ignoring the causal mask.
+        attention term counts the full S x S score matrix, ignoring the causal mask. With MoE
+        blocks N counts the active parameters (:meth:`num_active_params`).
 
         Args:
             seq_len: training sequence length S.
@@ -262,7 +324,17 @@ class GPT(nn.Module):
             FLOPs per token; multiply by tokens per step and divide by step time for model FLOP/s.
         """
         c = self.config
-        return float(6 * self.num_params() + 12 * c.num_layers * c.hidden_size * seq_len)
+        return float(6 * self.num_active_params() + 12 * c.num_layers * c.hidden_size * seq_len)
+
+    def num_active_params(self) -> int:
+        """Parameters one token uses: all, less each MoE layer's experts it is not routed to
+        (expert weights count top_k / num_experts)."""
+        inactive = 0.0
+        for block in self.blocks:
+            if isinstance(block, MoEBlock):
+                expert_numel = sum(p.numel() for p in block.mlp.experts.parameters()) * block.moe_config.ep_size
+                inactive += expert_numel * (1 - block.moe_config.top_k / block.moe_config.num_experts)
+        return self.num_params() - int(inactive)
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         """Optimizer parameter groups: weight decay on matrices, none on vectors.
@@ -283,13 +355,16 @@ class GPT(nn.Module):
         return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_model(config: ModelConfig) -> GPT:
+def build_model(config: ModelConfig, moe: MoEConfig | None = None,
+                ep_groups: ExpertParallelGroups | None = None) -> GPT:
     """Build a freshly initialised :class:`GPT`.
 
     Args:
         config: model architecture.
+        moe: the ``"moe"`` config section; MoE blocks when enabled.
+        ep_groups: expert-parallel groups, needed when ``moe.ep_size > 1``.
 
     Returns:
         The model on the default device and dtype, in training mode.
     """
-    return GPT(config)
+    return GPT(config, moe, ep_groups)
