@@ -115,6 +115,7 @@ class PipelineRunner:
         if len(op_starts) != layout.num_chunks:
             raise ValueError(f"op_starts has {len(op_starts)} chunks; the layout needs {layout.num_chunks}")
         self.layout, self.rank, self.device = layout, rank, device
+        self.op_starts = list(op_starts)
         self.input_names = graph.input_names
         self.loss_scale = loss_scale
         modules = build_stage_modules(graph, op_starts)
@@ -135,6 +136,7 @@ class PipelineRunner:
         for chunk, module in enumerate(modules):
             for name, _ in module.named_parameters():
                 owners.setdefault(name, set()).add(chunk % layout.num_stages)
+        self._owners = owners
         pipeline = data_parallel = None
         for r in range(layout.num_replicas):  # every rank creates every group, in the same order
             group = _new_group([layout.global_rank(r, s) for s in range(layout.num_stages)], layout.world_size)
@@ -179,6 +181,12 @@ class PipelineRunner:
     def tied_parameter_names(self) -> list[str]:
         """Parameters whose gradients are summed with other stage ranks."""
         return sorted(self._tie_groups)
+
+    @property
+    def duplicate_parameter_names(self) -> list[str]:
+        """Tied parameters that a lower stage rank also holds: count them once in a global norm."""
+        stage_rank = self.rank % self.layout.num_stages
+        return sorted(name for name in self._tie_groups if min(self._owners[name]) != stage_rank)
 
     def step(self, inputs: dict[str, torch.Tensor], target: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of ``num_microbatches`` micro-batches (gradients accumulate).

@@ -280,7 +280,7 @@ def _to_typed(parsed: edge.EdgeConfig, scheduler: typed.SchedulerConfig | None, 
         raise ConfigError(f"gradient_clipping: must be >= 0 (0 = off), got {parsed.gradient_clipping}")
     return typed.EngineConfig(
         batch=resolve_batch_sizes(parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu,
-                                  parsed.gradient_accumulation_steps, world_size),
+                                  parsed.gradient_accumulation_steps, _data_parallel_ranks(parsed, world_size)),
         precision=_precision(parsed),
         optimizer=_optimizer(parsed.optimizer),
         scheduler=scheduler,
@@ -293,6 +293,18 @@ def _to_typed(parsed: edge.EdgeConfig, scheduler: typed.SchedulerConfig | None, 
         zero_cache=_zero_cache_section(parsed), monitor=monitor, seed=parsed.seed, model=parsed.model, data=parsed.data,
         train=parsed.train, moe=parsed.moe, autopipe=parsed.autopipe, accepted_not_acted=ignored,
     )
+
+
+def _data_parallel_ranks(parsed: edge.EdgeConfig, world_size: int) -> int:
+    """Ranks that split the batch: with an AutoPipe pipeline, world_size / autopipe.num_stages replicas."""
+    autopipe = parsed.autopipe
+    if not autopipe.enabled:
+        return world_size
+    if world_size % autopipe.num_stages:
+        raise ConfigError(f"autopipe.num_stages={autopipe.num_stages}: must divide the number of ranks {world_size} "
+                          f"(use one of {[d for d in range(1, world_size + 1) if world_size % d == 0]}, or start "
+                          f"{autopipe.num_stages} x k ranks)")
+    return world_size // autopipe.num_stages
 
 
 def _zero_cache_section(parsed: edge.EdgeConfig) -> ZeroCacheConfig:

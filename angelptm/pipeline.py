@@ -1,0 +1,307 @@
+"""Pipeline-parallel pretraining with AutoPipe: the GPT split where the partition search says.
+
+``pretrain.py`` hands over here when ``"autopipe": {"enabled": true}``. Every rank builds the whole model
+from the same seed, traces it at the micro-batch size, and takes rank 0's op profile (measured here, or
+read from ``autopipe.profile_path``); every rank then runs the same search, so all agree on the split.
+Each rank keeps only its chunks' parameters, with fp32 masters and Adam states in a
+:class:`MixedPrecisionOptimizer`.
+
+One optimizer step = ``gradient_accumulation_steps`` micro-batches per replica, run as
+``gradient_accumulation_steps / autopipe.num_microbatches`` pipeline flushes. Before the update:
+data-parallel mean over the replicas of each stage, sum of tied gradients over the stages that hold them,
+and clipping by the norm over the whole pipeline (each parameter counted once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from angelptm import checkpoint
+from angelptm.config import EngineConfig
+from angelptm.data import TokenDataset, repeat_batches
+from angelptm.data.loader import ResumableDataLoader
+from angelptm.distributed import DistContext
+from angelptm.errors import CheckpointError, ConfigError
+from angelptm.mixed_precision import MixedPrecisionOptimizer
+from angelptm.models import build_model
+from angelptm.monitor import ThroughputMeter, format_memory, memory_snapshot
+from angelptm.schedulers import build_scheduler
+from autopipe.cost import CostSettings
+from autopipe.graph import trace
+from autopipe.profile import Profile
+from autopipe.profiler import profile_graph
+from autopipe.runtime import PipelineLayout, PipelineRunner
+from autopipe.search import PlanReport, plan_with_baselines
+
+logger = logging.getLogger(__name__)
+TARGET = "labels"
+
+
+def check_config(cfg: EngineConfig, ctx: DistContext) -> PipelineLayout:
+    """Reject what the pipeline path does not do, before any work.
+
+    Returns:
+        The rank layout.
+
+    Raises:
+        ConfigError: fp16 (no loss scaling here), ZeRO-Cache, a ranks/stages or micro-batch mismatch.
+    """
+    ap = cfg.autopipe
+    if cfg.precision.loss_scale is not None:
+        raise ConfigError("autopipe.enabled with fp16: the pipeline path has no loss scaling; use bf16")
+    if cfg.zero_cache.enabled:
+        raise ConfigError("autopipe.enabled with zero_cache.enabled: pick one; ZeRO-Cache does not run in a pipeline")
+    if cfg.moe.enabled:
+        raise ConfigError("autopipe.enabled with moe.enabled: MoE blocks are not traced into pipeline stages yet")
+    if cfg.optimizer is None:
+        raise ConfigError("autopipe.enabled needs an \"optimizer\" section")
+    if cfg.batch.gradient_accumulation_steps % ap.num_microbatches:
+        raise ConfigError(f"gradient_accumulation_steps={cfg.batch.gradient_accumulation_steps}: with autopipe it "
+                          f"must be a multiple of autopipe.num_microbatches={ap.num_microbatches} (one step = "
+                          "whole pipeline flushes)")
+    try:
+        return PipelineLayout(world_size=ctx.world_size, num_stages=ap.num_stages,
+                              virtual_stages_per_rank=ap.virtual_stages_per_rank)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def shared_profile(cfg: EngineConfig, graph, example: dict[str, torch.Tensor], ctx: DistContext) -> Profile:
+    """Rank 0's profile (measured, or read from ``autopipe.profile_path``) on every rank."""
+    ap = cfg.autopipe
+    if ap.profile_path is not None:
+        try:
+            profile = Profile.load(ap.profile_path)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    else:
+        holder = [None]
+        if ctx.is_main:
+            logger.info("profiling %d ops (warm-up %d, repeats %d)", len(graph.ops), ap.profile_warmup,
+                        ap.profile_repeats)
+            holder = [profile_graph(graph, example, warmup=ap.profile_warmup, repeats=ap.profile_repeats).to_json()]
+        if ctx.group is not None:
+            dist.broadcast_object_list(holder, src=0, group=ctx.group)
+        profile = Profile.from_json(holder[0])
+    names = [node.name for node in graph.ops]
+    if profile.op_names != names:
+        raise ConfigError(f"autopipe.profile_path={ap.profile_path!r} was recorded for another graph ({len(profile.ops)} "
+                          f"ops, this model has {len(names)}); profile this model and micro-batch size again")
+    return profile
+
+
+def plan(cfg: EngineConfig, profile: Profile, device: torch.device) -> tuple[PlanReport, list[int]]:
+    """Search the split; returns the report and the first op of each chunk."""
+    capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    settings = CostSettings.from_config(cfg.autopipe, memory_limit_bytes=capacity)
+    if cfg.model.activation_checkpointing:
+        settings = dataclasses.replace(settings, recompute=True)
+    try:
+        report = plan_with_baselines(profile.to_chain(cfg.autopipe.max_cut_tensors), settings)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    units = profile.unit_op_starts(cfg.autopipe.max_cut_tensors)
+    return report, [units[u] for u in report.auto.stage_starts]
+
+
+def saved_split(cfg: EngineConfig, ctx: DistContext) -> list[int] | None:
+    """The split of the checkpoint this run resumes from (a re-profile could move the cuts), if any."""
+    if not cfg.train.resume:
+        return None
+    path = checkpoint.resolve(cfg.train.save_dir, None)
+    if path is None:
+        return None
+    meta = checkpoint.load_file(path / checkpoint.MODEL_FILE)
+    if not isinstance(meta, dict) or meta.get("format") != "autopipe":
+        raise CheckpointError(f"{path} is not an AutoPipe checkpoint; resume it without autopipe, or pass --save-dir "
+                              "with another directory")
+    return list(meta["op_starts"]) if meta.get("world_size") == ctx.world_size else None
+
+
+def build_runner(cfg: EngineConfig, ctx: DistContext, layout: PipelineLayout, dataset: TokenDataset
+                 ) -> tuple[PipelineRunner, float]:
+    """Trace, profile, plan and build this rank's stages; returns the runner and FLOPs per token."""
+    # Stage-level recompute replaces the blocks' own checkpointing, which would not survive the trace.
+    model_cfg = dataclasses.replace(cfg.model, activation_checkpointing=False)
+    torch.manual_seed(cfg.seed if cfg.seed is not None else 0)  # the same weights on every rank
+    with torch.device(ctx.device):
+        model = build_model(model_cfg).to(cfg.precision.dtype)
+    flops_per_token = model.flops_per_token(dataset.seq_len)
+    samples = [dataset[i] for i in range(cfg.batch.micro_batch_size)]
+    example = {key: torch.stack([s[key] for s in samples]).to(ctx.device) for key in ("input_ids", TARGET)}
+    graph = trace(model, example, TARGET)
+    op_starts = saved_split(cfg, ctx)
+    if op_starts is None:
+        profile = shared_profile(cfg, graph, example, ctx)
+        report, op_starts = plan(cfg, profile, ctx.device)
+        if ctx.is_main:
+            logger.info("AutoPipe plan (%s, %d stages x %d chunks, %d micro-batches):\n%s", cfg.autopipe.schedule,
+                        layout.num_stages, layout.virtual_stages_per_rank, cfg.autopipe.num_microbatches,
+                        report.format())
+    elif ctx.is_main:
+        logger.info("AutoPipe: keeping the checkpoint's split, chunks start at ops %s", op_starts)
+    runner = PipelineRunner(graph, op_starts, layout, ctx.rank, ctx.device, schedule=cfg.autopipe.schedule,
+                            num_microbatches=cfg.autopipe.num_microbatches,
+                            loss_scale=1.0 / cfg.batch.gradient_accumulation_steps,
+                            recompute=cfg.autopipe.recompute or cfg.model.activation_checkpointing)
+    return runner, flops_per_token
+
+
+def build_optimizer(cfg: EngineConfig, runner: PipelineRunner) -> MixedPrecisionOptimizer:
+    """AdamW over this rank's parameters (decay on matrices only), with fp32 masters and gradients."""
+    opt = cfg.optimizer
+    named = runner.named_parameters()
+    decay = [p for _, p in named if p.dim() >= 2]
+    no_decay = [p for _, p in named if p.dim() < 2]
+    cls = torch.optim.AdamW if opt.decoupled_weight_decay else torch.optim.Adam
+    inner = cls([{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                lr=opt.lr, betas=opt.betas, eps=opt.eps, amsgrad=opt.amsgrad,
+                fused=True if decay and decay[0].device.type == "cuda" else None)
+    # Reduction and clipping happen in reduce_and_clip over the pipeline's groups, not inside step().
+    return MixedPrecisionOptimizer(inner, {id(p): name for name, p in named}, cfg.precision.dtype)
+
+
+def reduce_and_clip(runner: PipelineRunner, optimizer: MixedPrecisionOptimizer, clip: float) -> float:
+    """Data-parallel mean, tied-gradient sum, global norm and clipping of the accumulated fp32 gradients.
+
+    Returns:
+        The global gradient norm before clipping (non-finite: the caller skips the step on every rank).
+    """
+    flat = optimizer.flat_grad
+    if runner.layout.num_replicas > 1:
+        flat.mul_(1.0 / runner.layout.num_replicas)
+        dist.all_reduce(flat, group=runner.data_parallel_group)
+    views = dict(zip(optimizer.names, optimizer.grad_views))
+    runner.sync_tied_gradients(lambda name, _: views[name])
+    square = torch.linalg.vector_norm(flat).square()
+    for name in runner.duplicate_parameter_names:  # held (and counted) by a lower stage rank too
+        square = square - torch.linalg.vector_norm(views[name]).square()
+    if runner.pipeline_group is not None:
+        dist.all_reduce(square, group=runner.pipeline_group)
+    norm = math.sqrt(max(square.item(), 0.0)) if math.isfinite(square.item()) else math.inf
+    if clip > 0 and math.isfinite(norm) and norm > clip:
+        flat.mul_(clip / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
+    return norm
+
+
+def save(cfg: EngineConfig, ctx: DistContext, step: int, runner: PipelineRunner, optimizer, scheduler,
+         loader: ResumableDataLoader) -> None:
+    """Each rank writes its chunks' weights and optimizer state; rank 0 writes the layout."""
+    meta = {"format": "autopipe", "world_size": ctx.world_size, "op_starts": runner.op_starts, "step": step}
+    per_rank = {"meta": meta, "module": {name: p.detach().cpu() for name, p in runner.named_parameters()},
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict() if scheduler else None,
+                "loader": loader.state_dict(), "rng": checkpoint.capture_rng_state()}
+    checkpoint.save(cfg.train.save_dir, f"global_step{step}", ctx, shared={checkpoint.MODEL_FILE: meta},
+                    per_rank=per_rank)
+
+
+def resume(cfg: EngineConfig, ctx: DistContext, runner: PipelineRunner, optimizer, scheduler,
+           loader: ResumableDataLoader) -> int:
+    """Load this rank's part of the latest checkpoint; returns its step (0 without one)."""
+    path = checkpoint.resolve(cfg.train.save_dir, None)
+    if path is None:
+        return 0
+    state = checkpoint.load_file(path / checkpoint.rank_file(ctx.rank))
+    meta = state.get("meta", {})
+    if meta.get("world_size") != ctx.world_size or meta.get("op_starts") != runner.op_starts:
+        raise CheckpointError(f"{path} was saved by a pipeline of {meta.get('world_size')} ranks split at ops "
+                              f"{meta.get('op_starts')}; this run has {ctx.world_size} ranks split at "
+                              f"{runner.op_starts}. Resume with the same layout and profile_path")
+    optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None and state["scheduler"] is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    loader.load_state_dict(state["loader"])
+    checkpoint.restore_rng_state(state["rng"])
+    if ctx.is_main:
+        logger.info("resumed from %s at step %d", path, meta["step"])
+    return int(meta["step"])
+
+
+def train(cfg: EngineConfig, ctx: DistContext, dataset: TokenDataset, *, stop_requested: Callable[[], bool],
+          after_save: Callable[[], None]) -> float:
+    """Train the configured GPT as an AutoPipe pipeline.
+
+    Args:
+        cfg: the whole config (``cfg.autopipe.enabled``; the batch resolved for world / num_stages replicas).
+        ctx: this rank; every rank of the job calls this.
+        dataset: the token dataset.
+        stop_requested: polled between steps (Ctrl-C / SIGTERM); all ranks stop together.
+        after_save: called on rank 0 after each checkpoint (e.g. pruning old ones).
+
+    Returns:
+        The last logged loss.
+    """
+    layout = check_config(cfg, ctx)
+    runner, flops_per_token = build_runner(cfg, ctx, layout, dataset)
+    optimizer = build_optimizer(cfg, runner)
+    scheduler = build_scheduler(cfg.scheduler, optimizer) if cfg.scheduler else None
+    replica = ctx.rank // layout.num_stages
+    flush_size = cfg.batch.micro_batch_size * cfg.autopipe.num_microbatches
+    loader = ResumableDataLoader(dataset, flush_size, rank=replica, world_size=layout.num_replicas,
+                                 shuffle=cfg.data.shuffle, seed=cfg.seed or 0, num_workers=cfg.data.num_workers)
+    step = resume(cfg, ctx, runner, optimizer, scheduler, loader) if cfg.train.resume else 0
+    return run_loop(cfg, ctx, runner, optimizer, scheduler, loader, step, flops_per_token, dataset.seq_len,
+                    stop_requested, after_save)
+
+
+def _any_rank(flag: bool, ctx: DistContext) -> bool:
+    if ctx.group is None:
+        return flag
+    tensor = torch.tensor([int(flag)], device=ctx.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=ctx.group)
+    return bool(tensor.item())
+
+
+def run_loop(cfg: EngineConfig, ctx: DistContext, runner: PipelineRunner, optimizer, scheduler, loader, step: int,
+             flops_per_token: float, seq_len: int, stop_requested, after_save) -> float:
+    batches = repeat_batches(loader)
+    meter = ThroughputMeter(flops_per_token, ctx.device)
+    flushes = cfg.batch.gradient_accumulation_steps // cfg.autopipe.num_microbatches
+    progress = tqdm(total=cfg.train.steps, initial=step, desc="train", unit="step", disable=not ctx.is_main,
+                    dynamic_ncols=True)
+    loss_sum, count, last_loss = torch.zeros((), device=ctx.device), 0, float("nan")
+    while step < cfg.train.steps and not _any_rank(stop_requested(), ctx):
+        for _ in range(flushes):
+            batch = next(batches)
+            loss = runner.step({"input_ids": batch["input_ids"]}, batch[TARGET])
+            loss_sum = loss_sum + (loss if loss is not None else 0.0)  # the summed losses of this step's flushes
+        norm = reduce_and_clip(runner, optimizer, cfg.gradient_clipping)
+        if math.isfinite(norm):
+            optimizer.step()
+        else:
+            optimizer.zero_grad()
+            if ctx.is_main:
+                logger.warning("step %d: non-finite gradient norm; update skipped on every rank", step + 1)
+        if scheduler is not None:
+            scheduler.step()
+        step, count = step + 1, count + 1
+        meter.add_tokens(cfg.batch.train_batch_size * seq_len)
+        progress.update(1)
+        if step % cfg.train.log_interval == 0 or step == cfg.train.steps:
+            if ctx.group is not None:  # only the last stage of each replica holds a loss
+                dist.all_reduce(loss_sum, group=ctx.group)
+            last_loss = loss_sum.item() / (count * runner.layout.num_replicas)
+            loss_sum, count = torch.zeros((), device=ctx.device), 0
+            rates = meter.lap()
+            if ctx.is_main:
+                tqdm.write(f"step {step}/{cfg.train.steps} | loss {last_loss:.4f} | lr {optimizer.param_groups[0]['lr']:.3e}"
+                           f" | {rates['tokens_per_s']:,.0f} tokens/s | {rates['tflops'] / ctx.world_size:.3f} TFLOPS "
+                           f"per GPU | {format_memory(memory_snapshot(ctx.device))}")
+        if step % cfg.train.save_interval == 0 or step == cfg.train.steps:
+            save(cfg, ctx, step, runner, optimizer, scheduler, loader)
+            if ctx.is_main:
+                after_save()
+    progress.close()
+    if step < cfg.train.steps:
+        save(cfg, ctx, step, runner, optimizer, scheduler, loader)
+        if ctx.is_main:
+            after_save()
+            logger.warning("stopped at step %d; run the same command again to continue", step)
+    return last_loss

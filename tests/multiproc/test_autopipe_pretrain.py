@@ -1,0 +1,47 @@
+"""``pretrain.py`` with an "autopipe" section: 2 pipeline stages under torchrun train, checkpoint and resume."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LOSS = re.compile(r"step (\d+)/\d+ \| loss (\d+\.\d+)")
+pytestmark = pytest.mark.dist
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def pretrain(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           f"--master-port={free_port()}", str(ROOT / "pretrain.py"), "--config",
+                           str(ROOT / "configs" / "tiny_autopipe.json"), *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600, env=env)
+
+
+def test_pipeline_job_trains_plans_and_resumes_with_its_split(tmp_path):
+    first = pretrain(tmp_path, "--steps", "10")
+    assert first.returncode == 0, first.stderr[-4000:]
+    output = first.stdout + first.stderr
+    assert "AutoPipe plan (1f1b, 2 stages" in output and "predicted speedup of auto over uniform-layers" in output
+    logged = [(int(s), float(loss)) for s, loss in LOSS.findall(output)]
+    assert [s for s, _ in logged] == [10] and logged[0][1] < math.log(4096) - 0.1  # below the uniform guess
+    save_dir = tmp_path / "checkpoints" / "tiny_autopipe"
+    assert (save_dir / "latest").read_text() == "global_step10"
+    second = pretrain(tmp_path, "--steps", "12")
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert "keeping the checkpoint's split" in second.stderr and "resumed from" in second.stderr
+    assert [int(s) for s, _ in LOSS.findall(second.stdout + second.stderr)] == [12]
