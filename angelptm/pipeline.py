@@ -24,7 +24,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from angelptm import checkpoint
-from angelptm.config import EngineConfig
+from angelptm.config import EngineConfig, load_config, read_config_source
 from angelptm.data import TokenDataset, repeat_batches
 from angelptm.data.loader import ResumableDataLoader
 from angelptm.distributed import DistContext
@@ -249,6 +249,29 @@ def train(cfg: EngineConfig, ctx: DistContext, dataset: TokenDataset, *, stop_re
     step = resume(cfg, ctx, runner, optimizer, scheduler, loader) if cfg.train.resume else 0
     return run_loop(cfg, ctx, runner, optimizer, scheduler, loader, step, flops_per_token, dataset.seq_len,
                     stop_requested, after_save)
+
+
+def profile_target(config_path: str | None, device: torch.device) -> tuple[torch.nn.Module, dict, str]:
+    """Factory for ``python -m autopipe profile --factory angelptm.pipeline:profile_target --factory-arg CONFIG``.
+
+    Args:
+        config_path: a JSON config (its "model", precision, micro-batch and sequence length are used).
+        device: where to build the model.
+
+    Returns:
+        ``(model, inputs, "labels")``: the GPT in the compute dtype, one micro-batch of random token ids.
+    """
+    if config_path is None:
+        raise ValueError("--factory-arg: pass the JSON config whose model to profile")
+    raw = read_config_source(config_path)
+    section = raw.get("autopipe") if isinstance(raw.get("autopipe"), dict) else {}
+    stages = section.get("num_stages", 2) if section.get("enabled") else 1  # a world the batch resolves for
+    cfg = load_config(raw, world_size=stages if isinstance(stages, int) and stages > 0 else 1)
+    with torch.device(device):
+        model = build_model(dataclasses.replace(cfg.model, activation_checkpointing=False)).to(cfg.precision.dtype)
+    shape = (cfg.batch.micro_batch_size, cfg.data.seq_len or cfg.model.max_seq_len)
+    ids = torch.randint(0, cfg.model.vocab_size, (shape[0], shape[1] + 1), device=device)
+    return model, {"input_ids": ids[:, :-1], TARGET: ids[:, 1:].contiguous()}, TARGET
 
 
 def _any_rank(flag: bool, ctx: DistContext) -> bool:
