@@ -121,13 +121,15 @@ class GroupedExperts(nn.Module):
             h_NF = self._bias(torch._grouped_mm(x_ND, self.w_in_LDF, offs=offsets_L), self.b_in_LF, rows_dev_L)
             h_NF = _activate(h_NF, self.activation)
             return self._bias(torch._grouped_mm(h_NF, self.w_out_LFD, offs=offsets_L), self.b_out_LD, rows_dev_L)
+        # unbind, not w[e]: each w[e]'s backward would fill a zero tensor of the whole [L, D, F] weight.
+        w_in, w_out = self.w_in_LDF.unbind(0), self.w_out_LFD.unbind(0)
+        b_in = self.b_in_LF.unbind(0) if self.b_in_LF is not None else [None] * len(rows_L)
+        b_out = self.b_out_LD.unbind(0) if self.b_out_LD is not None else [None] * len(rows_L)
         outputs = []
         for e, x_nD in enumerate(x_ND.split(rows_L)):
-            h_nF = x_nD @ self.w_in_LDF[e]
-            if self.b_in_LF is not None:
-                h_nF = h_nF + self.b_in_LF[e]
-            y_nD = _activate(h_nF, self.activation) @ self.w_out_LFD[e]
-            outputs.append(y_nD + self.b_out_LD[e] if self.b_out_LD is not None else y_nD)
+            h_nF = x_nD @ w_in[e] if b_in[e] is None else torch.addmm(b_in[e], x_nD, w_in[e])
+            h_nF = _activate(h_nF, self.activation)
+            outputs.append(h_nF @ w_out[e] if b_out[e] is None else torch.addmm(b_out[e], h_nF, w_out[e]))
         return torch.cat(outputs) if outputs else x_ND.new_empty(0, self.w_out_LFD.shape[-1])
 
     @staticmethod
