@@ -98,7 +98,7 @@ class ChunkStore:
         self.groups: list[OptimizerGroup] = []
         for chunk, tier in enumerate(plan.optimizer_tier):
             self.groups.append(self._allocate_group(tier))
-            with self.open_states(chunk, write_back=True) as states:
+            with self.open_states(chunk, write_back=True, fresh=True) as states:
                 # Masters start from the compute-dtype weights, as a mixed-precision loop's would.
                 state_field(states, "master").copy_(self.param_chunks[chunk])
 
@@ -139,12 +139,13 @@ class ChunkStore:
         return buffer[:len(STATE_FIELDS) * self.layout.chunk_numel * 4].view(torch.float32)
 
     @contextlib.contextmanager
-    def open_states(self, chunk: int, *, write_back: bool = False) -> Iterator[torch.Tensor]:
+    def open_states(self, chunk: int, *, write_back: bool = False, fresh: bool = False) -> Iterator[torch.Tensor]:
         """The chunk's fp32 states, readable (and writable) in memory for the duration of the block.
 
-        Resident groups are yielded as they are; an NVMe group is read into a bounce buffer and,
-        with ``write_back``, written back when the block ends. Synchronous: for checkpoints,
-        initialisation and re-planning, never on the training path.
+        Resident groups are yielded as they are; an NVMe group is read into a bounce buffer (zeroed
+        instead when ``fresh``: a new group has no states yet) and, with ``write_back``, written
+        back when the block ends. Synchronous: for checkpoints, initialisation and re-planning,
+        never on the training path.
         """
         group = self.groups[chunk]
         if group.tier != NVME:
@@ -154,7 +155,10 @@ class ChunkStore:
         buffer = self.swap_buffers.acquire()
         write = None
         try:
-            nvme.read(group.swap_offset, buffer).wait()
+            if fresh:
+                buffer.zero_()
+            else:
+                nvme.read(group.swap_offset, buffer).wait()
             yield self.states_in(buffer)
             if write_back:
                 write = nvme.write(group.swap_offset, buffer)
@@ -181,7 +185,7 @@ class ChunkStore:
             with self.open_states(chunk) as states:
                 new = self._allocate_group(plan.optimizer_tier[chunk])
                 self.groups[chunk] = new
-                with self.open_states(chunk, write_back=True) as destination:
+                with self.open_states(chunk, write_back=True, fresh=True) as destination:
                     destination.copy_(states)
             if old.grad is not None:
                 new.grad.copy_(old.grad)
