@@ -90,6 +90,10 @@ def shared_profile(cfg: EngineConfig, graph, example: dict[str, torch.Tensor], c
         if ctx.group is not None:
             dist.broadcast_object_list(holder, src=0, group=ctx.group)
         profile = Profile.from_json(holder[0])
+    shapes = {name: list(tensor.shape) for name, tensor in example.items()}
+    if profile.input_shapes != shapes:
+        raise ConfigError(f"autopipe.profile_path={ap.profile_path!r} was measured with inputs {profile.input_shapes}; "
+                          f"this run's micro-batch is {shapes}; profile again at this micro-batch size")
     names = [node.name for node in graph.ops]
     if profile.op_names != names:
         raise ConfigError(f"autopipe.profile_path={ap.profile_path!r} was recorded for another graph ({len(profile.ops)} "

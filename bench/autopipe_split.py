@@ -124,6 +124,7 @@ def run_split(args, example, op_starts, layout, rank, device) -> dict:
     inner = torch.optim.AdamW([p for _, p in named], lr=1e-4, fused=device.type == "cuda" or None)
     optimizer = MixedPrecisionOptimizer(inner, {id(p): name for name, p in named}, named[0][1].dtype)
     optimizer.zero_grad()  # the chunk timing left gradients behind
+    grad_views = dict(zip(optimizer.names, optimizer.grad_views))
     rows = args.micro_batch * args.microbatches
     generator = torch.Generator(device).manual_seed(2)
     batches = [torch.randint(0, args.vocab, (rows, args.seq + 1), device=device, generator=generator)
@@ -135,7 +136,7 @@ def run_split(args, example, op_starts, layout, rank, device) -> dict:
         synchronize(device)
         start = time.perf_counter()
         loss = runner.step({"input_ids": tokens[:, :-1]}, tokens[:, 1:].contiguous())
-        runner.sync_tied_gradients(lambda name, _: dict(zip(optimizer.names, optimizer.grad_views))[name])
+        runner.sync_tied_gradients(lambda name, _: grad_views[name])
         optimizer.step()
         synchronize(device)
         if step >= args.warmup_steps:
@@ -145,7 +146,7 @@ def run_split(args, example, op_starts, layout, rank, device) -> dict:
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     result = {"rank": rank, "chunk_s": chunk_s, "step_s": statistics.median(step_s), "loss": losses[-1:] or None,
               "peak_bytes": peak}
-    del runner, optimizer, inner, graph
+    del runner, optimizer, inner, graph, grad_views
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
