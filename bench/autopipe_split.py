@@ -146,7 +146,7 @@ def run_split(args, example, op_starts, layout, rank, device) -> dict:
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     result = {"rank": rank, "chunk_s": chunk_s, "step_s": statistics.median(step_s), "loss": losses[-1:] or None,
               "peak_bytes": peak}
-    del runner, optimizer, inner, graph, grad_views
+    del runner, optimizer, inner, graph
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
