@@ -37,8 +37,9 @@ logger = logging.getLogger(__name__)
 ALIGN_BYTES = 4096
 """O_DIRECT transfers need buffer addresses, file offsets and lengths aligned to the logical block size."""
 SWAP_PREFIX = "angelptm-zero-cache-"
-AUTO_MARGIN_FRACTION = 0.05
-""""auto" leaves this share of the free disk space (at least 1 GiB) to everything else."""
+AUTO_MARGIN_FRACTION = 0.02
+""""auto" leaves this share of the free disk space (at least 1 GiB) to everything else; the swap file
+itself never grows past its plan (its slots are reserved up front with posix_fallocate)."""
 
 
 class NvmeSetupError(ValueError):
