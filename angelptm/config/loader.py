@@ -218,12 +218,21 @@ def _exact_div(numerator: int, denominator: int, arithmetic: str, derived: str) 
     return numerator // denominator
 
 
+def _uses_nvme(raw: dict) -> bool:
+    """Whether the config puts ZeRO-Cache states on NVMe (our nvme_path, or a DeepSpeed nvme offload)."""
+    zero = raw.get("zero_optimization") or {}
+    offloads = [zero.get(key) or {} for key in ("offload_param", "offload_optimizer")]
+    return bool((raw.get("zero_cache") or {}).get("nvme_path")) or any(o.get("device") == "nvme" for o in offloads)
+
+
 def _not_acted_sections(raw: dict) -> tuple[str, ...]:
     """Validated keys that are stored but change nothing here."""
     acted = {"stage", "reduce_bucket_size", "offload_param", "offload_optimizer"}
     zero = raw.get("zero_optimization") or {}
     keys = tuple(f"zero_optimization.{key}" for key in sorted(zero) if key not in acted)
-    if (raw.get("aio") or {}).get("use_gds"):
+    if "aio" in raw and not _uses_nvme(raw):
+        keys += ("aio",)  # it drives only the NVMe tier
+    elif (raw.get("aio") or {}).get("use_gds"):
         keys += ("aio.use_gds",)
     # Keys inside acted-on sections that still change nothing here.
     quiet = {"fp16": ("fp16_master_weights_and_grads",), "bf16": ("immediate_grad_update", "check_grad_overflow"),

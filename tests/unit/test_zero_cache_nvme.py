@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import gc
 import logging
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,10 +154,35 @@ def test_states_beyond_device_and_host_train_like_the_reference(tmp_path, clip):
     diff = sum((masters[name] - expected.cpu()).square().sum() for name, expected in ref_masters.items())
     assert diff.sqrt() < 0.1 * moved.sqrt()
     swap = store.tiers[NVME].file.path
+    optimizer.finish_pending()  # until the worker's last update ends, it holds the store
     del engine, optimizer, store
-    import gc
     gc.collect()
     assert not swap.exists(), "a dropped engine removes its swap file"
+
+
+EXITING_JOB = """
+import sys
+sys.path[:0] = {paths!r}
+import angelptm
+from reference import random_batches, train_steps
+from zero_cache_setup import budgets, six_layer_llama, zero_cache_config
+device_budget, host_budget = budgets(six_layer_llama(0))
+config = zero_cache_config(device_budget, host_budget // 2)
+config["zero_cache"]["nvme_path"] = {directory!r}
+engine, optimizer, _, _ = angelptm.initialize(model=six_layer_llama(0), config=config)
+train_steps(engine, random_batches(0, 2, 4))
+print(optimizer.store.tiers["nvme"].file.path)  # exits with the engine alive and an update in flight
+"""
+
+
+def test_a_run_that_exits_leaves_no_swap_file(tmp_path):
+    helpers = Path(__file__).resolve().parents[1] / "helpers"
+    code = EXITING_JOB.format(paths=[str(helpers), str(helpers.parents[1])], directory=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    swap = Path(result.stdout.strip().splitlines()[-1])
+    assert swap.parent == tmp_path and swap.name.startswith(SWAP_PREFIX)
+    assert not swap.exists() and not list(tmp_path.iterdir())
 
 
 def test_accumulating_micro_batches_with_disk_states_match_the_replicated_engine(tmp_path):
