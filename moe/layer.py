@@ -101,7 +101,9 @@ class MoELayer(nn.Module):
         x_TD = x.reshape(-1, x.shape[-1])
         num_tokens = x_TD.shape[0]
         routing = self.router(x_TD, used_token)
-        num_chunks = min(self.config.overlap_chunks, max(num_tokens, 1)) if self.ep_groups is not None else 1
+        # The same on every rank (the all-gather and the per-chunk collectives must match): never
+        # derived from this rank's token count; chunk_bounds leaves surplus chunks empty.
+        num_chunks = self.config.overlap_chunks if self.ep_groups is not None else 1
         sorted_routes = sort_routes(routing, self.config.num_experts, num_chunks)
         counts_WCE = self._counts_on_host(sorted_routes.rows_CE)  # the one D2H sync
         rows = [chunk_rows(sorted_routes, routing.weight_TK, num_tokens, counts_WCE[self._rank], c)

@@ -29,7 +29,10 @@ SCENARIOS = {  # name -> MoEConfig overrides
 }
 MODES = {"flat": dict(hierarchical_all_to_all=False), "hier": dict(hierarchical_all_to_all=True),
          "hier_chunks3": dict(hierarchical_all_to_all=True, overlap_chunks=3),
-         "flat_chunks2": dict(hierarchical_all_to_all=False, overlap_chunks=2)}
+         "flat_chunks2": dict(hierarchical_all_to_all=False, overlap_chunks=2),
+         # more chunks than rank 0 has tokens (20) but fewer than the others: every rank must still
+         # agree on the chunk count (empty chunks), or the count all-gather and the exchanges mismatch
+         "flat_chunks24": dict(hierarchical_all_to_all=False, overlap_chunks=24)}
 
 
 def rank_inputs(seed: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
