@@ -196,10 +196,17 @@ def uniform_layer_starts(chain: CostChain, num_parts: int) -> tuple[int, ...]:
 
 
 def parameter_count_starts(chain: CostChain, num_parts: int) -> tuple[int, ...]:
-    """DeepSpeed's ``partition_method="parameters"``: balance parameter bytes over layer-granular stages."""
+    """DeepSpeed's ``partition_method="parameters"``: balance parameter bytes over layer-granular stages.
+
+    Raises:
+        ValueError: fewer layer-granular places to start a stage than stages.
+    """
     prefix = np.concatenate(([0.0], np.cumsum(np.asarray(chain.param_bytes, dtype=np.float64))))
-    _, starts = min_max_partition(chain.num_units, num_parts, lambda _, a, b: prefix[b] - prefix[a],
-                                  layer_start_mask(chain))
+    bottleneck, starts = min_max_partition(chain.num_units, num_parts, lambda _, a, b: prefix[b] - prefix[a],
+                                           layer_start_mask(chain))
+    if math.isinf(bottleneck):  # the DP found no split on layer boundaries; its starts would cut inside layers
+        raise ValueError(f"a parameter-count split into {num_parts} stages needs >= {num_parts} layer-granular "
+                         f"stage starts; the chain has {int(layer_start_mask(chain).sum())}")
     return starts
 
 

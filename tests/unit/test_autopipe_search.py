@@ -156,3 +156,15 @@ def test_chain_rejects_bad_input():
                   boundary_bytes=(0, 0))
     with pytest.raises(ValueError, match="schedule"):
         CostSettings(num_stages=2, num_microbatches=2, schedule="zigzag")
+
+
+def test_parameter_baseline_refuses_more_stages_than_layer_starts():
+    # 3 layer-granular starts (embedding, layer 0, layer 1 + head); 4 stages would have to cut inside a layer
+    chain = CostChain(forward_s=(1.0,) * 6, backward_s=(2.0,) * 6, param_bytes=(10,) * 6, param_numel=(1,) * 6,
+                      activation_bytes=(0,) * 6, boundary_bytes=(0,) * 7, unit_layer=(-1, 0, 0, 1, 1, 1),
+                      num_layers=2)
+    assert parameter_count_starts(chain, 3) == (0, 1, 3)
+    with pytest.raises(ValueError, match="layer-granular"):
+        parameter_count_starts(chain, 4)
+    report = plan_with_baselines(chain, CostSettings(num_stages=4, num_microbatches=4))
+    assert [b.method for b in report.baselines] == []  # neither by-layer baseline exists; none is made up
