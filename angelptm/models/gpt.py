@@ -328,13 +328,14 @@ class GPT(nn.Module):
 
     def num_active_params(self) -> int:
         """Parameters one token uses: all, less each MoE layer's experts it is not routed to
-        (expert weights count top_k / num_experts)."""
-        inactive = 0.0
+        (expert weights count top_k / num_experts of all ep_size ranks' experts)."""
+        adjust = 0.0
         for block in self.blocks:
             if isinstance(block, MoEBlock):
-                expert_numel = sum(p.numel() for p in block.mlp.experts.parameters()) * block.moe_config.ep_size
-                inactive += expert_numel * (1 - block.moe_config.top_k / block.moe_config.num_experts)
-        return self.num_params() - int(inactive)
+                local_numel = sum(p.numel() for p in block.mlp.experts.parameters())  # this rank's E / ep_size
+                moe = block.moe_config
+                adjust += local_numel * moe.ep_size * moe.top_k / moe.num_experts - local_numel
+        return self.num_params() + int(adjust)
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         """Optimizer parameter groups: weight decay on matrices, none on vectors.

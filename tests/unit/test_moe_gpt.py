@@ -88,3 +88,12 @@ def test_pretrain_refuses_expert_parallelism_the_engine_cannot_reduce(tmp_path, 
     path.write_text(json.dumps(config))
     assert pretrain.main(["--config", str(path)]) == 2
     assert "moe.ep_size=2" in capsys.readouterr().err
+
+
+def test_active_params_do_not_depend_on_how_experts_are_split_over_ranks():
+    # num_params() counts this rank's experts only; the active count is of the whole model.
+    counts = []
+    for ep_size in (1, 2, 4):
+        moe = MoEConfig(enabled=True, num_experts=4, top_k=2, ep_size=ep_size)
+        counts.append(build_model(ModelConfig(**MODEL), moe=moe).num_active_params())
+    assert counts[0] == counts[1] == counts[2]
