@@ -270,6 +270,9 @@ def print_plan(raw: dict) -> int:
     except zero_cache.PlanError as err:
         print(f"does not fit: {err}")
         return 2
+    except zero_cache.NvmeSetupError as err:
+        print(f"cannot use the NVMe tier: {err}")
+        return 2
     print(f"{layout.num_chunks} chunks of {layout.chunk_numel:,} elements ({100 * layout.waste_fraction:.1f}% "
           f"padding)\n{plan.summary()}\n(before the warm-up measures activations; it re-plans after step 1)")
     return 0

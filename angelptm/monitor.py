@@ -60,12 +60,17 @@ def format_memory(snapshot: dict[str, int]) -> str:
 
 
 def format_tiers(report: dict[str, float]) -> str:
-    """`` | zero-cache device 1.20 GiB, host 3.40 GiB, moved d2h 0.50 GiB h2d 0.50 GiB, overlap 87%``, or ""."""
+    """`` | zero-cache device 1.20 GiB, host 3.40 GiB[, nvme 9.00 GiB], moved d2h 0.50 GiB h2d 0.50 GiB[, disk read
+    4.00 GiB write 4.00 GiB], overlap 87%``, or ""."""
     if not report:
         return ""
     size = {k: format_bytes(v) for k, v in report.items() if k.endswith("_bytes")}
-    text = (f" | zero-cache device {size['zero_cache_device_bytes']}, host {size['zero_cache_host_bytes']}"
-            f", moved d2h {size['zero_cache_d2h_bytes']} h2d {size['zero_cache_h2d_bytes']}")
+    text = f" | zero-cache device {size['zero_cache_device_bytes']}, host {size['zero_cache_host_bytes']}"
+    if "zero_cache_nvme_bytes" in size:
+        text += f", nvme {size['zero_cache_nvme_bytes']}"
+    text += f", moved d2h {size['zero_cache_d2h_bytes']} h2d {size['zero_cache_h2d_bytes']}"
+    if "zero_cache_nvme_read_bytes" in size:
+        text += f", disk read {size['zero_cache_nvme_read_bytes']} write {size['zero_cache_nvme_write_bytes']}"
     if "zero_cache_overlap" in report:
         text += f", overlap {100 * report['zero_cache_overlap']:.0f}%"
     return text

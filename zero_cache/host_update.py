@@ -11,8 +11,12 @@ For each host-resident chunk the worker runs one :class:`ChunkUpdate`:
 3. the buffer copied into the param chunk on the host->device stream; the next forward waits for
    that copy alone.
 
-While it updates chunk i the worker has already issued the fetch of chunk i + 1, so the copies of
-one chunk overlap CPU Adam of the next. A few buffers serve every transfer (no per-step pinning,
+An NVMe-resident group (``zero_cache.nvme``) has its states read from the swap file into a pinned
+bounce buffer alongside step 1, and written back from it after step 2; the buffer returns to its
+pool with the write in flight ("write behind"), and a later read of the same slot waits for it.
+
+While it updates chunk i the worker has already issued the fetch of chunk i + 1 (its gradient copy
+and its disk read), so the transfers of one chunk overlap CPU Adam of the next. A few buffers serve every transfer (no per-step pinning,
 no per-chunk staging), and on a CPU-only run the same code runs with synchronous copies.
 """
 

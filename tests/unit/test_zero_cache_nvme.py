@@ -7,6 +7,7 @@ import fcntl
 import gc
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import angelptm
+from angelptm.monitor import format_tiers
 from reference import random_batches, reference_loop, train_steps
 from zero_cache.aio import NativeFileIO, ThreadFileIO, open_file_io
 from zero_cache.config import AioConfig
@@ -142,6 +144,8 @@ def test_states_beyond_device_and_host_train_like_the_reference(tmp_path, clip):
     losses = train_steps(engine, batches)
     report = optimizer.report()
     assert report["zero_cache_nvme_read_bytes"] > 0 and report["zero_cache_nvme_write_bytes"] > 0
+    assert report["zero_cache_nvme_bytes"] == store.tiers[NVME].used_bytes > 0
+    assert re.search(r", nvme [\d.]+ KiB, .* disk read [\d.]+ KiB write [\d.]+ KiB", format_tiers(report))
     ref_losses, ref_masters = reference_loop(six_layer_llama(seed), batches, dtype=torch.bfloat16,
                                              accumulation=1, lr=3e-3, clip=clip)
     assert losses[-1] < losses[0] - 0.3, "the model must learn, or agreement proves little"
@@ -164,6 +168,7 @@ EXITING_JOB = """
 import sys
 sys.path[:0] = {paths!r}
 import angelptm
+from angelptm.monitor import format_tiers
 from reference import random_batches, train_steps
 from zero_cache_setup import budgets, six_layer_llama, zero_cache_config
 device_budget, host_budget = budgets(six_layer_llama(0))
