@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from moe.gate import Routing
+from moe.gate import Routing, count_per_bin
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +72,7 @@ def sort_routes(routing: Routing, num_experts: int, num_chunks: int = 1) -> Sort
     slot_R = torch.where(kept_R, expert_R, torch.full_like(expert_R, num_experts))  # E = "dropped"
     key_R = chunk_R * (num_experts + 1) + slot_R
     order_R = torch.argsort(key_R, stable=True)
-    rows_CE = torch.bincount(key_R, minlength=num_chunks * (num_experts + 1)).view(num_chunks, num_experts + 1)
+    rows_CE = count_per_bin(key_R, num_chunks * (num_experts + 1)).view(num_chunks, num_experts + 1)
     return SortedRoutes(order_R=order_R, rows_CE=rows_CE[:, :num_experts], top_k=top_k)
 
 

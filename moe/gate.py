@@ -52,6 +52,16 @@ class Routing:
     """Routes each expert may keep; None in dropless mode."""
 
 
+def count_per_bin(index: Tensor, num_bins: int, mask: Tensor | None = None) -> Tensor:
+    """int64 [num_bins]: how many entries of ``index`` (where ``mask``) fall in each bin.
+
+    ``torch.bincount`` and boolean indexing read a size to the host on CUDA (a device sync each);
+    a scatter-add into a fixed-size histogram does not.
+    """
+    values = torch.ones_like(index) if mask is None else mask.to(index.dtype)
+    return torch.zeros(num_bins, dtype=torch.int64, device=index.device).scatter_add_(0, index, values)
+
+
 def _rank_within_expert(expert_R: Tensor, priority_R: Tensor | None, num_experts: int) -> Tensor:
     """Position of each route in its expert's queue: 0 for the highest priority.
 
@@ -62,7 +72,7 @@ def _rank_within_expert(expert_R: Tensor, priority_R: Tensor | None, num_experts
     if priority_R is not None:
         order_R = torch.argsort(priority_R, descending=True, stable=True)
     order_R = order_R[torch.argsort(expert_R[order_R], stable=True)]
-    counts_E = torch.bincount(expert_R, minlength=num_experts)
+    counts_E = count_per_bin(expert_R, num_experts)
     start_E = torch.cumsum(counts_E, 0) - counts_E
     rank_R = torch.empty_like(expert_R)
     rank_R[order_R] = torch.arange(expert_R.numel(), device=expert_R.device) - start_E[expert_R[order_R]]
@@ -108,7 +118,7 @@ def route(logits_TE: Tensor, *, top_k: int, capacity: int | None, drop_policy: s
         used_TK = used_T.bool().unsqueeze(1).expand_as(expert_TK)
     # k-major flattening (all first choices, then all second choices): GShard's priority order.
     expert_R, used_R = expert_TK.t().reshape(-1), used_TK.t().reshape(-1)
-    counts_E = torch.bincount(expert_R[used_R], minlength=num_experts)
+    counts_E = count_per_bin(expert_R, num_experts, used_R)
     kept_TK = used_TK
     if capacity is not None:
         priorities = {"position": None, "probs": prob_TK, "random": priority_TK}
@@ -146,7 +156,7 @@ def balance_loss(probs_TE: Tensor, expert_TK: Tensor, used_TK: Tensor) -> Tensor
     top_k = expert_TK.shape[1]
     routes_TK = expert_TK[:, :1] if top_k <= 2 else expert_TK
     mask_TK = used_TK[:, :routes_TK.shape[1]]
-    share_E = torch.bincount(routes_TK[mask_TK], minlength=num_experts).float() / (num_tokens * routes_TK.shape[1])
+    share_E = count_per_bin(routes_TK.reshape(-1), num_experts, mask_TK.reshape(-1)).float() / routes_TK.numel()
     return num_experts * torch.sum(probs_TE.mean(0) * share_E)
 
 

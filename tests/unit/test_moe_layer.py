@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe import GroupedExperts, LoopExperts, MoE, MoEConfig, MoELayer, experts_from_module
+from moe import GroupedExperts, LoopExperts, MoE, MoEConfig, MoELayer, Router, experts_from_module
 
 
 def per_token_reference(layer: MoELayer, x_TD: torch.Tensor) -> torch.Tensor:
@@ -133,3 +133,26 @@ def test_ep_size_without_groups_is_refused_at_forward():
         layer(torch.randn(4, 8))
     with pytest.raises(ValueError, match="moe.num_experts"):
         MoELayer(8, GroupedExperts(3, 8, 8), MoEConfig(num_experts=4, ep_size=2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy,drop_tokens", [("position", True), ("random", True), ("probs", False)])
+def test_routing_and_sort_do_not_sync_the_device(policy, drop_tokens):
+    """The layer's one host sync is the count copy; routing and the sort must not add others."""
+    from moe.dispatch import sort_routes
+
+    cfg = MoEConfig(num_experts=8, top_k=2, drop_policy=policy, drop_tokens=drop_tokens, min_capacity=1)
+    router = Router(32, cfg).cuda()
+    x = torch.randn(64, 32, device="cuda")
+    used = (torch.rand(64, device="cuda") > 0.2).float()
+    router(x, used)  # warm-up: first calls may load kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        routing = router(x, used)
+        sorted_routes = sort_routes(routing, cfg.num_experts, num_chunks=3)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert int(sorted_routes.rows_CE.sum()) == int(routing.kept_TK.sum())
+    assert int(routing.counts_E.sum()) == 2 * int(used.sum())
