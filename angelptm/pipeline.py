@@ -37,7 +37,7 @@ from autopipe.cost import CostSettings
 from autopipe.graph import trace
 from autopipe.profile import Profile
 from autopipe.profiler import profile_graph
-from autopipe.runtime import PipelineLayout, PipelineRunner
+from autopipe.runtime import PipelineLayout, PipelineRunner, check_microbatches
 from autopipe.search import PlanReport, plan_with_baselines
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,8 @@ def check_config(cfg: EngineConfig, ctx: DistContext) -> PipelineLayout:
         The rank layout.
 
     Raises:
-        ConfigError: fp16 (no loss scaling here), ZeRO-Cache, a ranks/stages or micro-batch mismatch.
+        ConfigError: fp16 (no loss scaling here), ZeRO-Cache, a ranks/stages or micro-batch mismatch
+            (including a micro-batch count the schedule cannot run).
     """
     ap = cfg.autopipe
     if cfg.precision.loss_scale is not None:
@@ -67,6 +68,7 @@ def check_config(cfg: EngineConfig, ctx: DistContext) -> PipelineLayout:
                           f"must be a multiple of autopipe.num_microbatches={ap.num_microbatches} (one step = "
                           "whole pipeline flushes)")
     try:
+        check_microbatches(ap.schedule, ap.num_microbatches, ap.num_stages)
         return PipelineLayout(world_size=ctx.world_size, num_stages=ap.num_stages,
                               virtual_stages_per_rank=ap.virtual_stages_per_rank)
     except ValueError as err:
@@ -115,8 +117,13 @@ def plan(cfg: EngineConfig, profile: Profile, device: torch.device) -> tuple[Pla
     return report, [units[u] for u in report.auto.stage_starts]
 
 
-def saved_split(cfg: EngineConfig, ctx: DistContext) -> list[int] | None:
-    """The split of the checkpoint this run resumes from (a re-profile could move the cuts), if any."""
+def saved_split(cfg: EngineConfig, ctx: DistContext, layout: PipelineLayout) -> list[int] | None:
+    """The split of the checkpoint this run resumes from (a re-profile could move the cuts), if any.
+
+    Raises:
+        CheckpointError: not an AutoPipe checkpoint, or saved by another number of ranks or chunks (checked
+            here, before any profiling; :func:`resume` could not load it either).
+    """
     if not cfg.train.resume:
         return None
     path = checkpoint.resolve(cfg.train.save_dir, None)
@@ -126,7 +133,13 @@ def saved_split(cfg: EngineConfig, ctx: DistContext) -> list[int] | None:
     if not isinstance(meta, dict) or meta.get("format") != "autopipe":
         raise CheckpointError(f"{path} is not an AutoPipe checkpoint; resume it without autopipe, or pass --save-dir "
                               "with another directory")
-    return list(meta["op_starts"]) if meta.get("world_size") == ctx.world_size else None
+    op_starts = list(meta["op_starts"])
+    if meta.get("world_size") != ctx.world_size or len(op_starts) != layout.num_chunks:
+        raise CheckpointError(f"{path} was saved by {meta.get('world_size')} ranks in {len(op_starts)} pipeline "
+                              f"chunks; this run has {ctx.world_size} ranks in {layout.num_chunks} chunks "
+                              "(autopipe.num_stages x virtual_stages_per_rank). Resume with the same layout, or "
+                              "pass --save-dir with another directory")
+    return op_starts
 
 
 def build_runner(cfg: EngineConfig, ctx: DistContext, layout: PipelineLayout, dataset: TokenDataset
@@ -141,7 +154,7 @@ def build_runner(cfg: EngineConfig, ctx: DistContext, layout: PipelineLayout, da
     samples = [dataset[i] for i in range(cfg.batch.micro_batch_size)]
     example = {key: torch.stack([s[key] for s in samples]).to(ctx.device) for key in ("input_ids", TARGET)}
     graph = trace(model, example, TARGET)
-    op_starts = saved_split(cfg, ctx)
+    op_starts = saved_split(cfg, ctx, layout)
     if op_starts is None:
         profile = shared_profile(cfg, graph, example, ctx)
         report, op_starts = plan(cfg, profile, ctx.device)

@@ -64,6 +64,20 @@ def _new_group(ranks: list[int], world_size: int) -> dist.ProcessGroup | None:
     return dist.new_group(ranks) if world_size > 1 else None
 
 
+def check_microbatches(schedule: str, num_microbatches: int, num_stages: int) -> None:
+    """Refuse a micro-batch count the schedule cannot run (checked before any tracing or profiling).
+
+    Raises:
+        ValueError: interleaved with M not a multiple of S, or 1F1B with M < S.
+    """
+    if schedule == "interleaved" and num_microbatches % num_stages:
+        raise ValueError(f"autopipe.num_microbatches={num_microbatches}: the interleaved schedule needs a "
+                         f"multiple of num_stages={num_stages}")
+    if schedule == "1f1b" and num_microbatches < num_stages:
+        raise ValueError(f"autopipe.num_microbatches={num_microbatches}: 1F1B needs at least num_stages="
+                         f"{num_stages} micro-batches")
+
+
 def build_schedule(stages: list[PipelineStage], schedule: str, num_microbatches: int,
                    loss_fn: Callable) -> object:
     """The ``torch.distributed.pipelining`` schedule for ``schedule``.
@@ -71,16 +85,10 @@ def build_schedule(stages: list[PipelineStage], schedule: str, num_microbatches:
     Gradients are not rescaled by the schedule (``scale_grads=False``): ``loss_fn`` already divides by
     the number of micro-batches per optimizer step, so a pipelined step sums to the same mean loss.
     """
-    num_ranks = stages[0].group_size
+    check_microbatches(schedule, num_microbatches, stages[0].group_size)
     if schedule == "interleaved":
-        if num_microbatches % num_ranks:
-            raise ValueError(f"autopipe.num_microbatches={num_microbatches}: the interleaved schedule needs a "
-                             f"multiple of num_stages={num_ranks}")
         return ScheduleInterleaved1F1B(stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
     if schedule == "1f1b":
-        if num_microbatches < num_ranks:
-            raise ValueError(f"autopipe.num_microbatches={num_microbatches}: 1F1B needs at least num_stages="
-                             f"{num_ranks} micro-batches")
         return Schedule1F1B(stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)
     if schedule == "gpipe":
         return ScheduleGPipe(stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -85,3 +85,48 @@ def test_pipeline_batch_is_resolved_over_the_replicas():
     with pytest.raises(ConfigError, match="autopipe.num_stages=2: must divide the number of ranks 3"):
         load_config(config, world_size=3)
     assert load_config({**config, "autopipe": {"num_stages": 2}}, world_size=4).batch.world_size == 4
+
+
+def _pipeline_config(save_dir: str = "unused", **autopipe) -> dict:
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4, "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "train": {"save_dir": save_dir, "resume": True},
+            "autopipe": {"enabled": True, **autopipe}}
+
+
+def _context(world_size: int):
+    import torch
+
+    from angelptm.distributed import DistContext
+    return DistContext(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"), group=None)
+
+
+@pytest.mark.parametrize("autopipe, message", [
+    ({"num_stages": 4, "num_microbatches": 2, "schedule": "1f1b"}, "1F1B needs at least num_stages=4"),
+    ({"num_stages": 4, "num_microbatches": 2, "schedule": "interleaved", "virtual_stages_per_rank": 2},
+     "multiple of num_stages=4"),
+])
+def test_pipeline_refuses_a_microbatch_count_its_schedule_cannot_run(autopipe, message):
+    from angelptm import pipeline  # before any tracing or profiling, as a ConfigError naming the key
+    cfg = load_config(_pipeline_config(**autopipe), world_size=4)
+    with pytest.raises(ConfigError, match=f"autopipe.num_microbatches=.*{message}"):
+        pipeline.check_config(cfg, _context(4))
+
+
+def test_resume_refuses_a_checkpoint_of_another_pipeline_layout(tmp_path):
+    import torch
+
+    from angelptm import pipeline
+    from angelptm.errors import CheckpointError
+    (tmp_path / "global_step10").mkdir()
+    torch.save({"format": "autopipe", "world_size": 2, "op_starts": [0, 5], "step": 10},
+               tmp_path / "global_step10" / "model_states.pt")
+    (tmp_path / "latest").write_text("global_step10")
+    same = load_config(_pipeline_config(str(tmp_path), num_stages=2), world_size=2)
+    assert pipeline.saved_split(same, _context(2), pipeline.check_config(same, _context(2))) == [0, 5]
+    interleaved = load_config(_pipeline_config(str(tmp_path), num_stages=2, schedule="interleaved",
+                                               virtual_stages_per_rank=2), world_size=2)
+    with pytest.raises(CheckpointError, match="2 ranks in 2 pipeline chunks; this run has 2 ranks in 4 chunks"):
+        pipeline.saved_split(interleaved, _context(2), pipeline.check_config(interleaved, _context(2)))
+    with pytest.raises(CheckpointError, match="this run has 4 ranks"):
+        wider = load_config(_pipeline_config(str(tmp_path), num_stages=2), world_size=4)
+        pipeline.saved_split(wider, _context(4), pipeline.check_config(wider, _context(4)))
