@@ -32,7 +32,8 @@ def _is_dropped(node: fx.Node) -> bool:
     return node.op == "call_function" and not node.users and "_assert" in str(node.target)
 
 
-def _value_tensors(value: object) -> list[torch.Tensor]:
+def value_tensors(value: object) -> list[torch.Tensor]:
+    """The tensors of a node's value: itself, or the tensors of a tuple/list output."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (list, tuple)):
@@ -179,7 +180,7 @@ def boundary_summary(graph: OpGraph, values: dict[fx.Node, object]) -> tuple[lis
         if first > last:
             continue
         value = values[node]
-        tensors = _value_tensors(value)
+        tensors = value_tensors(value)
         ok = isinstance(value, torch.Tensor) and value.is_floating_point()
         for diff, amount in ((bytes_diff, sum(t.numel() * t.element_size() for t in tensors)),
                              (count_diff, 1), (bad_diff, 0 if ok else 1)):

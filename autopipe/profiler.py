@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 from torch import fx, nn
 
-from autopipe.graph import OpGraph, boundary_summary, trace
+from autopipe.graph import OpGraph, boundary_summary, trace, value_tensors
 from autopipe.profile import OpRecord, Profile
 
 
@@ -52,14 +52,6 @@ def median_time_s(run: Callable[[], Any], device: torch.device, *, warmup: int, 
     return statistics.median(samples)
 
 
-def _tensors(value: object) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [item for item in value if isinstance(item, torch.Tensor)]
-    return []
-
-
 def evaluate(graph: OpGraph, inputs: dict[str, torch.Tensor]) -> dict[fx.Node, object]:
     """Run the graph once without autograd and keep every node's value."""
     values: dict[fx.Node, object] = {}
@@ -83,7 +75,7 @@ def _needs_grad(graph: OpGraph, values: dict[fx.Node, object]) -> dict[fx.Node, 
         if node.op == "get_attr":
             flags[node] = isinstance(value, nn.Parameter) and value.requires_grad
         elif node.op == "call_function":
-            floating = any(t.is_floating_point() for t in _tensors(value))
+            floating = any(t.is_floating_point() for t in value_tensors(value))
             flags[node] = floating and any(flags.get(arg, False) for arg in node.all_input_nodes)
         else:
             flags[node] = False
@@ -107,7 +99,7 @@ def _op_runners(node: fx.Node, values: dict[fx.Node, object], needs_grad: dict[f
     if not leaves or not needs_grad[node]:
         return forward, None
     with torch.enable_grad():
-        outputs = [t for t in _tensors(node.target(*args, **kwargs)) if t.requires_grad]
+        outputs = [t for t in value_tensors(node.target(*args, **kwargs)) if t.requires_grad]
     if not outputs:
         return forward, None
     grads = [torch.randn_like(t) for t in outputs]
@@ -140,8 +132,9 @@ def _param_owners(graph: OpGraph) -> dict[fx.Node, list[nn.Parameter]]:
 
 def _new_bytes(node: fx.Node, values: dict[fx.Node, object]) -> int:
     """Bytes of the op's outputs that do not share storage with one of its inputs."""
-    input_storages = {t.untyped_storage().data_ptr() for arg in node.all_input_nodes for t in _tensors(values[arg])}
-    return sum(t.numel() * t.element_size() for t in _tensors(values[node])
+    input_storages = {t.untyped_storage().data_ptr()
+                      for arg in node.all_input_nodes for t in value_tensors(values[arg])}
+    return sum(t.numel() * t.element_size() for t in value_tensors(values[node])
                if t.untyped_storage().data_ptr() not in input_storages)
 
 

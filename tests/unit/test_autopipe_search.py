@@ -104,6 +104,12 @@ def test_cost_model_by_hand():
                                             state_bytes_per_param=2.0, recompute=True), (0, 1), "recompute")
     assert recompute.stages[1].backward_s == pytest.approx(6.0 + 3.0)  # backward re-runs the forward
     assert recompute.stages[0].memory_bytes == pytest.approx(100 + 100 + 2 * 8 + 40)  # inputs kept, one full set
+    gpipe = predict(chain, CostSettings(num_stages=2, num_microbatches=4, schedule="gpipe",
+                                        state_bytes_per_param=2.0), (0, 1), "gpipe")
+    assert [s.memory_bytes for s in gpipe.stages] == pytest.approx([200 + 4 * 40, 600 + 4 * 70])  # all M in flight
+    # interleaved, S=2, v=2, M=4: Megatron's warm-up (S-r-1)*2 + (v-1)*S, plus one, spread over the v chunks
+    settings = CostSettings(num_stages=2, num_microbatches=4, schedule="interleaved", virtual_stages_per_rank=2)
+    assert [settings.in_flight_microbatches(c) for c in range(4)] == [2.5, 1.5, 2.5, 1.5]
 
 
 def test_balanced_chain_bubble_is_the_textbook_fraction():
