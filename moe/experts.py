@@ -25,19 +25,20 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "swiglu")
 IMPLS = ("auto", "grouped", "loop")
 
 
-def grouped_mm_supported(x_ND: Tensor, w_LDF: Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` can multiply these operands here.
+def grouped_mm_supported(x_ND: Tensor, *weights_LIO: Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` can multiply ``x_ND`` and each [L, in, out] weight in turn here.
 
-    It needs bf16 on CUDA (sm90+), and 16-byte aligned rows: D and F multiples of 8 in bf16.
+    It needs bf16 on CUDA (sm90+), and 16-byte aligned rows: every in and out width a multiple of 8
+    in bf16 (with swiglu the second weight's input is half the first one's output).
     """
-    if not hasattr(torch, "_grouped_mm") or x_ND.dtype != w_LDF.dtype:
+    if not hasattr(torch, "_grouped_mm") or any(w.dtype != x_ND.dtype for w in weights_LIO):
         return False
     if x_ND.dtype != torch.bfloat16 and x_ND.is_cuda:
         return False
     if x_ND.is_cuda and torch.cuda.get_device_capability(x_ND.device) < (9, 0):
         return False
     row_bytes = x_ND.element_size()
-    return all(dim * row_bytes % 16 == 0 for dim in w_LDF.shape[1:])
+    return all(dim * row_bytes % 16 == 0 for w in weights_LIO for dim in w.shape[1:])
 
 
 def host_to_device(values: list[int], device: torch.device) -> Tensor:
@@ -115,7 +116,7 @@ class GroupedExperts(nn.Module):
         """
         # "auto" leaves CPU to the loop: torch's CPU grouped_mm is a slow reference kernel.
         grouped = self.impl == "grouped" or (self.impl == "auto" and x_ND.is_cuda)
-        if grouped and grouped_mm_supported(x_ND, self.w_in_LDF):
+        if grouped and grouped_mm_supported(x_ND, self.w_in_LDF, self.w_out_LFD):
             rows_dev_L = host_to_device(rows_L, x_ND.device)
             offsets_L = torch.cumsum(rows_dev_L, 0).to(torch.int32)
             h_NF = self._bias(torch._grouped_mm(x_ND, self.w_in_LDF, offs=offsets_L), self.b_in_LF, rows_dev_L)

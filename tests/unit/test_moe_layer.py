@@ -156,3 +156,15 @@ def test_routing_and_sort_do_not_sync_the_device(policy, drop_tokens):
         torch.cuda.set_sync_debug_mode("default")
     assert int(sorted_routes.rows_CE.sum()) == int(routing.kept_TK.sum())
     assert int(routing.counts_E.sum()) == 2 * int(used.sum())
+
+
+def test_grouped_mm_needs_aligned_widths_on_every_weight():
+    from moe.experts import grouped_mm_supported
+
+    x = torch.zeros(4, 16, dtype=torch.float32)
+    w_in, w_out = torch.zeros(2, 16, 24), torch.zeros(2, 12, 16)  # swiglu: 24 wide in, 12 wide out
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    assert grouped_mm_supported(x, w_in, torch.zeros(2, 24, 16))
+    assert not grouped_mm_supported(x, w_in, torch.zeros(2, 13, 16)), "a 13-wide fp32 row is 52 bytes, not 16-aligned"
+    assert not grouped_mm_supported(x, w_in, w_out.to(torch.float64)), "mixed dtypes"
