@@ -141,8 +141,12 @@ class Profile:
         if not isinstance(raw, dict) or raw.get("version") != FORMAT_VERSION:
             found = raw.get("version") if isinstance(raw, dict) else type(raw).__name__
             raise ValueError(f"not an autopipe profile of version {FORMAT_VERSION} (version: {found!r})")
-        ops = [OpRecord(**op) for op in raw.pop("ops")]
-        return cls(ops=ops, **raw)
+        try:
+            ops = [OpRecord(**op) for op in raw.pop("ops")]
+            return cls(ops=ops, **raw)
+        except (KeyError, TypeError) as err:  # a hand-edited or truncated file
+            raise ValueError(f"autopipe profile: missing or unexpected fields ({err}); profile the model again "
+                             "with `python -m autopipe profile`") from err
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the JSON to ``path`` (parent directories are created)."""

@@ -145,7 +145,8 @@ def search(chain: CostChain, settings: CostSettings) -> PlanPrediction:
     chunks = settings.num_chunks
     if chunks > chain.num_units:
         raise ValueError(f"autopipe.num_stages * virtual_stages_per_rank = {chunks} stages, but the model has only "
-                         f"{chain.num_units} places to cut between; use fewer stages or raise autopipe.max_cut_tensors")
+                         f"{chain.num_units} pieces between its allowed cuts ({chain.num_units - 1} cut points); use "
+                         "fewer stages or raise autopipe.max_cut_tensors")
     model = StageCostModel(chain, settings)
     bottleneck, starts = min_max_partition(chain.num_units, chunks, model.feasible_time_s)
     if math.isinf(bottleneck):

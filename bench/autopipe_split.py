@@ -101,6 +101,10 @@ def plan_splits(args, model, device) -> tuple:
     report = plan_with_baselines(profile.to_chain(args.max_cut_tensors), settings)
     units = profile.unit_op_starts(args.max_cut_tensors)
     plans = {p.method: p for p in (report.auto, *report.baselines)}
+    missing = [m for m in METHODS if m not in plans]
+    if missing:  # e.g. fewer layer starts than stages: that baseline cannot split on layer boundaries
+        raise SystemExit(f"no {', '.join(missing)} split of {args.layers} layers into {dist.get_world_size()} stages; "
+                         "use more --layers")
     return graph, example, profile, report, {m: [units[u] for u in plans[m].stage_starts] for m in METHODS}, plans
 
 

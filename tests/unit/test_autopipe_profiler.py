@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -65,6 +67,11 @@ def test_profile_json_round_trip_and_table(traced, tmp_path):
     (tmp_path / "bad.json").write_text('{"version": 99}')
     with pytest.raises(ValueError, match="version"):
         Profile.load(tmp_path / "bad.json")
+    truncated = json.loads(path.read_text())
+    del truncated["ops"]
+    (tmp_path / "truncated.json").write_text(json.dumps(truncated))
+    with pytest.raises(ValueError, match="missing or unexpected fields.*python -m autopipe profile"):
+        Profile.load(tmp_path / "truncated.json")
 
 
 def test_chain_units_follow_the_cut_positions(traced):

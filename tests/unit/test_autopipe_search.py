@@ -82,7 +82,7 @@ def test_infeasible_memory_limit_names_the_key_and_the_need():
     message = str(err.value)
     assert "autopipe.stage_memory_limit_bytes=500" in message and "1000 bytes" in message
     too_many = CostSettings(num_stages=3, num_microbatches=4)
-    with pytest.raises(ValueError, match="only 2 places"):
+    with pytest.raises(ValueError, match=r"only 2 pieces between its allowed cuts \(1 cut points\)"):
         search(chain, too_many)
 
 
