@@ -208,6 +208,37 @@ def reduce_and_clip(runner: PipelineRunner, optimizer: MixedPrecisionOptimizer, 
     return norm
 
 
+def train_step(cfg: EngineConfig, runner: PipelineRunner, optimizer: MixedPrecisionOptimizer, batches
+               ) -> tuple[torch.Tensor | None, float]:
+    """One optimizer step: ``gradient_accumulation_steps / num_microbatches`` flushes, then the update.
+
+    The update is skipped (gradients cleared) on every rank when the global norm is not finite: the norm is
+    the same on all ranks of a pipeline, and the data-parallel mean makes it the same across replicas.
+
+    Args:
+        cfg: the whole config.
+        runner: this rank's stages.
+        optimizer: their fp32 masters and gradient buffer.
+        batches: an iterator of flush-sized batches of this replica.
+
+    Returns:
+        The summed scaled loss of the flushes (the replica's mean loss) on the last stage, None elsewhere;
+        and the global gradient norm before clipping.
+    """
+    loss_sum = None
+    for _ in range(cfg.batch.gradient_accumulation_steps // cfg.autopipe.num_microbatches):
+        batch = next(batches)
+        loss = runner.step({"input_ids": batch["input_ids"]}, batch[TARGET])
+        if loss is not None:
+            loss_sum = loss if loss_sum is None else loss_sum + loss
+    norm = reduce_and_clip(runner, optimizer, cfg.gradient_clipping)
+    if math.isfinite(norm):
+        optimizer.step()
+    else:
+        optimizer.zero_grad()
+    return loss_sum, norm
+
+
 def save(cfg: EngineConfig, ctx: DistContext, step: int, runner: PipelineRunner, optimizer, scheduler,
          loader: ResumableDataLoader) -> None:
     """Each rank writes its chunks' weights and optimizer state; rank 0 writes the layout."""
@@ -303,22 +334,14 @@ def run_loop(cfg: EngineConfig, ctx: DistContext, runner: PipelineRunner, optimi
              flops_per_token: float, seq_len: int, stop_requested, after_save) -> float:
     batches = repeat_batches(loader)
     meter = ThroughputMeter(flops_per_token, ctx.device)
-    flushes = cfg.batch.gradient_accumulation_steps // cfg.autopipe.num_microbatches
     progress = tqdm(total=cfg.train.steps, initial=step, desc="train", unit="step", disable=not ctx.is_main,
                     dynamic_ncols=True)
     loss_sum, count, last_loss = torch.zeros((), device=ctx.device), 0, float("nan")
     while step < cfg.train.steps and not _any_rank(stop_requested(), ctx):
-        for _ in range(flushes):
-            batch = next(batches)
-            loss = runner.step({"input_ids": batch["input_ids"]}, batch[TARGET])
-            loss_sum = loss_sum + (loss if loss is not None else 0.0)  # the summed losses of this step's flushes
-        norm = reduce_and_clip(runner, optimizer, cfg.gradient_clipping)
-        if math.isfinite(norm):
-            optimizer.step()
-        else:
-            optimizer.zero_grad()
-            if ctx.is_main:
-                logger.warning("step %d: non-finite gradient norm; update skipped on every rank", step + 1)
+        loss, norm = train_step(cfg, runner, optimizer, batches)
+        loss_sum = loss_sum + (loss if loss is not None else 0.0)  # only the last stage holds a loss
+        if not math.isfinite(norm) and ctx.is_main:
+            logger.warning("step %d: non-finite gradient norm; update skipped on every rank", step + 1)
         if scheduler is not None:
             scheduler.step()
         step, count = step + 1, count + 1
