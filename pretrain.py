@@ -170,10 +170,6 @@ def train(raw: dict) -> float:
     """Run the configured training; returns the last logged loss."""
     ctx = init_distributed()
     cfg = load_config(raw, world_size=ctx.world_size)
-    if cfg.moe.enabled and cfg.moe.ep_size > 1:  # the engine all-reduces every gradient over all ranks
-        raise ConfigError(f"moe.ep_size={cfg.moe.ep_size}: pretrain.py trains MoE with ep_size 1 (experts replicated "
-                          "on every data-parallel rank); the engine does not reduce expert gradients over "
-                          "expert-data-parallel groups yet. Set moe.ep_size to 1")
     if not cfg.train.resume:
         refuse_fresh_start_over_a_run(cfg.train.save_dir, ctx)
     torch.manual_seed(cfg.seed if cfg.seed is not None else 0)  # model init is reproducible either way

@@ -18,6 +18,7 @@ from angelptm.data.loader import ResumableDataLoader
 from angelptm.distributed import DistContext, init_distributed
 from angelptm.engine import Engine
 from angelptm.errors import ConfigError
+from angelptm.expert_parallel import ExpertParallel, setup_expert_parallel
 from angelptm.loss_scaler import LossScaler
 from angelptm.mixed_precision import MixedPrecisionOptimizer
 from angelptm.schedulers import build_scheduler
@@ -70,8 +71,12 @@ def initialize(args: Any = None, model: nn.Module | None = None,
         _seed_everything(cfg.seed)
     dtype = cfg.precision.dtype
     model.to(device=ctx.device, dtype=dtype)
-    _broadcast_module(model, ctx)
-    wrapped = _build_optimizer(model, optimizer, model_parameters, cfg, ctx)
+    try:
+        experts = setup_expert_parallel(model, ctx.rank, ctx.world_size)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    _broadcast_module(model, ctx, experts)
+    wrapped = _build_optimizer(model, optimizer, model_parameters, cfg, ctx, experts)
     scheduler = _build_scheduler(lr_scheduler, wrapped, cfg)
     loader = None
     if training_data is not None:
@@ -110,17 +115,21 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _broadcast_module(model: nn.Module, ctx: DistContext) -> None:
-    """Start every replica from rank 0's weights, as DDP does."""
+def _broadcast_module(model: nn.Module, ctx: DistContext, experts: ExpertParallel | None) -> None:
+    """Start every replica from rank 0's weights, as DDP does; experts from their expert-data-parallel source."""
     if ctx.group is None:
         return
+    expert_ids = experts.expert_ids if experts is not None else frozenset()
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.data, src=0, group=ctx.group)
+            if id(tensor) not in expert_ids:
+                dist.broadcast(tensor.data, src=0, group=ctx.group)
+            elif experts.edp_group is not None:
+                dist.broadcast(tensor.data, src=experts.edp_source, group=experts.edp_group)
 
 
 def _build_optimizer(model: nn.Module, client: Any, model_parameters: Iterable | None, cfg: EngineConfig,
-                     ctx: DistContext) -> MixedPrecisionOptimizer | None:
+                     ctx: DistContext, experts: ExpertParallel | None = None) -> MixedPrecisionOptimizer | None:
     params = list(model_parameters) if model_parameters is not None else [p for p in model.parameters()
                                                                           if p.requires_grad]
     if isinstance(client, torch.optim.Optimizer):
@@ -139,10 +148,13 @@ def _build_optimizer(model: nn.Module, client: Any, model_parameters: Iterable |
     names = {id(p): name for name, p in model.named_parameters()}
     scaler = LossScaler(cfg.precision.loss_scale) if cfg.precision.loss_scale is not None else None
     if cfg.zero_cache.enabled:
+        if experts is not None:
+            raise ConfigError("zero_cache with expert parallelism (moe.ep_size > 1) is not implemented yet; "
+                              "set moe.ep_size to 1 or disable zero_cache")
         return _attach_zero_cache(model, inner, names, cfg, ctx, scaler)
     return MixedPrecisionOptimizer(inner, names, cfg.precision.dtype, loss_scaler=scaler,
                                    gradient_clipping=cfg.gradient_clipping, group=ctx.group,
-                                   reduce_bucket_numel=cfg.zero.reduce_bucket_size)
+                                   reduce_bucket_numel=cfg.zero.reduce_bucket_size, experts=experts)
 
 
 def _attach_zero_cache(model: nn.Module, inner: torch.optim.Optimizer, names: dict[int, str], cfg: EngineConfig,

@@ -20,6 +20,8 @@ from angelptm import checkpoint
 from angelptm.config.typed import EngineConfig
 from angelptm.data.loader import ResumableDataLoader
 from angelptm.distributed import DistContext
+from angelptm.errors import CheckpointError
+from angelptm.expert_parallel import ExpertParallel
 from angelptm.mixed_precision import MixedPrecisionOptimizer
 from angelptm.monitor import MetricsSink
 
@@ -245,6 +247,9 @@ class Engine(nn.Module):
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """The full module state dict with fp32 weights on CPU, loadable into the plain model."""
+        if self._experts() is not None:
+            raise NotImplementedError("consolidating a model whose experts are spread over ranks (moe.ep_size > 1) "
+                                      "is not implemented yet; each rank's checkpoint file holds its experts")
         masters = self._named_master_weights()  # first: it waits for weights still landing from the last step
         return checkpoint.consolidate(self.module.state_dict(), masters, self._param_aliases())
 
@@ -288,7 +293,36 @@ class Engine(nn.Module):
 
         per_rank = {"rng": checkpoint.capture_rng_state(),
                     "data": self.training_dataloader.state_dict() if self.training_dataloader else None}
+        experts = self._experts()
+        if experts is not None and 0 < self.ctx.rank < experts.ep_size:
+            # The shared files hold rank 0's experts; ranks 1..W-1 of the first expert-parallel group
+            # hold the other slices, so they write theirs (every expert-data-parallel replica equals one).
+            expert_names = self._expert_state_names(experts)
+            per_rank["experts"] = {"module": {k: v for k, v in self.module.state_dict().items() if k in expert_names},
+                                   "optimizer": self.optimizer.state_dict()}
         return checkpoint.save(save_dir, tag, self.ctx, shared=shared, per_rank=per_rank, save_latest=save_latest)
+
+    def _experts(self) -> ExpertParallel | None:
+        """The expert-parallel layout, or None (no MoE experts spread over ranks)."""
+        return getattr(self.optimizer, "experts", None)
+
+    def _expert_state_names(self, experts: ExpertParallel) -> set[str]:
+        ids = {id(t) for t in self.module.parameters() if id(t) in experts.expert_ids}
+        return {k for k, t in self.module.state_dict(keep_vars=True).items() if id(t) in ids}
+
+    def _load_expert_slice(self, path: Path, *, load_optimizer_states: bool, module_only: bool) -> None:
+        """Ranks of expert-parallel index p > 0 replace rank 0's experts with slice p's, saved by global rank p."""
+        experts = self._experts()
+        if experts is None or experts.ep_rank == 0:
+            return
+        source = path / checkpoint.rank_file(experts.ep_rank)
+        saved = checkpoint.load_file(source).get("experts") if source.is_file() else None
+        if saved is None:
+            raise CheckpointError(f"{source} lacks the experts of expert-parallel index {experts.ep_rank}: the "
+                                  f"checkpoint was not saved with moe.ep_size={experts.ep_size}")
+        self.module.load_state_dict(saved["module"], strict=False)
+        if not module_only:
+            self.optimizer.load_state_dict(saved["optimizer"], load_optimizer_states=load_optimizer_states)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -315,6 +349,8 @@ class Engine(nn.Module):
                                            load_optimizer_states=load_optimizer_states and not load_module_only)
         elif self.optimizer is not None:
             self.optimizer.refresh_masters_from_params()
+        self._load_expert_slice(path, load_optimizer_states=load_optimizer_states and not load_module_only,
+                                module_only=optim_states is None)
         if load_module_only:
             return str(path), model_states["client_state"]
         if load_lr_scheduler_states and self.lr_scheduler is not None and optim_states is not None:

@@ -11,6 +11,9 @@ The non-ZeRO-Cache path keeps one full replica of the model states per rank:
 
 ``step()`` then: all-reduce (mean) -> unscale -> overflow check (fp16) -> clip -> optimizer step
 on the masters -> copy masters back into the compute-dtype parameters.
+
+With expert parallelism the flat buffer holds the dense gradients first and the experts' last, so
+each part is reduced over its own group in large calls (see ``angelptm.expert_parallel``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from angelptm.expert_parallel import ExpertParallel
 from angelptm.loss_scaler import LossScaler
 
 logger = logging.getLogger(__name__)
@@ -39,11 +43,13 @@ class MixedPrecisionOptimizer:
         gradient_clipping: max global gradient norm (0 = off).
         group: data-parallel process group, or None for a single process.
         reduce_bucket_numel: elements per all-reduce call.
+        experts: expert-parallel layout when MoE experts are spread over ranks (ep_size > 1).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, names: dict[int, str],
                  compute_dtype: torch.dtype, loss_scaler: LossScaler | None = None, gradient_clipping: float = 0.0,
-                 group: dist.ProcessGroup | None = None, reduce_bucket_numel: int = 500_000_000) -> None:
+                 group: dist.ProcessGroup | None = None, reduce_bucket_numel: int = 500_000_000,
+                 experts: ExpertParallel | None = None) -> None:
         if optimizer.state:
             raise ValueError("the optimizer already has state; pass a freshly constructed optimizer to initialize()")
         self.optimizer = optimizer
@@ -51,6 +57,7 @@ class MixedPrecisionOptimizer:
         self.gradient_clipping = gradient_clipping
         self.group = group
         self.reduce_bucket_numel = reduce_bucket_numel
+        self.experts = experts
         self.params: list[torch.nn.Parameter] = []  # compute-dtype parameters, in group order
         self.masters: list[torch.Tensor] = []
         self.names: list[str] = []
@@ -73,11 +80,15 @@ class MixedPrecisionOptimizer:
         total_numel = sum(p.numel() for p in self.params)
         device = self.params[0].device if self.params else torch.device("cpu")
         self.flat_grad = torch.zeros(total_numel, dtype=torch.float32, device=device)
+        expert_ids = experts.expert_ids if experts is not None else frozenset()
+        self.dense_numel = sum(p.numel() for p in self.params if id(p) not in expert_ids)
         self.grad_views: list[torch.Tensor] = []
-        offset = 0
+        offsets = {False: 0, True: self.dense_numel}  # dense gradients first, then the experts'
         for param in self.params:
-            self.grad_views.append(self.flat_grad[offset:offset + param.numel()].view_as(param))
-            offset += param.numel()
+            is_expert = id(param) in expert_ids
+            start = offsets[is_expert]
+            self.grad_views.append(self.flat_grad[start:start + param.numel()].view_as(param))
+            offsets[is_expert] += param.numel()
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
         self.overflow = False
         self.last_grad_norm: float | None = None
@@ -125,7 +136,7 @@ class MixedPrecisionOptimizer:
         # One norm over the flat buffer also detects inf/nan: any non-finite element makes it non-finite.
         # A non-finite gradient skips the step in every precision (fp16 overflow, or a bf16/fp32 NaN
         # that would otherwise silently turn every weight into NaN).
-        grad_norm = torch.linalg.vector_norm(self.flat_grad).item()
+        grad_norm = self._global_norm()
         self.overflow = not math.isfinite(grad_norm)
         if self.loss_scaler is not None:
             self.loss_scaler.update(self.overflow)
@@ -150,11 +161,28 @@ class MixedPrecisionOptimizer:
         return True
 
     def _all_reduce_mean(self) -> None:
+        """Gradients of the mean loss over the global batch: dense ones averaged over every rank, expert
+        ones summed over their expert-data-parallel group and divided by the world size."""
         if self.group is None or dist.get_world_size(self.group) == 1:
             return
         self.flat_grad.mul_(1.0 / dist.get_world_size(self.group))
-        for start in range(0, self.flat_grad.numel(), self.reduce_bucket_numel):
-            dist.all_reduce(self.flat_grad[start:start + self.reduce_bucket_numel], group=self.group)
+        self._all_reduce(self.flat_grad[:self.dense_numel], self.group)
+        if self.experts is not None and self.experts.edp_group is not None:
+            self._all_reduce(self.flat_grad[self.dense_numel:], self.experts.edp_group)
+
+    def _all_reduce(self, flat: torch.Tensor, group: dist.ProcessGroup) -> None:
+        for start in range(0, flat.numel(), self.reduce_bucket_numel):
+            dist.all_reduce(flat[start:start + self.reduce_bucket_numel], group=group)
+
+    def _global_norm(self) -> float:
+        """The norm of the whole model's gradient: with expert parallelism each rank holds the dense part
+        and one slice of the experts, so the expert squares are summed over the expert-parallel group."""
+        if self.experts is None:
+            return torch.linalg.vector_norm(self.flat_grad).item()
+        squares = torch.stack([torch.linalg.vector_norm(self.flat_grad[:self.dense_numel]).square(),
+                               torch.linalg.vector_norm(self.flat_grad[self.dense_numel:]).square()])
+        dist.all_reduce(squares[1:], group=self.experts.ep_group)
+        return squares.sum().sqrt().item()
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights by parameter name, on CPU."""

@@ -1,0 +1,84 @@
+"""GPT-MoE with experts spread over 2 gloo ranks, trained through the engine, equals one process with every expert."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = ROOT / "tests" / "helpers" / "moe_engine_job.py"
+pytestmark = pytest.mark.dist
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run(command: list[str], cwd: Path | None = None) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout + result.stderr
+
+
+def test_expert_parallel_training_equals_one_process_and_resumes(tmp_path):
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={free_port()}",
+         str(JOB), "--ep-size", "2", "--out", str(tmp_path / "ep"), "--save-dir", str(tmp_path / "ckpt")])
+    run([sys.executable, str(JOB), "--ep-size", "1", "--out", str(tmp_path / "ref")])
+    ranks = [torch.load(tmp_path / f"ep.{r}.pt") for r in range(2)]
+    reference = torch.load(tmp_path / "ref.0.pt")
+    # The engine's loss is this rank's micro-batch mean; the global batch's is their average.
+    mean_losses = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"])]
+    assert mean_losses == pytest.approx(reference["losses"], rel=1e-5)
+    assert reference["losses"][-1] < reference["losses"][0], "the model must learn"
+    # The clipped global norm counts each expert slice once, and every rank sees the same one.
+    assert ranks[0]["norms"] == pytest.approx(ranks[1]["norms"], rel=1e-6)
+    assert ranks[0]["norms"] == pytest.approx(reference["norms"], rel=1e-4)
+    assert min(reference["norms"]) > 0.05, "clipping at 0.05 must be active"
+    for name, full in reference["masters"].items():
+        local = [rank["masters"][name] for rank in ranks]
+        if local[0].shape == full.shape:  # dense: replicated, equal on both ranks
+            for tensor in local:
+                torch.testing.assert_close(tensor, full, rtol=1e-4, atol=1e-6)
+        else:  # experts: rank p holds slice p of the expert dimension
+            torch.testing.assert_close(torch.cat(local), full, rtol=1e-4, atol=1e-6)
+    for rank in ranks:  # saved after step 2 and resumed in a fresh engine: step 3 is the same
+        assert rank["resumed_loss"] == pytest.approx(rank["losses"][-1], rel=1e-6)
+        for name, value in rank["masters"].items():
+            torch.testing.assert_close(rank["resumed_masters"][name], value, rtol=0, atol=0)
+    assert not torch.equal(ranks[0]["masters"][expert_name(reference)], ranks[1]["masters"][expert_name(reference)])
+
+
+def expert_name(reference: dict) -> str:
+    return next(name for name in reference["masters"] if name.endswith("experts.w_in_LDF"))
+
+
+def test_pretrain_trains_and_resumes_gpt_moe_with_experts_on_two_ranks(tmp_path):
+    config = json.loads((ROOT / "configs" / "tiny_moe.json").read_text())
+    config["model"].update(num_layers=2, max_seq_len=64)
+    config["moe"]["ep_size"] = 2
+    config["train_micro_batch_size_per_gpu"] = 4
+    config["train"].update(steps=6, log_interval=3, save_interval=6, save_dir=str(tmp_path / "ckpt"))
+    config["data"]["cache_dir"] = str(ROOT / ".cache" / "angelptm")  # tokenize the shipped corpus once
+    path = tmp_path / "moe.json"
+    path.write_text(json.dumps(config))
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={free_port()}",
+              str(ROOT / "pretrain.py"), "--config", str(path)]
+    first = run(launch, cwd=tmp_path)
+    assert re.findall(r"step (\d+)/6 \| loss", first) == ["3", "6"]
+    assert (tmp_path / "ckpt" / "global_step6" / "rank_00001_states.pt").is_file()
+    config["train"]["steps"] = 9
+    path.write_text(json.dumps(config))
+    resumed = run(launch[:-2] + ["--config", str(path)], cwd=tmp_path)
+    assert "global_step6" in resumed and re.findall(r"step (\d+)/9 \| loss", resumed) == ["9"]
