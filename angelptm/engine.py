@@ -269,6 +269,8 @@ class Engine(nn.Module):
                            "gradients are not saved", self.micro_steps % self.gradient_accumulation_steps(),
                            self.gradient_accumulation_steps())
 
+        experts = self._experts()
+
         def shared() -> dict[str, Any]:
             if self.optimizer is not None:
                 self.optimizer.finish_pending()  # weights may still be landing from a background update
@@ -281,6 +283,7 @@ class Engine(nn.Module):
                 "param_aliases": self._param_aliases(), "global_steps": self.global_steps,
                 "global_samples": self.global_samples, "micro_steps": self.micro_steps,
                 "skipped_steps": self.skipped_steps, "world_size": self.world_size,
+                "ep_size": experts.ep_size if experts is not None else 1,
                 "dtype": str(self.compute_dtype), "client_state": dict(client_state or {}),
             }
             files = {checkpoint.MODEL_FILE: model_states}
@@ -293,7 +296,6 @@ class Engine(nn.Module):
 
         per_rank = {"rng": checkpoint.capture_rng_state(),
                     "data": self.training_dataloader.state_dict() if self.training_dataloader else None}
-        experts = self._experts()
         if experts is not None and 0 < self.ctx.rank < experts.ep_size:
             # The shared files hold rank 0's experts; ranks 1..W-1 of the first expert-parallel group
             # hold the other slices, so they write theirs (every expert-data-parallel replica equals one).

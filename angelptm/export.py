@@ -35,6 +35,9 @@ def consolidated_fp32_state_dict(load_dir: str | Path, tag: str | None = None) -
     if path is None:
         raise CheckpointError(f"{load_dir} holds no checkpoint (no 'latest' file); pass --tag")
     model_states = checkpoint.load_file(path / checkpoint.MODEL_FILE)
+    if model_states.get("ep_size", 1) > 1:
+        raise CheckpointError(f"{path} was saved with moe.ep_size={model_states['ep_size']}: its experts are spread "
+                              "over the per-rank files, and exporting such a checkpoint is not implemented yet")
     masters = {}
     if (path / checkpoint.OPTIM_FILE).is_file():
         masters = checkpoint.load_file(path / checkpoint.OPTIM_FILE)["optimizer"]["masters"]

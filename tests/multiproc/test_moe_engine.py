@@ -78,6 +78,11 @@ def test_pretrain_trains_and_resumes_gpt_moe_with_experts_on_two_ranks(tmp_path)
     first = run(launch, cwd=tmp_path)
     assert re.findall(r"step (\d+)/6 \| loss", first) == ["3", "6"]
     assert (tmp_path / "ckpt" / "global_step6" / "rank_00001_states.pt").is_file()
+    from angelptm.errors import CheckpointError
+    from angelptm.export import consolidated_fp32_state_dict
+
+    with pytest.raises(CheckpointError, match="moe.ep_size=2.*not implemented"):
+        consolidated_fp32_state_dict(tmp_path / "ckpt")
     config["train"]["steps"] = 9
     path.write_text(json.dumps(config))
     resumed = run(launch[:-2] + ["--config", str(path)], cwd=tmp_path)
