@@ -249,7 +249,8 @@ class Engine(nn.Module):
         """The full module state dict with fp32 weights on CPU, loadable into the plain model."""
         if self._experts() is not None:
             raise NotImplementedError("consolidating a model whose experts are spread over ranks (moe.ep_size > 1) "
-                                      "is not implemented yet; each rank's checkpoint file holds its experts")
+                                      "needs every rank's experts: save a checkpoint and export it offline with "
+                                      "`python -m angelptm.export`")
         masters = self._named_master_weights()  # first: it waits for weights still landing from the last step
         return checkpoint.consolidate(self.module.state_dict(), masters, self._param_aliases())
 
@@ -284,6 +285,7 @@ class Engine(nn.Module):
                 "global_samples": self.global_samples, "micro_steps": self.micro_steps,
                 "skipped_steps": self.skipped_steps, "world_size": self.world_size,
                 "ep_size": experts.ep_size if experts is not None else 1,
+                "expert_state_keys": sorted(self._expert_state_names(experts)) if experts is not None else [],
                 "dtype": str(self.compute_dtype), "client_state": dict(client_state or {}),
             }
             files = {checkpoint.MODEL_FILE: model_states}

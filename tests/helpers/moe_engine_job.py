@@ -93,12 +93,14 @@ def main() -> None:
         norms.append(engine.get_global_grad_norm())
         if index == STEPS - 2 and args.save_dir:
             engine.save_checkpoint(args.save_dir, tag="resume")
+            saved_masters = optimizer.master_state_dict()
     result = {"losses": losses, "norms": norms, "masters": optimizer.master_state_dict()}
     if args.save_dir:
         resumed, resumed_optimizer = engine_for(args.ep_size, rank, world)
         resumed.load_checkpoint(args.save_dir, tag="resume")
         result["resumed_loss"] = step(resumed, data[-1])
         result["resumed_masters"] = resumed_optimizer.master_state_dict()
+        result["saved_masters"] = saved_masters
     torch.save(result, f"{args.out}.{rank}.pt")
 
 
