@@ -10,6 +10,7 @@ With an enabled ``moe.MoEConfig`` every ``moe_every``-th block's MLP is a mixtur
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -130,12 +131,12 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, mlp: Callable[[], nn.Module] | None = None) -> None:
         super().__init__()
         self.norm1 = _norm(config)
         self.attn = Attention(config)
         self.norm2 = _norm(config)
-        self.mlp = MLP(config)
+        self.mlp = mlp() if mlp is not None else MLP(config)
 
     def forward(self, x: Tensor, cos: Tensor | None = None, sin: Tensor | None = None) -> Tensor:
         """[B, S, H] -> [B, S, H]."""
@@ -151,12 +152,14 @@ class MoEBlock(Block):
     """
 
     def __init__(self, config: ModelConfig, moe: MoEConfig, ep_groups: ExpertParallelGroups | None = None) -> None:
-        super().__init__(config)
+        def moe_layer() -> MoELayer:
+            experts = GroupedExperts(moe.num_experts // moe.ep_size, config.hidden_size,
+                                     moe.ffn_hidden_size or config.ffn_hidden_size, bias=config.bias,
+                                     activation="swiglu" if config.mlp == "swiglu" else "gelu_tanh")
+            return MoELayer(config.hidden_size, experts, moe, ep_groups)
+
+        super().__init__(config, moe_layer)  # builds no dense MLP only to replace it
         self.moe_config = moe
-        experts = GroupedExperts(moe.num_experts // moe.ep_size, config.hidden_size,
-                                 moe.ffn_hidden_size or config.ffn_hidden_size, bias=config.bias,
-                                 activation="swiglu" if config.mlp == "swiglu" else "gelu_tanh")
-        self.mlp = MoELayer(config.hidden_size, experts, moe, ep_groups)
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor, cos: Tensor | None = None, sin: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
