@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The 2-GPU benchmarks of the MoE and AutoPipe issues, plus the GPU tests, in one device call
+# (about 11 minutes of limits in all; each run is cut at its limit and the others still run):
+#
+#   source .devdeps/gpu-setup.sh && bash bench/two_gpu.sh "$OUT"
+#
+# Writes OUT/<run>.log (the bench's own report) and OUT/<run>.out (its stdout and stderr).
+set -u
+out=${1:?usage: bench/two_gpu.sh OUTPUT_DIR}
+mkdir -p "$out"
+
+run() {
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (limit ${limit}s)"
+    timeout "$limit" "$@" > "$out/$name.out" 2>&1
+    echo "   exit $?"
+}
+
+run moe_layer_2gpu 150 torchrun --standalone --nproc-per-node 2 bench/moe_layer.py \
+    --log-file "$out/moe_layer_2gpu.log" --rounds 2 --iters 10
+run moe_alltoall 60 torchrun --standalone --nproc-per-node 2 bench/moe_alltoall.py --log-file "$out/moe_alltoall.log"
+run autopipe_split 240 torchrun --standalone --nproc-per-node 2 bench/autopipe_split.py \
+    --log-file "$out/autopipe_split.log" --steps 6 --warmup-steps 2 --profile-repeats 3
+run moe_layer_1gpu 90 python3 bench/moe_layer.py --log-file "$out/moe_layer_1gpu.log" --rounds 2 --iters 10
+run gpu_tests 150 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_moe_layer.py \
+    tests/unit/test_zero_cache_nvme.py
