@@ -95,6 +95,11 @@ class PlanInputs:
         return -(-self.chunk_numel * STATE_BYTES_PER_ELEMENT // SWAP_ALIGN_BYTES) * SWAP_ALIGN_BYTES
 
     @property
+    def swap_buffer_bytes(self) -> int:
+        """Host bytes of one bounce buffer: a slot plus the slack ``Tier.allocate_aligned`` takes to align it."""
+        return self.swap_slot_bytes + SWAP_ALIGN_BYTES
+
+    @property
     def scratch_bytes(self) -> int:
         """One fp32 chunk per tier through which the update reads low-precision gradients."""
         return self.chunk_numel * 4
@@ -174,7 +179,7 @@ def _split_host_and_nvme(inputs: PlanInputs, off_device: int, host_fixed: int) -
     staging = inputs.staging_buffers * inputs.param_chunk_bytes if off_device else 0
     per_host = inputs.optimizer_chunk_bytes
     per_nvme_on_host = inputs.chunk_numel * inputs.grad_bytes_per_element  # accumulators stay in RAM
-    bounce = inputs.swap_buffers * inputs.swap_slot_bytes
+    bounce = inputs.swap_buffers * inputs.swap_buffer_bytes
 
     def host_bytes(num_host: int) -> int:
         num_nvme = off_device - num_host
@@ -192,7 +197,7 @@ def _split_host_and_nvme(inputs: PlanInputs, off_device: int, host_fixed: int) -
     if host_bytes(num_host) > inputs.host_budget_bytes:
         raise PlanError(_shortfall_message("host", host_bytes(num_host), inputs.host_budget_bytes, inputs, detail=(
             f"even with {off_device - num_host} optimizer groups on NVMe it holds {inputs.swap_buffers} bounce "
-            f"buffers of {format_bytes(inputs.swap_slot_bytes)}, {inputs.staging_buffers} staging buffers"
+            f"buffers of {format_bytes(inputs.swap_buffer_bytes)}, {inputs.staging_buffers} staging buffers"
             + (" and the gradient accumulators" if per_nvme_on_host else ""))))
     num_nvme = off_device - num_host
     if num_nvme * inputs.swap_slot_bytes > inputs.nvme_budget_bytes:

@@ -281,3 +281,22 @@ def test_a_disk_filling_up_mid_run_stops_with_a_clear_error_and_keeps_the_checkp
     restored.load_checkpoint(tmp_path / "ckpt")
     for name, expected in saved.items():
         torch.testing.assert_close(restored_opt.master_state_dict()[name], expected, rtol=0, atol=0)
+
+
+def test_a_host_budget_equal_to_the_planned_host_bytes_is_enough(tmp_path):
+    """The plan counts what the host tier allocates, bounce buffers' alignment slack included."""
+    import zero_cache
+    from angelptm.config.loader import load_config
+
+    seed = torch.randint(0, 10_000, ()).item()
+    config, _, _ = nvme_config(tmp_path, seed)
+    cfg = load_config(config)
+    shapes = [(name, tuple(p.shape)) for name, p in six_layer_llama(seed).named_parameters()]
+    _, plan = zero_cache.dry_run(shapes, cfg.zero_cache, compute_dtype=cfg.precision.dtype,
+                                 device=torch.device("cpu"))
+    assert NVME in plan.optimizer_tier
+    config["zero_cache"]["host_memory_budget"] = plan.host_bytes
+    engine, optimizer, _, _ = angelptm.initialize(model=six_layer_llama(seed), config=config)
+    assert tiers_of(optimizer) == list(plan.optimizer_tier)
+    train_steps(engine, random_batches(seed, count=2, batch=4))
+    assert optimizer.store.tiers[HOST].peak_bytes == plan.host_bytes

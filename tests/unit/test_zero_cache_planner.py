@@ -173,7 +173,7 @@ def test_staging_buffers_only_when_some_group_is_on_the_host():
 def host_bytes_by_hand(inp: PlanInputs, num_host: int, num_nvme: int) -> int:
     """Host bytes of a params-resident plan, written out term by term."""
     staging = inp.staging_buffers * inp.param_chunk_bytes if num_host + num_nvme else 0
-    bounce = inp.swap_buffers * inp.swap_slot_bytes if num_nvme else 0
+    bounce = inp.swap_buffers * (inp.swap_slot_bytes + 4096) if num_nvme else 0  # + alignment slack
     accumulators = num_nvme * inp.chunk_numel * inp.grad_bytes_per_element
     return inp.scratch_bytes + staging + num_host * inp.optimizer_chunk_bytes + accumulators + bounce
 
