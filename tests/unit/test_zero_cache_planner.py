@@ -211,5 +211,5 @@ def test_no_disk_and_no_bounce_buffers_when_the_host_holds_everything():
 
 def test_nvme_shortfall_is_explained():
     with pytest.raises(PlanError, match=r"nvme tier needs .*short by .*free disk space under zero_cache.nvme_path"):
-        make_plan(inputs(device_budget_bytes=24_000, host_budget_bytes=60_000, nvme_budget_bytes=20_000,
+        make_plan(inputs(device_budget_bytes=24_000, host_budget_bytes=64_000, nvme_budget_bytes=20_000,
                          grad_bytes_per_element=0))
