@@ -96,12 +96,19 @@ class SwapFile:
     def __init__(self, directory: Path, rank: int) -> None:
         # The random part keeps several engines of one process apart.
         self.path = directory / f"{SWAP_PREFIX}{socket.gethostname()}-{os.getpid()}-rank{rank}-{secrets.token_hex(4)}.swap"
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
-        self.fd = os.open(self.path, flags | getattr(os, "O_DIRECT", 0))
-        self.direct = hasattr(os, "O_DIRECT") and _direct_io_works(self.fd)
+        direct_flag = getattr(os, "O_DIRECT", 0)
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | direct_flag)
+            self.direct = bool(direct_flag) and _direct_io_works(self.fd)
+        except OSError as err:
+            # Some filesystems refuse O_DIRECT at open (tmpfs before Linux 6.6), after creating the file.
+            if err.errno != errno.EINVAL or not direct_flag:
+                raise
+            self.fd, self.direct = None, False
         if not self.direct:
-            os.close(self.fd)
-            self.fd = os.open(self.path, os.O_RDWR)
+            if self.fd is not None:
+                os.close(self.fd)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT)
             logger.warning("ZeRO-Cache: %s does not support O_DIRECT; the NVMe tier uses buffered IO through the "
                            "page cache (slower and competing with host memory). Point zero_cache.nvme_path at a "
                            "local NVMe filesystem (ext4, xfs)", directory)

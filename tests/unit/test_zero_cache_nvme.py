@@ -300,3 +300,27 @@ def test_a_host_budget_equal_to_the_planned_host_bytes_is_enough(tmp_path):
     assert tiers_of(optimizer) == list(plan.optimizer_tier)
     train_steps(engine, random_batches(seed, count=2, batch=4))
     assert optimizer.store.tiers[HOST].peak_bytes == plan.host_bytes
+
+
+def test_a_filesystem_refusing_o_direct_at_open_falls_back_to_buffered_io(tmp_path, monkeypatch, caplog):
+    import zero_cache.nvme as nvme
+
+    real_open = os.open
+
+    def open_like_old_tmpfs(path, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            real_open(path, flags & ~os.O_DIRECT, *args)  # the kernel creates the file, then refuses the flag
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(nvme.os, "open", open_like_old_tmpfs)
+    with caplog.at_level(logging.WARNING):
+        tier = NvmeTier(tmp_path, slot_bytes=ALIGN_BYTES, budget_bytes=10**6, aio=AioConfig())
+    assert not tier.file.direct and "does not support O_DIRECT" in caplog.text
+    offset, data = tier.allocate_slot(), aligned_bytes(ALIGN_BYTES).random_(0, 256)
+    tier.write(offset, data)
+    back = aligned_bytes(ALIGN_BYTES)
+    tier.read(offset, back).wait()
+    assert torch.equal(back, data)
+    tier.close()
+    assert not list(tmp_path.iterdir())
