@@ -84,7 +84,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
                                      world_size=ctx.world_size, shuffle=cfg.data.shuffle, seed=cfg.seed or 0,
                                      num_workers=cfg.data.num_workers, collate_fn=collate_fn,
                                      pin_memory=ctx.device.type == "cuda")
-    engine = Engine(model, cfg, ctx, wrapped, scheduler, loader)
+    engine = Engine(model, cfg, ctx, wrapped, scheduler, loader, experts=experts)
     return engine, wrapped, loader, scheduler
 
 

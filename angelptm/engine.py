@@ -56,8 +56,9 @@ class Engine(nn.Module):
 
     def __init__(self, module: nn.Module, config: EngineConfig, ctx: DistContext,
                  optimizer: MixedPrecisionOptimizer | None, lr_scheduler: Any,
-                 training_dataloader: ResumableDataLoader | None) -> None:
+                 training_dataloader: ResumableDataLoader | None, experts: ExpertParallel | None = None) -> None:
         super().__init__()
+        self.experts = experts  # expert-parallel layout (moe.ep_size > 1), with or without an optimizer
         self.module = module
         self.config = config
         self.ctx = ctx
@@ -247,7 +248,7 @@ class Engine(nn.Module):
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """The full module state dict with fp32 weights on CPU, loadable into the plain model."""
-        if self._experts() is not None:
+        if self.experts is not None:
             raise NotImplementedError("consolidating a model whose experts are spread over ranks (moe.ep_size > 1) "
                                       "needs every rank's experts: save a checkpoint and export it offline with "
                                       "`python -m angelptm.export`")
@@ -270,7 +271,7 @@ class Engine(nn.Module):
                            "gradients are not saved", self.micro_steps % self.gradient_accumulation_steps(),
                            self.gradient_accumulation_steps())
 
-        experts = self._experts()
+        experts = self.experts
 
         def shared() -> dict[str, Any]:
             if self.optimizer is not None:
@@ -303,12 +304,8 @@ class Engine(nn.Module):
             # hold the other slices, so they write theirs (every expert-data-parallel replica equals one).
             expert_names = self._expert_state_names(experts)
             per_rank["experts"] = {"module": {k: v for k, v in self.module.state_dict().items() if k in expert_names},
-                                   "optimizer": self.optimizer.state_dict()}
+                                   "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
         return checkpoint.save(save_dir, tag, self.ctx, shared=shared, per_rank=per_rank, save_latest=save_latest)
-
-    def _experts(self) -> ExpertParallel | None:
-        """The expert-parallel layout, or None (no MoE experts spread over ranks)."""
-        return getattr(self.optimizer, "experts", None)
 
     def _expert_state_names(self, experts: ExpertParallel) -> set[str]:
         ids = {id(t) for t in self.module.parameters() if id(t) in experts.expert_ids}
@@ -316,7 +313,7 @@ class Engine(nn.Module):
 
     def _load_expert_slice(self, path: Path, *, load_optimizer_states: bool, module_only: bool) -> None:
         """Ranks of expert-parallel index p > 0 replace rank 0's experts with slice p's, saved by global rank p."""
-        experts = self._experts()
+        experts = self.experts
         if experts is None or experts.ep_rank == 0:
             return
         source = path / checkpoint.rank_file(experts.ep_rank)
@@ -325,7 +322,11 @@ class Engine(nn.Module):
             raise CheckpointError(f"{source} lacks the experts of expert-parallel index {experts.ep_rank}: the "
                                   f"checkpoint was not saved with moe.ep_size={experts.ep_size}")
         self.module.load_state_dict(saved["module"], strict=False)
-        if not module_only:
+        if self.optimizer is None:
+            return
+        if module_only or saved["optimizer"] is None:
+            self.optimizer.refresh_masters_from_params()  # they were refreshed from rank 0's experts
+        else:
             self.optimizer.load_state_dict(saved["optimizer"], load_optimizer_states=load_optimizer_states)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,

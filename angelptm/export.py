@@ -65,7 +65,7 @@ def _gather_experts(path: Path, model_states: dict, masters: dict[str, torch.Ten
         saved = checkpoint.load_file(source).get("experts") if source.is_file() else None
         if saved is None:
             raise CheckpointError(f"{source} is missing or lacks the experts of expert-parallel rank {rank}")
-        slices.append((saved["module"], saved["optimizer"]["masters"]))
+        slices.append((saved["module"], (saved["optimizer"] or {}).get("masters", {})))  # None: saved without one
     module = {k: v for k, v in model_states["module"].items() if k not in expert_keys}
     merged_masters = {k: v for k, v in masters.items() if k not in expert_keys}
     local_count: dict[str, set[str]] = {}

@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 tests/helpers/moe_engine_job.py --ep-size 2 --out PREFIX --save-dir DIR
     python tests/helpers/moe_engine_job.py --ep-size 1 --out PREFIX
+    torchrun --nproc-per-node 2 tests/helpers/moe_engine_job.py --ep-size 2 --save-without-optimizer DIR
 
 Every weight is drawn from a generator seeded by its name, experts as the whole [E, ...] tensor of
 which a rank keeps its slice, so the expert-parallel model and the one-process model start equal.
@@ -81,10 +82,16 @@ def step(engine, batch) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ep-size", type=int, required=True)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out")
     parser.add_argument("--save-dir")
+    parser.add_argument("--save-without-optimizer", help="save the untrained model of an engine without optimizer")
     args = parser.parse_args()
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if args.save_without_optimizer:
+        engine, _, _, _ = angelptm.initialize(model=build(args.ep_size, rank % args.ep_size),
+                                              config={"train_micro_batch_size_per_gpu": MICRO})
+        engine.save_checkpoint(args.save_without_optimizer, tag="untrained")
+        return
     engine, optimizer = engine_for(args.ep_size, rank, world)
     data = batches(rank, world)
     losses, norms = [], []

@@ -72,6 +72,19 @@ def test_expert_parallel_training_equals_one_process_and_resumes(tmp_path):
     build(ep_size=1, ep_rank=0).load_state_dict(exported)  # strict: every key, every shape
 
 
+def test_an_engine_without_optimizer_saves_every_ranks_experts(tmp_path):
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={free_port()}",
+         str(JOB), "--ep-size", "2", "--save-without-optimizer", str(tmp_path / "ckpt")])
+    exported = consolidated_fp32_state_dict(tmp_path / "ckpt", tag="untrained")
+    sys.path.insert(0, str(JOB.parent))
+    from moe_engine_job import build
+
+    full = build(ep_size=1, ep_rank=0).state_dict()  # weights are drawn by name: the same model, every expert
+    assert exported.keys() == full.keys()
+    for name, value in full.items():
+        torch.testing.assert_close(exported[name], value, rtol=0, atol=0)
+
+
 def expert_name(reference: dict) -> str:
     return next(name for name in reference["masters"] if name.endswith("experts.w_in_LDF"))
 
