@@ -345,6 +345,11 @@ class Engine(nn.Module):
         if custom_load_fn is not None:
             raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported")
         model_states = checkpoint.load_file(path / checkpoint.MODEL_FILE)
+        saved_ep, ep_size = model_states.get("ep_size", 1), self.experts.ep_size if self.experts else 1
+        if saved_ep != ep_size:
+            raise CheckpointError(f"{path} was saved with moe.ep_size={saved_ep} and this run has {ep_size}: its experts "
+                                  "are split differently. Resume with the same ep_size, or export it with `python -m "
+                                  "angelptm.export` and load the weights into the model built with ep_size 1")
         self.module.load_state_dict(model_states["module"], strict=load_module_strict)
         optim_states = None
         if self.optimizer is not None and (path / checkpoint.OPTIM_FILE).is_file():

@@ -67,7 +67,11 @@ class AioContext {
 
   ~AioContext() {
     std::lock_guard<std::mutex> lock(mutex_);
-    while (in_kernel_ > 0) reap_locked(1);  // never free buffers the kernel may still touch
+    try {
+      while (in_kernel_ > 0) collect_locked(1);  // never free buffers the kernel may still touch
+    } catch (const std::exception&) {
+      // io_getevents failed: nothing more can be learnt about those pieces; destroy the context anyway.
+    }
     io_destroy(ctx_);
   }
 
@@ -97,7 +101,11 @@ class AioContext {
   int wait(int64_t id) {
     std::lock_guard<std::mutex> lock(mutex_);
     int status;
-    while ((status = finish_if_done_locked(id)) < 0) reap_locked(1);
+    while ((status = finish_if_done_locked(id)) < 0) {
+      if (in_kernel_ == 0) pump_locked();
+      if (in_kernel_ == 0) throw std::logic_error("async_io: a request is pending with nothing in the kernel");
+      reap_locked(1);
+    }
     return status;
   }
 
@@ -151,8 +159,12 @@ class AioContext {
     while (sent < batch.size()) {
       const int rc = io_submit(ctx_, static_cast<long>(batch.size() - sent), batch.data() + sent);
       if (rc < 0) {
-        if (errno == EAGAIN || errno == EINTR) { reap_locked(in_kernel_ > 0 ? 1 : 0); continue; }
-        const int error = errno;  // fail the pieces that did not go in
+        const bool retry = errno == EINTR || (errno == EAGAIN && in_kernel_ > 0);
+        if (retry) {  // wait for a completion to free kernel resources (no pumping here: no nesting)
+          if (errno == EAGAIN) collect_locked(1);
+          continue;
+        }
+        const int error = errno;  // fail the pieces that did not go in (EAGAIN with nothing in flight too)
         for (size_t i = sent; i < batch.size(); ++i) complete_locked(static_cast<int64_t>(batch[i]->aio_data), -error);
         break;
       }
@@ -162,7 +174,13 @@ class AioContext {
     batch.clear();
   }
 
+  // Completes at least min_nr pieces, then submits waiting ones into the freed queue slots.
   void reap_locked(long min_nr) {
+    collect_locked(min_nr);
+    pump_locked();
+  }
+
+  void collect_locked(long min_nr) {
     std::vector<io_event> events(static_cast<size_t>(depth_));
     const int got = io_getevents(ctx_, min_nr, depth_, events.data(), nullptr);
     if (got < 0) {
@@ -174,7 +192,6 @@ class AioContext {
       --in_kernel_;
       complete_locked(slot, events[i].res);
     }
-    pump_locked();
   }
 
   void complete_locked(int64_t slot, int64_t result) {

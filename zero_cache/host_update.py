@@ -186,6 +186,8 @@ class HostUpdater:
             except BaseException as err:
                 self.error = err
             self.busy_s += time.perf_counter() - start
+        elif isinstance(prepared, Fetched):  # skipped: its buffers go back once their transfers have landed
+            prepared.release(self.pool, self.store.swap_buffers)
         if self.error is not None and isinstance(job, ChunkUpdate):
             job.issued.set()  # wake the waiter, which re-raises the error
 

@@ -108,3 +108,8 @@ def test_pretrain_trains_and_resumes_gpt_moe_with_experts_on_two_ranks(tmp_path)
     path.write_text(json.dumps(config))
     resumed = run(launch[:-2] + ["--config", str(path)], cwd=tmp_path)
     assert "global_step6" in resumed and re.findall(r"step (\d+)/9 \| loss", resumed) == ["9"]
+    config["moe"]["ep_size"], config["train"]["steps"] = 1, 12  # resuming with the experts split otherwise
+    path.write_text(json.dumps(config))
+    other = subprocess.run([sys.executable, str(ROOT / "pretrain.py"), "--config", str(path)], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=300)
+    assert other.returncode == 2 and "saved with moe.ep_size=2 and this run has 1" in other.stderr
