@@ -29,6 +29,7 @@ from moe import MoEConfig  # noqa: E402
 from moe.layer import MoELayer  # noqa: E402
 
 SEQ, VOCAB, EXPERTS, MICRO, STEPS = 16, 64, 4, 2, 3
+GLOBAL_BATCH = 4
 
 
 def build(ep_size: int, ep_rank: int) -> torch.nn.Module:
@@ -56,19 +57,25 @@ def batches(rank: int, world: int) -> list[dict[str, torch.Tensor]]:
     generator = torch.Generator().manual_seed(7)
     out = []
     for _ in range(STEPS):
-        ids = torch.randint(0, VOCAB, (MICRO * 2, SEQ + 1), generator=generator)
+        ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=generator)
         for t in range(1, SEQ + 1):
             ids[:, t] = (ids[:, t - 1] * 5 + 3) % VOCAB
-        rows = ids if world == 1 else ids[rank * MICRO:(rank + 1) * MICRO]
+        per_rank = GLOBAL_BATCH // world
+        rows = ids[rank * per_rank:(rank + 1) * per_rank]
         out.append({"input_ids": rows[:, :-1], "labels": rows[:, 1:]})
     return out
 
 
 def engine_for(ep_size: int, rank: int, world: int):
-    config = {"train_micro_batch_size_per_gpu": MICRO * 2 // world, "gradient_accumulation_steps": 1,
+    config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 3e-2, "weight_decay": 0.1}},
               "gradient_clipping": 0.05, "steps_per_print": 1000}
-    engine, optimizer, _, _ = angelptm.initialize(model=build(ep_size, rank % ep_size), config=config)
+    model = build(ep_size, rank % ep_size)
+    if rank >= ep_size:  # a replica starts elsewhere: initialize() must copy rank 0's dense weights and the
+        with torch.no_grad():  # experts of its expert-data-parallel source (rank % ep_size)
+            for param in model.parameters():
+                param.add_(1.0)
+    engine, optimizer, _, _ = angelptm.initialize(model=model, config=config)
     return engine, optimizer
 
 
