@@ -69,6 +69,26 @@ def test_each_backend_writes_and_reads_back_many_requests_in_flight(name, tmp_pa
         os.close(fd)
 
 
+@pytest.mark.parametrize("name", ["native", "threads"])
+def test_buffered_files_take_unaligned_sizes_and_offsets(name, tmp_path):
+    """Without O_DIRECT (a filesystem that refuses it) nothing needs to be block-aligned."""
+    io = backend_or_skip(name, block_size=4096, queue_depth=3)
+    path = tmp_path / "buffered.swap"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        sizes = [1, 1000, 4097, 12345, 77]
+        offsets = [sum(sizes[:i]) + 3 * i for i in range(len(sizes))]  # gaps, odd offsets
+        written = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in sizes]
+        for request in [io.submit(path, fd, b, o, write=True) for b, o in zip(written, offsets)]:
+            request.wait()
+        read = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+        for request in [io.submit(path, fd, b, o, write=False) for b, o in zip(read, offsets)]:
+            request.wait()
+        assert all(torch.equal(a, b) for a, b in zip(written, read))
+    finally:
+        os.close(fd)
+
+
 def test_native_and_threads_report_a_failed_request_as_oserror(tmp_path):
     path = tmp_path / "data.swap"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT)
