@@ -304,7 +304,8 @@ class Engine(nn.Module):
             # hold the other slices, so they write theirs (every expert-data-parallel replica equals one).
             expert_names = self._expert_state_names(experts)
             per_rank["experts"] = {"module": {k: v for k, v in self.module.state_dict().items() if k in expert_names},
-                                   "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
+                                   "optimizer": self.optimizer.expert_state_dict() if self.optimizer is not None
+                                   else None}
         return checkpoint.save(save_dir, tag, self.ctx, shared=shared, per_rank=per_rank, save_latest=save_latest)
 
     def _expert_state_names(self, experts: ExpertParallel) -> set[str]:
@@ -327,7 +328,7 @@ class Engine(nn.Module):
         if module_only or saved["optimizer"] is None:
             self.optimizer.refresh_masters_from_params()  # they were refreshed from rank 0's experts
         else:
-            self.optimizer.load_state_dict(saved["optimizer"], load_optimizer_states=load_optimizer_states)
+            self.optimizer.load_expert_state_dict(saved["optimizer"], load_optimizer_states=load_optimizer_states)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,

@@ -213,6 +213,33 @@ class MixedPrecisionOptimizer:
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
         }
 
+    def expert_state_dict(self) -> dict[str, Any]:
+        """The part of :meth:`state_dict` that differs between expert-parallel ranks: this rank's experts'
+        fp32 masters (by name) and optimizer state (by parameter index). Dense states are rank 0's to save."""
+        indices = self._expert_indices()
+        state = self.optimizer.state_dict()["state"]
+        return {"masters": {self.names[i]: self.masters[i].detach().cpu().clone() for i in indices},
+                "optimizer_state": {i: state[i] for i in indices if i in state}}
+
+    def load_expert_state_dict(self, saved: dict[str, Any], *, load_optimizer_states: bool = True) -> None:
+        """Replace this rank's experts' masters (and optimizer state) with ``saved`` (:meth:`expert_state_dict`)."""
+        indices = self._expert_indices()
+        with torch.no_grad():
+            for i in indices:
+                self.masters[i].copy_(saved["masters"][self.names[i]])
+                if self.params[i] is not self.masters[i]:
+                    self.params[i].copy_(self.masters[i])
+        if load_optimizer_states:
+            # Through torch's own load_state_dict, which puts each value on its parameter's device and dtype
+            # (a fused Adam wants its step counters there too).
+            full = self.optimizer.state_dict()
+            full["state"].update({i: saved["optimizer_state"][i] for i in indices if i in saved["optimizer_state"]})
+            self.optimizer.load_state_dict(full)
+
+    def _expert_indices(self) -> list[int]:
+        expert_ids = self.experts.expert_ids if self.experts is not None else frozenset()
+        return [i for i, param in enumerate(self.params) if id(param) in expert_ids]
+
     def load_state_dict(self, state: dict[str, Any], *, load_optimizer_states: bool = True) -> None:
         self.load_master_state_dict(state["masters"])
         if load_optimizer_states:
