@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from launch import run_ok, torchrun
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 
@@ -21,19 +20,8 @@ JOB = Path(__file__).resolve().parents[1] / "helpers" / "autopipe_job.py"
 pytestmark = pytest.mark.dist
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_job(tmp_path: Path, world: int, *args: str) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-               f"--master-port={free_port()}", str(JOB), *args, "--out", str(tmp_path / "rank")]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_ok(torchrun(world, JOB, *args, "--out", str(tmp_path / "rank")))
     return [torch.load(tmp_path / f"rank.{rank}") for rank in range(world)]
 
 

@@ -3,33 +3,22 @@
 from __future__ import annotations
 
 import math
-import os
 import re
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from launch import run, torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 LOSS = re.compile(r"step (\d+)/\d+ \| loss (\d+\.\d+)")
 pytestmark = pytest.mark.dist
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def pretrain(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           f"--master-port={free_port()}", str(ROOT / "pretrain.py"), "--config",
-                           str(ROOT / "configs" / "tiny_autopipe.json"), *args], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=600, env=env)
+    return run(torchrun(2, ROOT / "pretrain.py", "--config", str(ROOT / "configs" / "tiny_autopipe.json"), *args),
+               cwd=tmp_path, timeout=600)
 
 
 def test_pipeline_job_trains_plans_and_resumes_with_its_split(tmp_path):

@@ -11,14 +11,13 @@ counts the shared table once, and clipping by it. A wrong piece moves the master
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from launch import run_ok, torchrun
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 
@@ -32,20 +31,9 @@ WORLD, STAGES, STEPS = 4, 2, 3
 pytestmark = pytest.mark.dist
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_job(tmp_path: Path) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # gloo on CPU, fp32 everywhere
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
-               f"--master-port={free_port()}", str(JOB), "--stages", str(STAGES), "--steps", str(STEPS),
-               "--out", str(tmp_path / "rank")]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_ok(torchrun(WORLD, JOB, "--stages", str(STAGES), "--steps", str(STEPS), "--out", str(tmp_path / "rank")),
+           CUDA_VISIBLE_DEVICES="")  # gloo on CPU, fp32 everywhere
     return [torch.load(tmp_path / f"rank.{rank}") for rank in range(WORLD)]
 
 

@@ -2,37 +2,22 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from launch import run_ok, torchrun
+
 JOB = Path(__file__).resolve().parents[1] / "helpers" / "dp_job.py"
 pytestmark = pytest.mark.dist
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def run(command: list[str]) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-
-
 def test_two_ranks_equal_one_rank_with_double_batch(tmp_path):
     data_seed = torch.randint(0, 2**31, ()).item()
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={free_port()}",
-         str(JOB), "--micro", "2", "--data-seed", str(data_seed), "--out", str(tmp_path / "dp.pt")])
-    run([sys.executable, str(JOB), "--micro", "4", "--data-seed", str(data_seed), "--out", str(tmp_path / "single.pt")])
+    run_ok(torchrun(2, JOB, "--micro", "2", "--data-seed", str(data_seed), "--out", str(tmp_path / "dp.pt")))
+    run_ok([sys.executable, str(JOB), "--micro", "4", "--data-seed", str(data_seed), "--out", str(tmp_path / "single.pt")])
     dp, single = torch.load(tmp_path / "dp.pt"), torch.load(tmp_path / "single.pt")
     assert dp["world_size"] == 2 and single["world_size"] == 1
     assert dp["steps"] == single["steps"] == 3
@@ -42,8 +27,7 @@ def test_two_ranks_equal_one_rank_with_double_batch(tmp_path):
 
 def test_a_rank_failing_mid_save_stops_every_rank_and_keeps_the_last_checkpoint(tmp_path):
     job = Path(__file__).resolve().parents[1] / "helpers" / "save_fail_job.py"
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={free_port()}",
-         str(job), "--save-dir", str(tmp_path / "ckpt"), "--out-prefix", str(tmp_path / "outcome")])
+    run_ok(torchrun(2, job, "--save-dir", str(tmp_path / "ckpt"), "--out-prefix", str(tmp_path / "outcome")))
     assert (tmp_path / "outcome.1").read_text().startswith("OSError")
     assert (tmp_path / "outcome.0").read_text().startswith("CheckpointError: another rank failed")
     assert (tmp_path / "ckpt" / "latest").read_text() == "good"

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from launch import run, run_ok, torchrun
 
 from angelptm.export import consolidated_fp32_state_dict
 
@@ -20,25 +19,10 @@ JOB = ROOT / "tests" / "helpers" / "moe_engine_job.py"
 pytestmark = pytest.mark.dist
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def run(command: list[str], cwd: Path | None = None) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout + result.stderr
-
-
 @pytest.mark.parametrize("world", [2, 4])  # 4: two expert-parallel groups of 2, expert replicas reduce together
 def test_expert_parallel_training_equals_one_process_and_resumes(tmp_path, world):
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), f"--master-port={free_port()}",
-         str(JOB), "--ep-size", "2", "--out", str(tmp_path / "ep"), "--save-dir", str(tmp_path / "ckpt")])
-    run([sys.executable, str(JOB), "--ep-size", "1", "--out", str(tmp_path / "ref")])
+    run_ok(torchrun(world, JOB, "--ep-size", "2", "--out", str(tmp_path / "ep"), "--save-dir", str(tmp_path / "ckpt")))
+    run_ok([sys.executable, str(JOB), "--ep-size", "1", "--out", str(tmp_path / "ref")])
     ranks = [torch.load(tmp_path / f"ep.{r}.pt") for r in range(world)]
     reference = torch.load(tmp_path / "ref.0.pt")
     # The engine's loss is this rank's micro-batch mean; the global batch's is their average.
@@ -88,18 +72,15 @@ def test_pretrain_trains_and_resumes_gpt_moe_with_experts_on_two_ranks(tmp_path)
     config["data"]["cache_dir"] = str(ROOT / ".cache" / "angelptm")  # tokenize the shipped corpus once
     path = tmp_path / "moe.json"
     path.write_text(json.dumps(config))
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={free_port()}",
-              str(ROOT / "pretrain.py"), "--config", str(path)]
-    first = run(launch, cwd=tmp_path)
+    first = run_ok(torchrun(2, ROOT / "pretrain.py", "--config", str(path)), cwd=tmp_path)
     assert re.findall(r"step (\d+)/6 \| loss", first) == ["3", "6"]
     assert (tmp_path / "ckpt" / "global_step6" / "rank_00001_states.pt").is_file()
     assert set(consolidated_fp32_state_dict(tmp_path / "ckpt")) >= {"blocks.1.mlp.experts.w_in_LDF"}
     config["train"]["steps"] = 9
     path.write_text(json.dumps(config))
-    resumed = run(launch[:-2] + ["--config", str(path)], cwd=tmp_path)
+    resumed = run_ok(torchrun(2, ROOT / "pretrain.py", "--config", str(path)), cwd=tmp_path)
     assert "global_step6" in resumed and re.findall(r"step (\d+)/9 \| loss", resumed) == ["9"]
     config["moe"]["ep_size"], config["train"]["steps"] = 1, 12  # resuming with the experts split otherwise
     path.write_text(json.dumps(config))
-    other = subprocess.run([sys.executable, str(ROOT / "pretrain.py"), "--config", str(path)], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=300)
+    other = run([sys.executable, str(ROOT / "pretrain.py"), "--config", str(path)], cwd=tmp_path)
     assert other.returncode == 2 and "saved with moe.ep_size=2 and this run has 1" in other.stderr

@@ -1,0 +1,36 @@
+"""Starting the job scripts of the multi-process tests: torchrun on a free port, in a clean environment."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(nproc: int, script: str | Path, *args: str) -> list[str]:
+    """The command that starts ``script`` on ``nproc`` local ranks."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            f"--master-port={free_port()}", str(script), *args]
+
+
+def run(command: list[str], *, cwd: Path | None = None, timeout: int = 300,
+        **env: str) -> subprocess.CompletedProcess:
+    """Run ``command`` without the caller's rank variables, one OpenMP thread per process, plus ``env``."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    clean.update(OMP_NUM_THREADS="1", **env)
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=clean, cwd=cwd)
+
+
+def run_ok(command: list[str], **kwargs) -> str:
+    """:func:`run`, which must succeed; returns stdout and stderr together."""
+    result = run(command, **kwargs)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout + result.stderr
