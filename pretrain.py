@@ -78,7 +78,7 @@ def refuse_fresh_start_over_a_run(save_dir: str, ctx: DistContext) -> None:
     pruning would count (or spare) the wrong run's checkpoints.
     """
     latest = Path(save_dir) / "latest"
-    if any_rank(latest.is_file(), ctx):
+    if ctx.any_rank(latest.is_file()):
         raise CheckpointError(
             f"{save_dir!r} already holds a checkpoint ({latest} names {read_latest(latest)!r}) and resume is off "
             f"(--no-resume or train.resume=false); starting a new run there would mix its checkpoints with the "
@@ -105,15 +105,6 @@ def build_dataset(cfg: EngineConfig, ctx: DistContext) -> TokenDataset:
         raise ConfigError(f"data: the dataset's vocabulary has {dataset.vocab_size} tokens but model.vocab_size is "
                           f"{cfg.model.vocab_size}; raise model.vocab_size to at least {dataset.vocab_size}")
     return dataset
-
-
-def any_rank(flag: bool, ctx: DistContext) -> bool:
-    """True on every rank if it is true on any: all ranks must stop at the same step."""
-    if ctx.group is None:
-        return flag
-    tensor = torch.tensor([int(flag)], device=ctx.device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=ctx.group)
-    return bool(tensor.item())
 
 
 def step_of(tag: str) -> int | None:
@@ -204,7 +195,7 @@ def run_loop(engine: angelptm.Engine, cfg: EngineConfig, ctx: DistContext, loade
     progress = tqdm(total=cfg.train.steps, initial=engine.global_steps, desc="train", unit="step",
                     disable=not ctx.is_main, dynamic_ncols=True)
     loss_sum, loss_count, last_loss = 0.0, 0, float("nan")
-    while engine.global_steps < cfg.train.steps and not any_rank(stop.requested, ctx):
+    while engine.global_steps < cfg.train.steps and not ctx.any_rank(stop.requested):
         for _ in range(cfg.batch.gradient_accumulation_steps):
             loss = engine(**next(batches))
             engine.backward(loss)

@@ -44,6 +44,14 @@ class DistContext:
         if self.group is not None:
             dist.barrier(group=self.group)
 
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if it is true on any (e.g. all ranks must stop at the same step)."""
+        if self.group is None:
+            return flag
+        tensor = torch.tensor([int(flag)], device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(tensor.item())
+
 
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)

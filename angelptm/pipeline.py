@@ -322,14 +322,6 @@ def profile_target(config_path: str | None, device: torch.device) -> tuple[torch
     return model, {"input_ids": ids[:, :-1], TARGET: ids[:, 1:].contiguous()}, TARGET
 
 
-def _any_rank(flag: bool, ctx: DistContext) -> bool:
-    if ctx.group is None:
-        return flag
-    tensor = torch.tensor([int(flag)], device=ctx.device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=ctx.group)
-    return bool(tensor.item())
-
-
 def run_loop(cfg: EngineConfig, ctx: DistContext, runner: PipelineRunner, optimizer, scheduler, loader, step: int,
              flops_per_token: float, seq_len: int, stop_requested, after_save) -> float:
     batches = repeat_batches(loader)
@@ -337,7 +329,7 @@ def run_loop(cfg: EngineConfig, ctx: DistContext, runner: PipelineRunner, optimi
     progress = tqdm(total=cfg.train.steps, initial=step, desc="train", unit="step", disable=not ctx.is_main,
                     dynamic_ncols=True)
     loss_sum, count, last_loss = torch.zeros((), device=ctx.device), 0, float("nan")
-    while step < cfg.train.steps and not _any_rank(stop_requested(), ctx):
+    while step < cfg.train.steps and not ctx.any_rank(stop_requested()):
         loss, norm = train_step(cfg, runner, optimizer, batches)
         loss_sum = loss_sum + (loss if loss is not None else 0.0)  # only the last stage holds a loss
         if not math.isfinite(norm) and ctx.is_main:

@@ -26,8 +26,8 @@ from angelptm.config import load_config  # noqa: E402
 from angelptm.data import repeat_batches  # noqa: E402
 from angelptm.data.loader import ResumableDataLoader  # noqa: E402
 from angelptm.distributed import init_distributed  # noqa: E402
+from reference import SEQ, VOCAB, RandomTokens  # noqa: E402
 
-SEQ, VOCAB, NUM_SAMPLES = 16, 64, 64
 
 
 def config(stages: int, steps: int) -> dict:
@@ -48,21 +48,6 @@ def config(stages: int, steps: int) -> dict:
     }
 
 
-class Tokens(torch.utils.data.Dataset):
-    """Seeded random windows, identical in every process (a stand-in for :class:`TokenDataset`)."""
-
-    seq_len = SEQ
-
-    def __init__(self, seed: int = 0) -> None:
-        self.ids = torch.randint(0, VOCAB, (NUM_SAMPLES, SEQ + 1), generator=torch.Generator().manual_seed(seed))
-
-    def __len__(self) -> int:
-        return NUM_SAMPLES
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[index, :-1], "labels": self.ids[index, 1:]}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--stages", type=int, required=True)
@@ -71,7 +56,7 @@ def main() -> None:
     args = parser.parse_args()
     ctx = init_distributed()
     cfg = load_config(config(args.stages, args.steps), world_size=ctx.world_size)
-    dataset = Tokens()
+    dataset = RandomTokens()
     layout = pipeline.check_config(cfg, ctx)
     runner, _ = pipeline.build_runner(cfg, ctx, layout, dataset)
     optimizer = pipeline.build_optimizer(cfg, runner)

@@ -18,22 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import angelptm  # noqa: E402
 from angelptm.data import repeat_batches  # noqa: E402
 from angelptm.models import ModelConfig, build_model  # noqa: E402
-
-SEQ, VOCAB = 16, 64
-
-
-class RandomTokens(torch.utils.data.Dataset):
-    """Samples drawn once from a seeded generator, identical in every process."""
-
-    def __init__(self, seed: int, count: int = 64) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, VOCAB, (count, SEQ + 1), generator=generator)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[index, :-1], "labels": self.ids[index, 1:]}
+from reference import SEQ, VOCAB, RandomTokens  # noqa: E402
 
 
 def main() -> None:

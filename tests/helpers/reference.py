@@ -30,6 +30,22 @@ def random_batches(seed: int, count: int, batch: int) -> list[dict[str, torch.Te
     return out
 
 
+class RandomTokens(torch.utils.data.Dataset):
+    """``count`` windows of SEQ + 1 tokens drawn once from a seeded generator, identical in every process
+    (a stand-in for :class:`angelptm.data.TokenDataset`)."""
+
+    seq_len = SEQ
+
+    def __init__(self, seed: int = 0, count: int = 64) -> None:
+        self.ids = torch.randint(0, VOCAB, (count, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[index, :-1], "labels": self.ids[index, 1:]}
+
+
 def ds_config(**overrides) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": 4,

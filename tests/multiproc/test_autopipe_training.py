@@ -21,7 +21,8 @@ from launch import run_ok, torchrun
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 
-from autopipe_train_job import Tokens, config  # noqa: E402
+from autopipe_train_job import config  # noqa: E402
+from reference import RandomTokens  # noqa: E402
 
 from angelptm.config import load_config  # noqa: E402
 from angelptm.models import build_model  # noqa: E402
@@ -47,7 +48,7 @@ def reference() -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     optimizer = torch.optim.AdamW(model.param_groups(params["weight_decay"]), lr=params["lr"],
                                   betas=tuple(params["betas"]), eps=params["eps"])
     # Unshuffled, the replicas' strided shards of a step's samples together are the next train_batch_size ones.
-    ids, batch = Tokens().ids, cfg.batch.train_batch_size
+    ids, batch = RandomTokens().ids, cfg.batch.train_batch_size
     losses, norms = [], []
     for step in range(STEPS):
         rows = ids[step * batch:(step + 1) * batch]

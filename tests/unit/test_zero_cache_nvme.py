@@ -138,11 +138,13 @@ def test_a_crashed_runs_swap_file_is_removed_and_a_live_one_kept(tmp_path, caplo
         os.close(holder)
 
 
-def nvme_config(tmp_path, seed: int, **overrides) -> tuple[dict, int, int]:
-    """Budgets under which the optimizer states land on all three tiers."""
+def nvme_config(swap_dir: Path, seed: int, *, create: bool = True, **overrides) -> tuple[dict, int, int]:
+    """Budgets under which the optimizer states land on all three tiers, swapping to ``swap_dir`` (created)."""
+    if create:
+        swap_dir.mkdir(exist_ok=True)
     device_budget, host_budget = budgets(six_layer_llama(seed))
     config = zero_cache_config(device_budget, host_budget // 2, clip=1.0, **overrides)
-    config["zero_cache"]["nvme_path"] = str(tmp_path)
+    config["zero_cache"]["nvme_path"] = str(swap_dir)
     return config, device_budget, host_budget // 2
 
 
@@ -227,7 +229,6 @@ def test_resume_with_disk_resident_state_is_exact(tmp_path):
     seed = torch.randint(0, 10_000, ()).item()
     batches = random_batches(seed, count=6, batch=4)
     config, _, _ = nvme_config(tmp_path / "swap", seed)
-    (tmp_path / "swap").mkdir()
     straight, _, _, _ = angelptm.initialize(model=six_layer_llama(seed), config=config)
     straight_losses = train_steps(straight, batches)
     first, _, _, _ = angelptm.initialize(model=six_layer_llama(seed), config=config)
@@ -241,7 +242,7 @@ def test_resume_with_disk_resident_state_is_exact(tmp_path):
 
 def test_bad_paths_and_a_too_small_disk_budget_stop_before_training(tmp_path):
     seed = 0
-    config, _, _ = nvme_config(tmp_path / "missing", seed)
+    config, _, _ = nvme_config(tmp_path / "missing", seed, create=False)
     with pytest.raises(angelptm.ConfigError, match=r"nvme_path: .*missing.* is not an existing directory.*mkdir -p"):
         angelptm.initialize(model=six_layer_llama(seed), config=config)
     config, _, _ = nvme_config(tmp_path, seed)
@@ -286,7 +287,6 @@ def test_a_disk_filling_up_mid_run_stops_with_a_clear_error_and_keeps_the_checkp
     seed = torch.randint(0, 10_000, ()).item()
     batches = random_batches(seed, count=6, batch=4)
     config, _, _ = nvme_config(tmp_path / "swap", seed)
-    (tmp_path / "swap").mkdir()
     engine, optimizer, _, _ = angelptm.initialize(model=six_layer_llama(seed), config=config)
     train_steps(engine, batches[:2])
     engine.save_checkpoint(tmp_path / "ckpt")
