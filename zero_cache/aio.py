@@ -108,14 +108,14 @@ class NativeFileIO:
 class _GenerationRequest:
     """A request of a backend whose only completion call waits for everything submitted so far."""
 
-    def __init__(self, owner: "DeepSpeedFileIO", generation: int) -> None:
-        self._owner, self._generation = owner, generation
+    def __init__(self, owner: "DeepSpeedFileIO", generation: int, path: Path, write: bool) -> None:
+        self._owner, self._generation, self._path, self._write = owner, generation, path, write
 
     def done(self) -> bool:
-        return self._owner.completed_through(self._generation, block=False)
+        return self._owner.completed_through(self, block=False)
 
     def wait(self) -> None:
-        self._owner.completed_through(self._generation, block=True)
+        self._owner.completed_through(self, block=True)
 
 
 class DeepSpeedFileIO:
@@ -144,20 +144,20 @@ class DeepSpeedFileIO:
                 self._failed[self._submitted + 1] = _io_error(errno.EIO, path, write)
             self._submitted += 1
             self._live.append(buffer)
-            self._paths = (path, write)
-            return _GenerationRequest(self, self._submitted)
+            return _GenerationRequest(self, self._submitted, path, write)
 
-    def completed_through(self, generation: int, *, block: bool) -> bool:
+    def completed_through(self, request: _GenerationRequest, *, block: bool) -> bool:
+        """Whether ``request`` has completed, waiting for every outstanding request first when ``block``."""
         with self._lock:
-            if self._completed < generation:
+            if self._completed < request._generation:
                 if not block:
                     return False
                 expected = self._submitted - self._completed
                 finished = self._handle.wait()
                 if finished != expected:  # the op reports completed requests; fewer means some failed
-                    self._failed[generation] = _io_error(errno.EIO, *self._paths)
+                    self._failed[request._generation] = _io_error(errno.EIO, request._path, request._write)
                 self._completed, self._live = self._submitted, []
-            error = self._failed.pop(generation, None)
+            error = self._failed.pop(request._generation, None)
         if error is not None:
             raise error
         return True

@@ -102,10 +102,13 @@ class ChunkStore:
                 # Masters start from the compute-dtype weights, as a mixed-precision loop's would.
                 state_field(states, "master").copy_(self.param_chunks[chunk])
 
+    def _grad_tier(self, tier: str) -> Tier:
+        """Where a group's gradient accumulator lives: with its states, or on the host for NVMe groups."""
+        return self.tiers[HOST if tier == NVME else tier]
+
     def _allocate_group(self, tier: str) -> OptimizerGroup:
         numel = self.layout.chunk_numel
-        grad_tier = self.tiers[HOST if tier == NVME else tier]
-        grad = grad_tier.allocate(numel, torch.float32) if self.grads_in_accumulators else None
+        grad = self._grad_tier(tier).allocate(numel, torch.float32) if self.grads_in_accumulators else None
         if tier == NVME:
             return OptimizerGroup(tier=tier, states=None, grad=grad, swap_offset=self.tiers[NVME].allocate_slot())
         return OptimizerGroup(tier=tier, states=self.tiers[tier].allocate(len(STATE_FIELDS) * numel, torch.float32),
@@ -117,7 +120,7 @@ class ChunkStore:
         else:
             self.tiers[group.tier].free(group.states)
         if group.grad is not None:
-            self.tiers[HOST if group.tier == NVME else group.tier].free(group.grad)
+            self._grad_tier(group.tier).free(group.grad)
 
     def param_view(self, slot: TensorSlot) -> torch.Tensor:
         """The parameter's compute-dtype view (shaped)."""

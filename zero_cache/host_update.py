@@ -36,7 +36,7 @@ from zero_cache.chunks import STATE_FIELDS, ChunkStore, state_field
 from zero_cache.host_adam import HostAdam
 from zero_cache.layout import TensorSlot
 from zero_cache.planner import HOST, NVME
-from zero_cache.tiers import BufferPool, wait
+from zero_cache.tiers import BufferPool, TrafficCounter, wait
 
 _STOP = object()
 STAGING_BUFFERS = 4
@@ -63,8 +63,7 @@ class Transfers:
         self.device = device
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
         self.h2d = torch.cuda.Stream(device) if self.cuda else None
-        self._lock = threading.Lock()
-        self.moved_bytes = {"d2h": 0, "h2d": 0}
+        self.traffic = TrafficCounter("d2h", "h2d")
 
     def mark(self) -> torch.cuda.Event | None:
         """An event after everything issued so far on the calling thread's current stream."""
@@ -77,8 +76,7 @@ class Transfers:
     def copy(self, destination: torch.Tensor, source: torch.Tensor, direction: str,
              after: torch.cuda.Event | None = None) -> torch.cuda.Event | None:
         """``destination.copy_(source)`` on the ``direction`` ("d2h" or "h2d") stream, after ``after``."""
-        with self._lock:
-            self.moved_bytes[direction] += source.numel() * source.element_size()
+        self.traffic.add(direction, source.numel() * source.element_size())
         if not self.cuda:
             destination.copy_(source)
             return None
@@ -92,11 +90,6 @@ class Transfers:
         if direction == "d2h" and source.device.type == "cuda":
             source.record_stream(stream)  # an autograd gradient must outlive the copy
         return done
-
-    def take_moved_bytes(self) -> dict[str, int]:
-        with self._lock:
-            moved, self.moved_bytes = self.moved_bytes, dict.fromkeys(self.moved_bytes, 0)
-        return moved
 
 
 @dataclass(slots=True)

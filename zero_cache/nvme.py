@@ -29,7 +29,7 @@ import torch
 from zero_cache.aio import FileIO, IORequest, open_file_io
 from zero_cache.config import AioConfig
 from zero_cache.planner import NVME
-from zero_cache.tiers import TierFullError
+from zero_cache.tiers import TierFullError, TrafficCounter
 from zero_cache.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ class NvmeTier:
         self._end = 0
         self._writes: dict[int, IORequest] = {}  # slot offset -> its latest write, until known complete
         self._lock = threading.Lock()
-        self.moved_bytes = {"read": 0, "write": 0}
+        self.traffic = TrafficCounter("read", "write")
 
     @property
     def free_bytes(self) -> int:
@@ -227,12 +227,8 @@ class NvmeTier:
 
     def _submit(self, offset: int, buffer: torch.Tensor, *, write: bool) -> IORequest:
         assert buffer.numel() == self.slot_bytes and buffer.data_ptr() % ALIGN_BYTES == 0, "unaligned swap buffer"
-        self.moved_bytes["write" if write else "read"] += self.slot_bytes
+        self.traffic.add("write" if write else "read", self.slot_bytes)
         return self.io.submit(self.file.path, self.file.fd, buffer, offset, write=write)
-
-    def take_moved_bytes(self) -> dict[str, int]:
-        moved, self.moved_bytes = self.moved_bytes, dict.fromkeys(self.moved_bytes, 0)
-        return moved
 
     def close(self) -> None:
         """Remove the swap file now (it is also removed when the tier is garbage-collected, or at exit)."""

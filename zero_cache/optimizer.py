@@ -337,10 +337,10 @@ class ZeroCacheOptimizer:
         host_work, self.host.busy_s = self.host.busy_s, 0.0
         waited = self.timings["grad_wait"] + self.timings["chunk_wait"]
         report = {f"zero_cache_{name}_bytes": tier.used_bytes for name, tier in self.store.tiers.items()}
-        report.update({f"zero_cache_{way}_bytes": moved for way, moved in self.transfers.take_moved_bytes().items()})
+        report.update({f"zero_cache_{way}_bytes": moved for way, moved in self.transfers.traffic.take().items()})
         if NVME in self.store.tiers:
             report.update({f"zero_cache_nvme_{way}_bytes": moved
-                           for way, moved in self.store.tiers[NVME].take_moved_bytes().items()})
+                           for way, moved in self.store.tiers[NVME].traffic.take().items()})
         report.update({f"zero_cache_{name}_s": seconds for name, seconds in self.timings.items()})
         report["zero_cache_host_update_s"] = host_work
         if host_work > 0 and self.device.type == "cuda":  # on CPU the "device" competes for the same cores

@@ -85,6 +85,24 @@ def wait(token: Any) -> None:
         token.wait()
 
 
+class TrafficCounter:
+    """Bytes moved per direction since the last :meth:`take`, counted from any thread."""
+
+    def __init__(self, *directions: str) -> None:
+        self._lock = threading.Lock()
+        self._moved = dict.fromkeys(directions, 0)
+
+    def add(self, direction: str, num_bytes: int) -> None:
+        with self._lock:
+            self._moved[direction] += num_bytes
+
+    def take(self) -> dict[str, int]:
+        """The counts so far, which then restart from zero."""
+        with self._lock:
+            moved, self._moved = self._moved, dict.fromkeys(self._moved, 0)
+        return moved
+
+
 class BufferPool:
     """A few equal buffers, allocated together at the first use and reused for the whole run.
 
