@@ -206,9 +206,13 @@ class PipelineRunner:
         Returns:
             The summed scaled loss on the last rank (detached), None elsewhere.
         """
-        args = tuple(inputs[name].to(self.device) for name in self.input_names) if self.is_first else ()
+        # Contiguous: the stages check each micro-batch's strides against the ones they were built
+        # with, and a sliced batch (tokens[:, :-1]) has its parent's row stride.
+        args = (tuple(inputs[name].to(self.device).contiguous() for name in self.input_names)
+                if self.is_first else ())
         losses: list[torch.Tensor] = []
-        self.schedule.step(*args, target=target.to(self.device) if self.is_last else None, losses=losses)
+        self.schedule.step(*args, target=target.to(self.device).contiguous() if self.is_last else None,
+                           losses=losses)
         return torch.stack([loss.detach() for loss in losses]).sum() if self.is_last else None
 
     def sync_tied_gradients(self, grad_of: Callable[[str, nn.Parameter], torch.Tensor | None]) -> None:
