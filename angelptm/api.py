@@ -159,9 +159,6 @@ def _build_optimizer(model: nn.Module, client: Any, model_parameters: Iterable |
 
 def _attach_zero_cache(model: nn.Module, inner: torch.optim.Optimizer, names: dict[int, str], cfg: EngineConfig,
                        ctx: DistContext, scaler: LossScaler | None) -> zero_cache.ZeroCacheOptimizer:
-    if ctx.world_size > 1:
-        raise ConfigError("zero_cache across several ranks (sharded chunks) is not implemented yet; "
-                          "run ZeRO-Cache on one GPU, or disable it for data parallelism")
     if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
         raise ConfigError(f"zero_cache runs its own hybrid Adam and needs an Adam/AdamW optimizer, got "
                           f"{type(inner).__name__}")
@@ -173,7 +170,9 @@ def _attach_zero_cache(model: nn.Module, inner: torch.optim.Optimizer, names: di
         return zero_cache.attach(model, inner, names, cfg.zero_cache, compute_dtype=cfg.precision.dtype,
                                  device=ctx.device, decoupled_weight_decay=decoupled, loss_scaler=scaler,
                                  gradient_clipping=cfg.gradient_clipping,
-                                 accumulation_steps=cfg.batch.gradient_accumulation_steps)
+                                 accumulation_steps=cfg.batch.gradient_accumulation_steps,
+                                 sharding=zero_cache.Sharding(rank=ctx.rank, world_size=ctx.world_size,
+                                                              group=ctx.group))
     except (ValueError, NotImplementedError) as err:  # does not fit, chunk_size too small, or a feature not built
         raise ConfigError(str(err)) from None
 

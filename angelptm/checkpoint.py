@@ -170,6 +170,37 @@ def load_file(path: Path) -> Any:
         raise CheckpointError(f"cannot read checkpoint file {path}: {err}") from None
 
 
+ZERO_CACHE_SHARD = "zero_cache_shard"
+"""Key of a per-rank file's optimizer shard (ranks 1..W-1 of a sharded ZeRO-Cache run; rank 0's is in the
+optimizer file)."""
+
+
+def merge_zero_cache_shards(path: Path, optimizer_state: dict[str, Any], num_shards: int) -> dict[str, Any]:
+    """The whole optimizer state of a checkpoint saved by ``num_shards`` ZeRO-Cache ranks.
+
+    Every state is keyed by parameter name, so merging the per-rank name tables is all a
+    resharding load needs: a run at any world size then takes the names it owns.
+
+    Args:
+        path: the checkpoint directory.
+        optimizer_state: rank 0's (``optim_states.pt``'s ``"optimizer"`` entry), extended in place.
+        num_shards: the world size it was saved at.
+
+    Returns:
+        ``optimizer_state`` with every rank's masters, exp_avg and exp_avg_sq.
+    """
+    for rank in range(1, num_shards):
+        source = path / rank_file(rank)
+        shard = load_file(source).get(ZERO_CACHE_SHARD) if source.is_file() else None
+        if shard is None:
+            raise CheckpointError(f"{source} is missing or lacks rank {rank}'s ZeRO-Cache shard: the checkpoint "
+                                  f"was saved by {num_shards} ranks and needs every rank's file")
+        optimizer_state["masters"].update(shard["masters"])
+        for field in ("exp_avg", "exp_avg_sq"):
+            optimizer_state["optimizer"][field].update(shard["optimizer"][field])
+    return optimizer_state
+
+
 def capture_rng_state() -> dict[str, Any]:
     """Every random generator a training step can touch."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}

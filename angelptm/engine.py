@@ -235,10 +235,21 @@ class Engine(nn.Module):
         logger.info(line)
 
     # ----------------------------------------------------------------- checkpoints
+    @property
+    def zero_cache_shards(self) -> int:
+        """Ranks over which ZeRO-Cache shards the optimizer states (1: not sharded)."""
+        sharding = getattr(self.optimizer, "sharding", None)
+        return sharding.world_size if sharding is not None else 1
+
     def _named_master_weights(self) -> dict[str, torch.Tensor]:
-        if self.optimizer is not None:
-            return self.optimizer.master_state_dict()
-        return {name: p.detach().float().cpu().clone() for name, p in self.module.named_parameters()}
+        if self.optimizer is None:
+            return {name: p.detach().float().cpu().clone() for name, p in self.module.named_parameters()}
+        masters = self.optimizer.master_state_dict()
+        if self.zero_cache_shards > 1:  # each rank holds its chunks' masters: a collective gathers them all
+            parts: list[Any] = [None] * self.world_size
+            torch.distributed.all_gather_object(parts, masters, group=self.ctx.group)
+            masters = {name: tensor for part in parts for name, tensor in part.items()}
+        return masters
 
     def _param_aliases(self) -> dict[str, str]:
         """state_dict key -> the named_parameters name of the same tensor (tied weights)."""
@@ -247,12 +258,15 @@ class Engine(nn.Module):
                 if id(t) in canonical}
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full module state dict with fp32 weights on CPU, loadable into the plain model."""
+        """The full module state dict with fp32 weights on CPU, loadable into the plain model.
+
+        With sharded ZeRO-Cache states every rank must call it (the masters are gathered)."""
         if self.experts is not None:
             raise NotImplementedError("consolidating a model whose experts are spread over ranks (moe.ep_size > 1) "
                                       "needs every rank's experts: save a checkpoint and export it offline with "
                                       "`python -m angelptm.export`")
         masters = self._named_master_weights()  # first: it waits for weights still landing from the last step
+        self._sync_params()
         return checkpoint.consolidate(self.module.state_dict(), masters, self._param_aliases())
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
@@ -272,6 +286,8 @@ class Engine(nn.Module):
                            self.gradient_accumulation_steps())
 
         experts = self.experts
+        shards = self.zero_cache_shards
+        self._sync_params()  # rank 0 writes the module: its non-owned chunks come from their owners first
 
         def shared() -> dict[str, Any]:
             if self.optimizer is not None:
@@ -285,7 +301,7 @@ class Engine(nn.Module):
                 "param_aliases": self._param_aliases(), "global_steps": self.global_steps,
                 "global_samples": self.global_samples, "micro_steps": self.micro_steps,
                 "skipped_steps": self.skipped_steps, "world_size": self.world_size,
-                "ep_size": experts.ep_size if experts is not None else 1,
+                "ep_size": experts.ep_size if experts is not None else 1, "zero_cache_shards": shards,
                 "expert_state_keys": sorted(self._expert_state_names(experts)) if experts is not None else [],
                 "dtype": str(self.compute_dtype), "client_state": dict(client_state or {}),
             }
@@ -299,6 +315,8 @@ class Engine(nn.Module):
 
         per_rank = {"rng": checkpoint.capture_rng_state(),
                     "data": self.training_dataloader.state_dict() if self.training_dataloader else None}
+        if shards > 1 and self.ctx.rank > 0:  # rank 0's shard is in the optimizer file
+            per_rank[checkpoint.ZERO_CACHE_SHARD] = self.optimizer.state_dict()
         if experts is not None and 0 < self.ctx.rank < experts.ep_size:
             # The shared files hold rank 0's experts; ranks 1..W-1 of the first expert-parallel group
             # hold the other slices, so they write theirs (every expert-data-parallel replica equals one).
@@ -355,6 +373,9 @@ class Engine(nn.Module):
         optim_states = None
         if self.optimizer is not None and (path / checkpoint.OPTIM_FILE).is_file():
             optim_states = checkpoint.load_file(path / checkpoint.OPTIM_FILE)
+            shards = model_states.get("zero_cache_shards", 1)
+            if shards > 1:  # any world size loads it: each rank takes the names it owns now
+                checkpoint.merge_zero_cache_shards(path, optim_states["optimizer"], shards)
             # fp32 masters are the exact weights; the module's copy is rounded to the compute dtype.
             self.optimizer.load_state_dict(optim_states["optimizer"],
                                            load_optimizer_states=load_optimizer_states and not load_module_only)
@@ -387,10 +408,17 @@ class Engine(nn.Module):
             self.training_dataloader.load_state_dict(per_rank["data"])
 
     def save_fp32_model(self, path: str) -> None:
-        """Write the consolidated fp32 weights to one safetensors file (rank 0)."""
+        """Write the consolidated fp32 weights to one safetensors file (rank 0; every rank calls it)."""
         from safetensors.torch import save_file
 
-        if self.ctx.is_main:
-            save_file(self.consolidated_state_dict(), path)
+        if self.ctx.is_main or self.zero_cache_shards > 1:
+            state = self.consolidated_state_dict()  # a collective when the masters are sharded
+            if self.ctx.is_main:
+                save_file(state, path)
         self.ctx.barrier()
+
+    def _sync_params(self) -> None:
+        """Bring every rank's param chunks up to date (sharded ZeRO-Cache; a collective)."""
+        if self.zero_cache_shards > 1:
+            self.optimizer.sync_params()
 

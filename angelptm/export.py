@@ -40,7 +40,10 @@ def consolidated_fp32_state_dict(load_dir: str | Path, tag: str | None = None) -
     model_states = checkpoint.load_file(path / checkpoint.MODEL_FILE)
     module, masters = model_states["module"], {}
     if (path / checkpoint.OPTIM_FILE).is_file():
-        masters = checkpoint.load_file(path / checkpoint.OPTIM_FILE)["optimizer"]["masters"]
+        optimizer = checkpoint.load_file(path / checkpoint.OPTIM_FILE)["optimizer"]
+        shards = model_states.get("zero_cache_shards", 1)
+        masters = checkpoint.merge_zero_cache_shards(path, optimizer, shards)["masters"] if shards > 1 \
+            else optimizer["masters"]
     if model_states.get("ep_size", 1) > 1:
         module, masters = _gather_experts(path, model_states, masters)
     return checkpoint.consolidate(module, masters, model_states["param_aliases"])

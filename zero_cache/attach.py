@@ -21,6 +21,7 @@ from zero_cache.layout import ChunkLayout, pack, search_chunk_size
 from zero_cache.optimizer import ZeroCacheOptimizer
 from zero_cache.nvme import NvmeTier, auto_nvme_budget, check_directory
 from zero_cache.planner import DEVICE, HOST, NVME, Plan, PlanError, PlanInputs, make_plan
+from zero_cache.sharding import Sharding
 from zero_cache.tiers import auto_device_budget, build_tiers
 
 logger = logging.getLogger(__name__)
@@ -42,9 +43,12 @@ def grad_bytes_per_element(accumulation_steps: int) -> int:
 
 
 def resolve_update_in_backward(config: ZeroCacheConfig, *, gradient_clipping: float, loss_scaler: Any,
-                               accumulation_steps: int) -> bool:
+                               accumulation_steps: int, sharded: bool = False) -> bool:
     """Whether host chunks update during backward: "auto" turns it on wherever it is exact."""
     blockers = []
+    if sharded:
+        blockers.append("the chunks are sharded over data-parallel ranks (an owned chunk's gradient is complete "
+                        "only once every rank's backward has reached it, at the reduce-scatter)")
     if gradient_clipping > 0:
         blockers.append(f"gradient_clipping is {gradient_clipping} (the clip factor needs the global norm, "
                         "known only after backward)")
@@ -63,8 +67,10 @@ def resolve_update_in_backward(config: ZeroCacheConfig, *, gradient_clipping: fl
 
 def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: torch.dtype, device_budget: int,
                 host_budget: int, accumulation_steps: int, trace: tuple[int, ...] = (),
-                nonmodel_peak_bytes: int = 0, nvme_budget: int = 0) -> PlanInputs:
+                nonmodel_peak_bytes: int = 0, nvme_budget: int = 0, sharding: Sharding = Sharding()) -> PlanInputs:
     return PlanInputs(num_chunks=layout.num_chunks, chunk_numel=layout.chunk_numel,
+                      owned=sharding.owned(layout.num_chunks),
+                      padding_chunks=sharding.padded_chunks(layout.num_chunks) - layout.num_chunks,
                       param_bytes_per_element=torch.empty((), dtype=compute_dtype).element_size(),
                       grad_bytes_per_element=grad_bytes_per_element(accumulation_steps),
                       device_budget_bytes=device_budget, host_budget_bytes=host_budget, trace=trace,
@@ -114,7 +120,8 @@ class WarmupTracer:
             nonmodel = max(0, torch.cuda.max_memory_allocated(device_tier.device) - device_tier.used_bytes)
         inputs = plan_inputs(self.layout, self.config, self.compute_dtype, device_tier.budget_bytes,
                              host_tier.budget_bytes, self.accumulation_steps, tuple(self.trace), nonmodel,
-                             nvme_budget=nvme_tier.budget_bytes if nvme_tier is not None else 0)
+                             nvme_budget=nvme_tier.budget_bytes if nvme_tier is not None else 0,
+                             sharding=store.sharding)
         try:
             plan = make_plan(inputs)
         except PlanError as err:  # the running plan works; a worse estimate must not stop the run
@@ -151,8 +158,8 @@ def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, 
 
 def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int, str], config: ZeroCacheConfig,
            *, compute_dtype: torch.dtype, device: torch.device, decoupled_weight_decay: bool = True,
-           loss_scaler: Any = None, gradient_clipping: float = 0.0, accumulation_steps: int = 1
-           ) -> ZeroCacheOptimizer:
+           loss_scaler: Any = None, gradient_clipping: float = 0.0, accumulation_steps: int = 1,
+           sharding: Sharding = Sharding()) -> ZeroCacheOptimizer:
     """Move ``module``'s trainable parameters into ZeRO-Cache and return the hybrid optimizer.
 
     Args:
@@ -163,6 +170,7 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
         compute_dtype, device: the module's dtype and device.
         decoupled_weight_decay, loss_scaler, gradient_clipping: as in the replicated optimizer.
         accumulation_steps: micro-batches per step (1 writes gradients over the params: no gradient buffers).
+        sharding: the data-parallel ranks that share the chunks' optimizer states (one rank: none).
 
     Raises:
         PlanError: the model states do not fit; nothing has been allocated.
@@ -170,8 +178,13 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     if config.overlap_optimizer_step:
         raise NotImplementedError("zero_cache.overlap_optimizer_step (the one-step-late host update) is not "
                                   "implemented yet; leave it false for the exact update")
+    if sharding.sharded and accumulation_steps > 1:
+        raise NotImplementedError(
+            f"zero_cache over {sharding.world_size} data-parallel ranks takes one micro-batch per step so far "
+            f"(gradients are reduce-scattered from the param chunks they are written over), but "
+            f"gradient_accumulation_steps is {accumulation_steps}: raise train_micro_batch_size_per_gpu instead")
     in_backward = resolve_update_in_backward(config, gradient_clipping=gradient_clipping, loss_scaler=loss_scaler,
-                                             accumulation_steps=accumulation_steps)
+                                             accumulation_steps=accumulation_steps, sharded=sharding.sharded)
     ordered = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     in_optimizer = {id(p) for p in ordered}
     params = [(name, p) for name, p in module.named_parameters() if id(p) in in_optimizer]
@@ -188,7 +201,7 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     # after the first step replaces this guess with the measured peak (and moves groups back).
     reserve = int(WARMUP_ACTIVATION_RESERVE * device_tier.budget_bytes) if device.type == "cuda" else 0
     inputs = plan_inputs(layout, config, compute_dtype, device_tier.budget_bytes, host_tier.budget_bytes,
-                         accumulation_steps, nonmodel_peak_bytes=reserve, nvme_budget=disk_budget)
+                         accumulation_steps, nonmodel_peak_bytes=reserve, nvme_budget=disk_budget, sharding=sharding)
     plan = make_plan(inputs)
     tiers = {DEVICE: device_tier, HOST: host_tier}
     if swap_directory is not None:  # even if this plan needs no disk: the re-plan after warm-up may
@@ -196,7 +209,8 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     logger.info("ZeRO-Cache: %d chunks of %d elements (%.1f%% padding); %s; host chunks update %s",
                 layout.num_chunks, layout.chunk_numel, 100 * layout.waste_fraction, plan.summary(),
                 "during backward" if in_backward else "after backward")
-    store = ChunkStore(layout, [p for _, p in params], plan, tiers, compute_dtype, accumulate=accumulation_steps > 1)
+    store = ChunkStore(layout, [p for _, p in params], plan, tiers, compute_dtype, accumulate=accumulation_steps > 1,
+                       sharding=sharding)
     hybrid = ZeroCacheOptimizer(store, optimizer, names, decoupled_weight_decay=decoupled_weight_decay,
                                 loss_scaler=loss_scaler, gradient_clipping=gradient_clipping,
                                 update_in_backward=in_backward,
@@ -221,6 +235,6 @@ def _register_forward_hooks(module: nn.Module, store: ChunkStore, hybrid: ZeroCa
         def before_forward(_module: nn.Module, _inputs: Any, chunks: list[int] = chunks) -> None:
             tracer.record(chunks)
             for chunk in chunks:
-                hybrid.wait_for_chunk(chunk)
+                hybrid.prepare_chunk(chunk)
 
         submodule.register_forward_pre_hook(before_forward)

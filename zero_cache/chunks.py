@@ -21,7 +21,8 @@ from torch import nn
 
 from zero_cache.layout import ChunkLayout, TensorSlot
 from zero_cache.nvme import ALIGN_BYTES, NvmeTier
-from zero_cache.planner import DEVICE, HOST, NVME, Plan
+from zero_cache.planner import DEVICE, HOST, NVME, REMOTE, Plan
+from zero_cache.sharding import Sharding
 from zero_cache.tiers import BufferPool, Tier
 
 STATE_FIELDS = ("master", "exp_avg", "exp_avg_sq")
@@ -43,7 +44,7 @@ class OptimizerGroup:
 
     tier: str
     states: torch.Tensor | None
-    """3 x chunk_numel fp32: master | exp_avg | exp_avg_sq; None when they are on NVMe."""
+    """3 x chunk_numel fp32: master | exp_avg | exp_avg_sq; None when they are on NVMe or on another rank."""
     grad: torch.Tensor | None
     """chunk_numel fp32 gradient accumulator (on the host for NVMe groups), or None when gradients
     are written into the param chunk."""
@@ -69,10 +70,12 @@ class ChunkStore:
         compute_dtype: dtype of the param chunks.
         accumulate: keep an fp32 gradient accumulator per chunk (micro-batches accumulate); without
             it, gradients are written into the param chunks.
+        sharding: which chunks' optimizer groups this rank owns; param chunks are allocated a
+            collective group (one chunk per rank) at a time, in one buffer each.
     """
 
     def __init__(self, layout: ChunkLayout, params: list[nn.Parameter], plan: Plan, tiers: dict[str, Tier | NvmeTier],
-                 compute_dtype: torch.dtype, accumulate: bool = True) -> None:
+                 compute_dtype: torch.dtype, accumulate: bool = True, sharding: Sharding = Sharding()) -> None:
         if not plan.params_resident:
             raise NotImplementedError(
                 "this plan streams param chunks from the host (the params alone exceed the device budget); only "
@@ -81,7 +84,12 @@ class ChunkStore:
         self.tiers = tiers
         self.params = params
         self.slots: list[TensorSlot] = list(layout.slots)
-        self.param_chunks = [tiers[DEVICE].allocate(layout.chunk_numel, compute_dtype) for _ in range(layout.num_chunks)]
+        self.sharding = sharding
+        self.group_buffers = [tiers[DEVICE].allocate(sharding.world_size * layout.chunk_numel, compute_dtype)
+                              for _ in range(sharding.num_groups(layout.num_chunks))]
+        """One buffer per collective group; param chunk c is slice c % W of buffer c // W (zero padding)."""
+        self.param_chunks = [chunk for buffer in self.group_buffers
+                             for chunk in buffer.view(sharding.world_size, -1).unbind()][:layout.num_chunks]
         with torch.no_grad():
             for param, slot in zip(params, self.slots):
                 view = self.param_view(slot)
@@ -98,6 +106,8 @@ class ChunkStore:
         self.groups: list[OptimizerGroup] = []
         for chunk, tier in enumerate(plan.optimizer_tier):
             self.groups.append(self._allocate_group(tier))
+            if tier == REMOTE:
+                continue
             with self.open_states(chunk, write_back=True, fresh=True) as states:
                 # Masters start from the compute-dtype weights, as a mixed-precision loop's would.
                 state_field(states, "master").copy_(self.param_chunks[chunk])
@@ -107,6 +117,8 @@ class ChunkStore:
         return self.tiers[HOST if tier == NVME else tier]
 
     def _allocate_group(self, tier: str) -> OptimizerGroup:
+        if tier == REMOTE:
+            return OptimizerGroup(tier=tier, states=None, grad=None)
         numel = self.layout.chunk_numel
         grad = self._grad_tier(tier).allocate(numel, torch.float32) if self.grads_in_accumulators else None
         if tier == NVME:
@@ -115,6 +127,8 @@ class ChunkStore:
                               grad=grad)
 
     def _free_group(self, group: OptimizerGroup) -> None:
+        if group.tier == REMOTE:
+            return
         if group.tier == NVME:
             self.tiers[NVME].free_slot(group.swap_offset)
         else:
@@ -151,6 +165,7 @@ class ChunkStore:
         never on the training path.
         """
         group = self.groups[chunk]
+        assert group.tier != REMOTE, f"chunk {chunk}'s optimizer group is on another rank"
         if group.tier != NVME:
             yield group.states
             return

@@ -21,6 +21,15 @@ Update order (exact: every update uses this step's gradients, like a plain AdamW
 
 On a CPU-only run the "device" tier is host memory too; the worker thread and every path above
 run the same way (copies are synchronous), which is what the unit tests exercise.
+
+**Data-parallel sharding** (``store.sharding`` over W > 1 ranks; see :mod:`zero_cache.sharding`):
+each rank updates only the chunks it owns. Backward writes the local gradients over the param
+chunks as above; as soon as every chunk of a collective group has its gradients, the training
+thread issues the group's reduce-scatter (async on NCCL), so it runs under the rest of backward.
+``step()`` waits for them, takes the global norm from the owned chunks' reduced gradients (one
+all-reduce of W x chunks floats), updates the owned chunks with the mean gradient, and marks every
+group stale. The next forward all-gathers each group in its pre-hook, one group ahead of use;
+the worker thread never issues a collective, so every rank issues them in the same order.
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ from zero_cache.host_adam import HostAdam, torch_fused_adam
 from zero_cache.host_update import (ChunkUpdate, HostUpdater, NonFiniteGradientError, Transfers, adam_step,
                                    fp32_gradient, wait)
 from zero_cache.layout import TensorSlot
-from zero_cache.planner import DEVICE, HOST, NVME
+from zero_cache.planner import DEVICE, HOST, NVME, REMOTE
 
 OFF_DEVICE = (HOST, NVME)
 """Tiers whose chunks the host worker updates (NVMe groups through bounce buffers)."""
@@ -72,6 +81,9 @@ class ZeroCacheOptimizer:
         self.gradient_clipping = gradient_clipping
         self.update_in_backward = update_in_backward
         self.device = store.tiers[DEVICE].device
+        self.sharding = store.sharding
+        assert not (self.sharding.sharded and (update_in_backward or store.grads_in_accumulators)), \
+            "sharded chunks take one micro-batch per step and update after backward"
         self._device_adam = functools.partial(torch_fused_adam, decoupled=decoupled_weight_decay)
         self.host_adam = HostAdam(decoupled_weight_decay, try_deepspeed=self.device.type == "cuda",
                                   try_native=native_host_adam)
@@ -98,6 +110,11 @@ class ZeroCacheOptimizer:
                                            pin_memory=self.device.type == "cuda")
         self._host_squares: list[float] = []
         self._written: set[str] = set()  # slots that received a gradient in this accumulation window
+        num_groups = self.sharding.num_groups(store.layout.num_chunks)
+        self._group_missing: list[int] = [0] * num_groups  # gradients still to come per collective group
+        self._reductions: dict[int, Any] = {}  # group -> its reduce-scatter (issued, not yet waited for)
+        self._gathers: dict[int, Any] = {}  # group -> its all-gather (issued, not yet waited for)
+        self._stale: set[int] = set()  # groups whose non-owned chunks await the owners' updated params
         self._missing: dict[int, int] = {}  # gradients still to come per chunk, this window
         self._queued: set[int] = set()  # host chunks already queued from backward in this window
         self._pending: dict[int, ChunkUpdate] = {}  # host chunk -> its latest queued update, until waited for
@@ -160,9 +177,15 @@ class ZeroCacheOptimizer:
                                "step ZeRO-Cache writes gradients over the parameters, so backward may run once "
                                "per step (set gradient_accumulation_steps for several micro-batches)")
         self.store.param_view(slot).copy_(grad)
+        self._missing[slot.chunk] -= 1
+        if self.sharding.sharded:
+            group = self.sharding.group_of(slot.chunk)
+            self._group_missing[group] -= 1
+            if self._group_missing[group] == 0:  # the group's gradients are complete on this rank
+                self._reductions[group] = self.sharding.reduce_scatter(self.store.group_buffers[group])
+            return
         square = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
         self._chunk_squares[slot.chunk:slot.chunk + 1].add_(square)
-        self._missing[slot.chunk] -= 1
         if self.update_in_backward and self._missing[slot.chunk] == 0 and self.store.tier_of(slot) != DEVICE:
             # The chunk's gradients are complete: update it now, under the rest of backward.
             squares = self._squares_pinned[slot.chunk:slot.chunk + 1]
@@ -198,6 +221,9 @@ class ZeroCacheOptimizer:
         self._host_squares.clear()
         self._chunk_squares.zero_()
         self._missing = {chunk: len(members) for chunk, members in self._members_of_chunk.items()}
+        self._group_missing = [0] * len(self._group_missing)
+        for chunk, missing in self._missing.items():
+            self._group_missing[self.sharding.group_of(chunk)] += missing
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Start a new accumulation window: drop the gradients of this one."""
@@ -206,6 +232,7 @@ class ZeroCacheOptimizer:
                                "(zero_cache.update_in_backward): those updates cannot be undone. Call step() after "
                                "each backward, or set zero_cache.update_in_backward false")
         self._drain_host_gradients()
+        self._wait_reductions()  # they write into the param chunks about to be restored
         if self._written and not self.store.grads_in_accumulators:
             self._restore_params(frozenset(self._written))  # the dropped gradients overwrote parameters
         self._reset_window()
@@ -220,6 +247,9 @@ class ZeroCacheOptimizer:
         """Apply the accumulated gradients; False if skipped for non-finite gradients (e.g. fp16 overflow)."""
         self.host.raise_if_failed()
         scale = self.loss_scaler.scale if self.loss_scaler else 1.0
+        if self.sharding.sharded:
+            self._reduce_gradients()
+            scale *= self.sharding.world_size  # the owners hold the sum of W ranks' gradients: step on the mean
         norm = self._grad_norm() / scale
         self.overflow = not math.isfinite(norm)  # a non-finite gradient skips the step in any precision
         if self.overflow and self.update_in_backward:
@@ -244,16 +274,77 @@ class ZeroCacheOptimizer:
             if chunk not in self._queued:
                 self._queue_host_update(chunk, written, hypers, step=self.step_count, grad_factor=grad_factor)
         self._update_device_chunks(written, hypers, grad_factor)
+        self._mark_stale()
         self._reset_window()
         if not self._replanned and self.after_first_step is not None:
             self._replanned = True
             self.after_first_step()
         return True
 
+    # ------------------------------------------------------------------ sharding
+    def _reduce_gradients(self) -> None:
+        """Reduce-scatter every group backward has not (same order on every rank), wait for all, and
+        put the owned chunks' squared norms, summed over ranks, into ``_chunk_squares``."""
+        for group in range(len(self._group_missing)):
+            if group not in self._reductions:
+                self._reductions[group] = self.sharding.reduce_scatter(self.store.group_buffers[group])
+        self._wait_reductions()
+        for chunk in self.sharding.owned(self.store.layout.num_chunks):
+            # Padding inside a chunk is zero on every rank, so the whole chunk's norm is its gradients'.
+            self._chunk_squares[chunk] = torch.linalg.vector_norm(self.store.param_chunks[chunk],
+                                                                  dtype=torch.float32).square()
+        self.sharding.all_reduce_sum(self._chunk_squares)
+
+    def _wait_reductions(self) -> None:
+        for work in self._reductions.values():
+            if work is not None:
+                work.wait()
+        self._reductions.clear()
+
+    def prepare_chunk(self, chunk: int) -> None:
+        """Make ``chunk``'s params current before a forward uses it (forward pre-hook).
+
+        Unsharded, that is waiting for its host update. Sharded, its group is all-gathered if it is
+        stale, and the next stale group's gather is issued so it runs under this group's compute.
+        """
+        if not self.sharding.sharded:
+            self.wait_for_chunk(chunk)
+            return
+        group = self.sharding.group_of(chunk)
+        self._issue_gather(group)
+        work = self._gathers.pop(group, None)
+        if work is not None:
+            work.wait()
+        later = [g for g in self._stale if g > group]
+        if later:
+            self._issue_gather(min(later))
+
+    def _issue_gather(self, group: int) -> None:
+        if group not in self._stale:
+            return
+        self._stale.discard(group)
+        for chunk in self.sharding.group_chunks(group, self.store.layout.num_chunks):
+            if self.sharding.owns(chunk):
+                self.wait_for_chunk(chunk)  # the owner's update has landed in its param chunk
+        self._gathers[group] = self.sharding.all_gather(self.store.group_buffers[group])
+
+    def sync_params(self) -> None:
+        """All-gather every stale group now (collective: every rank calls it, e.g. before a checkpoint)."""
+        for group in sorted(self._stale):
+            self._issue_gather(group)
+        for work in self._gathers.values():
+            if work is not None:
+                work.wait()
+        self._gathers.clear()
+
+    def _mark_stale(self) -> None:
+        if self.sharding.sharded:
+            self._stale = set(range(len(self._group_missing)))
+
     def _grad_norm(self) -> float:
         """Global norm over the gradients written in this window (the one device sync of the step)."""
         if not self.store.grads_in_accumulators:
-            return math.sqrt(float(self._chunk_squares.sum()))
+            return math.sqrt(float(self._chunk_squares.sum()))  # sharded: summed over the owners
         self._drain_host_gradients()
         total = sum(self._host_squares)
         on_device = [torch.linalg.vector_norm(self.store.state_view(slot, "grad"), dtype=torch.float32).square()
@@ -302,6 +393,7 @@ class ZeroCacheOptimizer:
             self.store.param_chunks[chunk].copy_(self.store.groups[chunk].field("master"))
         for chunk in self._chunks_in(OFF_DEVICE, written):
             self._queue_host_update(chunk, written, [], step=self.step_count, grad_factor=1.0, restore_only=True)
+        self._mark_stale()  # the non-owned chunks come back from their owners
 
     # ------------------------------------------------------------------ waiting
     def wait_for_chunk(self, chunk: int) -> None:
@@ -354,6 +446,8 @@ class ZeroCacheOptimizer:
         written back with ``write_back``). Synchronous, one chunk at a time."""
         self.finish_pending()
         for chunk, members in sorted(self._members_of_chunk.items()):
+            if self.store.groups[chunk].tier == REMOTE:
+                continue
             with self.store.open_states(chunk, write_back=write_back) as states:
                 yield [slot for _, slot in members], states
 
@@ -366,12 +460,23 @@ class ZeroCacheOptimizer:
                     out[f][slot.name] = self.store.state_view(slot, f, states).detach().cpu().clone()
         return out
 
+    @property
+    def owned_names(self) -> list[str]:
+        """Parameters whose optimizer state this rank holds (all of them unless sharded)."""
+        return [slot.name for _, slot in self.members if self.store.groups[slot.chunk].tier != REMOTE]
+
     def master_state_dict(self) -> dict[str, torch.Tensor]:
+        """fp32 masters by name (sharded: of the owned parameters only)."""
         masters = self._read_fields(("master",))["master"]
-        return {slot.name: masters[slot.name].view(slot.shape) for _, slot in self.members}
+        return {name: masters[name].view(shape) for name, shape in self._owned_shapes()}
+
+    def _owned_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        owned = set(self.owned_names)
+        return [(slot.name, slot.shape) for _, slot in self.members if slot.name in owned]
 
     def load_master_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        missing = [name for name in self.names if name not in state]
+        """Load fp32 masters by name; sharded, each rank takes its owned ones (``state`` may hold more)."""
+        missing = [name for name in self.owned_names if name not in state]
         if missing:
             raise KeyError(f"checkpoint lacks master weights for {missing[:5]}")
         with torch.no_grad():
@@ -392,7 +497,7 @@ class ZeroCacheOptimizer:
         masters = fields.pop("master")
         hypers = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         return {"optimizer": {"step": self.step_count, "param_groups": hypers, **fields},
-                "masters": {slot.name: masters[slot.name].view(slot.shape) for _, slot in self.members},
+                "masters": {name: masters[name].view(shape) for name, shape in self._owned_shapes()},
                 "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None}
 
     def load_state_dict(self, state: dict[str, Any], *, load_optimizer_states: bool = True) -> None:

@@ -36,6 +36,8 @@ from typing import Sequence
 from zero_cache.units import format_bytes
 
 DEVICE, HOST, NVME = "device", "host", "nvme"
+REMOTE = "remote"
+"""The optimizer group of a chunk that another data-parallel rank owns (see ``zero_cache.sharding``)."""
 SWAP_ALIGN_BYTES = 4096
 """Swap slots and bounce buffers are whole 4 KiB blocks (O_DIRECT)."""
 STATE_BYTES_PER_ELEMENT = 12
@@ -76,6 +78,18 @@ class PlanInputs:
     """Bytes the NVMe tier may take; 0 = no NVMe tier."""
     swap_buffers: int = 3
     """Pinned bounce buffers of one swap slot each (when any optimizer group is on NVMe)."""
+    owned: tuple[int, ...] | None = None
+    """Chunks whose optimizer groups this rank holds (data-parallel sharding); None = all of them."""
+    padding_chunks: int = 0
+    """Zero param chunks that complete the last collective group (sharding)."""
+
+    def __post_init__(self) -> None:
+        if self.owned is not None and not all(0 <= c < self.num_chunks for c in self.owned):
+            raise ValueError(f"owned chunks {self.owned} must lie in 0..{self.num_chunks - 1}")
+
+    @property
+    def owned_chunks(self) -> tuple[int, ...]:
+        return tuple(range(self.num_chunks)) if self.owned is None else self.owned
 
     @property
     def param_chunk_bytes(self) -> int:
@@ -114,7 +128,7 @@ class Plan:
     cache_slots: int
     """Param chunks the device holds at once when not resident."""
     optimizer_tier: tuple[str, ...]
-    """DEVICE, HOST or NVME for each chunk's optimizer group."""
+    """DEVICE, HOST or NVME for each chunk's optimizer group; REMOTE where another rank owns it."""
     device_bytes: int
     """Model-state bytes planned on the device."""
     host_bytes: int
@@ -126,7 +140,8 @@ class Plan:
         counts = {tier: self.optimizer_tier.count(tier) for tier in (DEVICE, HOST, NVME)}
         params = "resident on the device" if self.params_resident else f"cached in {self.cache_slots} device slots"
         disk = f", nvme {format_bytes(self.nvme_bytes)}" if self.nvme_bytes else ""
-        return (f"params {params}; optimizer states of {len(self.optimizer_tier)} chunks: {counts[DEVICE]} on the "
+        owned = len(self.optimizer_tier) - self.optimizer_tier.count(REMOTE)
+        return (f"params {params}; optimizer states of {owned} chunks: {counts[DEVICE]} on the "
                 f"device, {counts[HOST]} on the host, {counts[NVME]} on NVMe; device {format_bytes(self.device_bytes)}, "
                 f"host {format_bytes(self.host_bytes)}{disk}")
 
@@ -144,9 +159,10 @@ def make_plan(inputs: PlanInputs) -> Plan:
         The plan, maximising device residency in the order described in the module docstring.
     """
     n = inputs.num_chunks
+    owned = inputs.owned_chunks
     room = (int(inputs.device_budget_bytes * (1 - inputs.margin_fraction)) - inputs.nonmodel_peak_bytes
             - inputs.scratch_bytes)
-    all_params = n * inputs.param_chunk_bytes
+    all_params = (n + inputs.padding_chunks) * inputs.param_chunk_bytes
     min_slots = min(n, inputs.prefetch_depth + 2)  # in use + being fetched + one spare
     if room >= all_params:
         params_resident, cache_slots, param_device = True, n, all_params
@@ -160,15 +176,16 @@ def make_plan(inputs: PlanInputs) -> Plan:
             f"it needs room for {min_slots} param chunks of {format_bytes(inputs.param_chunk_bytes)} besides "
             f"{format_bytes(inputs.nonmodel_peak_bytes)} of activations")))
     device_optim = max(0, room - param_device) // inputs.optimizer_chunk_bytes if params_resident else 0
-    device_optim = min(n, device_optim)
+    device_optim = min(len(owned), device_optim)
     # Device optimizer groups go to the chunks the next forward needs first: the host groups' CPU
     # Adam and their host->device copies then overlap the forward through those early layers.
-    order = first_use_order(inputs.trace, n)
+    mine = set(owned)
+    order = [c for c in first_use_order(inputs.trace, n) if c in mine]
     host_fixed = inputs.scratch_bytes + (0 if params_resident else all_params)
-    num_host, num_nvme, host_bytes = _split_host_and_nvme(inputs, n - device_optim, host_fixed)
-    tiers = [DEVICE] * n
-    for position, chunk in enumerate(order[device_optim:]):
-        tiers[chunk] = HOST if position < num_host else NVME
+    num_host, num_nvme, host_bytes = _split_host_and_nvme(inputs, len(owned) - device_optim, host_fixed)
+    tiers = [REMOTE] * n
+    for position, chunk in enumerate(order):
+        tiers[chunk] = DEVICE if position < device_optim else HOST if position < device_optim + num_host else NVME
     device_bytes = param_device + device_optim * inputs.optimizer_chunk_bytes + inputs.scratch_bytes
     return Plan(params_resident=params_resident, cache_slots=cache_slots, optimizer_tier=tuple(tiers),
                 device_bytes=device_bytes, host_bytes=host_bytes, nvme_bytes=num_nvme * inputs.swap_slot_bytes)

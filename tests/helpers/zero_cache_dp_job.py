@@ -1,0 +1,91 @@
+"""ZeRO-Cache over data-parallel ranks (or one process): train, optionally resume / save, dump the fp32 weights.
+
+    torchrun --nproc-per-node 4 tests/helpers/zero_cache_dp_job.py --global-batch 4 --data-seed S --steps 2 \
+        --save-dir D --out FILE
+    torchrun --nproc-per-node 2 tests/helpers/zero_cache_dp_job.py --global-batch 4 --data-seed S --steps 2 \
+        --load D --out FILE
+
+The device budget holds every param chunk and one optimizer group, so each rank's own groups are
+split over the device and the host tier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import angelptm  # noqa: E402
+from angelptm.data import repeat_batches  # noqa: E402
+from angelptm.models import ModelConfig, build_model  # noqa: E402
+from reference import SEQ, VOCAB, RandomTokens  # noqa: E402
+from zero_cache.layout import pack  # noqa: E402
+
+CHUNK_NUMEL = 8192
+
+
+def device_budget(model: torch.nn.Module, world_size: int) -> int:
+    """Bytes for every (padded) fp32 param chunk, the fp32 scratch chunk and one optimizer group."""
+    layout = pack([(n, tuple(p.shape)) for n, p in model.named_parameters()], CHUNK_NUMEL)
+    padded = -(-layout.num_chunks // world_size) * world_size
+    need = (padded * 4 + 4 + 12) * CHUNK_NUMEL
+    return int(need / 0.97) + 1024  # the planner keeps 3% free
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--global-batch", type=int, required=True)
+    parser.add_argument("--data-seed", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--save-dir")
+    parser.add_argument("--load")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--accumulation", type=int, default=1)
+    parser.add_argument("--die-at-step", type=int, default=None, help="rank 1 exits (code 3) before this step")
+    args = parser.parse_args()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    torch.manual_seed(0 if rank == 0 else 100 + rank)  # initialize() must broadcast rank 0's weights
+    model = build_model(ModelConfig(flavour="llama", vocab_size=VOCAB, max_seq_len=SEQ, num_layers=3,
+                                    hidden_size=32, num_heads=4))
+    config = {"train_micro_batch_size_per_gpu": args.global_batch // world_size, "gradient_accumulation_steps": args.accumulation,
+              "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
+              "gradient_clipping": 0.5, "steps_per_print": 100,
+              "zero_cache": {"enabled": True, "chunk_size": CHUNK_NUMEL,
+                             "device_memory_budget": device_budget(model, world_size),
+                             "host_memory_budget": 64 * 2**20}}
+    engine, optimizer, loader, _ = angelptm.initialize(model=model, training_data=RandomTokens(args.data_seed),
+                                                       config=config)
+    tiers = {group.tier for group in optimizer.store.groups}
+    expected = {"device", "host"} | ({"remote"} if world_size > 1 else set())
+    assert tiers == expected, f"rank {rank}: optimizer groups in {tiers}, expected {expected}"
+    if args.load:
+        path, _ = engine.load_checkpoint(args.load)
+        assert path is not None, f"no checkpoint in {args.load}"
+    batches = repeat_batches(loader)
+    losses = []
+    for step in range(args.steps):
+        if step == args.die_at_step and rank == 1:
+            os._exit(3)  # a crashed rank: no cleanup, its peers are mid-collective
+        loss = engine(**next(batches))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    if args.save_dir:
+        engine.save_checkpoint(args.save_dir)
+    weights = engine.consolidated_state_dict()  # every rank: the masters are gathered
+    if engine.ctx.is_main:
+        torch.save({"weights": weights, "losses": losses, "global_steps": engine.global_steps,
+                    "world_size": world_size}, args.out)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

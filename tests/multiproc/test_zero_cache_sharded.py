@@ -1,0 +1,92 @@
+"""ZeRO-Cache sharded over gloo ranks: equal to one process with the same global batch, reshardable checkpoints."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from launch import run, run_ok, torchrun
+
+JOB = Path(__file__).resolve().parents[1] / "helpers" / "zero_cache_dp_job.py"
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.dist
+
+
+def job(nproc: int, *args: str) -> list[str]:
+    return torchrun(nproc, JOB, *args) if nproc > 1 else [sys.executable, str(JOB), *args]
+
+
+def train(nproc: int, out: Path, data_seed: int, steps: int, *extra: str) -> dict:
+    run_ok(job(nproc, "--global-batch", "4", "--data-seed", str(data_seed), "--steps", str(steps),
+               "--out", str(out), *extra))
+    return torch.load(out)
+
+
+def assert_same_weights(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                        start: dict[str, torch.Tensor]) -> None:
+    """Equal up to summation order, and training moved them far more than that (or equality proves little)."""
+    assert got.keys() == expected.keys()
+    moved = max((expected[k] - start[k]).abs().max().item() for k in expected)
+    assert moved > 1e-3, f"training moved the weights by only {moved}"
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def data_seed() -> int:
+    return torch.randint(0, 2**31, ()).item()
+
+
+@pytest.fixture(scope="module")
+def unsharded(tmp_path_factory, data_seed) -> tuple[dict, dict]:
+    """One process, 4 steps of global batch 4, and the weights after 0 steps."""
+    root = tmp_path_factory.mktemp("unsharded")
+    return (train(1, root / "four.pt", data_seed, 4)["weights"], train(1, root / "zero.pt", data_seed, 0)["weights"])
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_sharded_training_equals_one_process_with_the_same_global_batch(tmp_path, data_seed, unsharded, nproc):
+    expected, start = unsharded
+    result = train(nproc, tmp_path / "sharded.pt", data_seed, 4)
+    assert result["world_size"] == nproc and result["global_steps"] == 4
+    assert_same_weights(result["weights"], expected, start)
+
+
+def test_checkpoint_saved_at_four_ranks_resumes_at_two_and_one_and_exports_offline(tmp_path, data_seed, unsharded):
+    expected, start = unsharded
+    save_dir = tmp_path / "ckpt"
+    halfway = train(4, tmp_path / "first.pt", data_seed, 2, "--save-dir", str(save_dir))
+    files = sorted(p.name for p in (save_dir / "global_step2").iterdir())
+    assert files == ["model_states.pt", "optim_states.pt", *[f"rank_{r:05d}_states.pt" for r in range(4)]]
+    for nproc in (2, 1):
+        resumed = train(nproc, tmp_path / f"resumed{nproc}.pt", data_seed, 2, "--load", str(save_dir))
+        assert resumed["global_steps"] == 4
+        assert_same_weights(resumed["weights"], expected, start)
+    # The offline export gathers the four shards' masters: the weights the 4-rank run held after 2 steps.
+    exported = tmp_path / "model.safetensors"
+    run_ok([sys.executable, "-m", "angelptm.export", str(save_dir), str(exported)], cwd=ROOT)
+    weights = load_file(exported)
+    assert weights.keys() == halfway["weights"].keys()
+    for name, tensor in halfway["weights"].items():
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=0)
+
+
+def test_a_rank_that_dies_mid_training_stops_the_others_with_its_exit_code(tmp_path, data_seed):
+    start = time.monotonic()
+    result = run(job(2, "--global-batch", "4", "--data-seed", str(data_seed), "--steps", "4", "--die-at-step", "2",
+                     "--out", str(tmp_path / "never.pt")), timeout=240)
+    assert result.returncode != 0 and not (tmp_path / "never.pt").exists()
+    assert "exitcode  : 3" in result.stderr, result.stderr[-3000:]
+    assert time.monotonic() - start < 200
+
+
+def test_gradient_accumulation_with_sharded_chunks_is_refused_with_the_alternative(tmp_path, data_seed):
+    result = run(job(2, "--global-batch", "4", "--data-seed", str(data_seed), "--steps", "1", "--accumulation", "2",
+                     "--out", str(tmp_path / "never.pt")))
+    assert result.returncode != 0
+    assert "gradient_accumulation_steps is 2" in result.stderr and "train_micro_batch_size_per_gpu" in result.stderr
