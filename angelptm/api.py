@@ -172,7 +172,7 @@ def _attach_zero_cache(model: nn.Module, inner: torch.optim.Optimizer, names: di
                                  gradient_clipping=cfg.gradient_clipping,
                                  accumulation_steps=cfg.batch.gradient_accumulation_steps,
                                  sharding=zero_cache.Sharding(rank=ctx.rank, world_size=ctx.world_size,
-                                                              group=ctx.group))
+                                                              group=ctx.group, ranks_per_host=ctx.local_world_size))
     except (ValueError, NotImplementedError) as err:  # does not fit, chunk_size too small, or a feature not built
         raise ConfigError(str(err)) from None
 

@@ -33,6 +33,8 @@ class DistContext:
     """Compute device of this rank."""
     group: dist.ProcessGroup | None
     """The data-parallel group, or None in a single-process run."""
+    local_world_size: int = 1
+    """Ranks on this host (the launcher's LOCAL_WORLD_SIZE): they share its RAM."""
 
     @property
     def is_main(self) -> bool:
@@ -97,5 +99,6 @@ def init_distributed(*, dist_init_required: bool | None = None, timeout_s: float
                           "False and no process group exists; initialise torch.distributed first or drop the argument")
     if dist.is_initialized():
         return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
-                           device=device, group=dist.group.WORLD)
+                           device=device, group=dist.group.WORLD,
+                           local_world_size=_env_int("LOCAL_WORLD_SIZE", dist.get_world_size()))
     return DistContext(rank=0, world_size=1, local_rank=local_rank, device=device, group=None)

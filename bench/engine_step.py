@@ -3,6 +3,8 @@
     python bench/engine_step.py --sizes 125m 1.3b --modes torch angelptm deepspeed --steps 20
     python bench/engine_step.py --sizes 1.3b --modes zero_cache deepspeed_nvme --anchor deepspeed_nvme \
         --device-budget 12GB --host-budget 4GB --nvme-path /tmp/swap      # optimizer states on disk
+    python bench/engine_step.py --sizes 6.9b --modes zero_cache deepspeed_zero3 --anchor deepspeed_zero3 \
+        --nproc 1 2                                                       # data parallel over 2 GPUs
 
 Each (size, mode) runs in its own process so peak memory is its own. Model TFLOPS follow the
 benchmark protocol: (6N + 12 L H S) x tokens / step time, recompute not counted. Prints one JSON
@@ -12,7 +14,9 @@ line per run and a table; ratios are against DeepSpeed measured in the same invo
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -47,6 +51,7 @@ def build(size: str, checkpointing: bool):
     torch.manual_seed(0)
     config = ModelConfig(flavour="gpt2", vocab_size=50304, max_seq_len=1024, dropout=0.0,
                          activation_checkpointing=checkpointing, **SIZES[size])
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # under torchrun: this rank's GPU
     with torch.device("cuda"):  # initialise on the GPU: fast, and no host copy of a large model
         return build_model(config).bfloat16()
 
@@ -158,8 +163,9 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
         extra = {"groups_device_host_nvme": [tiers.count(t) for t in ("device", "host", "nvme")],
                  "nvme_gib": optimizer.store.tiers["nvme"].used_bytes / 2**30 if "nvme" in optimizer.store.tiers else 0,
                  "overlap": report.get("zero_cache_overlap"), "in_backward": optimizer.update_in_backward}
-    tokens = micro * 1024
-    return {"size": size, "mode": mode, "params": num_params, "step_s": step_s, "tokens_per_s": tokens / step_s,
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    tokens = micro * 1024 * world_size  # every rank's micro-batch: the global batch
+    return {"size": size, "mode": mode, "ranks": world_size, "params": num_params, "step_s": step_s, "tokens_per_s": tokens / step_s,
             "tflops": tokens * flops_per_token / step_s / 1e12,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
             # ru_maxrss: the process's peak resident set (KiB on Linux), pinned host memory included
@@ -179,39 +185,48 @@ def main() -> None:
     parser.add_argument("--nvme-path", help="swap directory for zero_cache's NVMe tier and deepspeed_nvme")
     parser.add_argument("--gradient-clipping", type=float, default=0.0)
     parser.add_argument("--anchor", default="deepspeed", help="mode the ratios are taken against")
+    parser.add_argument("--nproc", nargs="+", type=int, default=[1],
+                        help="run each mode on each of these GPU counts (torchrun; same micro-batch per GPU)")
     parser.add_argument("--child", nargs=2, metavar=("SIZE", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(run_one(*args.child, args.steps, args.micro, not args.no_checkpointing,
-                                             args.device_budget, args.gradient_clipping, args.host_budget,
-                                             args.nvme_path)))
+        result = run_one(*args.child, args.steps, args.micro, not args.no_checkpointing, args.device_budget,
+                         args.gradient_clipping, args.host_budget, args.nvme_path)
+        if os.environ.get("RANK", "0") == "0":
+            print("RESULT " + json.dumps(result))
         return
     results = []
-    for size in args.sizes:
-        for mode in args.modes:
-            command = [sys.executable, __file__, "--child", size, mode, "--steps", str(args.steps),
-                       "--micro", str(args.micro), "--device-budget", args.device_budget,
-                       "--gradient-clipping", str(args.gradient_clipping), "--host-budget", args.host_budget]
-            command += ["--no-checkpointing"] if args.no_checkpointing else []
-            command += ["--nvme-path", args.nvme_path] if args.nvme_path else []
-            proc = subprocess.run(command, capture_output=True, text=True)
-            lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-            if proc.returncode or not lines:
-                tail = [l for l in proc.stderr.splitlines() if "Warning" not in l][-25:]
-                print(f"{size} {mode}: failed (exit {proc.returncode})\n" + "\n".join(tail), flush=True)
-                continue
-            notes = [l for l in proc.stderr.splitlines() if l.startswith("zero_cache:")]
-            print("\n".join(notes), flush=True)
-            result = json.loads(lines[-1].removeprefix("RESULT "))
-            results.append(result)
-            print(json.dumps(result), flush=True)
-    print(f"\n| size | mode | params | step s | tokens/s | TFLOPS | vs {args.anchor} | peak GPU GiB | host RSS GiB |\n"
-          "|---|---|---|---|---|---|---|---|---|")
+    for size, mode, nproc in itertools.product(args.sizes, args.modes, args.nproc):
+        launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                        "--standalone", "--nproc-per-node", str(nproc)]
+        command = [*launcher, __file__, "--child", size, mode, "--steps", str(args.steps),
+                   "--micro", str(args.micro), "--device-budget", args.device_budget,
+                   "--gradient-clipping", str(args.gradient_clipping), "--host-budget", args.host_budget]
+        command += ["--no-checkpointing"] if args.no_checkpointing else []
+        command += ["--nvme-path", args.nvme_path] if args.nvme_path else []
+        proc = subprocess.run(command, capture_output=True, text=True)
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            tail = [l for l in proc.stderr.splitlines() if "Warning" not in l][-25:]
+            print(f"{size} {mode} x{nproc}: failed (exit {proc.returncode})\n" + "\n".join(tail), flush=True)
+            continue
+        notes = [l for l in proc.stderr.splitlines() if l.startswith("zero_cache:")]
+        print("\n".join(notes), flush=True)
+        result = json.loads(lines[-1].removeprefix("RESULT "))
+        results.append(result)
+        print(json.dumps(result), flush=True)
+    print(f"\n| size | mode | GPUs | params | step s | tokens/s | TFLOPS | vs {args.anchor} | scaling vs 1 GPU "
+          "| peak GPU GiB | host RSS GiB (rank 0) |\n|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        anchor = next((a for a in results if a["size"] == r["size"] and a["mode"] == args.anchor), None)
-        ratio = f"{anchor['step_s'] / r['step_s']:.2f}x" if anchor else "n/a"
-        print(f"| {r['size']} | {r['mode']} | {r['params'] / 1e6:.0f}M | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} "
-              f"| {r['tflops']:.0f} | {ratio} | {r['peak_gib']:.1f} | {r['host_rss_gib']:.1f} |")
+        same = [a for a in results if a["size"] == r["size"]]
+        anchor = next((a for a in same if a["mode"] == args.anchor and a["ranks"] == r["ranks"]), None)
+        ratio = f"{r['tokens_per_s'] / anchor['tokens_per_s']:.2f}x" if anchor else "n/a"
+        single = next((a for a in same if a["mode"] == r["mode"] and a["ranks"] == 1), None)
+        # Scaling efficiency: throughput on W GPUs over W times the single GPU's, same per-GPU batch.
+        scaling = f"{r['tokens_per_s'] / (r['ranks'] * single['tokens_per_s']):.0%}" if single else "n/a"
+        print(f"| {r['size']} | {r['mode']} | {r['ranks']} | {r['params'] / 1e6:.0f}M | {r['step_s']:.3f} "
+              f"| {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | {ratio} | {scaling} | {r['peak_gib']:.1f} "
+              f"| {r['host_rss_gib']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -195,7 +195,7 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
         # storage is released as each one is rebound to its chunk view).
         reclaimable = sum(p.numel() * p.element_size() for _, p in params if p.device == device)
         device_budget = auto_device_budget(device) + reclaimable
-    device_tier, host_tier = build_tiers(device, device_budget, config.host_budget_bytes)
+    device_tier, host_tier = build_tiers(device, device_budget, config.host_budget_bytes, sharding.ranks_per_host)
     swap_directory, disk_budget = nvme_budget(config)
     # Before the warm-up has measured activations, keep part of the device for them; the re-plan
     # after the first step replaces this guess with the measured peak (and moves groups back).

@@ -37,6 +37,8 @@ class Sharding:
     """Ranks sharing the chunks."""
     group: dist.ProcessGroup | None = None
     """Their process group (None: the default group, or no communication when ``world_size`` is 1)."""
+    ranks_per_host: int = 1
+    """Ranks sharing this host's RAM: an "auto" host budget is split between them."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:

@@ -173,17 +173,19 @@ HOST_MARGIN_FRACTION = 0.10
 process itself and the OS, so a full host tier never wakes the OOM killer."""
 
 
-def auto_host_budget(device: torch.device) -> int:
-    """Available host RAM less the margin (half of it when the device tier is host RAM too)."""
+def auto_host_budget(device: torch.device, ranks_per_host: int = 1) -> int:
+    """Available host RAM less the margin, split between the ranks on this host (and halved when the
+    device tier is host RAM too)."""
     memory = psutil.virtual_memory()
     usable = memory.available - max(4 * 2**30, int(memory.total * HOST_MARGIN_FRACTION))
     share = 0.5 if device.type == "cpu" else 1.0
-    return max(0, int(usable * share))
+    return max(0, int(usable * share / ranks_per_host))
 
 
-def build_tiers(device: torch.device, device_budget: int | None, host_budget: int | None) -> tuple[Tier, Tier]:
-    """The device and host tiers, with "auto" (None) budgets measured now."""
+def build_tiers(device: torch.device, device_budget: int | None, host_budget: int | None,
+                ranks_per_host: int = 1) -> tuple[Tier, Tier]:
+    """The device and host tiers, with "auto" (None) budgets measured now (the host's shared by its ranks)."""
     device_tier = Tier("device", device, device_budget if device_budget is not None else auto_device_budget(device))
-    host_tier = Tier("host", torch.device("cpu"), host_budget if host_budget is not None else auto_host_budget(device),
-                     pin_memory=device.type == "cuda")
+    host_tier = Tier("host", torch.device("cpu"), host_budget if host_budget is not None
+                     else auto_host_budget(device, ranks_per_host), pin_memory=device.type == "cuda")
     return device_tier, host_tier
