@@ -2,7 +2,8 @@
 
 Never imports ``angelptm``; owns its typed config. The pieces, lowest first: ``cost`` (stage time and
 memory over a chain of op units), ``search`` (exact min-max split, by-layer baselines), ``graph`` (trace,
-cut, slice), ``profile``/``profiler`` (measured op costs as JSON), ``runtime`` (stages and schedules on
+cut, slice), ``timing``/``calibration`` (per-op timers; op times fitted to a whole-graph run),
+``profile``/``profiler`` (measured op costs as JSON), ``runtime`` (stages and schedules on
 ``torch.distributed.pipelining``), ``timeline`` (predicted flush, PNG), ``cli`` (``python -m autopipe``).
 """
 

@@ -13,7 +13,9 @@ from pathlib import Path
 
 from autopipe.cost import CostChain
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2 added the calibration fields of :class:`Profile`; version 1 files load with them at "uncalibrated"."""
+READABLE_VERSIONS = (1, 2)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -29,9 +31,9 @@ class OpRecord:
     layer: int
     """-1 before the first repeated block, 0..L-1 inside one, L after the last."""
     forward_s: float
-    """Median forward time."""
+    """Forward time, calibrated (see :attr:`Profile.forward_scale`)."""
     backward_s: float
-    """Median backward time (0 when no output needs a gradient)."""
+    """Backward time, calibrated (0 when no output needs a gradient)."""
     param_bytes: int
     """Bytes of the parameters this op is the first to read."""
     param_numel: int
@@ -60,6 +62,18 @@ class Profile:
     """Device the times were measured on."""
     input_shapes: dict[str, list[int]] = field(default_factory=dict)
     """Shapes of the example inputs (one micro-batch)."""
+    forward_overhead_s: float = 0.0
+    """Harness cost per timed call subtracted from every op's raw forward time (timed on a no-op)."""
+    backward_overhead_s: float = 0.0
+    """The same for the backward."""
+    time_scale: float = 1.0
+    """Factor on the net op times so they sum to :attr:`measured_total_s` (1.0: uncalibrated)."""
+    raw_forward_total_s: float = 0.0
+    """Sum of the ops' forward times as timed one op at a time, before calibration (0: not recorded)."""
+    raw_backward_total_s: float = 0.0
+    """The same for the backward."""
+    measured_total_s: float = 0.0
+    """The whole graph's forward + backward timed end to end, the calibration's ground truth (0: not measured)."""
     version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -124,7 +138,17 @@ class Profile:
                          f"{op.param_bytes / 2**20:>10.2f} {op.output_bytes / 2**20:>8.2f}")
         lines.append(f"{len(self.ops)} ops, forward {sum(op.forward_s for op in self.ops) * 1e3:.3f} ms, backward "
                      f"{sum(op.backward_s for op in self.ops) * 1e3:.3f} ms per micro-batch on {self.device}")
+        lines.append(self.calibration_line())
         return "\n".join(lines)
+
+    def calibration_line(self) -> str:
+        """How the op times were calibrated, in one line."""
+        if not self.measured_total_s:
+            return "op times not calibrated to a whole-graph run"
+        return (f"calibrated to the whole graph's forward + backward timed end to end, {self.measured_total_s * 1e3:.3f} "
+                f"ms: ops timed alone sum to {self.raw_forward_total_s * 1e3:.3f} + {self.raw_backward_total_s * 1e3:.3f} "
+                f"ms; harness overhead {self.forward_overhead_s * 1e6:.1f} / {self.backward_overhead_s * 1e6:.1f} us "
+                f"per op subtracted; scale {self.time_scale:.3f}")
 
     def to_json(self) -> str:
         """The profile as a JSON document."""
@@ -135,12 +159,13 @@ class Profile:
         """Parse :meth:`to_json`'s output.
 
         Raises:
-            ValueError: not a profile of this format version.
+            ValueError: not a profile of a readable format version (1 or 2).
         """
         raw = json.loads(text)
-        if not isinstance(raw, dict) or raw.get("version") != FORMAT_VERSION:
+        if not isinstance(raw, dict) or raw.get("version") not in READABLE_VERSIONS:
             found = raw.get("version") if isinstance(raw, dict) else type(raw).__name__
-            raise ValueError(f"not an autopipe profile of version {FORMAT_VERSION} (version: {found!r})")
+            raise ValueError(f"not an autopipe profile of version {READABLE_VERSIONS} (version: {found!r})")
+        raw.pop("version")  # an older file's missing fields take their "uncalibrated" defaults
         try:
             ops = [OpRecord(**op) for op in raw.pop("ops")]
             return cls(ops=ops, **raw)

@@ -21,7 +21,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.utils.checkpoint import checkpoint
 
 from autopipe.graph import OpGraph, build_loss_module, build_stage_modules
-from autopipe.profiler import median_time_s
+from autopipe.timing import median_time_s
 
 
 @dataclass(frozen=True, slots=True)

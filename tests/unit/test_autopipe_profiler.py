@@ -11,7 +11,8 @@ from torch import nn
 from angelptm.models import ModelConfig, build_model
 from autopipe.graph import build_loss_module, build_stage_modules, trace
 from autopipe.profile import Profile
-from autopipe.profiler import median_time_s, profile_graph
+from autopipe.profiler import profile_graph
+from autopipe.timing import median_time_s, per_call_time_s
 
 MICRO, SEQ, VOCAB, HIDDEN = 2, 16, 96, 32
 
@@ -27,15 +28,28 @@ def traced():
     return model, inputs, graph, profile_graph(graph, inputs, warmup=0, repeats=2)
 
 
-def test_profile_times_are_positive_and_bytes_match_the_tensors(traced):
+def test_raw_times_are_positive_and_calibrated_times_sum_to_the_whole_graph(traced):
+    _, inputs, graph, profile = traced
+    raw = profile_graph(graph, inputs, warmup=0, repeats=1, calls=2, calibrate=False)
+    assert all(op.forward_s > 0 for op in raw.ops)
+    assert next(op for op in raw.ops if op.module == "lm_head" and "linear" in op.target).backward_s > 0
+    assert raw.time_scale == 1.0 and raw.measured_total_s == 0.0 and "not calibrated" in raw.calibration_line()
+    assert raw.raw_forward_total_s == pytest.approx(sum(op.forward_s for op in raw.ops))
+    # calibrated: the harness overhead was measured and the op times share the measured whole-graph time
+    assert profile.measured_total_s > 0 and profile.time_scale > 0
+    assert profile.forward_overhead_s >= 0 and profile.backward_overhead_s > 0
+    assert all(op.forward_s >= 0 and op.backward_s >= 0 for op in profile.ops)
+    assert sum(op.forward_s + op.backward_s for op in profile.ops) == pytest.approx(profile.measured_total_s)
+    assert "scale" in profile.top_ops_table(3).splitlines()[-1]
+
+
+def test_profile_bytes_match_the_tensors(traced):
     model, _, graph, profile = traced
     assert len(profile.ops) == len(graph.ops) and profile.num_body_ops == graph.num_body_ops
-    assert all(op.forward_s > 0 for op in profile.ops)
     by_module = {}
     for op in profile.ops:
         by_module.setdefault(op.module, []).append(op)
     head = next(op for op in by_module["lm_head"] if "linear" in op.target)
-    assert head.backward_s > 0
     assert head.param_bytes == VOCAB * HIDDEN * 4 and head.param_numel == VOCAB * HIDDEN
     assert head.output_bytes == MICRO * SEQ * VOCAB * 4  # logits [B, S, V] fp32
     fc = next(op for op in by_module["blocks.0.mlp.fc"] if "linear" in op.target)
@@ -61,12 +75,21 @@ def test_profile_json_round_trip_and_table(traced, tmp_path):
     profile.save(path)
     assert Profile.load(path) == profile
     table = profile.top_ops_table(5)
-    assert len(table.splitlines()) == 7 and "fwd ms" in table
+    assert len(table.splitlines()) == 8 and "fwd ms" in table
     with pytest.raises(ValueError, match="autopipe.profile_path"):
         Profile.load(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text('{"version": 99}')
     with pytest.raises(ValueError, match="version"):
         Profile.load(tmp_path / "bad.json")
+    old = json.loads(path.read_text())  # a version 1 file: no calibration fields; loads as uncalibrated
+    for name in ("forward_overhead_s", "backward_overhead_s", "time_scale", "raw_forward_total_s",
+                 "raw_backward_total_s", "measured_total_s"):
+        del old[name]
+    old["version"] = 1
+    (tmp_path / "v1.json").write_text(json.dumps(old))
+    loaded = Profile.load(tmp_path / "v1.json")
+    assert loaded.ops == profile.ops and loaded.time_scale == 1.0 and loaded.measured_total_s == 0.0
+    assert loaded.version == 2
     truncated = json.loads(path.read_text())
     del truncated["ops"]
     (tmp_path / "truncated.json").write_text(json.dumps(truncated))
@@ -116,8 +139,13 @@ def test_trace_rejects_bad_targets():
         trace(NoLoss(), {"x": torch.ones(2), "labels": torch.ones(2)}, "labels")
 
 
-def test_median_time_on_cpu_is_positive():
-    assert median_time_s(lambda: torch.ones(64, 64) @ torch.ones(64, 64), torch.device("cpu"), warmup=1,
-                         repeats=3) > 0
+def test_timers_on_cpu_are_positive():
+    def matmul():
+        return torch.ones(64, 64) @ torch.ones(64, 64)
+
+    assert median_time_s(matmul, torch.device("cpu"), warmup=1, repeats=3) > 0
+    assert per_call_time_s(matmul, torch.device("cpu"), warmup=1, repeats=2, calls=3) > 0
     with pytest.raises(ValueError, match="repeats"):
         profile_graph(None, {"x": torch.ones(1)}, repeats=0)
+    with pytest.raises(ValueError, match="calls"):
+        profile_graph(None, {"x": torch.ones(1)}, calls=0)
