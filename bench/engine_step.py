@@ -37,6 +37,7 @@ SIZES = {  # GPT-2-style shapes; vocab 50304, seq 1024 as in the protocol
     "18b": dict(num_layers=56, hidden_size=5120, num_heads=40, tie_embeddings=False),
     "19b": dict(num_layers=60, hidden_size=5120, num_heads=40, tie_embeddings=False),
     "20b": dict(num_layers=63, hidden_size=5120, num_heads=40),  # tied embeddings: 20.08B
+    "26b": dict(num_layers=41, hidden_size=7168, num_heads=56, tie_embeddings=False),  # 26.0B
     "30b": dict(num_layers=48, hidden_size=7168, num_heads=56, tie_embeddings=False),  # 30.3B
 }
 AIO = {"block_size": 1 << 20, "queue_depth": 32, "thread_count": 4, "single_submit": False, "overlap_events": True}
