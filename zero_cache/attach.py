@@ -43,12 +43,9 @@ def grad_bytes_per_element(accumulation_steps: int) -> int:
 
 
 def resolve_update_in_backward(config: ZeroCacheConfig, *, gradient_clipping: float, loss_scaler: Any,
-                               accumulation_steps: int, sharded: bool = False) -> bool:
+                               accumulation_steps: int) -> bool:
     """Whether host chunks update during backward: "auto" turns it on wherever it is exact."""
     blockers = []
-    if sharded:
-        blockers.append("the chunks are sharded over data-parallel ranks (an owned chunk's gradient is complete "
-                        "only once every rank's backward has reached it, at the reduce-scatter)")
     if gradient_clipping > 0:
         blockers.append(f"gradient_clipping is {gradient_clipping} (the clip factor needs the global norm, "
                         "known only after backward)")
@@ -184,7 +181,7 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
             f"(gradients are reduce-scattered from the param chunks they are written over), but "
             f"gradient_accumulation_steps is {accumulation_steps}: raise train_micro_batch_size_per_gpu instead")
     in_backward = resolve_update_in_backward(config, gradient_clipping=gradient_clipping, loss_scaler=loss_scaler,
-                                             accumulation_steps=accumulation_steps, sharded=sharding.sharded)
+                                             accumulation_steps=accumulation_steps)
     ordered = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     in_optimizer = {id(p) for p in ordered}
     params = [(name, p) for name, p in module.named_parameters() if id(p) in in_optimizer]

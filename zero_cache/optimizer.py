@@ -82,8 +82,7 @@ class ZeroCacheOptimizer:
         self.update_in_backward = update_in_backward
         self.device = store.tiers[DEVICE].device
         self.sharding = store.sharding
-        assert not (self.sharding.sharded and (update_in_backward or store.grads_in_accumulators)), \
-            "sharded chunks take one micro-batch per step and update after backward"
+        assert not (self.sharding.sharded and store.grads_in_accumulators), "sharded chunks take one micro-batch per step"
         self._device_adam = functools.partial(torch_fused_adam, decoupled=decoupled_weight_decay)
         self.host_adam = HostAdam(decoupled_weight_decay, try_deepspeed=self.device.type == "cuda",
                                   try_native=native_host_adam)
@@ -112,7 +111,8 @@ class ZeroCacheOptimizer:
         self._written: set[str] = set()  # slots that received a gradient in this accumulation window
         num_groups = self.sharding.num_groups(store.layout.num_chunks)
         self._group_missing: list[int] = [0] * num_groups  # gradients still to come per collective group
-        self._reductions: dict[int, Any] = {}  # group -> its reduce-scatter (issued, not yet waited for)
+        self._reduced: set[int] = set()  # groups whose reduce-scatter this window has issued
+        self._reductions: dict[int, Any] = {}  # group -> its reduce-scatter (issued, not yet waited for), in order
         self._gathers: dict[int, Any] = {}  # group -> its all-gather (issued, not yet waited for)
         self._stale: set[int] = set()  # groups whose non-owned chunks await the owners' updated params
         self._missing: dict[int, int] = {}  # gradients still to come per chunk, this window
@@ -182,7 +182,9 @@ class ZeroCacheOptimizer:
             group = self.sharding.group_of(slot.chunk)
             self._group_missing[group] -= 1
             if self._group_missing[group] == 0:  # the group's gradients are complete on this rank
-                self._reductions[group] = self.sharding.reduce_scatter(self.store.group_buffers[group])
+                self._reduce(group)
+                if self.update_in_backward:
+                    self._update_reduced(keep_in_flight=1)
             return
         square = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
         self._chunk_squares[slot.chunk:slot.chunk + 1].add_(square)
@@ -217,6 +219,7 @@ class ZeroCacheOptimizer:
 
     def _reset_window(self) -> None:
         self._written.clear()
+        self._reduced.clear()
         self._queued.clear()
         self._host_squares.clear()
         self._chunk_squares.zero_()
@@ -286,20 +289,48 @@ class ZeroCacheOptimizer:
         """Reduce-scatter every group backward has not (same order on every rank), wait for all, and
         put the owned chunks' squared norms, summed over ranks, into ``_chunk_squares``."""
         for group in range(len(self._group_missing)):
-            if group not in self._reductions:
-                self._reductions[group] = self.sharding.reduce_scatter(self.store.group_buffers[group])
+            if group not in self._reduced:
+                self._reduce(group)
         self._wait_reductions()
         for chunk in self.sharding.owned(self.store.layout.num_chunks):
-            # Padding inside a chunk is zero on every rank, so the whole chunk's norm is its gradients'.
-            self._chunk_squares[chunk] = torch.linalg.vector_norm(self.store.param_chunks[chunk],
-                                                                  dtype=torch.float32).square()
+            if chunk not in self._queued:  # a queued chunk's squares are in; its update may be overwriting it
+                self._chunk_squares[chunk] = self._owned_square(chunk)
         self.sharding.all_reduce_sum(self._chunk_squares)
+
+    def _reduce(self, group: int) -> None:
+        self._reduced.add(group)
+        self._reductions[group] = self.sharding.reduce_scatter(self.store.group_buffers[group])
 
     def _wait_reductions(self) -> None:
         for work in self._reductions.values():
             if work is not None:
                 work.wait()
         self._reductions.clear()
+
+    def _update_reduced(self, keep_in_flight: int) -> None:
+        """Queue the host updates of owned chunks whose reduce-scatter is done (update during backward).
+
+        Lagged: a group's reduction is waited for only once ``keep_in_flight`` later ones have been
+        issued, so the compute stream rarely stalls on NCCL; the wait orders the copies after it.
+        """
+        waiting = list(self._reductions)
+        for group in waiting[:max(0, len(waiting) - keep_in_flight)]:
+            work = self._reductions.pop(group)
+            if work is not None:
+                work.wait()
+            for chunk in self.sharding.group_chunks(group, self.store.layout.num_chunks):
+                if self.sharding.owns(chunk) and self.store.groups[chunk].tier in OFF_DEVICE \
+                        and chunk in self._members_of_chunk:
+                    self._chunk_squares[chunk] = self._owned_square(chunk)
+                    squares = self._squares_pinned[chunk:chunk + 1]
+                    squares.copy_(self._chunk_squares[chunk:chunk + 1], non_blocking=True)
+                    self._queued.add(chunk)
+                    self._queue_host_update(chunk, frozenset(self._written), self._hypers(), step=self.step_count + 1,
+                                            grad_factor=1.0 / self.sharding.world_size, squares=squares)
+
+    def _owned_square(self, chunk: int) -> torch.Tensor:
+        # Padding inside a chunk is zero on every rank, so the whole chunk's norm is its gradients'.
+        return torch.linalg.vector_norm(self.store.param_chunks[chunk], dtype=torch.float32).square()
 
     def prepare_chunk(self, chunk: int) -> None:
         """Make ``chunk``'s params current before a forward uses it (forward pre-hook).

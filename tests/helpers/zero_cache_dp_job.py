@@ -47,6 +47,7 @@ def main() -> None:
     parser.add_argument("--load")
     parser.add_argument("--out", required=True)
     parser.add_argument("--accumulation", type=int, default=1)
+    parser.add_argument("--clip", type=float, default=0.5, help="0: host chunks update during backward")
     parser.add_argument("--die-at-step", type=int, default=None, help="rank 1 exits (code 3) before this step")
     args = parser.parse_args()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -56,7 +57,7 @@ def main() -> None:
                                     hidden_size=32, num_heads=4))
     config = {"train_micro_batch_size_per_gpu": args.global_batch // world_size, "gradient_accumulation_steps": args.accumulation,
               "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
-              "gradient_clipping": 0.5, "steps_per_print": 100,
+              "gradient_clipping": args.clip, "steps_per_print": 100,
               "zero_cache": {"enabled": True, "chunk_size": CHUNK_NUMEL,
                              "device_memory_budget": device_budget(model, world_size),
                              "host_memory_budget": 64 * 2**20}}
@@ -66,6 +67,7 @@ def main() -> None:
     expected = {"device", "host"} | ({"remote"} if world_size > 1 else set())
     # (On CUDA the first plan keeps a share of the device for activations: its split differs.)
     assert tiers == expected or engine.device.type == "cuda", f"rank {rank}: groups in {tiers}, expected {expected}"
+    assert optimizer.update_in_backward == (args.clip == 0)
     if args.load:
         path, _ = engine.load_checkpoint(args.load)
         assert path is not None, f"no checkpoint in {args.load}"

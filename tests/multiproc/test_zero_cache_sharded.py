@@ -57,6 +57,14 @@ def test_sharded_training_equals_one_process_with_the_same_global_batch(tmp_path
     assert_same_weights(result["weights"], expected, start)
 
 
+def test_host_chunks_updated_during_backward_equal_one_process(tmp_path, data_seed, unsharded):
+    """No clipping: each owned host chunk updates as soon as its group's reduce-scatter is done."""
+    _, start = unsharded
+    expected = train(1, tmp_path / "one.pt", data_seed, 3, "--clip", "0")["weights"]
+    result = train(2, tmp_path / "two.pt", data_seed, 3, "--clip", "0")
+    assert_same_weights(result["weights"], expected, start)
+
+
 def test_checkpoint_saved_at_four_ranks_resumes_at_two_and_one_and_exports_offline(tmp_path, data_seed, unsharded):
     expected, start = unsharded
     save_dir = tmp_path / "ckpt"
