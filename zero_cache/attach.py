@@ -16,6 +16,7 @@ from torch import nn
 
 from zero_cache.chunks import SWAP_BUFFERS, ChunkStore
 from zero_cache.config import ZeroCacheConfig
+from zero_cache.exchange import GRADIENT_BUCKETS
 from zero_cache.host_update import STAGING_BUFFERS
 from zero_cache.layout import ChunkLayout, pack, search_chunk_size
 from zero_cache.optimizer import ZeroCacheOptimizer
@@ -65,10 +66,13 @@ def resolve_update_in_backward(config: ZeroCacheConfig, *, gradient_clipping: fl
 def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: torch.dtype, device_budget: int,
                 host_budget: int, accumulation_steps: int, trace: tuple[int, ...] = (),
                 nonmodel_peak_bytes: int = 0, nvme_budget: int = 0, sharding: Sharding = Sharding()) -> PlanInputs:
+    param_bytes = torch.empty((), dtype=compute_dtype).element_size()
+    buckets = GRADIENT_BUCKETS if sharding.sharded and accumulation_steps > 1 else 0
     return PlanInputs(num_chunks=layout.num_chunks, chunk_numel=layout.chunk_numel,
                       owned=sharding.owned(layout.num_chunks),
+                      exchange_buffer_bytes=buckets * sharding.world_size * layout.chunk_numel * param_bytes,
                       padding_chunks=sharding.padded_chunks(layout.num_chunks) - layout.num_chunks,
-                      param_bytes_per_element=torch.empty((), dtype=compute_dtype).element_size(),
+                      param_bytes_per_element=param_bytes,
                       grad_bytes_per_element=grad_bytes_per_element(accumulation_steps),
                       device_budget_bytes=device_budget, host_budget_bytes=host_budget, trace=trace,
                       nonmodel_peak_bytes=nonmodel_peak_bytes, prefetch_depth=config.prefetch_depth,
@@ -175,11 +179,6 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     if config.overlap_optimizer_step:
         raise NotImplementedError("zero_cache.overlap_optimizer_step (the one-step-late host update) is not "
                                   "implemented yet; leave it false for the exact update")
-    if sharding.sharded and accumulation_steps > 1:
-        raise NotImplementedError(
-            f"zero_cache over {sharding.world_size} data-parallel ranks takes one micro-batch per step so far "
-            f"(gradients are reduce-scattered from the param chunks they are written over), but "
-            f"gradient_accumulation_steps is {accumulation_steps}: raise train_micro_batch_size_per_gpu instead")
     in_backward = resolve_update_in_backward(config, gradient_clipping=gradient_clipping, loss_scaler=loss_scaler,
                                              accumulation_steps=accumulation_steps)
     ordered = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
@@ -212,7 +211,10 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
                                 loss_scaler=loss_scaler, gradient_clipping=gradient_clipping,
                                 update_in_backward=in_backward,
                                 native_host_adam=(device.type == "cuda" if config.native_host_adam == "auto"
-                                                  else config.native_host_adam))
+                                                  else config.native_host_adam),
+                                overlap_comm=config.overlap_comm,
+                                gather_ahead=max(1, -(-config.gather_ahead_elements
+                                                      // (sharding.world_size * layout.chunk_numel))))
     tracer = WarmupTracer(layout, config, compute_dtype, accumulation_steps)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # the warm-up measures the non-model peak from here

@@ -80,6 +80,16 @@ class ZeroCacheConfig:
     GPU, where the host update runs beside GPU work and its speed sets the step time. A failed build
     is logged and falls back to the library kernel."""
 
+    overlap_comm: bool = True
+    """Sharded over data-parallel ranks: reduce-scatter each chunk group from backward as soon as its
+    gradients are complete, under the rest of backward (true), or every group at ``step()`` (false).
+    DeepSpeed's ``zero_optimization.overlap_comm`` carries over."""
+
+    gather_ahead_elements: int = 50_000_000
+    """Sharded: parameter elements whose all-gather is started ahead of the forward that needs them
+    (rounded up to whole chunk groups, at least one). DeepSpeed's
+    ``zero_optimization.stage3_prefetch_bucket_size`` carries over."""
+
     nvme_path: str | None = None
     """Directory for the NVMe tier's swap files; None keeps all states in GPU + host memory. Optimizer
     states that fit in neither the device nor the host budget go there (DeepSpeed's
@@ -107,6 +117,8 @@ class ZeroCacheConfig:
             value = getattr(self, key)
             if not isinstance(value, bool) and value != AUTO:
                 raise ValueError(f"zero_cache.{key}: expected true, false or 'auto', got {value!r}")
+        if self.gather_ahead_elements < 0:
+            raise ValueError(f"zero_cache.gather_ahead_elements: must be >= 0, got {self.gather_ahead_elements}")
         if self.prefetch_depth < 0:
             raise ValueError(f"zero_cache.prefetch_depth: must be >= 0, got {self.prefetch_depth}")
 

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from zero_cache.chunks import STATE_FIELDS, ChunkStore
+from zero_cache.exchange import ChunkExchange
 from zero_cache.host_adam import HostAdam, torch_fused_adam
 from zero_cache.host_update import (ChunkUpdate, HostUpdater, NonFiniteGradientError, Transfers, adam_step,
                                    fp32_gradient, wait)
@@ -68,11 +69,14 @@ class ZeroCacheOptimizer:
         gradient_clipping: max global gradient norm (0 = off).
         update_in_backward: queue host chunks from backward (see ``ZeroCacheConfig.update_in_backward``).
         native_host_adam: build and use ``csrc/fused_host_adam.cpp`` for host chunks (``ZeroCacheConfig.native_host_adam``).
+        overlap_comm: sharded: reduce each group from backward (``ZeroCacheConfig.overlap_comm``).
+        gather_ahead: sharded: groups gathered ahead of the forward (from ``ZeroCacheConfig.gather_ahead_elements``).
     """
 
     def __init__(self, store: ChunkStore, optimizer: torch.optim.Optimizer, names: dict[int, str], *,
                  decoupled_weight_decay: bool = True, loss_scaler: Any = None, gradient_clipping: float = 0.0,
-                 update_in_backward: bool = False, native_host_adam: bool = False) -> None:
+                 update_in_backward: bool = False, native_host_adam: bool = False, overlap_comm: bool = True,
+                 gather_ahead: int = 1) -> None:
         assert not (update_in_backward and (store.grads_in_accumulators or loss_scaler or gradient_clipping)), \
             "update_in_backward needs one micro-batch per step, no loss scaler and no clipping"
         self.store = store
@@ -82,7 +86,9 @@ class ZeroCacheOptimizer:
         self.update_in_backward = update_in_backward
         self.device = store.tiers[DEVICE].device
         self.sharding = store.sharding
-        assert not (self.sharding.sharded and store.grads_in_accumulators), "sharded chunks take one micro-batch per step"
+        self.overlap_comm = overlap_comm
+        self.exchange = (ChunkExchange(store, self.wait_for_chunk, buckets=store.grads_in_accumulators,
+                                       gather_ahead=gather_ahead) if self.sharding.sharded else None)
         self._device_adam = functools.partial(torch_fused_adam, decoupled=decoupled_weight_decay)
         self.host_adam = HostAdam(decoupled_weight_decay, try_deepspeed=self.device.type == "cuda",
                                   try_native=native_host_adam)
@@ -111,10 +117,8 @@ class ZeroCacheOptimizer:
         self._written: set[str] = set()  # slots that received a gradient in this accumulation window
         num_groups = self.sharding.num_groups(store.layout.num_chunks)
         self._group_missing: list[int] = [0] * num_groups  # gradients still to come per collective group
-        self._reduced: set[int] = set()  # groups whose reduce-scatter this window has issued
-        self._reductions: dict[int, Any] = {}  # group -> its reduce-scatter (issued, not yet waited for), in order
-        self._gathers: dict[int, Any] = {}  # group -> its all-gather (issued, not yet waited for)
-        self._stale: set[int] = set()  # groups whose non-owned chunks await the owners' updated params
+        self._accumulated: set[int] = set()  # sharded, accumulating: owned chunks that received a reduced slice
+        self._micro_step_open = False  # sharded, accumulating: this micro-step wrote a gradient bucket
         self._missing: dict[int, int] = {}  # gradients still to come per chunk, this window
         self._queued: set[int] = set()  # host chunks already queued from backward in this window
         self._pending: dict[int, ChunkUpdate] = {}  # host chunk -> its latest queued update, until waited for
@@ -142,6 +146,8 @@ class ZeroCacheOptimizer:
     def prepare_backward(self, boundary: bool) -> None:
         """Told by the engine before each backward whether it completes an accumulation window."""
         self._boundary = boundary
+        if self.exchange is not None and self.store.grads_in_accumulators:
+            self._finish_micro_step()  # the previous micro-step's last groups
 
     def _make_grad_hook(self, slot: TensorSlot):
         # Weak: a tensor's hooks are invisible to the garbage collector, so a strong reference
@@ -164,6 +170,10 @@ class ZeroCacheOptimizer:
         self.wait_for_chunk(slot.chunk)  # the chunk's last host update has landed before we write it
         if not self.store.grads_in_accumulators:
             self._write_over_param(slot, grad, first)
+        elif self.exchange is not None:  # the owner accumulates the group's reduced bucket
+            self.exchange.bucket_view(slot.chunk)[slot.offset:slot.offset + slot.numel].copy_(grad.reshape(-1))
+            self._micro_step_open = True
+            self._group_written(slot.chunk)
         elif self.store.tier_of(slot) == DEVICE:
             accumulator = self.store.state_view(slot, "grad")
             accumulator.copy_(grad.reshape(-1)) if first else accumulator.add_(grad.reshape(-1))
@@ -178,13 +188,8 @@ class ZeroCacheOptimizer:
                                "per step (set gradient_accumulation_steps for several micro-batches)")
         self.store.param_view(slot).copy_(grad)
         self._missing[slot.chunk] -= 1
-        if self.sharding.sharded:
-            group = self.sharding.group_of(slot.chunk)
-            self._group_missing[group] -= 1
-            if self._group_missing[group] == 0:  # the group's gradients are complete on this rank
-                self._reduce(group)
-                if self.update_in_backward:
-                    self._update_reduced(keep_in_flight=1)
+        if self.exchange is not None:
+            self._group_written(slot.chunk)
             return
         square = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
         self._chunk_squares[slot.chunk:slot.chunk + 1].add_(square)
@@ -219,14 +224,20 @@ class ZeroCacheOptimizer:
 
     def _reset_window(self) -> None:
         self._written.clear()
-        self._reduced.clear()
         self._queued.clear()
+        self._accumulated.clear()
         self._host_squares.clear()
         self._chunk_squares.zero_()
         self._missing = {chunk: len(members) for chunk, members in self._members_of_chunk.items()}
+        self._reset_group_counts()
+
+    def _reset_group_counts(self) -> None:
+        """Gradients to come per collective group in the next backward; a new micro-step for the exchange."""
         self._group_missing = [0] * len(self._group_missing)
-        for chunk, missing in self._missing.items():
-            self._group_missing[self.sharding.group_of(chunk)] += missing
+        for chunk, members in self._members_of_chunk.items():
+            self._group_missing[self.sharding.group_of(chunk)] += len(members)
+        if self.exchange is not None:
+            self.exchange.new_micro_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Start a new accumulation window: drop the gradients of this one."""
@@ -234,8 +245,9 @@ class ZeroCacheOptimizer:
             raise RuntimeError("zero_grad() after a backward whose host chunks were already updated during it "
                                "(zero_cache.update_in_backward): those updates cannot be undone. Call step() after "
                                "each backward, or set zero_cache.update_in_backward false")
+        if self.exchange is not None:  # reductions in flight write into the chunks about to be restored
+            self._finish_micro_step() if self.store.grads_in_accumulators else self.exchange.completed()
         self._drain_host_gradients()
-        self._wait_reductions()  # they write into the param chunks about to be restored
         if self._written and not self.store.grads_in_accumulators:
             self._restore_params(frozenset(self._written))  # the dropped gradients overwrote parameters
         self._reset_window()
@@ -285,39 +297,77 @@ class ZeroCacheOptimizer:
         return True
 
     # ------------------------------------------------------------------ sharding
+    def _group_written(self, chunk: int) -> None:
+        """One more gradient of ``chunk``'s group written on this rank; reduce the group once complete."""
+        group = self.sharding.group_of(chunk)
+        self._group_missing[group] -= 1
+        if self._group_missing[group] > 0 or not self.overlap_comm:  # without overlap: all at the step
+            return
+        self.exchange.reduce(group)
+        # Lagged by one group, so the compute stream rarely waits for NCCL (the wait orders what follows).
+        if self.store.grads_in_accumulators:
+            self._accumulate_reduced(self.exchange.completed(keep_in_flight=1))
+        elif self.update_in_backward:
+            self._update_reduced(self.exchange.completed(keep_in_flight=1))
+
+    def _finish_micro_step(self) -> None:
+        """Accumulating: reduce the groups backward left open, add every reduced slice to its owner's accumulator."""
+        if not self._micro_step_open:
+            return
+        self.exchange.reduce_rest()
+        self._accumulate_reduced(self.exchange.completed())
+        self._micro_step_open = False
+        self._reset_group_counts()
+
+    def _accumulate_reduced(self, groups: list[int]) -> None:
+        for group in groups:
+            reduced, in_use_until = self.exchange.reduced_slice(group), None
+            for chunk in self.sharding.group_chunks(group, self.store.layout.num_chunks):
+                if self.sharding.owns(chunk) and chunk in self._members_of_chunk:
+                    in_use_until = self._add_to_accumulator(chunk, reduced)
+            self.exchange.release_bucket(group, in_use_until)
+
+    def _add_to_accumulator(self, chunk: int, reduced: torch.Tensor) -> Any:
+        """Add an owned chunk's reduced gradients to its fp32 accumulator; returns what reads ``reduced`` until done."""
+        first = chunk not in self._accumulated  # the window's first micro-step is copied, not added
+        self._accumulated.add(chunk)
+        accumulator = self.store.groups[chunk].grad
+        if self.store.groups[chunk].tier == DEVICE:
+            accumulator.copy_(reduced) if first else accumulator.add_(reduced)
+            return self.transfers.mark()
+        buffer = self.host.pool.acquire()
+        copied = self.transfers.copy(buffer, reduced, "d2h", after=self.transfers.mark())
+
+        def accumulate() -> None:
+            wait(copied)
+            accumulator.copy_(buffer) if first else accumulator.add_(buffer)
+            self.host.pool.release(buffer)
+
+        self.host.submit(accumulate)
+        return copied
+
     def _reduce_gradients(self) -> None:
-        """Reduce-scatter every group backward has not (same order on every rank), wait for all, and
-        put the owned chunks' squared norms, summed over ranks, into ``_chunk_squares``."""
-        for group in range(len(self._group_missing)):
-            if group not in self._reduced:
-                self._reduce(group)
-        self._wait_reductions()
-        for chunk in self.sharding.owned(self.store.layout.num_chunks):
-            if chunk not in self._queued:  # a queued chunk's squares are in; its update may be overwriting it
-                self._chunk_squares[chunk] = self._owned_square(chunk)
+        """Finish every group's reduction (same order on every rank) and put the owned chunks' squared
+        norms, summed over ranks, into ``_chunk_squares``."""
+        owned = self.sharding.owned(self.store.layout.num_chunks)
+        if self.store.grads_in_accumulators:
+            self._finish_micro_step()
+            self._drain_host_gradients()
+            for chunk in owned:
+                if chunk in self._accumulated:
+                    accumulator = self.store.groups[chunk].grad
+                    self._chunk_squares[chunk] = torch.linalg.vector_norm(accumulator, dtype=torch.float32).square()
+        else:
+            self.exchange.reduce_rest()
+            self.exchange.completed()
+            for chunk in owned:
+                if chunk not in self._queued:  # a queued chunk's squares are in; its update may be overwriting it
+                    self._chunk_squares[chunk] = self._owned_square(chunk)
         self.sharding.all_reduce_sum(self._chunk_squares)
 
-    def _reduce(self, group: int) -> None:
-        self._reduced.add(group)
-        self._reductions[group] = self.sharding.reduce_scatter(self.store.group_buffers[group])
-
-    def _wait_reductions(self) -> None:
-        for work in self._reductions.values():
-            if work is not None:
-                work.wait()
-        self._reductions.clear()
-
-    def _update_reduced(self, keep_in_flight: int) -> None:
-        """Queue the host updates of owned chunks whose reduce-scatter is done (update during backward).
-
-        Lagged: a group's reduction is waited for only once ``keep_in_flight`` later ones have been
-        issued, so the compute stream rarely stalls on NCCL; the wait orders the copies after it.
-        """
-        waiting = list(self._reductions)
-        for group in waiting[:max(0, len(waiting) - keep_in_flight)]:
-            work = self._reductions.pop(group)
-            if work is not None:
-                work.wait()
+    def _update_reduced(self, groups: list[int]) -> None:
+        """Queue the host updates of the owned chunks of reduced groups (update during backward)."""
+        for group in groups:
             for chunk in self.sharding.group_chunks(group, self.store.layout.num_chunks):
                 if self.sharding.owns(chunk) and self.store.groups[chunk].tier in OFF_DEVICE \
                         and chunk in self._members_of_chunk:
@@ -333,48 +383,25 @@ class ZeroCacheOptimizer:
         return torch.linalg.vector_norm(self.store.param_chunks[chunk], dtype=torch.float32).square()
 
     def prepare_chunk(self, chunk: int) -> None:
-        """Make ``chunk``'s params current before a forward uses it (forward pre-hook).
-
-        Unsharded, that is waiting for its host update. Sharded, its group is all-gathered if it is
-        stale, and the next stale group's gather is issued so it runs under this group's compute.
-        """
-        if not self.sharding.sharded:
+        """Make ``chunk``'s params current before a forward uses it (forward pre-hook): wait for its host
+        update, or, sharded, gather its group from the owners (see :class:`ChunkExchange`)."""
+        if self.exchange is None:
             self.wait_for_chunk(chunk)
-            return
-        group = self.sharding.group_of(chunk)
-        self._issue_gather(group)
-        work = self._gathers.pop(group, None)
-        if work is not None:
-            work.wait()
-        later = [g for g in self._stale if g > group]
-        if later:
-            self._issue_gather(min(later))
-
-    def _issue_gather(self, group: int) -> None:
-        if group not in self._stale:
-            return
-        self._stale.discard(group)
-        for chunk in self.sharding.group_chunks(group, self.store.layout.num_chunks):
-            if self.sharding.owns(chunk):
-                self.wait_for_chunk(chunk)  # the owner's update has landed in its param chunk
-        self._gathers[group] = self.sharding.all_gather(self.store.group_buffers[group])
+        else:
+            self.exchange.prepare(chunk)
 
     def sync_params(self) -> None:
-        """All-gather every stale group now (collective: every rank calls it, e.g. before a checkpoint)."""
-        for group in sorted(self._stale):
-            self._issue_gather(group)
-        for work in self._gathers.values():
-            if work is not None:
-                work.wait()
-        self._gathers.clear()
+        """Gather every stale group now (sharded; every rank calls it, e.g. before a checkpoint)."""
+        if self.exchange is not None:
+            self.exchange.sync()
 
     def _mark_stale(self) -> None:
-        if self.sharding.sharded:
-            self._stale = set(range(len(self._group_missing)))
+        if self.exchange is not None:
+            self.exchange.mark_stale()
 
     def _grad_norm(self) -> float:
         """Global norm over the gradients written in this window (the one device sync of the step)."""
-        if not self.store.grads_in_accumulators:
+        if not self.store.grads_in_accumulators or self.exchange is not None:
             return math.sqrt(float(self._chunk_squares.sum()))  # sharded: summed over the owners
         self._drain_host_gradients()
         total = sum(self._host_squares)

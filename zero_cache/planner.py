@@ -82,6 +82,8 @@ class PlanInputs:
     """Chunks whose optimizer groups this rank holds (data-parallel sharding); None = all of them."""
     padding_chunks: int = 0
     """Zero param chunks that complete the last collective group (sharding)."""
+    exchange_buffer_bytes: int = 0
+    """Device bytes of the gradient buckets that sharded, accumulating micro-batches reduce from."""
 
     def __post_init__(self) -> None:
         if self.owned is not None and not all(0 <= c < self.num_chunks for c in self.owned):
@@ -161,7 +163,7 @@ def make_plan(inputs: PlanInputs) -> Plan:
     n = inputs.num_chunks
     owned = inputs.owned_chunks
     room = (int(inputs.device_budget_bytes * (1 - inputs.margin_fraction)) - inputs.nonmodel_peak_bytes
-            - inputs.scratch_bytes)
+            - inputs.scratch_bytes - inputs.exchange_buffer_bytes)
     all_params = (n + inputs.padding_chunks) * inputs.param_chunk_bytes
     min_slots = min(n, inputs.prefetch_depth + 2)  # in use + being fetched + one spare
     if room >= all_params:
@@ -186,7 +188,8 @@ def make_plan(inputs: PlanInputs) -> Plan:
     tiers = [REMOTE] * n
     for position, chunk in enumerate(order):
         tiers[chunk] = DEVICE if position < device_optim else HOST if position < device_optim + num_host else NVME
-    device_bytes = param_device + device_optim * inputs.optimizer_chunk_bytes + inputs.scratch_bytes
+    device_bytes = (param_device + device_optim * inputs.optimizer_chunk_bytes + inputs.scratch_bytes
+                    + inputs.exchange_buffer_bytes)
     return Plan(params_resident=params_resident, cache_slots=cache_slots, optimizer_tier=tuple(tiers),
                 device_bytes=device_bytes, host_bytes=host_bytes, nvme_bytes=num_nvme * inputs.swap_slot_bytes)
 

@@ -229,6 +229,9 @@ def _not_acted_sections(raw: dict) -> tuple[str, ...]:
     """Validated keys that are stored but change nothing here."""
     acted = {"stage", "reduce_bucket_size", "offload_param", "offload_optimizer"}
     zero = raw.get("zero_optimization") or {}
+    offloaded = any((zero.get(key) or {}).get("device", "none") != "none" for key in ("offload_param", "offload_optimizer"))
+    if (raw.get("zero_cache") or {}).get("enabled") or (zero.get("stage") == 3 and offloaded):
+        acted |= {"overlap_comm", "stage3_prefetch_bucket_size"}  # they steer sharded ZeRO-Cache
     keys = tuple(f"zero_optimization.{key}" for key in sorted(zero) if key not in acted)
     if "aio" in raw and not _uses_nvme(raw):
         keys += ("aio",)  # it drives only the NVMe tier
@@ -324,6 +327,12 @@ def _zero_cache_section(parsed: edge.EdgeConfig) -> ZeroCacheConfig:
         section = dataclasses.replace(section, aio=dataclasses.replace(
             section.aio, block_size=aio.block_size, queue_depth=aio.queue_depth, thread_count=aio.intra_op_parallelism,
             single_submit=aio.single_submit, overlap_events=aio.overlap_events))
+    carried = {}  # DeepSpeed's ZeRO-3 knobs that mean the same for sharded chunks
+    if zero.overlap_comm is not None:
+        carried["overlap_comm"] = zero.overlap_comm
+    if "stage3_prefetch_bucket_size" in zero.model_fields_set:
+        carried["gather_ahead_elements"] = zero.stage3_prefetch_bucket_size
+    section = dataclasses.replace(section, **carried)
     offloads = [o for o in (zero.offload_param, zero.offload_optimizer) if o is not None and o.device != "none"]
     if section.enabled or zero.stage != 3 or not offloads:
         return section

@@ -25,16 +25,20 @@ import angelptm  # noqa: E402
 from angelptm.data import repeat_batches  # noqa: E402
 from angelptm.models import ModelConfig, build_model  # noqa: E402
 from reference import SEQ, VOCAB, RandomTokens  # noqa: E402
+from zero_cache.exchange import GRADIENT_BUCKETS  # noqa: E402
 from zero_cache.layout import pack  # noqa: E402
 
 CHUNK_NUMEL = 8192
 
 
-def device_budget(model: torch.nn.Module, world_size: int) -> int:
-    """Bytes for every (padded) fp32 param chunk, the fp32 scratch chunk and one optimizer group."""
+def device_budget(model: torch.nn.Module, world_size: int, accumulation: int) -> int:
+    """Bytes for every (padded) fp32 param chunk, the fp32 scratch chunk and one optimizer group (with its
+    fp32 gradient accumulator and, sharded, the gradient buckets when micro-batches accumulate)."""
     layout = pack([(n, tuple(p.shape)) for n, p in model.named_parameters()], CHUNK_NUMEL)
     padded = -(-layout.num_chunks // world_size) * world_size
-    need = (padded * 4 + 4 + 12) * CHUNK_NUMEL
+    group = 12 + (4 if accumulation > 1 else 0)
+    buckets = GRADIENT_BUCKETS * world_size * 4 if accumulation > 1 and world_size > 1 else 0
+    need = (padded * 4 + 4 + group + buckets) * CHUNK_NUMEL
     return int(need / 0.97) + 1024  # the planner keeps 3% free
 
 
@@ -48,6 +52,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--clip", type=float, default=0.5, help="0: host chunks update during backward")
+    parser.add_argument("--no-overlap", action="store_true", help="zero_optimization.overlap_comm false")
     parser.add_argument("--die-at-step", type=int, default=None, help="rank 1 exits (code 3) before this step")
     args = parser.parse_args()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -58,8 +63,9 @@ def main() -> None:
     config = {"train_micro_batch_size_per_gpu": args.global_batch // world_size, "gradient_accumulation_steps": args.accumulation,
               "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
               "gradient_clipping": args.clip, "steps_per_print": 100,
+              "zero_optimization": {"overlap_comm": not args.no_overlap, "stage3_prefetch_bucket_size": 2 * CHUNK_NUMEL},
               "zero_cache": {"enabled": True, "chunk_size": CHUNK_NUMEL,
-                             "device_memory_budget": device_budget(model, world_size),
+                             "device_memory_budget": device_budget(model, world_size, args.accumulation),
                              "host_memory_budget": 64 * 2**20}}
     engine, optimizer, loader, _ = angelptm.initialize(model=model, training_data=RandomTokens(args.data_seed),
                                                        config=config)

@@ -49,10 +49,11 @@ def unsharded(tmp_path_factory, data_seed) -> tuple[dict, dict]:
     return (train(1, root / "four.pt", data_seed, 4)["weights"], train(1, root / "zero.pt", data_seed, 0)["weights"])
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_sharded_training_equals_one_process_with_the_same_global_batch(tmp_path, data_seed, unsharded, nproc):
+@pytest.mark.parametrize("nproc, overlap", [(2, True), (4, True), (2, False)])
+def test_sharded_training_equals_one_process_with_the_same_global_batch(tmp_path, data_seed, unsharded, nproc, overlap):
+    """overlap: groups are reduced from backward, else all at step(); gathers run 2 chunks ahead."""
     expected, start = unsharded
-    result = train(nproc, tmp_path / "sharded.pt", data_seed, 4)
+    result = train(nproc, tmp_path / "sharded.pt", data_seed, 4, *([] if overlap else ["--no-overlap"]))
     assert result["world_size"] == nproc and result["global_steps"] == 4
     assert_same_weights(result["weights"], expected, start)
 
@@ -93,8 +94,9 @@ def test_a_rank_that_dies_mid_training_stops_the_others_with_its_exit_code(tmp_p
     assert time.monotonic() - start < 200
 
 
-def test_gradient_accumulation_with_sharded_chunks_is_refused_with_the_alternative(tmp_path, data_seed):
-    result = run(job(2, "--global-batch", "4", "--data-seed", str(data_seed), "--steps", "1", "--accumulation", "2",
-                     "--out", str(tmp_path / "never.pt")))
-    assert result.returncode != 0
-    assert "gradient_accumulation_steps is 2" in result.stderr and "train_micro_batch_size_per_gpu" in result.stderr
+def test_accumulating_micro_batches_equal_one_process(tmp_path, data_seed, unsharded):
+    """Two micro-batches per step: each group's gradients go through a bucket, the owner accumulates in fp32."""
+    _, start = unsharded
+    expected = train(1, tmp_path / "one.pt", data_seed, 3, "--accumulation", "2")["weights"]
+    result = train(2, tmp_path / "two.pt", data_seed, 3, "--accumulation", "2")
+    assert_same_weights(result["weights"], expected, start)

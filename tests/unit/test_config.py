@@ -668,3 +668,18 @@ def test_bubble_fraction_formula_random():
         assert cfg.bubble_fraction() <= gpipe + 1e-15
         if stages > 1 and virtual > 1:
             assert cfg.bubble_fraction() < gpipe
+
+
+def test_deepspeed_overlap_and_prefetch_keys_steer_sharded_zero_cache():
+    prefetch = random.randint(1, 10**9)
+    base = {"train_micro_batch_size_per_gpu": 1, "zero_cache": {"enabled": True}}
+    cfg = load_config({**base, "zero_optimization": {"stage": 3, "overlap_comm": False,
+                                                     "stage3_prefetch_bucket_size": prefetch}})
+    assert cfg.zero_cache.overlap_comm is False and cfg.zero_cache.gather_ahead_elements == prefetch
+    assert not any("overlap_comm" in key or "prefetch" in key for key in cfg.accepted_not_acted)
+    # Without ZeRO-Cache they change nothing, and say so; unset, ZeRO-Cache keeps its own defaults.
+    plain = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"overlap_comm": False}})
+    assert "zero_optimization.overlap_comm" in plain.accepted_not_acted
+    assert load_config(base).zero_cache.overlap_comm is True
+    with pytest.raises(ConfigError, match="gather_ahead_elements"):
+        load_config({**base, "zero_cache": {"enabled": True, "gather_ahead_elements": -1}})

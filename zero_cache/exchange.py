@@ -1,0 +1,150 @@
+"""The collectives of sharded chunks, issued from the training thread in one order on every rank.
+
+:class:`ChunkExchange` keeps the state of one optimizer's reduce-scatters and all-gathers (see
+:mod:`zero_cache.sharding` for the ownership and the group layout):
+
+* **gradients**: a group is reduced once its gradients are complete on this rank, either in place
+  in the param chunks (one micro-batch per step: gradients are written over the parameters) or
+  from a *gradient bucket* (accumulating micro-batches: the parameters are still needed, so the
+  gradients go to a group-sized compute-dtype buffer, and the owner adds its reduced slice to its
+  fp32 accumulator). Reductions are waited for in issue order, one or more groups late, so the
+  compute stream seldom waits for NCCL;
+* **parameters**: after a step every group is stale; the next forward gathers each group in its
+  pre-hook, and issues the next stale group's gather so it runs under this one's compute.
+
+The worker thread never issues a collective, so ranks cannot disagree on the order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from zero_cache.chunks import ChunkStore
+from zero_cache.planner import DEVICE
+from zero_cache.sharding import Sharding
+from zero_cache.tiers import wait
+
+GRADIENT_BUCKETS = 3
+"""Gradient buckets planned on the device: one being filled, one being reduced, one being accumulated.
+More are allocated (within the device budget) while more groups are open at once (e.g. a tied
+embedding's group stays open until the end of backward)."""
+
+
+class ChunkExchange:
+    """Reduce-scatters and all-gathers of one optimizer's chunk groups.
+
+    Args:
+        store: the chunk storage (its ``sharding`` says who owns what).
+        wait_owner: blocks until an owned chunk's pending update has landed in its param chunk.
+        buckets: reduce from gradient buckets (accumulating micro-batches) instead of the param chunks.
+        gather_ahead: groups whose all-gather is started ahead of the one a forward needs.
+    """
+
+    def __init__(self, store: ChunkStore, wait_owner: Callable[[int], None], *, buckets: bool,
+                 gather_ahead: int = 1) -> None:
+        self.store = store
+        self.sharding: Sharding = store.sharding
+        self.wait_owner = wait_owner
+        self.num_groups = self.sharding.num_groups(store.layout.num_chunks)
+        self.uses_buckets = buckets
+        self.gather_ahead = gather_ahead
+        self._reduced: set[int] = set()  # groups reduced in this micro-step
+        self._reductions: dict[int, Any] = {}  # group -> its reduction, issued and not yet waited for
+        self._gathers: dict[int, Any] = {}  # group -> its gather, issued and not yet waited for
+        self._stale: set[int] = set()  # groups whose non-owned chunks await their owners' params
+        self._open: dict[int, torch.Tensor] = {}  # group -> its bucket (being filled or reduced)
+        self._free: list[tuple[torch.Tensor, Any]] = []  # (bucket, token of the copy still reading it)
+
+    # ------------------------------------------------------------------ gradients
+    def bucket_view(self, chunk: int) -> torch.Tensor:
+        """``chunk``'s slice of its group's gradient bucket, zeroed when the group opens one."""
+        group = self.sharding.group_of(chunk)
+        bucket = self._open.get(group)
+        if bucket is None:
+            bucket = self._open[group] = self._take_bucket()
+        return bucket.view(self.sharding.world_size, -1)[chunk % self.sharding.world_size]
+
+    def _take_bucket(self) -> torch.Tensor:
+        if self._free:
+            bucket, in_use_until = self._free.pop()
+            wait(in_use_until)
+        else:
+            numel = self.sharding.world_size * self.store.layout.chunk_numel
+            bucket = self.store.tiers[DEVICE].allocate(numel, self.store.param_chunks[0].dtype)
+        return bucket.zero_()
+
+    def release_bucket(self, group: int, in_use_until: Any = None) -> None:
+        """Return ``group``'s bucket once its owner has read the reduced slice (``in_use_until``: that copy)."""
+        self._free.append((self._open.pop(group), in_use_until))
+
+    def reduce(self, group: int) -> None:
+        """Issue the group's reduce-scatter (from its bucket, or in place in its param chunks)."""
+        self._reduced.add(group)
+        buffer = self._open[group] if self.uses_buckets else self.store.group_buffers[group]
+        self._reductions[group] = self.sharding.reduce_scatter(buffer)
+
+    def reduce_rest(self) -> None:
+        """Reduce every group not yet reduced in this micro-step, in group order (unused parameters)."""
+        for group in range(self.num_groups):
+            if group not in self._reduced:
+                if self.uses_buckets and group not in self._open:
+                    self._open[group] = self._take_bucket()
+                self.reduce(group)
+
+    def completed(self, keep_in_flight: int = 0) -> list[int]:
+        """Wait for the oldest reductions, leaving ``keep_in_flight`` in flight; returns their groups in order."""
+        waiting = list(self._reductions)
+        done = waiting[:max(0, len(waiting) - keep_in_flight)]
+        for group in done:
+            work = self._reductions.pop(group)
+            if work is not None:
+                work.wait()
+        return done
+
+    def reduced_slice(self, group: int) -> torch.Tensor:
+        """This rank's reduced slice of a completed group (sum over the ranks)."""
+        buffer = self._open[group] if self.uses_buckets else self.store.group_buffers[group]
+        return buffer.view(self.sharding.world_size, -1)[self.sharding.rank]
+
+    def new_micro_step(self) -> None:
+        assert not self._reductions, "a reduction of the previous micro-step was never waited for"
+        self._reduced.clear()
+
+    @property
+    def has_reductions(self) -> bool:
+        return bool(self._reductions)
+
+    # ------------------------------------------------------------------ parameters
+    def mark_stale(self) -> None:
+        """Every group's non-owned chunks are out of date (after a step or a restore)."""
+        self._stale = set(range(self.num_groups))
+
+    def prepare(self, chunk: int) -> None:
+        """Gather ``chunk``'s group if it is stale, and start gathering the next ``gather_ahead`` stale ones."""
+        group = self.sharding.group_of(chunk)
+        self._issue_gather(group)
+        work = self._gathers.pop(group, None)
+        if work is not None:
+            work.wait()
+        for later in sorted(g for g in self._stale if g > group)[:self.gather_ahead]:
+            self._issue_gather(later)
+
+    def _issue_gather(self, group: int) -> None:
+        if group not in self._stale:
+            return
+        self._stale.discard(group)
+        for chunk in self.sharding.group_chunks(group, self.store.layout.num_chunks):
+            if self.sharding.owns(chunk):
+                self.wait_owner(chunk)  # the owner's update has landed in its param chunk
+        self._gathers[group] = self.sharding.all_gather(self.store.group_buffers[group])
+
+    def sync(self) -> None:
+        """Gather every stale group now (every rank calls it, e.g. before a checkpoint)."""
+        for group in sorted(self._stale):
+            self._issue_gather(group)
+        for work in self._gathers.values():
+            if work is not None:
+                work.wait()
+        self._gathers.clear()
