@@ -275,7 +275,7 @@ class Fetched:
 
 def _serve(jobs: queue.Queue, updater_ref: weakref.ref) -> None:
     """The worker thread: run jobs in order, starting the next job's transfer before running the current one."""
-    ahead = None  # the next job, its transfer already started
+    ahead = following = None  # the next job, its transfer already started
     while True:
         entry = jobs.get() if ahead is None else None  # blocks holding no reference to the updater
         updater = updater_ref()
@@ -290,7 +290,9 @@ def _serve(jobs: queue.Queue, updater_ref: weakref.ref) -> None:
         except queue.Empty:
             pass
         updater._run(*current)
-        updater = current = entry = None  # hold nothing of the optimizer while blocked
+        # Hold nothing of the optimizer while blocked: a job (a closure over the optimizer) left in a
+        # local would keep it, its pinned memory and its swap file alive after the engine is dropped.
+        updater = current = entry = following = None
         jobs.task_done()
 
 

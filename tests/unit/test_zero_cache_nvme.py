@@ -10,6 +10,8 @@ import os
 import re
 import subprocess
 import sys
+import types
+import weakref
 from pathlib import Path
 
 import pytest
@@ -182,9 +184,18 @@ def test_states_beyond_device_and_host_train_like_the_reference(tmp_path, clip):
     assert diff.sqrt() < 0.1 * moved.sqrt()
     swap = store.tiers[NVME].file.path
     optimizer.finish_pending()  # until the worker's last update ends, it holds the store
+    alive = weakref.ref(optimizer)
     del engine, optimizer, store
     gc.collect()
+    assert alive() is None, f"the dropped optimizer is still held by {holders(alive())}"
     assert not swap.exists(), "a dropped engine removes its swap file"
+
+
+def holders(obj) -> list[str]:
+    """What keeps ``obj`` alive, two levels up (for the failure message)."""
+    def referrers(target) -> list:
+        return [r for r in gc.get_referrers(target) if not isinstance(r, types.FrameType)]
+    return [f"{type(r).__name__} <- {[type(up).__name__ for up in referrers(r)][:4]}" for r in referrers(obj)][:6]
 
 
 EXITING_JOB = """
