@@ -27,3 +27,14 @@ def test_two_gpus_equal_one_gpu_with_the_same_global_batch_and_resume(tmp_path):
     assert max((one[k] - start[k]).abs().max().item() for k in one) > 1e-3, "training must move the weights"
     for name, expected in one.items():  # fp32 on GPU: equal up to reduction order (TF32 is off by default)
         torch.testing.assert_close(two[name], expected, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("extra", [["--accumulation", "2"], ["--clip", "0"]], ids=["accumulate", "in-backward"])
+def test_two_gpus_bucketed_or_in_backward_equal_one_gpu(tmp_path, extra):
+    """Accumulating micro-batches reduce from gradient buckets; without clipping host chunks update during backward."""
+    common = ["--global-batch", "4", "--data-seed", str(torch.randint(0, 2**31, ()).item()), "--steps", "3", *extra]
+    run_ok([sys.executable, str(JOB), *common, "--out", str(tmp_path / "one.pt")])
+    run_ok(torchrun(2, JOB, *common, "--out", str(tmp_path / "two.pt")))
+    one, two = (torch.load(tmp_path / f"{name}.pt")["weights"] for name in ("one", "two"))
+    for name, expected in one.items():
+        torch.testing.assert_close(two[name], expected, rtol=1e-3, atol=1e-4)
