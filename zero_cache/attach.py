@@ -126,7 +126,9 @@ class WarmupTracer:
         try:
             plan = make_plan(inputs)
         except PlanError as err:  # the running plan works; a worse estimate must not stop the run
-            logger.warning("ZeRO-Cache re-plan after warm-up failed, keeping the current placement: %s", err)
+            # The text, not the error: a log record keeps its args, and the error's traceback would keep
+            # this frame's optimizer (and its pinned memory and swap file) alive for as long as the record.
+            logger.warning("ZeRO-Cache re-plan after warm-up failed, keeping the current placement: %s", str(err))
             return None
         optimizer.finish_pending()
         moved = store.apply_plan(plan)

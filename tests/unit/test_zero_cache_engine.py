@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import gc
+import importlib
+import logging
+import weakref
+
 import pytest
 import torch
 
@@ -139,3 +144,28 @@ def test_parameters_without_gradient_are_not_stepped_and_fp16_norms_do_not_overf
     assert engine.skipped_steps == 0, "fp16 norms must be taken in fp32"
     assert torch.equal(engine.module.unused.weight, before)
     assert optimizer.step_count == 3
+
+
+def test_a_failed_replan_warning_does_not_keep_a_dropped_optimizer_alive(monkeypatch, caplog):
+    """On a GPU the warm-up can measure more activations than the budget holds; the warning about the
+    kept placement must not pin the optimizer (log records outlive the engine: here, caplog's)."""
+    attach_module = importlib.import_module("zero_cache.attach")
+    real = attach_module.make_plan
+
+    def replan_fails(inputs):
+        if inputs.trace:  # only the re-plan has a trace
+            raise attach_module.PlanError("the measured activations do not fit")
+        return real(inputs)
+
+    monkeypatch.setattr(attach_module, "make_plan", replan_fails)
+    seed = torch.randint(0, 10_000, ()).item()
+    device_budget, host_budget = budgets(six_layer_llama(seed))
+    engine, optimizer, _, _ = angelptm.initialize(model=six_layer_llama(seed),
+                                                  config=zero_cache_config(device_budget, host_budget))
+    with caplog.at_level(logging.WARNING, logger="zero_cache"):
+        train_steps(engine, random_batches(seed, count=2, batch=8))
+    assert "keeping the current placement" in caplog.text
+    alive = weakref.ref(optimizer)
+    del engine, optimizer
+    gc.collect()
+    assert alive() is None
