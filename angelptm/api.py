@@ -171,10 +171,27 @@ def _attach_zero_cache(model: nn.Module, inner: torch.optim.Optimizer, names: di
                                  device=ctx.device, decoupled_weight_decay=decoupled, loss_scaler=scaler,
                                  gradient_clipping=cfg.gradient_clipping,
                                  accumulation_steps=cfg.batch.gradient_accumulation_steps,
-                                 sharding=zero_cache.Sharding(rank=ctx.rank, world_size=ctx.world_size,
-                                                              group=ctx.group, ranks_per_host=ctx.local_world_size))
+                                 sharding=_sharding(cfg, ctx))
     except (ValueError, NotImplementedError) as err:  # does not fit, chunk_size too small, or a feature not built
         raise ConfigError(str(err)) from None
+
+
+def _sharding(cfg: EngineConfig, ctx: DistContext) -> zero_cache.Sharding:
+    """This rank's share of the ZeRO-Cache chunks, with per-host groups when the collectives are hierarchical."""
+    per_host = cfg.zero_cache.ranks_per_host or ctx.local_world_size
+    hierarchical = cfg.zero_cache.hierarchical
+    if hierarchical == "auto":
+        hierarchical = ctx.world_size > per_host and ctx.world_size % per_host == 0
+    if hierarchical and ctx.world_size % per_host:
+        raise ConfigError(f"zero_cache.hierarchical needs whole hosts, but {ctx.world_size} ranks do not split into "
+                          f"hosts of {per_host} (zero_cache.ranks_per_host / LOCAL_WORLD_SIZE)")
+    hierarchical = bool(hierarchical) and ctx.world_size > 1
+    host_group, peer_group = (zero_cache.hierarchical_groups(ctx.world_size, per_host) if hierarchical
+                              else (None, None))
+    stream = torch.cuda.Stream(ctx.device) if hierarchical and ctx.device.type == "cuda" else None
+    return zero_cache.Sharding(rank=ctx.rank, world_size=ctx.world_size, group=ctx.group, ranks_per_host=per_host,
+                               hierarchical=hierarchical, host_group=host_group, peer_group=peer_group,
+                               side_stream=stream)
 
 
 def _build_scheduler(client: Any, optimizer: MixedPrecisionOptimizer | None, cfg: EngineConfig) -> Any:

@@ -85,6 +85,15 @@ class ZeroCacheConfig:
     gradients are complete, under the rest of backward (true), or every group at ``step()`` (false).
     DeepSpeed's ``zero_optimization.overlap_comm`` carries over."""
 
+    hierarchical: bool | str = AUTO
+    """Sharded: run each reduce-scatter and all-gather within the host first (NVLink), then across hosts
+    among the ranks of the same local index, so 1/L of the bytes crosses the network (L = ranks per
+    host). "auto": when the ranks span several hosts."""
+
+    ranks_per_host: int | None = None
+    """Ranks per host, for the hierarchy and the split of an "auto" host budget; None = the launcher's
+    ``LOCAL_WORLD_SIZE``."""
+
     gather_ahead_elements: int = 50_000_000
     """Sharded: parameter elements whose all-gather is started ahead of the forward that needs them
     (rounded up to whole chunk groups, at least one). DeepSpeed's
@@ -117,6 +126,10 @@ class ZeroCacheConfig:
             value = getattr(self, key)
             if not isinstance(value, bool) and value != AUTO:
                 raise ValueError(f"zero_cache.{key}: expected true, false or 'auto', got {value!r}")
+        if not isinstance(self.hierarchical, bool) and self.hierarchical != AUTO:
+            raise ValueError(f"zero_cache.hierarchical: expected true, false or 'auto', got {self.hierarchical!r}")
+        if self.ranks_per_host is not None and self.ranks_per_host < 1:
+            raise ValueError(f"zero_cache.ranks_per_host: must be >= 1 (or null), got {self.ranks_per_host}")
         if self.gather_ahead_elements < 0:
             raise ValueError(f"zero_cache.gather_ahead_elements: must be >= 0, got {self.gather_ahead_elements}")
         if self.prefetch_depth < 0:

@@ -106,7 +106,7 @@ class ChunkExchange:
     def reduced_slice(self, group: int) -> torch.Tensor:
         """This rank's reduced slice of a completed group (sum over the ranks)."""
         buffer = self._open[group] if self.uses_buckets else self.store.group_buffers[group]
-        return buffer.view(self.sharding.world_size, -1)[self.sharding.rank]
+        return self.sharding.mine(buffer)
 
     def new_micro_step(self) -> None:
         assert not self._reductions, "a reduction of the previous micro-step was never waited for"

@@ -1,9 +1,9 @@
 """Chunk ownership over data-parallel ranks, and the two collectives that move chunks between them.
 
-Ownership is by whole chunk: rank ``r`` of ``W`` owns chunk ``c`` when ``c % W == r``, and keeps
-that chunk's optimizer group (fp32 master, exp_avg, exp_avg_sq) in whichever tier its own plan
-picks. Chunks are grouped ``W`` at a time (group ``g`` = chunks ``gW .. gW+W-1``, one per rank) in
-one contiguous buffer, so one collective serves a whole group:
+Ownership is by whole chunk. Chunks are grouped ``W`` at a time (group ``g`` = chunks ``gW ..
+gW+W-1``) in one contiguous buffer of ``W`` slots, and each rank owns one slot of every group: it
+keeps that chunk's optimizer group (fp32 master, exp_avg, exp_avg_sq) in whichever tier its own
+plan picks. One collective serves a whole group:
 
 * **reduce-scatter** after backward: each rank's gradients (written over its param chunks) are
   summed into the owner's chunk of the group;
@@ -12,6 +12,13 @@ one contiguous buffer, so one collective serves a whole group:
 This is ZeRO-2's partitioning of gradients and optimizer states at chunk granularity (the
 parameters themselves stay replicated on every rank's device), with the chunk as the bucket.
 With one rank every chunk is owned and nothing is communicated.
+
+**Hierarchical** (``hierarchical``, over N hosts of L ranks): each collective runs in two stages, the
+host's NVLink first. The reduce-scatter sums within the host (rank ``l`` of a host gets block ``l`` of
+L, which holds N slots) and then across hosts among the ranks of the same local index (each gets one
+slot of its block); the all-gather runs the other way round. Rank ``(n, l)`` therefore owns slot
+``l N + n``, and only 1/L of the bytes crosses the network per rank. On one host it equals the flat
+exchange.
 
 On NCCL both collectives run in place in the group buffer (NCCL's in-place rule: the rank's
 slice sits at ``rank * count`` of the full buffer) and asynchronously on NCCL's stream; the caller
@@ -39,10 +46,40 @@ class Sharding:
     """Their process group (None: the default group, or no communication when ``world_size`` is 1)."""
     ranks_per_host: int = 1
     """Ranks sharing this host's RAM: an "auto" host budget is split between them."""
+    hierarchical: bool = False
+    """Two-stage collectives, within each host first (needs ``world_size`` a multiple of ``ranks_per_host``)."""
+    host_group: dist.ProcessGroup | None = None
+    """Hierarchical: the ranks of this host (from :func:`hierarchical_groups`)."""
+    peer_group: dist.ProcessGroup | None = None
+    """Hierarchical: the ranks of the same local index on every host."""
+    side_stream: torch.cuda.Stream | None = None
+    """Hierarchical on NCCL: the stream that waits between the two stages (not the compute stream)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside a world of {self.world_size}")
+        if self.hierarchical and (self.ranks_per_host < 1 or self.world_size % self.ranks_per_host):
+            raise ValueError(f"hierarchical collectives need the {self.world_size} ranks in whole hosts of "
+                             f"{self.ranks_per_host}")
+
+    @property
+    def num_hosts(self) -> int:
+        return self.world_size // self.ranks_per_host if self.hierarchical else 1
+
+    def rank_of_slot(self, slot: int) -> int:
+        """The rank that owns slot ``slot`` of every group (flat: the same number)."""
+        if not self.hierarchical:
+            return slot
+        local, host = divmod(slot, self.num_hosts)
+        return host * self.ranks_per_host + local
+
+    @property
+    def slot(self) -> int:
+        """This rank's slot in every group."""
+        if not self.hierarchical:
+            return self.rank
+        host, local = divmod(self.rank, self.ranks_per_host)
+        return local * self.num_hosts + host
 
     @property
     def sharded(self) -> bool:
@@ -50,14 +87,18 @@ class Sharding:
 
     def owner(self, chunk: int) -> int:
         """The rank that holds ``chunk``'s optimizer group."""
-        return chunk % self.world_size
+        return self.rank_of_slot(chunk % self.world_size)
 
     def owns(self, chunk: int) -> bool:
         return self.owner(chunk) == self.rank
 
     def owned(self, num_chunks: int) -> tuple[int, ...]:
         """This rank's chunks among ``num_chunks``."""
-        return tuple(range(self.rank, num_chunks, self.world_size))
+        return tuple(range(self.slot, num_chunks, self.world_size))
+
+    def mine(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This rank's slot of a group buffer."""
+        return buffer.view(self.world_size, -1)[self.slot]
 
     def group_of(self, chunk: int) -> int:
         """The collective group (``world_size`` consecutive chunks) ``chunk`` belongs to."""
@@ -75,28 +116,100 @@ class Sharding:
         return self.num_groups(num_chunks) * self.world_size
 
     # ------------------------------------------------------------------ collectives
-    def _is_nccl(self) -> bool:
-        return dist.get_backend(self.group) == "nccl"
 
     def reduce_scatter(self, buffer: torch.Tensor) -> dist.Work | None:
-        """Sum ``buffer`` (one group, ``world_size`` equal slices) over ranks into this rank's slice, async."""
+        """Sum ``buffer`` (one group, ``world_size`` equal slots) over ranks into this rank's slot, async."""
         if not self.sharded:
             return None
-        if self._is_nccl():
-            mine = buffer.view(self.world_size, -1)[self.rank]
-            return dist.reduce_scatter_tensor(mine, buffer, group=self.group, async_op=True)
-        return dist.all_reduce(buffer, group=self.group, async_op=True)
+        if not self.hierarchical:
+            return _reduce_scatter(buffer, self.rank, self.world_size, self.group)
+        block = buffer.view(self.ranks_per_host, -1)[self.rank % self.ranks_per_host]
+        return _Chain([lambda: _reduce_scatter(buffer, self.rank % self.ranks_per_host, self.ranks_per_host,
+                                               self.host_group),
+                       lambda: _reduce_scatter(block, self.rank // self.ranks_per_host, self.num_hosts,
+                                               self.peer_group)], self.side_stream)
 
     def all_gather(self, buffer: torch.Tensor) -> dist.Work | None:
-        """Fill every slice of ``buffer`` (one group) from the rank that owns it, async."""
+        """Fill every slot of ``buffer`` (one group) from the rank that owns it, async."""
         if not self.sharded:
             return None
-        slices = list(buffer.view(self.world_size, -1).unbind())
-        if self._is_nccl():
-            return dist.all_gather_into_tensor(buffer, slices[self.rank], group=self.group, async_op=True)
-        return dist.all_gather(slices, slices[self.rank].clone(), group=self.group, async_op=True)
+        if not self.hierarchical:
+            return _all_gather(buffer, self.rank, self.world_size, self.group)
+        block = buffer.view(self.ranks_per_host, -1)[self.rank % self.ranks_per_host]
+        return _Chain([lambda: _all_gather(block, self.rank // self.ranks_per_host, self.num_hosts, self.peer_group),
+                       lambda: _all_gather(buffer, self.rank % self.ranks_per_host, self.ranks_per_host,
+                                           self.host_group)], self.side_stream)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the ranks in place (synchronous)."""
         if self.sharded:
             dist.all_reduce(tensor, group=self.group)
+
+
+def hierarchical_groups(world_size: int, ranks_per_host: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(this host's group, this local index's group across hosts); every rank must call it (collective).
+
+    Ranks are numbered host by host, as torchrun and the deepspeed launcher do.
+    """
+    rank, hosts = dist.get_rank(), world_size // ranks_per_host
+    mine = {}
+    for host in range(hosts):  # new_group is collective: every rank creates every group, in the same order
+        group = dist.new_group(list(range(host * ranks_per_host, (host + 1) * ranks_per_host)))
+        if rank // ranks_per_host == host:
+            mine["host"] = group
+    for local in range(ranks_per_host):
+        group = dist.new_group(list(range(local, world_size, ranks_per_host)))
+        if rank % ranks_per_host == local:
+            mine["peer"] = group
+    return mine["host"], mine["peer"]
+
+
+def _reduce_scatter(buffer: torch.Tensor, index: int, size: int, group: dist.ProcessGroup | None) -> dist.Work | None:
+    """Sum ``buffer`` (``size`` slots) over ``group`` into slot ``index``, in place, async."""
+    if size == 1:
+        return None
+    if dist.get_backend(group) == "nccl":
+        return dist.reduce_scatter_tensor(buffer.view(size, -1)[index], buffer, group=group, async_op=True)
+    return dist.all_reduce(buffer, group=group, async_op=True)  # gloo has no in-place reduce-scatter
+
+
+def _all_gather(buffer: torch.Tensor, index: int, size: int, group: dist.ProcessGroup | None) -> dist.Work | None:
+    """Fill every slot of ``buffer`` (``size`` slots) from the rank of that index in ``group``, async."""
+    if size == 1:
+        return None
+    slots = list(buffer.view(size, -1).unbind())
+    if dist.get_backend(group) == "nccl":
+        return dist.all_gather_into_tensor(buffer, slots[index], group=group, async_op=True)
+    return dist.all_gather(slots, slots[index].clone(), group=group, async_op=True)
+
+
+class _Chain:
+    """Two collectives in sequence behind one ``wait()``: the second is issued once the first is done.
+
+    With a side stream (NCCL) the first stage is waited for there, so the compute stream is not held
+    up between the stages; ``wait()`` orders the caller's stream after the second.
+    """
+
+    def __init__(self, stages: list, stream: torch.cuda.Stream | None) -> None:
+        self._stages = stages
+        self._stream = stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())  # the buffer's producer first
+            with torch.cuda.stream(self._stream):
+                self._last = self._run()
+        else:
+            self._last = self._run()
+
+    def _run(self) -> dist.Work | None:
+        last = None
+        for stage in self._stages:
+            if last is not None:
+                last.wait()
+            last = stage()
+        return last
+
+    def wait(self) -> None:
+        if self._last is not None:
+            self._last.wait()
+        if self._stream is not None:
+            torch.cuda.current_stream().wait_stream(self._stream)

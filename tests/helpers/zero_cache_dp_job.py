@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--clip", type=float, default=0.5, help="0: host chunks update during backward")
     parser.add_argument("--no-overlap", action="store_true", help="zero_optimization.overlap_comm false")
+    parser.add_argument("--hosts-of", type=int, default=None, help="hierarchical collectives over hosts of this many ranks")
     parser.add_argument("--die-at-step", type=int, default=None, help="rank 1 exits (code 3) before this step")
     args = parser.parse_args()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -67,6 +68,8 @@ def main() -> None:
               "zero_cache": {"enabled": True, "chunk_size": CHUNK_NUMEL,
                              "device_memory_budget": device_budget(model, world_size, args.accumulation),
                              "host_memory_budget": 64 * 2**20}}
+    if args.hosts_of:
+        config["zero_cache"].update(hierarchical=True, ranks_per_host=args.hosts_of)
     engine, optimizer, loader, _ = angelptm.initialize(model=model, training_data=RandomTokens(args.data_seed),
                                                        config=config)
     tiers = {group.tier for group in optimizer.store.groups}
@@ -74,6 +77,7 @@ def main() -> None:
     # (On CUDA the first plan keeps a share of the device for activations: its split differs.)
     assert tiers == expected or engine.device.type == "cuda", f"rank {rank}: groups in {tiers}, expected {expected}"
     assert optimizer.update_in_backward == (args.clip == 0)
+    assert optimizer.sharding.hierarchical == bool(args.hosts_of)
     if args.load:
         path, _ = engine.load_checkpoint(args.load)
         assert path is not None, f"no checkpoint in {args.load}"

@@ -58,6 +58,13 @@ def test_sharded_training_equals_one_process_with_the_same_global_batch(tmp_path
     assert_same_weights(result["weights"], expected, start)
 
 
+def test_hierarchical_collectives_over_two_hosts_of_two_equal_one_process(tmp_path, data_seed, unsharded):
+    """Four ranks as 2 hosts x 2: reduce within the host, then across; gathers the other way round."""
+    expected, start = unsharded
+    result = train(4, tmp_path / "hier.pt", data_seed, 4, "--hosts-of", "2")
+    assert_same_weights(result["weights"], expected, start)
+
+
 def test_host_chunks_updated_during_backward_equal_one_process(tmp_path, data_seed, unsharded):
     """No clipping: each owned host chunk updates as soon as its group's reduce-scatter is done."""
     _, start = unsharded

@@ -683,3 +683,7 @@ def test_deepspeed_overlap_and_prefetch_keys_steer_sharded_zero_cache():
     assert load_config(base).zero_cache.overlap_comm is True
     with pytest.raises(ConfigError, match="gather_ahead_elements"):
         load_config({**base, "zero_cache": {"enabled": True, "gather_ahead_elements": -1}})
+    with pytest.raises(ConfigError, match="hierarchical: expected true, false or 'auto'"):
+        load_config({**base, "zero_cache": {"enabled": True, "hierarchical": "sometimes"}})
+    with pytest.raises(ConfigError, match="ranks_per_host: must be >= 1"):
+        load_config({**base, "zero_cache": {"enabled": True, "ranks_per_host": 0}})
