@@ -77,7 +77,7 @@ def main() -> None:
     # (On CUDA the first plan keeps a share of the device for activations: its split differs.)
     assert tiers == expected or engine.device.type == "cuda", f"rank {rank}: groups in {tiers}, expected {expected}"
     assert optimizer.update_in_backward == (args.clip == 0)
-    assert optimizer.sharding.hierarchical == bool(args.hosts_of)
+    assert optimizer.sharding.hierarchical == (bool(args.hosts_of) and world_size > 1)
     if args.load:
         path, _ = engine.load_checkpoint(args.load)
         assert path is not None, f"no checkpoint in {args.load}"
