@@ -23,19 +23,19 @@ On a CPU-only run the "device" tier is host memory too; the worker thread and ev
 run the same way (copies are synchronous), which is what the unit tests exercise.
 
 **Data-parallel sharding** (``store.sharding`` over W > 1 ranks; see :mod:`zero_cache.sharding`):
-each rank updates only the chunks it owns. Backward writes the local gradients over the param
-chunks as above; as soon as every chunk of a collective group has its gradients, the training
-thread issues the group's reduce-scatter (async on NCCL), so it runs under the rest of backward.
-``step()`` waits for them, takes the global norm from the owned chunks' reduced gradients (one
-all-reduce of W x chunks floats), updates the owned chunks with the mean gradient, and marks every
-group stale. The next forward all-gathers each group in its pre-hook, one group ahead of use;
-the worker thread never issues a collective, so every rank issues them in the same order.
+each rank updates only the chunks it owns. As soon as every chunk of a collective group has its
+gradients on this rank (written over the params, or into a gradient bucket when micro-batches
+accumulate), the training thread issues the group's reduce-scatter (async on NCCL), so it runs
+under the rest of backward. ``step()`` waits for them, takes the global norm from the owned chunks
+(one all-reduce of a float per chunk), updates the owned chunks with the mean gradient, and marks
+every group stale; the next forward all-gathers each group in its pre-hook, ahead of use. The
+worker thread never issues a collective, so every rank issues them in the same order. That side
+lives in :mod:`zero_cache.optimizer_sharded`, the checkpoint surface in :mod:`zero_cache.optimizer_state`.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import time
 import weakref
@@ -44,19 +44,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from zero_cache.chunks import STATE_FIELDS, ChunkStore
+from zero_cache.chunks import ChunkStore
 from zero_cache.exchange import ChunkExchange
 from zero_cache.host_adam import HostAdam, torch_fused_adam
 from zero_cache.host_update import (ChunkUpdate, HostUpdater, NonFiniteGradientError, Transfers, adam_step,
                                    fp32_gradient, wait)
 from zero_cache.layout import TensorSlot
-from zero_cache.planner import DEVICE, HOST, NVME, REMOTE
+from zero_cache.optimizer_sharded import ShardedGradients
+from zero_cache.optimizer_state import OptimizerCheckpoint
+from zero_cache.planner import DEVICE, NVME, OFF_DEVICE
 
-OFF_DEVICE = (HOST, NVME)
-"""Tiers whose chunks the host worker updates (NVMe groups through bounce buffers)."""
 
 
-class ZeroCacheOptimizer:
+class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint):
     """Engine-facing optimizer over a :class:`ChunkStore` (same surface as the replicated one).
 
     Args:
@@ -296,109 +296,6 @@ class ZeroCacheOptimizer:
             self.after_first_step()
         return True
 
-    # ------------------------------------------------------------------ sharding
-    def _group_written(self, chunk: int) -> None:
-        """One more gradient of ``chunk``'s group written on this rank; reduce the group once complete."""
-        group = self.sharding.group_of(chunk)
-        self._group_missing[group] -= 1
-        if self._group_missing[group] > 0 or not self.overlap_comm:  # without overlap: all at the step
-            return
-        self.exchange.reduce(group)
-        # Lagged by one group, so the compute stream rarely waits for NCCL (the wait orders what follows).
-        if self.store.grads_in_accumulators:
-            self._accumulate_reduced(self.exchange.completed(keep_in_flight=1))
-        elif self.update_in_backward:
-            self._update_reduced(self.exchange.completed(keep_in_flight=1))
-
-    def _finish_micro_step(self) -> None:
-        """Accumulating: reduce the groups backward left open, add every reduced slice to its owner's accumulator."""
-        if not self._micro_step_open:
-            return
-        self.exchange.reduce_rest()
-        self._accumulate_reduced(self.exchange.completed())
-        self._micro_step_open = False
-        self._reset_group_counts()
-
-    def _accumulate_reduced(self, groups: list[int]) -> None:
-        for group in groups:
-            reduced, in_use_until = self.exchange.reduced_slice(group), None
-            for chunk in self.sharding.group_chunks(group, self.store.layout.num_chunks):
-                if self.sharding.owns(chunk) and chunk in self._members_of_chunk:
-                    in_use_until = self._add_to_accumulator(chunk, reduced)
-            self.exchange.release_bucket(group, in_use_until)
-
-    def _add_to_accumulator(self, chunk: int, reduced: torch.Tensor) -> Any:
-        """Add an owned chunk's reduced gradients to its fp32 accumulator; returns what reads ``reduced`` until done."""
-        first = chunk not in self._accumulated  # the window's first micro-step is copied, not added
-        self._accumulated.add(chunk)
-        accumulator = self.store.groups[chunk].grad
-        if self.store.groups[chunk].tier == DEVICE:
-            accumulator.copy_(reduced) if first else accumulator.add_(reduced)
-            return self.transfers.mark()
-        buffer = self.host.pool.acquire()
-        copied = self.transfers.copy(buffer, reduced, "d2h", after=self.transfers.mark())
-
-        def accumulate() -> None:
-            wait(copied)
-            accumulator.copy_(buffer) if first else accumulator.add_(buffer)
-            self.host.pool.release(buffer)
-
-        self.host.submit(accumulate)
-        return copied
-
-    def _reduce_gradients(self) -> None:
-        """Finish every group's reduction (same order on every rank) and put the owned chunks' squared
-        norms, summed over ranks, into ``_chunk_squares``."""
-        owned = self.sharding.owned(self.store.layout.num_chunks)
-        if self.store.grads_in_accumulators:
-            self._finish_micro_step()
-            self._drain_host_gradients()
-            for chunk in owned:
-                if chunk in self._accumulated:
-                    accumulator = self.store.groups[chunk].grad
-                    self._chunk_squares[chunk] = torch.linalg.vector_norm(accumulator, dtype=torch.float32).square()
-        else:
-            self.exchange.reduce_rest()
-            self.exchange.completed()
-            for chunk in owned:
-                if chunk not in self._queued:  # a queued chunk's squares are in; its update may be overwriting it
-                    self._chunk_squares[chunk] = self._owned_square(chunk)
-        self.sharding.all_reduce_sum(self._chunk_squares)
-
-    def _update_reduced(self, groups: list[int]) -> None:
-        """Queue the host updates of the owned chunks of reduced groups (update during backward)."""
-        for group in groups:
-            for chunk in self.sharding.group_chunks(group, self.store.layout.num_chunks):
-                if self.sharding.owns(chunk) and self.store.groups[chunk].tier in OFF_DEVICE \
-                        and chunk in self._members_of_chunk:
-                    self._chunk_squares[chunk] = self._owned_square(chunk)
-                    squares = self._squares_pinned[chunk:chunk + 1]
-                    squares.copy_(self._chunk_squares[chunk:chunk + 1], non_blocking=True)
-                    self._queued.add(chunk)
-                    self._queue_host_update(chunk, frozenset(self._written), self._hypers(), step=self.step_count + 1,
-                                            grad_factor=1.0 / self.sharding.world_size, squares=squares)
-
-    def _owned_square(self, chunk: int) -> torch.Tensor:
-        # Padding inside a chunk is zero on every rank, so the whole chunk's norm is its gradients'.
-        return torch.linalg.vector_norm(self.store.param_chunks[chunk], dtype=torch.float32).square()
-
-    def prepare_chunk(self, chunk: int) -> None:
-        """Make ``chunk``'s params current before a forward uses it (forward pre-hook): wait for its host
-        update, or, sharded, gather its group from the owners (see :class:`ChunkExchange`)."""
-        if self.exchange is None:
-            self.wait_for_chunk(chunk)
-        else:
-            self.exchange.prepare(chunk)
-
-    def sync_params(self) -> None:
-        """Gather every stale group now (sharded; every rank calls it, e.g. before a checkpoint)."""
-        if self.exchange is not None:
-            self.exchange.sync()
-
-    def _mark_stale(self) -> None:
-        if self.exchange is not None:
-            self.exchange.mark_stale()
-
     def _grad_norm(self) -> float:
         """Global norm over the gradients written in this window (the one device sync of the step)."""
         if not self.store.grads_in_accumulators or self.exchange is not None:
@@ -497,78 +394,3 @@ class ZeroCacheOptimizer:
             report["zero_cache_overlap"] = max(0.0, 1.0 - waited / host_work)
         self.timings = dict.fromkeys(self.timings, 0.0)
         return report
-
-    # ------------------------------------------------------------------ checkpoints
-    def _chunk_states(self, *, write_back: bool = False):
-        """(slots, states) per chunk; the states are in memory while the caller holds them (NVMe: read, and
-        written back with ``write_back``). Synchronous, one chunk at a time."""
-        self.finish_pending()
-        for chunk, members in sorted(self._members_of_chunk.items()):
-            if self.store.groups[chunk].tier == REMOTE:
-                continue
-            with self.store.open_states(chunk, write_back=write_back) as states:
-                yield [slot for _, slot in members], states
-
-    def _read_fields(self, fields: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
-        """{field: {parameter name: a CPU copy}} for the optimizer fields in ``fields``."""
-        out: dict[str, dict[str, torch.Tensor]] = {f: {} for f in fields}
-        for slots, states in self._chunk_states():
-            for slot in slots:
-                for f in fields:
-                    out[f][slot.name] = self.store.state_view(slot, f, states).detach().cpu().clone()
-        return out
-
-    @property
-    def owned_names(self) -> list[str]:
-        """Parameters whose optimizer state this rank holds (all of them unless sharded)."""
-        return [slot.name for _, slot in self.members if self.store.groups[slot.chunk].tier != REMOTE]
-
-    def master_state_dict(self) -> dict[str, torch.Tensor]:
-        """fp32 masters by name (sharded: of the owned parameters only)."""
-        masters = self._read_fields(("master",))["master"]
-        return {name: masters[name].view(shape) for name, shape in self._owned_shapes()}
-
-    def _owned_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        owned = set(self.owned_names)
-        return [(slot.name, slot.shape) for _, slot in self.members if slot.name in owned]
-
-    def load_master_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load fp32 masters by name; sharded, each rank takes its owned ones (``state`` may hold more)."""
-        missing = [name for name in self.owned_names if name not in state]
-        if missing:
-            raise KeyError(f"checkpoint lacks master weights for {missing[:5]}")
-        with torch.no_grad():
-            for slots, states in self._chunk_states(write_back=True):
-                for slot in slots:
-                    self.store.state_view(slot, "master", states).copy_(state[slot.name].reshape(-1))
-            self._restore_params(frozenset(self.names))
-        self.finish_pending()
-
-    def refresh_masters_from_params(self) -> None:
-        with torch.no_grad():
-            for slots, states in self._chunk_states(write_back=True):
-                for slot in slots:
-                    self.store.state_view(slot, "master", states).copy_(self.store.param_view(slot).reshape(-1))
-
-    def state_dict(self) -> dict[str, Any]:
-        fields = self._read_fields(STATE_FIELDS)
-        masters = fields.pop("master")
-        hypers = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
-        return {"optimizer": {"step": self.step_count, "param_groups": hypers, **fields},
-                "masters": {name: masters[name].view(shape) for name, shape in self._owned_shapes()},
-                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None}
-
-    def load_state_dict(self, state: dict[str, Any], *, load_optimizer_states: bool = True) -> None:
-        self.load_master_state_dict(state["masters"])
-        if not load_optimizer_states:
-            return
-        saved = state["optimizer"]
-        self.step_count = saved["step"]
-        for group, hyper in zip(self.optimizer.param_groups, saved["param_groups"]):
-            group.update(hyper)
-        with torch.no_grad():
-            for slots, states in self._chunk_states(write_back=True):
-                for slot, field in itertools.product(slots, ("exp_avg", "exp_avg_sq")):
-                    self.store.state_view(slot, field, states).copy_(saved[field][slot.name])
-        if self.loss_scaler is not None and state.get("loss_scaler"):
-            self.loss_scaler.load_state_dict(state["loss_scaler"])

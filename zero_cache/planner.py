@@ -36,6 +36,8 @@ from typing import Sequence
 from zero_cache.units import format_bytes
 
 DEVICE, HOST, NVME = "device", "host", "nvme"
+OFF_DEVICE = (HOST, NVME)
+"""Tiers whose chunks the host worker updates (NVMe groups through bounce buffers)."""
 REMOTE = "remote"
 """The optimizer group of a chunk that another data-parallel rank owns (see ``zero_cache.sharding``)."""
 SWAP_ALIGN_BYTES = 4096

@@ -1,0 +1,124 @@
+"""The hybrid optimizer's data-parallel side: reducing sharded gradients and gathering updated params.
+
+Collectives are :class:`~zero_cache.exchange.ChunkExchange`'s; what is done with a reduced group lives
+here: with one micro-batch per step the owner's chunk already holds the summed gradients (written over
+its params) and, when updates run during backward, is queued on the host worker; with accumulating
+micro-batches the owner adds its reduced slice to its fp32 accumulator. ``step()`` then takes the
+global norm from the owners' chunks (one all-reduce) and updates only the owned chunks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zero_cache.planner import DEVICE, OFF_DEVICE
+from zero_cache.tiers import wait
+
+
+class ShardedGradients:
+    """Mixed into :class:`~zero_cache.optimizer.ZeroCacheOptimizer` (its ``exchange``, ``sharding``, ``store``,
+    host worker, transfers and per-window bookkeeping)."""
+
+    def _group_written(self, chunk: int) -> None:
+        """One more gradient of ``chunk``'s group written on this rank; reduce the group once complete."""
+        group = self.sharding.group_of(chunk)
+        self._group_missing[group] -= 1
+        if self._group_missing[group] > 0 or not self.overlap_comm:  # without overlap: all at the step
+            return
+        self.exchange.reduce(group)
+        # Lagged by one group, so the compute stream rarely waits for NCCL (the wait orders what follows).
+        if self.store.grads_in_accumulators:
+            self._accumulate_reduced(self.exchange.completed(keep_in_flight=1))
+        elif self.update_in_backward:
+            self._update_reduced(self.exchange.completed(keep_in_flight=1))
+
+    def _finish_micro_step(self) -> None:
+        """Accumulating: reduce the groups backward left open, add every reduced slice to its owner's accumulator."""
+        if not self._micro_step_open:
+            return
+        self.exchange.reduce_rest()
+        self._accumulate_reduced(self.exchange.completed())
+        self._micro_step_open = False
+        self._reset_group_counts()
+
+    def _accumulate_reduced(self, groups: list[int]) -> None:
+        for group in groups:
+            reduced, in_use_until = self.exchange.reduced_slice(group), None
+            for chunk in self.sharding.group_chunks(group, self.store.layout.num_chunks):
+                if self.sharding.owns(chunk) and chunk in self._members_of_chunk:
+                    in_use_until = self._add_to_accumulator(chunk, reduced)
+            self.exchange.release_bucket(group, in_use_until)
+
+    def _add_to_accumulator(self, chunk: int, reduced: torch.Tensor) -> Any:
+        """Add an owned chunk's reduced gradients to its fp32 accumulator; returns what reads ``reduced`` until done."""
+        first = chunk not in self._accumulated  # the window's first micro-step is copied, not added
+        self._accumulated.add(chunk)
+        accumulator = self.store.groups[chunk].grad
+        if self.store.groups[chunk].tier == DEVICE:
+            accumulator.copy_(reduced) if first else accumulator.add_(reduced)
+            return self.transfers.mark()
+        buffer = self.host.pool.acquire()
+        copied = self.transfers.copy(buffer, reduced, "d2h", after=self.transfers.mark())
+
+        def accumulate() -> None:
+            wait(copied)
+            accumulator.copy_(buffer) if first else accumulator.add_(buffer)
+            self.host.pool.release(buffer)
+
+        self.host.submit(accumulate)
+        return copied
+
+    def _reduce_gradients(self) -> None:
+        """Finish every group's reduction (same order on every rank) and put the owned chunks' squared
+        norms, summed over ranks, into ``_chunk_squares``."""
+        owned = self.sharding.owned(self.store.layout.num_chunks)
+        if self.store.grads_in_accumulators:
+            self._finish_micro_step()
+            self._drain_host_gradients()
+            for chunk in owned:
+                if chunk in self._accumulated:
+                    accumulator = self.store.groups[chunk].grad
+                    self._chunk_squares[chunk] = torch.linalg.vector_norm(accumulator, dtype=torch.float32).square()
+        else:
+            self.exchange.reduce_rest()
+            self.exchange.completed()
+            for chunk in owned:
+                if chunk not in self._queued:  # a queued chunk's squares are in; its update may be overwriting it
+                    self._chunk_squares[chunk] = self._owned_square(chunk)
+        self.sharding.all_reduce_sum(self._chunk_squares)
+
+    def _update_reduced(self, groups: list[int]) -> None:
+        """Queue the host updates of the owned chunks of reduced groups (update during backward)."""
+        for group in groups:
+            for chunk in self.sharding.group_chunks(group, self.store.layout.num_chunks):
+                if self.sharding.owns(chunk) and self.store.groups[chunk].tier in OFF_DEVICE \
+                        and chunk in self._members_of_chunk:
+                    self._chunk_squares[chunk] = self._owned_square(chunk)
+                    squares = self._squares_pinned[chunk:chunk + 1]
+                    squares.copy_(self._chunk_squares[chunk:chunk + 1], non_blocking=True)
+                    self._queued.add(chunk)
+                    self._queue_host_update(chunk, frozenset(self._written), self._hypers(), step=self.step_count + 1,
+                                            grad_factor=1.0 / self.sharding.world_size, squares=squares)
+
+    def _owned_square(self, chunk: int) -> torch.Tensor:
+        # Padding inside a chunk is zero on every rank, so the whole chunk's norm is its gradients'.
+        return torch.linalg.vector_norm(self.store.param_chunks[chunk], dtype=torch.float32).square()
+
+    def prepare_chunk(self, chunk: int) -> None:
+        """Make ``chunk``'s params current before a forward uses it (forward pre-hook): wait for its host
+        update, or, sharded, gather its group from the owners (see :class:`ChunkExchange`)."""
+        if self.exchange is None:
+            self.wait_for_chunk(chunk)
+        else:
+            self.exchange.prepare(chunk)
+
+    def sync_params(self) -> None:
+        """Gather every stale group now (sharded; every rank calls it, e.g. before a checkpoint)."""
+        if self.exchange is not None:
+            self.exchange.sync()
+
+    def _mark_stale(self) -> None:
+        if self.exchange is not None:
+            self.exchange.mark_stale()
