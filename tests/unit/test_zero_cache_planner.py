@@ -9,7 +9,8 @@ import random
 import pytest
 
 from zero_cache.layout import ALIGN_NUMEL, pack, search_chunk_size
-from zero_cache.planner import DEVICE, HOST, NVME, PlanError, PlanInputs, belady_misses, first_use_order, make_plan
+from zero_cache.planner import (DEVICE, HOST, NVME, REMOTE, PlanError, PlanInputs, belady_misses, first_use_order,
+                                make_plan)
 
 
 def random_shapes(rng: random.Random, count: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -213,3 +214,31 @@ def test_nvme_shortfall_is_explained():
     with pytest.raises(PlanError, match=r"nvme tier needs .*short by .*free disk space under zero_cache.nvme_path"):
         make_plan(inputs(device_budget_bytes=24_000, host_budget_bytes=64_000, nvme_budget_bytes=20_000,
                          grad_bytes_per_element=0))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_sharded_rank_places_only_its_own_groups_first_used_first(seed):
+    """Each rank plans the chunks it owns (every W-th); the rest are REMOTE. Its device room, after the
+    params of every chunk (padding included) and the gradient buckets, goes to its chunks used first."""
+    rng = random.Random(seed * 31 + random.randrange(10**6))
+    world, num_chunks = rng.choice([2, 4]), rng.randint(6, 14)
+    rank = rng.randrange(world)
+    owned = tuple(range(rank, num_chunks, world))
+    padding = -(-num_chunks // world) * world - num_chunks
+    buckets = rng.choice([0, 3 * world * 2_000])
+    trace = tuple(rng.sample(range(num_chunks), num_chunks))
+    on_device = rng.randint(0, len(owned))
+    budget = 4_000 + (num_chunks + padding) * 2_000 + buckets + on_device * 16_000 + 15_999
+    plan = make_plan(inputs(num_chunks=num_chunks, device_budget_bytes=budget, trace=trace, owned=owned,
+                            padding_chunks=padding, exchange_buffer_bytes=buckets))
+    assert [c for c, t in enumerate(plan.optimizer_tier) if t == REMOTE] == [c for c in range(num_chunks)
+                                                                             if c not in owned]
+    mine_in_use_order = [c for c in trace if c in owned]
+    assert [c for c in mine_in_use_order if plan.optimizer_tier[c] == DEVICE] == mine_in_use_order[:on_device]
+    assert all(plan.optimizer_tier[c] == HOST for c in mine_in_use_order[on_device:])
+    assert plan.device_bytes == 4_000 + (num_chunks + padding) * 2_000 + buckets + on_device * 16_000
+
+
+def test_owned_chunks_outside_the_layout_are_refused():
+    with pytest.raises(ValueError, match="owned chunks"):
+        inputs(owned=(0, 10))
