@@ -231,9 +231,13 @@ def _split_host_and_nvme(inputs: PlanInputs, off_device: int, host_fixed: int) -
 
 def _shortfall_message(tier: str, need: int, have: int, inputs: PlanInputs, detail: str) -> str:
     total = inputs.num_chunks * (inputs.param_chunk_bytes + inputs.optimizer_chunk_bytes)
+    owned = len(inputs.owned_chunks)
+    share = ("" if owned == inputs.num_chunks else
+             f" (this data-parallel rank holds every param chunk and the optimizer states of {owned} of the "
+             f"{inputs.num_chunks} chunks: {format_bytes(inputs.num_chunks * inputs.param_chunk_bytes + owned * inputs.optimizer_chunk_bytes)})")
     return (f"model states do not fit: the {tier} tier needs {format_bytes(need)} but its budget is "
             f"{format_bytes(have)} (short by {format_bytes(need - have)}); {detail}. All model states together "
-            f"take {format_bytes(total)}. Raise zero_cache.{tier}_memory_budget, "
+            f"take {format_bytes(total)}{share}. Raise zero_cache.{tier}_memory_budget, "
             + ("give the NVMe tier more room (free disk space under zero_cache.nvme_path)" if inputs.nvme_budget_bytes
                else "add an NVMe tier (zero_cache.nvme_path)")
             + ", shrink the micro-batch or enable activation checkpointing, or use more GPUs.")

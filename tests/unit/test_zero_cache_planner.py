@@ -11,6 +11,7 @@ import pytest
 from zero_cache.layout import ALIGN_NUMEL, pack, search_chunk_size
 from zero_cache.planner import (DEVICE, HOST, NVME, REMOTE, PlanError, PlanInputs, belady_misses, first_use_order,
                                 make_plan)
+from zero_cache.units import format_bytes
 
 
 def random_shapes(rng: random.Random, count: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -242,3 +243,9 @@ def test_a_sharded_rank_places_only_its_own_groups_first_used_first(seed):
 def test_owned_chunks_outside_the_layout_are_refused():
     with pytest.raises(ValueError, match="owned chunks"):
         inputs(owned=(0, 10))
+
+
+def test_a_sharded_rank_shortfall_names_its_share():
+    share = format_bytes(10 * 2_000 + 5 * 16_000)  # every bf16 param chunk + 5 optimizer groups of 16 B/element
+    with pytest.raises(PlanError, match=rf"optimizer states of 5 of the 10 chunks: {share}\)"):
+        make_plan(inputs(owned=(0, 2, 4, 6, 8), host_budget_bytes=1_000, device_budget_bytes=30_000))
