@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The 4-GPU benchmarks of the MoE, AutoPipe and ZeRO-Cache issues (device kind nvidia-h200-x4, .devdeps
+# carried). About 21 minutes of limits in all, more than one device call allows (600 s), so name the
+# runs to do; each run is cut at its limit and the others still run. Three calls:
+#
+#   source .devdeps/gpu-setup.sh && bash bench/four_gpu.sh "$OUT" moe_alltoall_2x2 moe_layer_4gpu autopipe_4stage
+#   source .devdeps/gpu-setup.sh && bash bench/four_gpu.sh "$OUT" zero_cache_scaling_1gpu zero_cache_scaling_4gpu zero_cache_scaling_table
+#   source .devdeps/gpu-setup.sh && bash bench/four_gpu.sh "$OUT" zero_cache_largest autopipe_4stage_24
+#
+# What each run answers:
+#   moe_alltoall_2x2   4 ranks as 2 nodes x 2: the moe package's flat against hierarchical exchange per
+#                      message size (identical rows checked), with the cost model's predictions.
+#   moe_layer_4gpu     our MoE layer with flat and with hierarchical all-to-all (2 nodes x 2) next to
+#                      deepspeed.moe (ep_size 4), same run, identical routing checked.
+#   autopipe_4stage    4 stages, Llama-style GPT, vocabulary 262144 (the head and loss cost about ten
+#                      blocks: unequal layers), 16 blocks: auto split against uniform-layer and
+#                      parameter-count splits, predicted against measured stage times.
+#   autopipe_4stage_24 the same with 24 blocks (the head weighs less against the blocks).
+#                      Open problem (CPU check, --tiny at 4 ranks): when the auto split leaves a stage
+#                      without parameters (the loss alone), bench/autopipe_split.py's AdamW raises
+#                      "optimizer got an empty parameter list"; fix the bench before spending a device call.
+#   zero_cache_scaling_1gpu / _4gpu   6.9B GPT, ZeRO-Cache and DeepSpeed ZeRO-3, micro-batch 8 per GPU
+#                      on 1 and on 4 GPUs (two runs, one engine_step each, to keep each under its limit);
+#   zero_cache_scaling_table   reads both and prints the scaling efficiency (needs the two runs before it,
+#                      in the same OUT).
+#   zero_cache_largest 30.3B (engine_step's largest size) with ZeRO-Cache on 4 GPUs, 16 host threads per rank.
+#
+# Writes OUT/<run>.log (the bench's own report, where it writes one) and OUT/<run>.out (stdout and stderr).
+set -u
+out=${1:?usage: bench/four_gpu.sh OUTPUT_DIR [RUN ...]}
+shift
+wanted=" $* "
+mkdir -p "$out"
+
+run() {
+    local name=$1 limit=$2
+    shift 2
+    [[ $wanted == "  " || $wanted == *" $name "* ]] || return 0
+    echo "== $name (limit ${limit}s)"
+    timeout "$limit" "$@" > "$out/$name.out" 2>&1
+    echo "   exit $?"
+}
+
+# Prints | size | mode | tokens/s 1 GPU | tokens/s 4 GPUs | scaling | from the JSON lines of the two scaling runs.
+scaling_py=$(cat <<'PY'
+import json, sys
+rows = [json.loads(line) for path in sys.argv[1:] for line in open(path) if line.startswith("{")]
+print("| size | mode | tokens/s 1 GPU | tokens/s 4 GPUs | scaling (4 GPUs / 4 x 1 GPU) |\n|---|---|---|---|---|")
+for r in [r for r in rows if r["ranks"] > 1]:
+    one = next((s for s in rows if s["ranks"] == 1 and (s["size"], s["mode"]) == (r["size"], r["mode"])), None)
+    single = f"{one['tokens_per_s']:,.0f}" if one else "n/a"
+    scaling = f"{r['tokens_per_s'] / (r['ranks'] * one['tokens_per_s']):.0%}" if one else "n/a"
+    print(f"| {r['size']} | {r['mode']} | {single} | {r['tokens_per_s']:,.0f} | {scaling} |")
+PY
+)
+
+run moe_alltoall_2x2 80 torchrun --standalone --nproc-per-node 4 bench/moe_alltoall.py --ranks-per-node 2 \
+    --log-file "$out/moe_alltoall_2x2.log"
+run moe_layer_4gpu 230 torchrun --standalone --nproc-per-node 4 bench/moe_layer.py --ranks-per-node 2 \
+    --hierarchical off on --overlap-chunks 1 2 --log-file "$out/moe_layer_4gpu.log" --rounds 2 --iters 10
+run autopipe_4stage 230 torchrun --standalone --nproc-per-node 4 bench/autopipe_split.py \
+    --log-file "$out/autopipe_4stage.log" --steps 6 --warmup-steps 2 --profile-repeats 3
+run autopipe_4stage_24 240 torchrun --standalone --nproc-per-node 4 bench/autopipe_split.py \
+    --log-file "$out/autopipe_4stage_24.log" --steps 6 --warmup-steps 2 --profile-repeats 3 --layers 24
+run zero_cache_scaling_1gpu 240 python3 bench/engine_step.py --sizes 6.9b --modes zero_cache deepspeed_zero3 \
+    --anchor deepspeed_zero3 --nproc 1 --steps 8
+run zero_cache_scaling_4gpu 250 python3 bench/engine_step.py --sizes 6.9b --modes zero_cache deepspeed_zero3 \
+    --anchor deepspeed_zero3 --nproc 4 --steps 8
+run zero_cache_scaling_table 30 python3 -c "$scaling_py" "$out/zero_cache_scaling_1gpu.out" \
+    "$out/zero_cache_scaling_4gpu.out"
+run zero_cache_largest 250 env OMP_NUM_THREADS=16 python3 bench/engine_step.py --sizes 30b --modes zero_cache \
+    --nproc 4 --steps 5 --anchor zero_cache
