@@ -125,8 +125,11 @@ def run_split(args, example, op_starts, layout, rank, device) -> dict:
     chunk_s = runner.measure_chunk_times_s({"input_ids": example["input_ids"]}, example["labels"],
                                            repeats=args.profile_repeats)
     named = runner.named_parameters()
-    inner = torch.optim.AdamW([p for _, p in named], lr=1e-4, fused=device.type == "cuda" or None)
-    optimizer = MixedPrecisionOptimizer(inner, {id(p): name for name, p in named}, named[0][1].dtype)
+    # A stage may hold no parameters (e.g. only the loss, at 4 stages): a param group may be empty, a list may not.
+    inner = torch.optim.AdamW([{"params": [p for _, p in named]}], lr=1e-4,
+                              fused=(device.type == "cuda" and bool(named)) or None)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as build() makes the model
+    optimizer = MixedPrecisionOptimizer(inner, {id(p): name for name, p in named}, dtype)
     optimizer.zero_grad()  # the chunk timing left gradients behind
     grad_views = dict(zip(optimizer.names, optimizer.grad_views))
     rows = args.micro_batch * args.microbatches
