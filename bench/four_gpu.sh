@@ -16,9 +16,8 @@
 #                      blocks: unequal layers), 16 blocks: auto split against uniform-layer and
 #                      parameter-count splits, predicted against measured stage times.
 #   autopipe_4stage_24 the same with 24 blocks (the head weighs less against the blocks).
-#                      Open problem (CPU check, --tiny at 4 ranks): when the auto split leaves a stage
-#                      without parameters (the loss alone), bench/autopipe_split.py's AdamW raises
-#                      "optimizer got an empty parameter list"; fix the bench before spending a device call.
+#                      A stage may end up without parameters (the loss alone); the bench handles it
+#                      (checked on CPU: torchrun --nproc-per-node 4 bench/autopipe_split.py --device cpu --tiny).
 #   zero_cache_scaling_1gpu / _4gpu   6.9B GPT, ZeRO-Cache and DeepSpeed ZeRO-3, micro-batch 8 per GPU
 #                      on 1 and on 4 GPUs (two runs, one engine_step each, to keep each under its limit);
 #   zero_cache_scaling_table   reads both and prints the scaling efficiency (needs the two runs before it,
