@@ -58,7 +58,7 @@ class ShardedGradients:
         accumulator = self.store.groups[chunk].grad
         if self.store.groups[chunk].tier == DEVICE:
             accumulator.copy_(reduced) if first else accumulator.add_(reduced)
-            return self.transfers.mark()
+            return None  # the bucket's next use is on the compute stream too, ordered after this add
         buffer = self.host.pool.acquire()
         copied = self.transfers.copy(buffer, reduced, "d2h", after=self.transfers.mark())
 
