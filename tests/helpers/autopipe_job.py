@@ -28,6 +28,7 @@ from autopipe.profile import Profile  # noqa: E402
 from autopipe.profiler import profile_graph  # noqa: E402
 from autopipe.runtime import PipelineLayout, PipelineRunner  # noqa: E402
 from autopipe.search import search  # noqa: E402
+from reference import end_job  # noqa: E402
 
 MICRO_BATCH, SEQ, VOCAB = 2, 16, 64
 
@@ -90,7 +91,7 @@ def main() -> None:
     torch.save({"loss": loss, "grads": {name: p.grad for name, p in runner.named_parameters()},
                 "chunks": runner.chunk_ids, "tied": runner.tied_parameter_names, "op_starts": plan.stage_starts},
                f"{args.out}.{rank}")
-    dist.destroy_process_group()
+    end_job()  # destroys the process group and exits
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from angelptm.config import load_config  # noqa: E402
 from angelptm.data import repeat_batches  # noqa: E402
 from angelptm.data.loader import ResumableDataLoader  # noqa: E402
 from angelptm.distributed import init_distributed  # noqa: E402
-from reference import SEQ, VOCAB, RandomTokens  # noqa: E402
+from reference import SEQ, VOCAB, RandomTokens, end_job  # noqa: E402
 
 
 
@@ -75,7 +75,7 @@ def main() -> None:
                 "chunks": runner.chunk_ids, "tied": runner.tied_parameter_names,
                 "clip": cfg.gradient_clipping, "train_batch_size": cfg.batch.train_batch_size},
                f"{args.out}.{ctx.rank}")
-    dist.destroy_process_group()
+    end_job()  # destroys the process group and exits
 
 
 if __name__ == "__main__":

@@ -11,14 +11,13 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import angelptm  # noqa: E402
 from angelptm.data import repeat_batches  # noqa: E402
 from angelptm.models import ModelConfig, build_model  # noqa: E402
-from reference import SEQ, VOCAB, RandomTokens  # noqa: E402
+from reference import SEQ, VOCAB, RandomTokens, end_job  # noqa: E402
 
 
 def main() -> None:
@@ -46,8 +45,7 @@ def main() -> None:
     if engine.ctx.is_main:
         torch.save({"masters": optimizer.master_state_dict(), "world_size": engine.world_size,
                     "steps": engine.global_steps}, args.out)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    end_job()  # destroys the process group and exits
 
 
 if __name__ == "__main__":

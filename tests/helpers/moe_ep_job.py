@@ -20,6 +20,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from moe import GroupedExperts, MoEConfig, MoELayer, build_expert_parallel_groups  # noqa: E402
+from reference import end_job  # noqa: E402
 
 D, F, E, WORLD = 16, 24, 8, 4
 SCENARIOS = {  # name -> MoEConfig overrides
@@ -117,7 +118,7 @@ def main() -> None:
             dist.all_reduce(dropped)
             assert dropped.item() > 0, scenario
     (Path(args.out_dir) / f"ok.{rank}").write_text("ok")
-    dist.destroy_process_group()
+    end_job()  # destroys the process group and exits
 
 
 if __name__ == "__main__":

@@ -97,3 +97,24 @@ def train_steps(engine, batches: list[dict]) -> list[float]:
         engine.step()
         losses.append(loss.item())
     return losses
+
+
+def end_job() -> None:
+    """Leave a finished multi-process job: destroy the process group, flush, and exit at once.
+
+    Now and then (about one run in fifty on the 2-core CI machine, with the replicated and the
+    ZeRO-Cache jobs alike) a job whose results were already written aborted in interpreter teardown
+    with "terminate called without an active exception": torch's gloo threads were still being torn
+    down while the interpreter finalized. Exiting without the finalizer keeps that race out of the
+    tests' verdicts; everything the tests check is on disk by then.
+    """
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import angelptm  # noqa: E402
 from angelptm import checkpoint  # noqa: E402
+from reference import end_job  # noqa: E402
 
 
 def main() -> None:
@@ -43,7 +44,7 @@ def main() -> None:
     except Exception as err:  # the test inspects which error each rank saw
         outcome = f"{type(err).__name__}: {err}"
     Path(f"{args.out_prefix}.{rank}").write_text(outcome)
-    torch.distributed.destroy_process_group()
+    end_job()  # destroys the process group and exits
 
 
 if __name__ == "__main__":
