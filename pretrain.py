@@ -276,8 +276,21 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    logger.info("done: final loss %.4f", loss)
+    finally:
+        main_rank = _leave_process_group()
+    if main_rank:
+        logger.info("done: final loss %.4f", loss)
     return 0
+
+
+def _leave_process_group() -> bool:
+    """Destroy the process group, if any, while the interpreter is whole (gloo's threads racing its
+    teardown can abort a finished job); returns whether this was rank 0."""
+    if not dist.is_initialized():
+        return True
+    main_rank = dist.get_rank() == 0
+    dist.destroy_process_group()
+    return main_rank
 
 
 if __name__ == "__main__":
