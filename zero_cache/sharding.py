@@ -5,8 +5,8 @@ gW+W-1``) in one contiguous buffer of ``W`` slots, and each rank owns one slot o
 keeps that chunk's optimizer group (fp32 master, exp_avg, exp_avg_sq) in whichever tier its own
 plan picks. One collective serves a whole group:
 
-* **reduce-scatter** after backward: each rank's gradients (written over its param chunks) are
-  summed into the owner's chunk of the group;
+* **reduce-scatter** during backward: each rank's gradients (written over its param chunks, or
+  into a gradient bucket when micro-batches accumulate) are summed into the owner's slot;
 * **all-gather** before the next forward: each owner's updated chunk is copied to every rank.
 
 This is ZeRO-2's partitioning of gradients and optimizer states at chunk granularity (the
