@@ -162,8 +162,9 @@ def load_file(path: Path) -> Any:
     """Read one checkpoint file onto the CPU."""
     try:
         # weights_only=False: checkpoints carry client_state, which may hold any picklable object.
-        # Load only checkpoints you trust, as with torch.load in general.
-        return torch.load(path, map_location="cpu", weights_only=False)
+        # Load only checkpoints you trust, as with torch.load in general. mmap: a tensor is read from
+        # disk when it is used, so a rank merging every rank's ZeRO-Cache shard reads only its own.
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} is missing") from None
     except Exception as err:  # a truncated or foreign file; say which one

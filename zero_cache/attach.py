@@ -192,7 +192,7 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
         # "auto": free memory now, plus the parameters about to move into chunks (their current
         # storage is released as each one is rebound to its chunk view).
         reclaimable = sum(p.numel() * p.element_size() for _, p in params if p.device == device)
-        device_budget = auto_device_budget(device) + reclaimable
+        device_budget = auto_device_budget(device, sharding.ranks_per_host) + reclaimable
     device_tier, host_tier = build_tiers(device, device_budget, config.host_budget_bytes, sharding.ranks_per_host)
     swap_directory, disk_budget = nvme_budget(config)
     # Before the warm-up has measured activations, keep part of the device for them; the re-plan

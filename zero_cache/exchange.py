@@ -112,10 +112,6 @@ class ChunkExchange:
         assert not self._reductions, "a reduction of the previous micro-step was never waited for"
         self._reduced.clear()
 
-    @property
-    def has_reductions(self) -> bool:
-        return bool(self._reductions)
-
     # ------------------------------------------------------------------ parameters
     def mark_stale(self) -> None:
         """Every group's non-owned chunks are out of date (after a step or a restore)."""

@@ -123,11 +123,8 @@ class Sharding:
             return None
         if not self.hierarchical:
             return _reduce_scatter(buffer, self.rank, self.world_size, self.group)
-        block = buffer.view(self.ranks_per_host, -1)[self.rank % self.ranks_per_host]
-        return _Chain([lambda: _reduce_scatter(buffer, self.rank % self.ranks_per_host, self.ranks_per_host,
-                                               self.host_group),
-                       lambda: _reduce_scatter(block, self.rank // self.ranks_per_host, self.num_hosts,
-                                               self.peer_group)], self.side_stream)
+        host, peers = self._stages(buffer)
+        return _Chain([lambda: _reduce_scatter(*host), lambda: _reduce_scatter(*peers)], self.side_stream)
 
     def all_gather(self, buffer: torch.Tensor) -> dist.Work | None:
         """Fill every slot of ``buffer`` (one group) from the rank that owns it, async."""
@@ -135,10 +132,15 @@ class Sharding:
             return None
         if not self.hierarchical:
             return _all_gather(buffer, self.rank, self.world_size, self.group)
-        block = buffer.view(self.ranks_per_host, -1)[self.rank % self.ranks_per_host]
-        return _Chain([lambda: _all_gather(block, self.rank // self.ranks_per_host, self.num_hosts, self.peer_group),
-                       lambda: _all_gather(buffer, self.rank % self.ranks_per_host, self.ranks_per_host,
-                                           self.host_group)], self.side_stream)
+        host, peers = self._stages(buffer)
+        return _Chain([lambda: _all_gather(*peers), lambda: _all_gather(*host)], self.side_stream)
+
+    def _stages(self, buffer: torch.Tensor) -> tuple[tuple, tuple]:
+        """(buffer, this rank's index, ranks, group) of the within-host stage (the whole group buffer, in
+        blocks of ``num_hosts`` slots) and of the across-host stage (this rank's block, in slots)."""
+        local, host = self.rank % self.ranks_per_host, self.rank // self.ranks_per_host
+        block = buffer.view(self.ranks_per_host, -1)[local]
+        return (buffer, local, self.ranks_per_host, self.host_group), (block, host, self.num_hosts, self.peer_group)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the ranks in place (synchronous)."""

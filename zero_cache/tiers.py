@@ -159,13 +159,14 @@ def _pinned_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(owner)[:num_bytes].view(dtype)
 
 
-def auto_device_budget(device: torch.device) -> int:
-    """Free memory on the compute device, less the margin (host RAM stands in on CPU-only runs)."""
+def auto_device_budget(device: torch.device, ranks_per_host: int = 1) -> int:
+    """Free memory on the compute device, less the margin (host RAM stands in on CPU-only runs, split
+    between the ranks of the host, as the host tier is)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()  # blocks cached by the allocator (e.g. an fp32 copy of the model) are free too
         free, _ = torch.cuda.mem_get_info(device)
         return int(free - max(AUTO_MARGIN_MIN_BYTES, free * AUTO_MARGIN_FRACTION))
-    return int(psutil.virtual_memory().available * 0.5 * (1 - AUTO_MARGIN_FRACTION))
+    return int(psutil.virtual_memory().available * 0.5 * (1 - AUTO_MARGIN_FRACTION) / ranks_per_host)
 
 
 HOST_MARGIN_FRACTION = 0.10
@@ -185,7 +186,8 @@ def auto_host_budget(device: torch.device, ranks_per_host: int = 1) -> int:
 def build_tiers(device: torch.device, device_budget: int | None, host_budget: int | None,
                 ranks_per_host: int = 1) -> tuple[Tier, Tier]:
     """The device and host tiers, with "auto" (None) budgets measured now (the host's shared by its ranks)."""
-    device_tier = Tier("device", device, device_budget if device_budget is not None else auto_device_budget(device))
+    device_tier = Tier("device", device, device_budget if device_budget is not None
+                       else auto_device_budget(device, ranks_per_host))
     host_tier = Tier("host", torch.device("cpu"), host_budget if host_budget is not None
                      else auto_host_budget(device, ranks_per_host), pin_memory=device.type == "cuda")
     return device_tier, host_tier

@@ -28,13 +28,13 @@ def train(nproc: int, out: Path, data_seed: int, steps: int, *extra: str) -> dic
 
 
 def assert_same_weights(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-                        start: dict[str, torch.Tensor]) -> None:
+                        start: dict[str, torch.Tensor], atol: float = 1e-5) -> None:
     """Equal up to summation order, and training moved them far more than that (or equality proves little)."""
     assert got.keys() == expected.keys()
     moved = max((expected[k] - start[k]).abs().max().item() for k in expected)
     assert moved > 1e-3, f"training moved the weights by only {moved}"
     for name in expected:
-        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=atol)
 
 
 @pytest.fixture(scope="module")
@@ -106,4 +106,7 @@ def test_accumulating_micro_batches_equal_one_process(tmp_path, data_seed, unsha
     _, start = unsharded
     expected = train(1, tmp_path / "one.pt", data_seed, 3, "--accumulation", "2")["weights"]
     result = train(2, tmp_path / "two.pt", data_seed, 3, "--accumulation", "2")
-    assert_same_weights(result["weights"], expected, start)
+    # Four partial sums per step in another order; Adam divides by sqrt(exp_avg_sq), so an element whose
+    # gradient is near zero shows that order at ~4e-5 now and then (one element in 1024 in one of ~10 runs
+    # seen): still 70x below one step's movement (lr 3e-3).
+    assert_same_weights(result["weights"], expected, start, atol=1e-4)

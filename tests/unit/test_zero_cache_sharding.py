@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import random
+import types
 
 import pytest
 import torch
 
+import zero_cache.tiers as tiers
 from zero_cache.sharding import Sharding
 
 
@@ -66,3 +68,13 @@ def test_bad_layouts_are_refused_with_the_numbers():
         Sharding(rank=4, world_size=4)
     with pytest.raises(ValueError, match="6 ranks in whole hosts of 4"):
         Sharding(rank=0, world_size=6, ranks_per_host=4, hierarchical=True)
+
+
+def test_auto_budgets_split_a_hosts_memory_between_its_ranks(monkeypatch):
+    available, total = random.randint(64, 512) * 2**30, 1024 * 2**30
+    monkeypatch.setattr(tiers.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=available, total=total))
+    cpu = torch.device("cpu")
+    for ranks in (2, 3, 8):
+        assert tiers.auto_host_budget(cpu, ranks) == pytest.approx(tiers.auto_host_budget(cpu) / ranks, abs=1)
+        assert tiers.auto_device_budget(cpu, ranks) == pytest.approx(tiers.auto_device_budget(cpu) / ranks, abs=1)
+    assert tiers.auto_host_budget(cpu) > 0 and tiers.auto_device_budget(cpu) > 0
