@@ -25,20 +25,7 @@
 #   zero_cache_largest 30.3B (engine_step's largest size) with ZeRO-Cache on 4 GPUs, 16 host threads per rank.
 #
 # Writes OUT/<run>.log (the bench's own report, where it writes one) and OUT/<run>.out (stdout and stderr).
-set -u
-out=${1:?usage: bench/four_gpu.sh OUTPUT_DIR [RUN ...]}
-shift
-wanted=" $* "
-mkdir -p "$out"
-
-run() {
-    local name=$1 limit=$2
-    shift 2
-    [[ $wanted == "  " || $wanted == *" $name "* ]] || return 0
-    echo "== $name (limit ${limit}s)"
-    timeout "$limit" "$@" > "$out/$name.out" 2>&1
-    echo "   exit $?"
-}
+source "$(dirname "$0")/named_runs.sh"  # run NAME LIMIT command...; $out
 
 # Prints | size | mode | tokens/s 1 GPU | tokens/s 4 GPUs | scaling | from the JSON lines of the two scaling runs.
 scaling_py=$(cat <<'PY'

@@ -7,20 +7,7 @@
 #   source .devdeps/gpu-setup.sh && bash bench/two_gpu.sh "$OUT" autopipe_split autopipe_split_12 moe_layer_1gpu gpu_tests
 #
 # Writes OUT/<run>.log (the bench's own report) and OUT/<run>.out (its stdout and stderr).
-set -u
-out=${1:?usage: bench/two_gpu.sh OUTPUT_DIR [RUN ...]}
-shift
-wanted=" $* "
-mkdir -p "$out"
-
-run() {
-    local name=$1 limit=$2
-    shift 2
-    [[ $wanted == "  " || $wanted == *" $name "* ]] || return 0
-    echo "== $name (limit ${limit}s)"
-    timeout "$limit" "$@" > "$out/$name.out" 2>&1
-    echo "   exit $?"
-}
+source "$(dirname "$0")/named_runs.sh"  # run NAME LIMIT command...; $out
 
 run moe_layer_2gpu 150 torchrun --standalone --nproc-per-node 2 bench/moe_layer.py \
     --log-file "$out/moe_layer_2gpu.log" --rounds 2 --iters 10
