@@ -224,7 +224,7 @@ def consolidate(module_state: dict[str, torch.Tensor], masters: dict[str, torch.
     """The module state dict with each weight replaced by its fp32 master.
 
     Args:
-        module_state: the module's state dict (compute dtype).
+        module_state: the module's state dict (compute dtype; without the weights when they were sharded).
         masters: fp32 master weights by ``named_parameters`` name.
         aliases: state-dict key -> ``named_parameters`` name (tied weights share one name).
 
@@ -233,7 +233,8 @@ def consolidate(module_state: dict[str, torch.Tensor], masters: dict[str, torch.
         shared storage, which tied weights would otherwise have).
     """
     state = {}
-    for key, tensor in module_state.items():
-        value = masters.get(aliases.get(key, key), tensor).detach().cpu()
+    for key in dict.fromkeys([*module_state, *aliases]):  # a module saved with sharded params has no weights
+        name = aliases.get(key, key)
+        value = (masters[name] if name in masters else module_state[key]).detach().cpu()
         state[key] = (value.float() if value.is_floating_point() else value).contiguous().clone()
     return state

@@ -293,12 +293,15 @@ class Engine(nn.Module):
             if self.optimizer is not None:
                 self.optimizer.finish_pending()  # weights may still be landing from a background update
             module_state = self.module.state_dict()
+            held = self._sharded_weight_keys()
+            module_state = {k: v for k, v in module_state.items() if k not in held}  # they are in the masters
             if exclude_frozen_parameters:
                 frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
                 module_state = {k: v for k, v in module_state.items() if k not in frozen}
             model_states = {
                 "format_version": checkpoint.FORMAT_VERSION, "module": module_state,
-                "param_aliases": self._param_aliases(), "global_steps": self.global_steps,
+                "param_aliases": self._param_aliases(), "weights_in_masters": bool(held),
+                "global_steps": self.global_steps,
                 "global_samples": self.global_samples, "micro_steps": self.micro_steps,
                 "skipped_steps": self.skipped_steps, "world_size": self.world_size,
                 "ep_size": experts.ep_size if experts is not None else 1, "zero_cache_shards": shards,
@@ -369,9 +372,11 @@ class Engine(nn.Module):
             raise CheckpointError(f"{path} was saved with moe.ep_size={saved_ep} and this run has {ep_size}: its experts "
                                   "are split differently. Resume with the same ep_size, or export it with `python -m "
                                   "angelptm.export` and load the weights into the model built with ep_size 1")
-        self.module.load_state_dict(model_states["module"], strict=load_module_strict)
+        has_optimizer_file = (path / checkpoint.OPTIM_FILE).is_file()
+        module_weights = self._load_module_state(path, model_states, strict=load_module_strict,
+                                                 has_optimizer_file=has_optimizer_file)
         optim_states = None
-        if self.optimizer is not None and (path / checkpoint.OPTIM_FILE).is_file():
+        if self.optimizer is not None and has_optimizer_file:
             optim_states = checkpoint.load_file(path / checkpoint.OPTIM_FILE)
             shards = model_states.get("zero_cache_shards", 1)
             if shards > 1:  # any world size loads it: each rank takes the names it owns now
@@ -379,6 +384,8 @@ class Engine(nn.Module):
             # fp32 masters are the exact weights; the module's copy is rounded to the compute dtype.
             self.optimizer.load_state_dict(optim_states["optimizer"],
                                            load_optimizer_states=load_optimizer_states and not load_module_only)
+        elif self.optimizer is not None and module_weights:  # sharded params: the shards take them from the masters
+            self.optimizer.load_master_state_dict(module_weights)
         elif self.optimizer is not None:
             self.optimizer.refresh_masters_from_params()
         self._load_expert_slice(path, load_optimizer_states=load_optimizer_states and not load_module_only,
@@ -391,6 +398,41 @@ class Engine(nn.Module):
             setattr(self, name, model_states[name])
         self._restore_rank_state(path, model_states["world_size"])
         return str(path), model_states["client_state"]
+
+    def _sharded_weight_keys(self) -> set[str]:
+        """State-dict keys of the weights this run keeps only as ZeRO-Cache shards (none when params are replicated)."""
+        if not getattr(self.optimizer, "params_sharded", False):
+            return set()
+        held = set(self.optimizer.names)
+        return {key for key, name in self._param_aliases().items() if name in held}
+
+    def _load_module_state(self, path: Path, model_states: dict, *, strict: bool,
+                           has_optimizer_file: bool) -> dict[str, torch.Tensor]:
+        """Load the module's state, except weights this run holds sharded, or a sharded run saved in its masters.
+
+        Returns:
+            The saved weights of the sharded params by parameter name (fp32), for the masters when there
+            are no optimizer states to take them from; otherwise empty.
+        """
+        state = model_states["module"]
+        held, in_masters = self._sharded_weight_keys(), model_states.get("weights_in_masters", False)
+        if not held and not in_masters:
+            self.module.load_state_dict(state, strict=strict)
+            return {}
+        if in_masters and (self.optimizer is None or not has_optimizer_file):
+            raise CheckpointError(f"{path} was saved with ZeRO-Cache's params sharded: its weights are the fp32 masters "
+                                  f"in {checkpoint.OPTIM_FILE}, which this load cannot use (it is missing, or the "
+                                  "engine has no optimizer). Export it with `python -m angelptm.export` and load the "
+                                  "weights into the model instead")
+        aliases = self._param_aliases()
+        weights = {aliases[key]: tensor.float() for key, tensor in state.items() if key in held}
+        result = self.module.load_state_dict({k: v for k, v in state.items() if k not in held}, strict=False)
+        saved_weights = set(model_states["param_aliases"]) if in_masters else set()
+        missing = set(result.missing_keys) - held - saved_weights
+        if strict and (missing or result.unexpected_keys):
+            raise CheckpointError(f"{path}: the module state does not match the model: missing {sorted(missing)[:5]}, "
+                                  f"unexpected {sorted(result.unexpected_keys)[:5]}")
+        return weights
 
     def _restore_rank_state(self, path: Path, saved_world_size: int) -> None:
         rank_path = path / checkpoint.rank_file(self.ctx.rank)

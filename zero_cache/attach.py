@@ -7,9 +7,10 @@ those measurements and optimizer groups move between tiers if it changed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -17,6 +18,7 @@ from torch import nn
 from zero_cache.chunks import SWAP_BUFFERS, ChunkStore
 from zero_cache.config import ZeroCacheConfig
 from zero_cache.exchange import GRADIENT_BUCKETS
+from zero_cache.gathered import GatheredGroups
 from zero_cache.host_update import STAGING_BUFFERS
 from zero_cache.layout import ChunkLayout, pack, search_chunk_size
 from zero_cache.optimizer import ZeroCacheOptimizer
@@ -63,14 +65,31 @@ def resolve_update_in_backward(config: ZeroCacheConfig, *, gradient_clipping: fl
     return bool(config.update_in_backward)
 
 
+def gather_ahead_groups(config: ZeroCacheConfig, layout: ChunkLayout, sharding: Sharding) -> int:
+    """Groups whose all-gather starts ahead of use: ``gather_ahead_elements`` in whole groups, at least one."""
+    return max(1, -(-config.gather_ahead_elements // (sharding.world_size * layout.chunk_numel)))
+
+
+def max_live_groups(config: ZeroCacheConfig, layout: ChunkLayout, sharding: Sharding) -> int:
+    """Sharded params: groups gathered at once (``max_live_elements`` in whole groups, at least ahead + 2, at
+    most every group)."""
+    wanted = max(gather_ahead_groups(config, layout, sharding) + 2,
+                 config.max_live_elements // (sharding.world_size * layout.chunk_numel))
+    return min(wanted, sharding.num_groups(layout.num_chunks))
+
+
 def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: torch.dtype, device_budget: int,
                 host_budget: int, accumulation_steps: int, trace: tuple[int, ...] = (),
-                nonmodel_peak_bytes: int = 0, nvme_budget: int = 0, sharding: Sharding = Sharding()) -> PlanInputs:
+                nonmodel_peak_bytes: int = 0, nvme_budget: int = 0, sharding: Sharding = Sharding(),
+                shard_params: bool = False) -> PlanInputs:
     param_bytes = torch.empty((), dtype=compute_dtype).element_size()
-    buckets = GRADIENT_BUCKETS if sharding.sharded and accumulation_steps > 1 else 0
+    buffers = GRADIENT_BUCKETS if sharding.sharded and (accumulation_steps > 1 or shard_params) else 0
+    if shard_params:
+        buffers += max_live_groups(config, layout, sharding)
     return PlanInputs(num_chunks=layout.num_chunks, chunk_numel=layout.chunk_numel,
                       owned=sharding.owned(layout.num_chunks),
-                      exchange_buffer_bytes=buckets * sharding.world_size * layout.chunk_numel * param_bytes,
+                      exchange_buffer_bytes=buffers * sharding.world_size * layout.chunk_numel * param_bytes,
+                      param_chunks_held=sharding.num_groups(layout.num_chunks) if shard_params else None,
                       padding_chunks=sharding.padded_chunks(layout.num_chunks) - layout.num_chunks,
                       param_bytes_per_element=param_bytes,
                       grad_bytes_per_element=grad_bytes_per_element(accumulation_steps),
@@ -118,11 +137,12 @@ class WarmupTracer:
         nvme_tier = store.tiers.get(NVME)
         nonmodel = 0
         if device_tier.device.type == "cuda":
-            nonmodel = max(0, torch.cuda.max_memory_allocated(device_tier.device) - device_tier.used_bytes)
+            # Against the tier's own peak: gathered groups (sharded params) come and go within a step.
+            nonmodel = max(0, torch.cuda.max_memory_allocated(device_tier.device) - device_tier.peak_bytes)
         inputs = plan_inputs(self.layout, self.config, self.compute_dtype, device_tier.budget_bytes,
                              host_tier.budget_bytes, self.accumulation_steps, tuple(self.trace), nonmodel,
                              nvme_budget=nvme_tier.budget_bytes if nvme_tier is not None else 0,
-                             sharding=store.sharding)
+                             sharding=store.sharding, shard_params=store.shard_params)
         try:
             plan = make_plan(inputs)
         except PlanError as err:  # the running plan works; a worse estimate must not stop the run
@@ -198,31 +218,84 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     # Before the warm-up has measured activations, keep part of the device for them; the re-plan
     # after the first step replaces this guess with the measured peak (and moves groups back).
     reserve = int(WARMUP_ACTIVATION_RESERVE * device_tier.budget_bytes) if device.type == "cuda" else 0
-    inputs = plan_inputs(layout, config, compute_dtype, device_tier.budget_bytes, host_tier.budget_bytes,
-                         accumulation_steps, nonmodel_peak_bytes=reserve, nvme_budget=disk_budget, sharding=sharding)
-    plan = make_plan(inputs)
+
+    def inputs_for(shard_params: bool) -> PlanInputs:
+        return plan_inputs(layout, config, compute_dtype, device_tier.budget_bytes, host_tier.budget_bytes,
+                           accumulation_steps, nonmodel_peak_bytes=reserve, nvme_budget=disk_budget,
+                           sharding=sharding, shard_params=shard_params)
+
+    shard_params, plan = choose_shard_params(config, sharding, lambda shard: make_plan(inputs_for(shard)))
+    inputs = inputs_for(shard_params)
     tiers = {DEVICE: device_tier, HOST: host_tier}
     if swap_directory is not None:  # even if this plan needs no disk: the re-plan after warm-up may
         tiers[NVME] = NvmeTier(swap_directory, inputs.swap_slot_bytes, disk_budget, config.aio, rank=_rank())
-    logger.info("ZeRO-Cache: %d chunks of %d elements (%.1f%% padding); %s; host chunks update %s",
-                layout.num_chunks, layout.chunk_numel, 100 * layout.waste_fraction, plan.summary(),
+    logger.info("ZeRO-Cache: %d chunks of %d elements (%.1f%% padding); params %s; %s; host chunks update %s",
+                layout.num_chunks, layout.chunk_numel, 100 * layout.waste_fraction,
+                f"sharded over {sharding.world_size} ranks" if shard_params else "replicated", plan.summary(),
                 "during backward" if in_backward else "after backward")
     store = ChunkStore(layout, [p for _, p in params], plan, tiers, compute_dtype, accumulate=accumulation_steps > 1,
-                       sharding=sharding)
+                       sharding=sharding, shard_params=shard_params)
     hybrid = ZeroCacheOptimizer(store, optimizer, names, decoupled_weight_decay=decoupled_weight_decay,
                                 loss_scaler=loss_scaler, gradient_clipping=gradient_clipping,
                                 update_in_backward=in_backward,
                                 native_host_adam=(device.type == "cuda" if config.native_host_adam == "auto"
                                                   else config.native_host_adam),
                                 overlap_comm=config.overlap_comm,
-                                gather_ahead=max(1, -(-config.gather_ahead_elements
-                                                      // (sharding.world_size * layout.chunk_numel))))
+                                gather_ahead=gather_ahead_groups(config, layout, sharding),
+                                max_live_groups=max_live_groups(config, layout, sharding))
     tracer = WarmupTracer(layout, config, compute_dtype, accumulation_steps)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # the warm-up measures the non-model peak from here
+    if shard_params:
+        _register_saving_hooks(module, hybrid.exchange.gathered)
     _register_forward_hooks(module, store, hybrid, tracer)
     hybrid.after_first_step = lambda: tracer.replan(hybrid)
     return hybrid
+
+
+def choose_shard_params(config: ZeroCacheConfig, sharding: Sharding, plan_for: Callable[[bool], Plan]
+                        ) -> tuple[bool, Plan]:
+    """Whether to shard params over the data-parallel ranks, and the plan that goes with it.
+
+    "auto" shards when the replicated params do not fit on the device (or not with the model's
+    optimizer states anywhere), or when sharding puts more optimizer groups on the device: those
+    skip the host round trip, which outweighs the two extra all-gathers of the params per step.
+
+    Raises:
+        PlanError: the chosen (or, for "auto", either) placement does not fit.
+    """
+    if not sharding.sharded:
+        return False, plan_for(False)  # one rank: nothing to shard over
+    if config.shard_params != "auto":
+        return bool(config.shard_params), plan_for(bool(config.shard_params))
+    try:
+        replicated = plan_for(False)
+    except PlanError:
+        return True, plan_for(True)
+    if not replicated.params_resident:  # the replicated params alone would have to stream from the host
+        return True, plan_for(True)
+    try:
+        sharded = plan_for(True)
+    except PlanError:
+        return False, replicated
+    if sharded.optimizer_tier.count(DEVICE) > replicated.optimizer_tier.count(DEVICE):
+        return True, sharded
+    return False, replicated
+
+
+def _register_saving_hooks(module: nn.Module, gathered: GatheredGroups) -> None:
+    """Around the model's forward: a new iteration of the gather trace, and autograd saving params by position."""
+    saving = contextlib.ExitStack()
+
+    def enter(_module: nn.Module, _inputs: Any) -> None:
+        gathered.new_iteration()
+        saving.enter_context(gathered.saving())
+
+    def leave(_module: nn.Module, _inputs: Any, _output: Any) -> None:
+        saving.close()
+
+    module.register_forward_pre_hook(enter, prepend=True)
+    module.register_forward_hook(leave, always_call=True)
 
 
 def _register_forward_hooks(module: nn.Module, store: ChunkStore, hybrid: ZeroCacheOptimizer,

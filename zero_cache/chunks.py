@@ -1,13 +1,17 @@
 """Chunk storage: the param chunks on the device and each chunk's optimizer group in its planned tier.
 
 Every parameter becomes a view into its chunk (``param.data`` is rebound), so a model state exists
-exactly once. The optimizer group of a chunk (fp32 master, exp_avg, exp_avg_sq, and an fp32
-gradient accumulator when micro-batches accumulate) lives in the tier the plan names; moving it
-(re-planning) copies it to the other tier and frees the old one.
+exactly once. With sharded params a rank stores only its own chunk of each collective group (its
+shard) and the parameters are placeholders except while their group is gathered.
+
+The optimizer group of a chunk (fp32 master, exp_avg, exp_avg_sq, and an fp32 gradient accumulator
+when micro-batches accumulate) lives in the tier the plan names; moving it (re-planning) copies it
+to the other tier and frees the old one.
 
 When every step is one micro-batch there is no gradient buffer at all: as PatrickStar does, a
 parameter's gradient is written over the parameter itself once backward has produced it (the
 parameter is not read again in that iteration, and the fp32 master regenerates it at the step).
+Sharded params reduce from gradient buckets into the shard instead, with the same effect.
 """
 
 from __future__ import annotations
@@ -72,11 +76,14 @@ class ChunkStore:
             it, gradients are written into the param chunks.
         sharding: which chunks' optimizer groups this rank owns; param chunks are allocated a
             collective group (one chunk per rank) at a time, in one buffer each.
+        shard_params: keep only this rank's chunk of each group (its *shard*); the others are gathered
+            while in use (:mod:`zero_cache.gathered`) and the parameters are placeholders meanwhile.
     """
 
     def __init__(self, layout: ChunkLayout, params: list[nn.Parameter], plan: Plan, tiers: dict[str, Tier | NvmeTier],
-                 compute_dtype: torch.dtype, accumulate: bool = True, sharding: Sharding = Sharding()) -> None:
-        if not plan.params_resident:
+                 compute_dtype: torch.dtype, accumulate: bool = True, sharding: Sharding = Sharding(),
+                 shard_params: bool = False) -> None:
+        if not plan.params_resident:  # (sharded params are "resident": the shards stay, the gathers are planned)
             raise NotImplementedError(
                 "this plan streams param chunks from the host (the params alone exceed the device budget); only "
                 "device-resident params are implemented so far: raise zero_cache.device_memory_budget")
@@ -84,17 +91,34 @@ class ChunkStore:
         self.tiers = tiers
         self.params = params
         self.slots: list[TensorSlot] = list(layout.slots)
+        self._slots_of_chunk: dict[int, list[int]] = {c: [] for c in range(layout.num_chunks)}
+        for index, slot in enumerate(self.slots):
+            self._slots_of_chunk[slot.chunk].append(index)
         self.sharding = sharding
-        self.group_buffers = [tiers[DEVICE].allocate(sharding.world_size * layout.chunk_numel, compute_dtype)
-                              for _ in range(sharding.num_groups(layout.num_chunks))]
-        """One buffer per collective group; param chunk c is slice c % W of buffer c // W (zero padding)."""
-        self.param_chunks = [chunk for buffer in self.group_buffers
-                             for chunk in buffer.view(sharding.world_size, -1).unbind()][:layout.num_chunks]
+        self.compute_dtype = compute_dtype
+        self.shard_params = shard_params
+        num_groups = sharding.num_groups(layout.num_chunks)
+        self.group_buffers: list[torch.Tensor] = []
+        """Replicated params: one buffer per collective group; param chunk c is slice c % W of buffer c // W
+        (zero padding)."""
+        self.shards: list[torch.Tensor] = []
+        """Sharded params: this rank's chunk of each group (zeros where its slot is padding)."""
+        if shard_params:
+            self.shards = [tiers[DEVICE].allocate(layout.chunk_numel, compute_dtype) for _ in range(num_groups)]
+            self.param_chunks: list[torch.Tensor | None] = [
+                self.shards[sharding.group_of(c)] if sharding.owns(c) else None for c in range(layout.num_chunks)]
+        else:
+            self.group_buffers = [tiers[DEVICE].allocate(sharding.world_size * layout.chunk_numel, compute_dtype)
+                                  for _ in range(num_groups)]
+            self.param_chunks = [chunk for buffer in self.group_buffers
+                                 for chunk in buffer.view(sharding.world_size, -1).unbind()][:layout.num_chunks]
+        self._placeholder = torch.zeros(1, dtype=compute_dtype, device=tiers[DEVICE].device)
         with torch.no_grad():
             for param, slot in zip(params, self.slots):
-                view = self.param_view(slot)
-                view.copy_(param.detach())
-                param.data = view  # the original storage is released; the chunk is the only copy
+                if self.param_chunks[slot.chunk] is not None:
+                    self.param_view(slot).copy_(param.detach())
+                # The original storage is released: the chunk (or, sharded, the owner's shard) is the only copy.
+                param.data = self.placeholder(slot) if shard_params else self.param_view(slot)
         # One fp32 chunk per memory tier through which the update reads compute-dtype gradients.
         self.scratch = {name: tiers[name].allocate(layout.chunk_numel, torch.float32) for name in (DEVICE, HOST)}
         self.swap_buffers = None
@@ -137,8 +161,29 @@ class ChunkStore:
             self._grad_tier(group.tier).free(group.grad)
 
     def param_view(self, slot: TensorSlot) -> torch.Tensor:
-        """The parameter's compute-dtype view (shaped)."""
-        return self.param_chunks[slot.chunk][slot.offset:slot.offset + slot.numel].view(slot.shape)
+        """The parameter's compute-dtype view (shaped) in its param chunk (sharded params: owned chunks only)."""
+        chunk = self.param_chunks[slot.chunk]
+        assert chunk is not None, f"{slot.name} is in a chunk another rank holds"
+        return chunk[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+    def placeholder(self, slot: TensorSlot) -> torch.Tensor:
+        """What a sharded parameter holds while its group is not gathered: its shape, one element of memory."""
+        return self._placeholder.expand(slot.shape)
+
+    def bind_group(self, group: int, buffer: torch.Tensor) -> None:
+        """Sharded params: point the parameters of ``group`` at a gathered ``buffer`` of the whole group."""
+        chunks = buffer.view(self.sharding.world_size, -1)
+        for chunk in self.sharding.group_chunks(group, self.layout.num_chunks):
+            whole = chunks[chunk % self.sharding.world_size]
+            for index in self._slots_of_chunk[chunk]:
+                slot = self.slots[index]
+                self.params[index].data = whole[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+    def unbind_group(self, group: int) -> None:
+        """Sharded params: turn the parameters of ``group`` back into placeholders."""
+        for chunk in self.sharding.group_chunks(group, self.layout.num_chunks):
+            for index in self._slots_of_chunk[chunk]:
+                self.params[index].data = self.placeholder(self.slots[index])
 
     def state_view(self, slot: TensorSlot, field: str, states: torch.Tensor | None = None) -> torch.Tensor:
         """A flat view of one optimizer field (master, exp_avg, exp_avg_sq, grad) of one parameter.

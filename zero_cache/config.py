@@ -99,6 +99,17 @@ class ZeroCacheConfig:
     (rounded up to whole chunk groups, at least one). DeepSpeed's
     ``zero_optimization.stage3_prefetch_bucket_size`` carries over."""
 
+    shard_params: bool | str = AUTO
+    """Sharded over data-parallel ranks: keep only this rank's chunk of each group's params (ZeRO-3) and
+    all-gather a group while forward or backward uses it, instead of a full copy per rank (ZeRO-2). It
+    frees (W-1)/W of the params' device memory for optimizer states, for two more all-gathers of the
+    model per step. "auto": shard when that puts more optimizer states on the device, or is the only way
+    the model fits."""
+
+    max_live_elements: int = 1_000_000_000
+    """Sharded params: parameter elements gathered at once (rounded down to whole chunk groups, at least
+    ``gather_ahead`` + 2 groups). DeepSpeed's ``zero_optimization.stage3_max_live_parameters`` carries over."""
+
     nvme_path: str | None = None
     """Directory for the NVMe tier's swap files; None keeps all states in GPU + host memory. Optimizer
     states that fit in neither the device nor the host budget go there (DeepSpeed's
@@ -122,7 +133,9 @@ class ZeroCacheConfig:
         parse_budget(self.nvme_memory_budget, name="zero_cache.nvme_memory_budget")
         if self.nvme_path is not None and not str(self.nvme_path).strip():
             raise ValueError("zero_cache.nvme_path: empty; give a directory on the NVMe drive, or null for no disk tier")
-        for key in ("update_in_backward", "native_host_adam"):
+        if self.max_live_elements < 0:
+            raise ValueError(f"zero_cache.max_live_elements: must be >= 0, got {self.max_live_elements}")
+        for key in ("update_in_backward", "native_host_adam", "shard_params"):
             value = getattr(self, key)
             if not isinstance(value, bool) and value != AUTO:
                 raise ValueError(f"zero_cache.{key}: expected true, false or 'auto', got {value!r}")

@@ -12,6 +12,10 @@
 * **parameters**: after a step every group is stale; the next forward gathers each group in its
   pre-hook, and issues the next stale group's gather so it runs under this one's compute.
 
+With sharded params (``store.shard_params``) the gradients always go through buckets and are
+reduced straight into the owner's shard; the parameters are gathered on use by
+:class:`~zero_cache.gathered.GatheredGroups`, and a group is dropped as soon as its reduction is done.
+
 The worker thread never issues a collective, so ranks cannot disagree on the order.
 """
 
@@ -22,6 +26,7 @@ from typing import Any, Callable
 import torch
 
 from zero_cache.chunks import ChunkStore
+from zero_cache.gathered import GatheredGroups
 from zero_cache.planner import DEVICE
 from zero_cache.sharding import Sharding
 from zero_cache.tiers import wait
@@ -38,18 +43,23 @@ class ChunkExchange:
     Args:
         store: the chunk storage (its ``sharding`` says who owns what).
         wait_owner: blocks until an owned chunk's pending update has landed in its param chunk.
-        buckets: reduce from gradient buckets (accumulating micro-batches) instead of the param chunks.
+        accumulate: micro-batches accumulate: reduce from gradient buckets, which the owner adds to its
+            fp32 accumulators (sharded params use buckets either way).
         gather_ahead: groups whose all-gather is started ahead of the one a forward needs.
+        max_live_groups: sharded params: groups gathered at once (see :class:`GatheredGroups`).
     """
 
-    def __init__(self, store: ChunkStore, wait_owner: Callable[[int], None], *, buckets: bool,
-                 gather_ahead: int = 1) -> None:
+    def __init__(self, store: ChunkStore, wait_owner: Callable[[int], None], *, accumulate: bool,
+                 gather_ahead: int = 1, max_live_groups: int = 0) -> None:
         self.store = store
         self.sharding: Sharding = store.sharding
         self.wait_owner = wait_owner
         self.num_groups = self.sharding.num_groups(store.layout.num_chunks)
-        self.uses_buckets = buckets
+        self.accumulate = accumulate
+        self.uses_buckets = accumulate or store.shard_params
         self.gather_ahead = gather_ahead
+        self.gathered = (GatheredGroups(store, max_live=max_live_groups, ahead=gather_ahead, wait_owner=wait_owner)
+                         if store.shard_params else None)
         self._reduced: set[int] = set()  # groups reduced in this micro-step
         self._reductions: dict[int, Any] = {}  # group -> its reduction, issued and not yet waited for
         self._gathers: dict[int, Any] = {}  # group -> its gather, issued and not yet waited for
@@ -72,7 +82,7 @@ class ChunkExchange:
             wait(in_use_until)
         else:
             numel = self.sharding.world_size * self.store.layout.chunk_numel
-            bucket = self.store.tiers[DEVICE].allocate(numel, self.store.param_chunks[0].dtype)
+            bucket = self.store.tiers[DEVICE].allocate(numel, self.store.compute_dtype)
         return bucket.zero_()
 
     def release_bucket(self, group: int, in_use_until: Any = None) -> None:
@@ -80,10 +90,12 @@ class ChunkExchange:
         self._free.append((self._open.pop(group), in_use_until))
 
     def reduce(self, group: int) -> None:
-        """Issue the group's reduce-scatter (from its bucket, or in place in its param chunks)."""
+        """Issue the group's reduce-scatter (from its bucket, or in place in its param chunks; sharded params
+        without accumulation: into this rank's shard)."""
         self._reduced.add(group)
         buffer = self._open[group] if self.uses_buckets else self.store.group_buffers[group]
-        self._reductions[group] = self.sharding.reduce_scatter(buffer)
+        into_shard = self.gathered is not None and not self.accumulate
+        self._reductions[group] = self.sharding.reduce_scatter(buffer, self.store.shards[group] if into_shard else None)
 
     def reduce_rest(self) -> None:
         """Reduce every group not yet reduced in this micro-step, in group order (unused parameters)."""
@@ -101,6 +113,11 @@ class ChunkExchange:
             work = self._reductions.pop(group)
             if work is not None:
                 work.wait()
+            if self.gathered is not None and not self.accumulate:
+                # The sum is in the shard, over the params: the bucket is free, and the group must not be
+                # gathered again before the step.
+                self.release_bucket(group)
+                self.gathered.release(group, closed=True)
         return done
 
     def reduced_slice(self, group: int) -> torch.Tensor:
@@ -111,15 +128,25 @@ class ChunkExchange:
     def new_micro_step(self) -> None:
         assert not self._reductions, "a reduction of the previous micro-step was never waited for"
         self._reduced.clear()
+        if not self.accumulate:  # buckets of groups left incomplete (a window dropped by zero_grad)
+            for group in list(self._open):
+                self.release_bucket(group)
 
     # ------------------------------------------------------------------ parameters
     def mark_stale(self) -> None:
         """Every group's non-owned chunks are out of date (after a step or a restore)."""
+        if self.gathered is not None:
+            self.gathered.release_all()
+            return
         self._stale = set(range(self.num_groups))
 
     def prepare(self, chunk: int) -> None:
-        """Gather ``chunk``'s group if it is stale, and start gathering the next ``gather_ahead`` stale ones."""
+        """Gather ``chunk``'s group if it is stale (or, sharded params, not live), and start gathering the next
+        ``gather_ahead`` ones."""
         group = self.sharding.group_of(chunk)
+        if self.gathered is not None:
+            self.gathered.acquire(group)
+            return
         self._issue_gather(group)
         work = self._gathers.pop(group, None)
         if work is not None:

@@ -128,8 +128,7 @@ class HostUpdater:
         self.transfers = transfers
         self.host_adam = host_adam
         host, numel = store.tiers[HOST], store.layout.chunk_numel
-        dtype = store.param_chunks[0].dtype if store.param_chunks else torch.float32
-        self.pool = BufferPool(STAGING_BUFFERS, lambda: host.allocate(numel, dtype))
+        self.pool = BufferPool(STAGING_BUFFERS, lambda: host.allocate(numel, store.compute_dtype))
         self.param_ready: dict[int, torch.cuda.Event | None] = {}
         """Chunk -> completion event of its latest host->device param copy (popped by the waiter)."""
         self.busy_s = 0.0

@@ -71,12 +71,13 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint):
         native_host_adam: build and use ``csrc/fused_host_adam.cpp`` for host chunks (``ZeroCacheConfig.native_host_adam``).
         overlap_comm: sharded: reduce each group from backward (``ZeroCacheConfig.overlap_comm``).
         gather_ahead: sharded: groups gathered ahead of the forward (from ``ZeroCacheConfig.gather_ahead_elements``).
+        max_live_groups: sharded params: groups gathered at once (from ``ZeroCacheConfig.max_live_elements``).
     """
 
     def __init__(self, store: ChunkStore, optimizer: torch.optim.Optimizer, names: dict[int, str], *,
                  decoupled_weight_decay: bool = True, loss_scaler: Any = None, gradient_clipping: float = 0.0,
                  update_in_backward: bool = False, native_host_adam: bool = False, overlap_comm: bool = True,
-                 gather_ahead: int = 1) -> None:
+                 gather_ahead: int = 1, max_live_groups: int = 0) -> None:
         assert not (update_in_backward and (store.grads_in_accumulators or loss_scaler or gradient_clipping)), \
             "update_in_backward needs one micro-batch per step, no loss scaler and no clipping"
         self.store = store
@@ -87,8 +88,9 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint):
         self.device = store.tiers[DEVICE].device
         self.sharding = store.sharding
         self.overlap_comm = overlap_comm
-        self.exchange = (ChunkExchange(store, self.wait_for_chunk, buckets=store.grads_in_accumulators,
-                                       gather_ahead=gather_ahead) if self.sharding.sharded else None)
+        self.exchange = (ChunkExchange(store, self.wait_for_chunk, accumulate=store.grads_in_accumulators,
+                                       gather_ahead=gather_ahead, max_live_groups=max_live_groups)
+                         if self.sharding.sharded else None)
         self._device_adam = functools.partial(torch_fused_adam, decoupled=decoupled_weight_decay)
         self.host_adam = HostAdam(decoupled_weight_decay, try_deepspeed=self.device.type == "cuda",
                                   try_native=native_host_adam)
@@ -142,6 +144,11 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint):
     def state(self) -> dict:
         return {"step": self.step_count}
 
+    @property
+    def params_sharded(self) -> bool:
+        """Each rank stores only its shards of the params: the weights are whole only in the fp32 masters."""
+        return self.store.shard_params
+
     # ------------------------------------------------------------------ gradients
     def prepare_backward(self, boundary: bool) -> None:
         """Told by the engine before each backward whether it completes an accumulation window."""
@@ -168,12 +175,14 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint):
         first = slot.name not in self._written  # the first gradient of a window is copied, not added
         self._written.add(slot.name)
         self.wait_for_chunk(slot.chunk)  # the chunk's last host update has landed before we write it
-        if not self.store.grads_in_accumulators:
-            self._write_over_param(slot, grad, first)
-        elif self.exchange is not None:  # the owner accumulates the group's reduced bucket
+        if self.exchange is not None and self.exchange.uses_buckets:  # reduced from the group's bucket
+            if not first and not self.store.grads_in_accumulators:
+                raise self._second_gradient(slot)
             self.exchange.bucket_view(slot.chunk)[slot.offset:slot.offset + slot.numel].copy_(grad.reshape(-1))
-            self._micro_step_open = True
+            self._micro_step_open = self.store.grads_in_accumulators
             self._group_written(slot.chunk)
+        elif not self.store.grads_in_accumulators:
+            self._write_over_param(slot, grad, first)
         elif self.store.tier_of(slot) == DEVICE:
             accumulator = self.store.state_view(slot, "grad")
             accumulator.copy_(grad.reshape(-1)) if first else accumulator.add_(grad.reshape(-1))
@@ -183,9 +192,7 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint):
     def _write_over_param(self, slot: TensorSlot, grad: torch.Tensor, first: bool) -> None:
         """Single-micro-batch path: the gradient replaces the parameter it belongs to."""
         if not first:
-            raise RuntimeError(f"{slot.name} received a second gradient in one step; with one micro-batch per "
-                               "step ZeRO-Cache writes gradients over the parameters, so backward may run once "
-                               "per step (set gradient_accumulation_steps for several micro-batches)")
+            raise self._second_gradient(slot)
         self.store.param_view(slot).copy_(grad)
         self._missing[slot.chunk] -= 1
         if self.exchange is not None:
@@ -200,6 +207,12 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint):
             self._queued.add(slot.chunk)
             self._queue_host_update(slot.chunk, frozenset(self._written), self._hypers(), step=self.step_count + 1,
                                     grad_factor=1.0, squares=squares)
+
+    @staticmethod
+    def _second_gradient(slot: TensorSlot) -> RuntimeError:
+        return RuntimeError(f"{slot.name} received a second gradient in one step; with one micro-batch per step "
+                            "ZeRO-Cache writes gradients over the parameters, so backward may run once per step "
+                            "(set gradient_accumulation_steps for several micro-batches)")
 
     def _accumulate_on_host(self, slot: TensorSlot, grad: torch.Tensor, first: bool) -> None:
         """Accumulating path: stage the gradient through a pinned buffer; the worker adds it in fp32.

@@ -25,14 +25,18 @@ class ShardedGradients:
         """One more gradient of ``chunk``'s group written on this rank; reduce the group once complete."""
         group = self.sharding.group_of(chunk)
         self._group_missing[group] -= 1
-        if self._group_missing[group] > 0 or not self.overlap_comm:  # without overlap: all at the step
+        if self._group_missing[group] > 0:
+            return
+        if not self.overlap_comm and not self.store.shard_params:  # without overlap: all at the step
             return
         self.exchange.reduce(group)
         # Lagged by one group, so the compute stream rarely waits for NCCL (the wait orders what follows).
+        # Sharded params cannot keep every bucket until the step: without overlap each is waited for at once.
+        done = self.exchange.completed(keep_in_flight=1 if self.overlap_comm else 0)
         if self.store.grads_in_accumulators:
-            self._accumulate_reduced(self.exchange.completed(keep_in_flight=1))
+            self._accumulate_reduced(done)
         elif self.update_in_backward:
-            self._update_reduced(self.exchange.completed(keep_in_flight=1))
+            self._update_reduced(done)
 
     def _finish_micro_step(self) -> None:
         """Accumulating: reduce the groups backward left open, add every reduced slice to its owner's accumulator."""

@@ -85,7 +85,11 @@ class PlanInputs:
     padding_chunks: int = 0
     """Zero param chunks that complete the last collective group (sharding)."""
     exchange_buffer_bytes: int = 0
-    """Device bytes of the gradient buckets that sharded, accumulating micro-batches reduce from."""
+    """Device bytes of the gradient buckets that sharded, accumulating micro-batches reduce from (and, with
+    sharded params, of the groups gathered at once)."""
+    param_chunks_held: int | None = None
+    """Param chunks this rank stores: None = all of them and the padding (replicated params), or one per
+    collective group (sharded params: its shards)."""
 
     def __post_init__(self) -> None:
         if self.owned is not None and not all(0 <= c < self.num_chunks for c in self.owned):
@@ -166,10 +170,17 @@ def make_plan(inputs: PlanInputs) -> Plan:
     owned = inputs.owned_chunks
     room = (int(inputs.device_budget_bytes * (1 - inputs.margin_fraction)) - inputs.nonmodel_peak_bytes
             - inputs.scratch_bytes - inputs.exchange_buffer_bytes)
-    all_params = (n + inputs.padding_chunks) * inputs.param_chunk_bytes
+    held = n + inputs.padding_chunks if inputs.param_chunks_held is None else inputs.param_chunks_held
+    all_params = held * inputs.param_chunk_bytes
     min_slots = min(n, inputs.prefetch_depth + 2)  # in use + being fetched + one spare
     if room >= all_params:
         params_resident, cache_slots, param_device = True, n, all_params
+    elif inputs.param_chunks_held is not None:  # shards are not streamed from the host
+        need = all_params + inputs.device_budget_bytes - room
+        raise PlanError(_shortfall_message("device", need, inputs.device_budget_bytes, inputs, detail=(
+            f"it holds this rank's {held} param shards of {format_bytes(inputs.param_chunk_bytes)} and "
+            f"{format_bytes(inputs.exchange_buffer_bytes)} of gathered groups and gradient buckets besides "
+            f"{format_bytes(inputs.nonmodel_peak_bytes)} of activations")))
     elif room >= min_slots * inputs.param_chunk_bytes:
         cache_slots = room // inputs.param_chunk_bytes
         # Leave room for optimizer groups only once params are resident; a param cache takes it all.
@@ -232,9 +243,11 @@ def _split_host_and_nvme(inputs: PlanInputs, off_device: int, host_fixed: int) -
 def _shortfall_message(tier: str, need: int, have: int, inputs: PlanInputs, detail: str) -> str:
     total = inputs.num_chunks * (inputs.param_chunk_bytes + inputs.optimizer_chunk_bytes)
     owned = len(inputs.owned_chunks)
+    held = inputs.num_chunks if inputs.param_chunks_held is None else inputs.param_chunks_held
+    params = "every param chunk" if inputs.param_chunks_held is None else f"{held} param chunks"
     share = ("" if owned == inputs.num_chunks else
-             f" (this data-parallel rank holds every param chunk and the optimizer states of {owned} of the "
-             f"{inputs.num_chunks} chunks: {format_bytes(inputs.num_chunks * inputs.param_chunk_bytes + owned * inputs.optimizer_chunk_bytes)})")
+             f" (this data-parallel rank holds {params} and the optimizer states of {owned} of the "
+             f"{inputs.num_chunks} chunks: {format_bytes(held * inputs.param_chunk_bytes + owned * inputs.optimizer_chunk_bytes)})")
     return (f"model states do not fit: the {tier} tier needs {format_bytes(need)} but its budget is "
             f"{format_bytes(have)} (short by {format_bytes(need - have)}); {detail}. All model states together "
             f"take {format_bytes(total)}{share}. Raise zero_cache.{tier}_memory_budget, "

@@ -9,9 +9,12 @@ plan picks. One collective serves a whole group:
   into a gradient bucket when micro-batches accumulate) are summed into the owner's slot;
 * **all-gather** before the next forward: each owner's updated chunk is copied to every rank.
 
-This is ZeRO-2's partitioning of gradients and optimizer states at chunk granularity (the
-parameters themselves stay replicated on every rank's device), with the chunk as the bucket.
-With one rank every chunk is owned and nothing is communicated.
+This is ZeRO-2's partitioning of gradients and optimizer states at chunk granularity, with the
+chunk as the bucket. With ``shard_params`` (ZeRO-3) the parameters are partitioned the same way:
+a rank keeps only its own slot of each group, the all-gather reads it (``source``) into a group
+buffer that lives only while the group is in use (:mod:`zero_cache.gathered`), and the
+reduce-scatter writes the summed gradients into it (``out``). With one rank every chunk is owned
+and nothing is communicated.
 
 **Hierarchical** (``hierarchical``, over N hosts of L ranks): each collective runs in two stages, the
 host's NVLink first. The reduce-scatter sums within the host (rank ``l`` of a host gets block ``l`` of
@@ -117,23 +120,38 @@ class Sharding:
 
     # ------------------------------------------------------------------ collectives
 
-    def reduce_scatter(self, buffer: torch.Tensor) -> dist.Work | None:
-        """Sum ``buffer`` (one group, ``world_size`` equal slots) over ranks into this rank's slot, async."""
-        if not self.sharded:
-            return None
-        if not self.hierarchical:
-            return _reduce_scatter(buffer, self.rank, self.world_size, self.group)
-        host, peers = self._stages(buffer)
-        return _Chain([lambda: _reduce_scatter(*host), lambda: _reduce_scatter(*peers)], self.side_stream)
+    def reduce_scatter(self, buffer: torch.Tensor, out: torch.Tensor | None = None) -> dist.Work | None:
+        """Sum ``buffer`` (one group, ``world_size`` equal slots) over ranks into this rank's slot, async.
 
-    def all_gather(self, buffer: torch.Tensor) -> dist.Work | None:
-        """Fill every slot of ``buffer`` (one group) from the rank that owns it, async."""
+        With ``out`` the sum lands there instead (NCCL, flat: directly; otherwise copied from the slot once
+        the collective is done, inside ``wait()``).
+        """
         if not self.sharded:
+            if out is not None:
+                out.copy_(self.mine(buffer))
             return None
         if not self.hierarchical:
-            return _all_gather(buffer, self.rank, self.world_size, self.group)
+            work = _reduce_scatter(buffer, self.rank, self.world_size, self.group, out)
+        else:
+            host, peers = self._stages(buffer)
+            work = _Chain([lambda: _reduce_scatter(*host), lambda: _reduce_scatter(*peers)], self.side_stream)
+        if out is None or (not self.hierarchical and dist.get_backend(self.group) == "nccl"):
+            return work
+        return _Then(work, lambda: out.copy_(self.mine(buffer)))
+
+    def all_gather(self, buffer: torch.Tensor, source: torch.Tensor | None = None) -> dist.Work | None:
+        """Fill every slot of ``buffer`` (one group) from the rank that owns it, async.
+
+        ``source``: this rank's slot comes from there (sharded params) instead of being in ``buffer`` already.
+        """
+        if not self.sharded:
+            if source is not None:
+                self.mine(buffer).copy_(source)
+            return None
+        if not self.hierarchical:
+            return _all_gather(buffer, self.rank, self.world_size, self.group, source)
         host, peers = self._stages(buffer)
-        return _Chain([lambda: _all_gather(*peers), lambda: _all_gather(*host)], self.side_stream)
+        return _Chain([lambda: _all_gather(*peers, source), lambda: _all_gather(*host)], self.side_stream)
 
     def _stages(self, buffer: torch.Tensor) -> tuple[tuple, tuple]:
         """(buffer, this rank's index, ranks, group) of the within-host stage (the whole group buffer, in
@@ -166,23 +184,30 @@ def hierarchical_groups(world_size: int, ranks_per_host: int) -> tuple[dist.Proc
     return mine["host"], mine["peer"]
 
 
-def _reduce_scatter(buffer: torch.Tensor, index: int, size: int, group: dist.ProcessGroup | None) -> dist.Work | None:
-    """Sum ``buffer`` (``size`` slots) over ``group`` into slot ``index``, in place, async."""
+def _reduce_scatter(buffer: torch.Tensor, index: int, size: int, group: dist.ProcessGroup | None,
+                    out: torch.Tensor | None = None) -> dist.Work | None:
+    """Sum ``buffer`` (``size`` slots) over ``group`` into slot ``index`` (or into ``out``, NCCL only), async."""
     if size == 1:
         return None
     if dist.get_backend(group) == "nccl":
-        return dist.reduce_scatter_tensor(buffer.view(size, -1)[index], buffer, group=group, async_op=True)
+        target = buffer.view(size, -1)[index] if out is None else out
+        return dist.reduce_scatter_tensor(target, buffer, group=group, async_op=True)
     return dist.all_reduce(buffer, group=group, async_op=True)  # gloo has no in-place reduce-scatter
 
 
-def _all_gather(buffer: torch.Tensor, index: int, size: int, group: dist.ProcessGroup | None) -> dist.Work | None:
-    """Fill every slot of ``buffer`` (``size`` slots) from the rank of that index in ``group``, async."""
-    if size == 1:
-        return None
+def _all_gather(buffer: torch.Tensor, index: int, size: int, group: dist.ProcessGroup | None,
+                source: torch.Tensor | None = None) -> dist.Work | None:
+    """Fill every slot of ``buffer`` (``size`` slots) from the rank of that index in ``group``, async; this
+    rank's slot from ``source`` when given."""
     slots = list(buffer.view(size, -1).unbind())
+    if size == 1:
+        if source is not None:
+            slots[index].copy_(source)
+        return None
     if dist.get_backend(group) == "nccl":
-        return dist.all_gather_into_tensor(buffer, slots[index], group=group, async_op=True)
-    return dist.all_gather(slots, slots[index].clone(), group=group, async_op=True)
+        return dist.all_gather_into_tensor(buffer, slots[index] if source is None else source, group=group,
+                                           async_op=True)
+    return dist.all_gather(slots, (slots[index] if source is None else source).clone(), group=group, async_op=True)
 
 
 class _Chain:
@@ -215,3 +240,15 @@ class _Chain:
             self._last.wait()
         if self._stream is not None:
             torch.cuda.current_stream().wait_stream(self._stream)
+
+
+class _Then:
+    """A collective followed by a step that needs its result, run inside ``wait()``."""
+
+    def __init__(self, work: dist.Work | None, then) -> None:
+        self._work, self._then = work, then
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+        self._then()

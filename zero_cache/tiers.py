@@ -51,13 +51,17 @@ class Tier:
     def free_bytes(self) -> int:
         return self.budget_bytes - self.used_bytes
 
-    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed flat tensor counted against the budget."""
+    def allocate(self, numel: int, dtype: torch.dtype, *, zero: bool = True) -> torch.Tensor:
+        """A flat tensor counted against the budget, zeroed unless ``zero`` is false (it is about to be
+        overwritten whole: no memset)."""
         num_bytes = numel * torch.empty((), dtype=dtype).element_size()
         if num_bytes > self.free_bytes:
             raise TierFullError(f"{self.name} tier: allocating {format_bytes(num_bytes)} exceeds its budget "
                                 f"({format_bytes(self.used_bytes)} of {format_bytes(self.budget_bytes)} in use)")
-        tensor = _pinned_zeros(numel, dtype) if self.pin_memory else torch.zeros(numel, dtype=dtype, device=self.device)
+        if self.pin_memory:
+            tensor = _pinned_zeros(numel, dtype)
+        else:
+            tensor = (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=self.device)
         self.used_bytes += num_bytes
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
         return tensor

@@ -231,7 +231,7 @@ def _not_acted_sections(raw: dict) -> tuple[str, ...]:
     zero = raw.get("zero_optimization") or {}
     offloaded = any((zero.get(key) or {}).get("device", "none") != "none" for key in ("offload_param", "offload_optimizer"))
     if (raw.get("zero_cache") or {}).get("enabled") or (zero.get("stage") == 3 and offloaded):
-        acted |= {"overlap_comm", "stage3_prefetch_bucket_size"}  # they steer sharded ZeRO-Cache
+        acted |= {"overlap_comm", "stage3_prefetch_bucket_size", "stage3_max_live_parameters"}  # sharded ZeRO-Cache
     keys = tuple(f"zero_optimization.{key}" for key in sorted(zero) if key not in acted)
     if "aio" in raw and not _uses_nvme(raw):
         keys += ("aio",)  # it drives only the NVMe tier
@@ -332,6 +332,8 @@ def _zero_cache_section(parsed: edge.EdgeConfig) -> ZeroCacheConfig:
         carried["overlap_comm"] = zero.overlap_comm
     if "stage3_prefetch_bucket_size" in zero.model_fields_set:
         carried["gather_ahead_elements"] = zero.stage3_prefetch_bucket_size
+    if "stage3_max_live_parameters" in zero.model_fields_set:
+        carried["max_live_elements"] = zero.stage3_max_live_parameters
     section = dataclasses.replace(section, **carried)
     offloads = [o for o in (zero.offload_param, zero.offload_optimizer) if o is not None and o.device != "none"]
     if section.enabled or zero.stage != 3 or not offloads:

@@ -30,14 +30,22 @@ from zero_cache.layout import pack  # noqa: E402
 CHUNK_NUMEL = 8192
 
 
-def device_budget(model: torch.nn.Module, world_size: int, accumulation: int) -> int:
-    """Bytes for every (padded) fp32 param chunk, the fp32 scratch chunk and one optimizer group (with its
-    fp32 gradient accumulator and, sharded, the gradient buckets when micro-batches accumulate)."""
+LIVE_GROUPS = 3
+"""Sharded params: groups gathered at once (the least there is: the prefetch bucket below is at most one group, so
+1 ahead + 2)."""
+
+
+def device_budget(model: torch.nn.Module, world_size: int, accumulation: int, shard_params: bool) -> int:
+    """Bytes for every (padded) fp32 param chunk (sharded params: one shard per group, and the gathered
+    groups), the fp32 scratch chunk and one optimizer group (with its fp32 gradient accumulator and,
+    sharded, the gradient buckets when micro-batches accumulate or params are sharded)."""
     layout = pack([(n, tuple(p.shape)) for n, p in model.named_parameters()], CHUNK_NUMEL)
-    padded = -(-layout.num_chunks // world_size) * world_size
+    groups = -(-layout.num_chunks // world_size)
+    params = groups if shard_params else groups * world_size
     group = 12 + (4 if accumulation > 1 else 0)
-    buckets = GRADIENT_BUCKETS * world_size * 4 if accumulation > 1 and world_size > 1 else 0
-    need = (padded * 4 + 4 + group + buckets) * CHUNK_NUMEL
+    buffers = GRADIENT_BUCKETS if world_size > 1 and (accumulation > 1 or shard_params) else 0
+    buffers += LIVE_GROUPS if shard_params else 0
+    need = (params * 4 + 4 + group + buffers * world_size * 4) * CHUNK_NUMEL
     return int(need / 0.97) + 1024  # the planner keeps 3% free
 
 
@@ -54,18 +62,24 @@ def main() -> None:
     parser.add_argument("--no-overlap", action="store_true", help="zero_optimization.overlap_comm false")
     parser.add_argument("--hosts-of", type=int, default=None, help="hierarchical collectives over hosts of this many ranks")
     parser.add_argument("--die-at-step", type=int, default=None, help="rank 1 exits (code 3) before this step")
+    parser.add_argument("--shard-params", action="store_true", help="zero_cache.shard_params true (ZeRO-3)")
+    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing (recompute in backward)")
+    parser.add_argument("--untied", action="store_true", help="separate embedding and output weights")
     args = parser.parse_args()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     torch.manual_seed(0 if rank == 0 else 100 + rank)  # initialize() must broadcast rank 0's weights
     model = build_model(ModelConfig(flavour="llama", vocab_size=VOCAB, max_seq_len=SEQ, num_layers=3,
-                                    hidden_size=32, num_heads=4))
+                                    hidden_size=32, num_heads=4, activation_checkpointing=args.checkpointing,
+                                    tie_embeddings=not args.untied))
+    shard_params = args.shard_params and world_size > 1
     config = {"train_micro_batch_size_per_gpu": args.global_batch // world_size, "gradient_accumulation_steps": args.accumulation,
               "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
               "gradient_clipping": args.clip, "steps_per_print": 100,
-              "zero_optimization": {"overlap_comm": not args.no_overlap, "stage3_prefetch_bucket_size": 2 * CHUNK_NUMEL},
-              "zero_cache": {"enabled": True, "chunk_size": CHUNK_NUMEL,
-                             "device_memory_budget": device_budget(model, world_size, args.accumulation),
+              "zero_optimization": {"overlap_comm": not args.no_overlap, "stage3_prefetch_bucket_size": 2 * CHUNK_NUMEL,
+                                    "stage3_max_live_parameters": 0},
+              "zero_cache": {"enabled": True, "chunk_size": CHUNK_NUMEL, "shard_params": shard_params,
+                             "device_memory_budget": device_budget(model, world_size, args.accumulation, shard_params),
                              "host_memory_budget": 64 * 2**20}}
     if args.hosts_of:
         config["zero_cache"].update(hierarchical=True, ranks_per_host=args.hosts_of)
@@ -76,6 +90,7 @@ def main() -> None:
     # (On CUDA the first plan keeps a share of the device for activations: its split differs.)
     assert tiers == expected or engine.device.type == "cuda", f"rank {rank}: groups in {tiers}, expected {expected}"
     assert optimizer.update_in_backward == (args.clip == 0)
+    assert optimizer.params_sharded == shard_params
     assert optimizer.sharding.hierarchical == (bool(args.hosts_of) and world_size > 1)
     if args.load:
         path, _ = engine.load_checkpoint(args.load)
@@ -93,8 +108,10 @@ def main() -> None:
         engine.save_checkpoint(args.save_dir)
     weights = engine.consolidated_state_dict()  # every rank: the masters are gathered
     if engine.ctx.is_main:
+        gathered = optimizer.exchange.gathered if optimizer.exchange is not None else None
         torch.save({"weights": weights, "losses": losses, "global_steps": engine.global_steps,
-                    "world_size": world_size}, args.out)
+                    "world_size": world_size, "gathers": gathered.gathers if gathered else 0,
+                    "groups": optimizer.sharding.num_groups(optimizer.store.layout.num_chunks)}, args.out)
     end_job()  # destroys the process group and exits
 
 

@@ -1,0 +1,227 @@
+"""Sharded params (ZeRO-3): a chunk group's full params exist on the device only while they are in use.
+
+Each rank keeps its own slot of every group (``ChunkStore.shards``). A group is **live** while its
+gathered buffer exists: its parameters are views into it. Otherwise each parameter is a placeholder
+of the right shape holding no memory (one element, expanded with zero strides), so module code that
+reads ``weight.shape`` keeps working.
+
+A group is acquired
+
+* by the forward pre-hook of a module using it (in forward, and again when activation checkpointing
+  recomputes a block during backward);
+* in backward, when autograd unpacks a weight saved in forward. While a module runs under
+  :meth:`GatheredGroups.saving`, a saved tensor that is a view of a live buffer is packed as a
+  :class:`_SavedView` (group, offset, shape, strides) instead of a reference, so saving it does not
+  keep the buffer alive; unpacking acquires the group again (torch's saved-tensor hooks).
+
+**Order.** The first iteration records the groups in the order they are acquired
+(:class:`AcquisitionTrace`); later iterations follow it with a cursor, start gathering the next
+``ahead`` groups while this one computes, and, with ``max_live`` groups live, evict the one whose next
+use is furthest away (Belady's rule, as the planner does for param chunks); during the warm-up, the
+least recently used one. The group in use is never evicted. A buffer that autograd still holds (a
+checkpointed block's recomputed views) stays valid until it is released: eviction drops this
+object's reference, the memory goes with the last one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from zero_cache.planner import DEVICE
+
+
+class AcquisitionTrace:
+    """The order groups are acquired in one iteration: recorded once, then followed with a cursor (pure)."""
+
+    def __init__(self) -> None:
+        self.groups: list[int] = []
+        """Acquisitions of the recorded iteration (consecutive repeats collapsed)."""
+        self.recording = True
+        self._cursor = -1
+
+    def new_iteration(self) -> None:
+        """A forward starts: the first one ends the recording, every one rewinds the cursor."""
+        if self.groups:
+            self.recording = False
+        self._cursor = -1
+
+    def visit(self, group: int) -> None:
+        """``group`` is acquired now: record it, or move the cursor to its next place in the trace."""
+        if self.recording:
+            if not self.groups or self.groups[-1] != group:
+                self.groups.append(group)
+            return
+        if 0 <= self._cursor < len(self.groups) and self.groups[self._cursor] == group:
+            return
+        position = self._find(group, self._cursor + 1)
+        if position is not None:
+            self._cursor = position
+
+    def _find(self, group: int, start: int) -> int | None:
+        """The first position of ``group`` at or after ``start``, else from the beginning; None if absent."""
+        for position in (*range(start, len(self.groups)), *range(0, min(start, len(self.groups)))):
+            if self.groups[position] == group:
+                return position
+        return None
+
+    def upcoming(self, count: int) -> list[int]:
+        """The next ``count`` distinct groups after the cursor (none while recording)."""
+        if self.recording or self._cursor < 0:
+            return []
+        current, seen = self.groups[self._cursor], []
+        for group in self.groups[self._cursor + 1:]:
+            if len(seen) == count:
+                break
+            if group != current and group not in seen:
+                seen.append(group)
+        return seen
+
+    def next_use(self, group: int) -> int:
+        """Acquisitions until ``group`` is needed again in this iteration (``len(trace) + 1``: not again)."""
+        for distance, later in enumerate(self.groups[self._cursor + 1:], start=1):
+            if later == group:
+                return distance
+        return len(self.groups) + 1
+
+
+@dataclass(frozen=True, slots=True)
+class _SavedView:
+    """A tensor autograd saved that is a view of a live group buffer, kept as its position instead."""
+
+    group: int
+    offset: int
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class _Live:
+    buffer: torch.Tensor
+    """The whole group (``world_size`` chunks)."""
+    work: Any
+    """Its all-gather while in flight, else None."""
+
+
+class GatheredGroups:
+    """The live groups of one sharded :class:`~zero_cache.chunks.ChunkStore`, and their all-gathers.
+
+    Args:
+        store: chunk storage with ``shard_params``.
+        max_live: groups live at once (at least ``ahead + 2``: in use, being gathered, one spare).
+        ahead: groups gathered ahead of use, along the recorded trace.
+        wait_owner: blocks until an owned chunk's pending update has landed in its shard.
+    """
+
+    def __init__(self, store: Any, *, max_live: int, ahead: int, wait_owner: Callable[[int], None]) -> None:
+        self.store = store
+        self.sharding = store.sharding
+        self.ahead = ahead
+        self.max_live = max(max_live, ahead + 2)
+        self.wait_owner = wait_owner
+        self.trace = AcquisitionTrace()
+        self._live: dict[int, _Live] = {}  # in order of last use (the warm-up evicts the first)
+        self._group_at: dict[int, int] = {}  # buffer address -> group
+        self._current: int | None = None
+        self._closed: set[int] = set()  # groups whose shard holds this step's gradients
+        self.gathers = 0
+        """All-gathers issued (a measure of the policy: each group is needed about 2-3 times a step)."""
+
+    @property
+    def live_groups(self) -> list[int]:
+        return list(self._live)
+
+    def acquire(self, group: int) -> torch.Tensor:
+        """Make ``group`` live (gathering it now if it is not), gather the next ones ahead; returns its buffer."""
+        live = self._live.get(group)
+        if live is not None and group == self._current and live.work is None:
+            return live.buffer  # the common case: the same group again (one per saved tensor)
+        if group in self._closed:
+            raise RuntimeError(f"chunk group {group} is used again after its gradients were reduced into this rank's "
+                               "shard: with sharded params, run forward and backward once per step (or set "
+                               "gradient_accumulation_steps for several micro-batches)")
+        self._current = group
+        self.trace.visit(group)
+        self._issue(group)
+        live = self._live.pop(group)
+        self._live[group] = live  # most recently used
+        if live.work is not None:
+            live.work.wait()
+            live.work = None
+        for later in self.trace.upcoming(self.ahead):
+            self._issue(later)
+        return live.buffer
+
+    def _issue(self, group: int) -> None:
+        if group in self._live or group in self._closed:
+            return
+        self._make_room()
+        for chunk in self.sharding.group_chunks(group, self.store.layout.num_chunks):
+            if self.sharding.owns(chunk):
+                self.wait_owner(chunk)  # the owner's update has landed in its shard
+        buffer = self.store.tiers[DEVICE].allocate(self.sharding.world_size * self.store.layout.chunk_numel,
+                                                   self.store.compute_dtype, zero=False)
+        work = self.sharding.all_gather(buffer, source=self.store.shards[group])
+        self._live[group] = _Live(buffer, work)
+        self._group_at[buffer.untyped_storage().data_ptr()] = group
+        self.store.bind_group(group, buffer)
+        self.gathers += 1
+
+    def _make_room(self) -> None:
+        while len(self._live) >= self.max_live:
+            candidates = [g for g in self._live if g != self._current]
+            if not candidates:
+                return
+            if self.trace.recording:
+                victim = candidates[0]  # least recently used
+            else:
+                victim = max(candidates, key=self.trace.next_use)
+            self.release(victim)
+
+    def release(self, group: int, *, closed: bool = False) -> None:
+        """Drop ``group``'s buffer and turn its params into placeholders; ``closed``: its shard now holds
+        gradients, so it must not be gathered again until the step."""
+        if closed:
+            self._closed.add(group)
+        live = self._live.pop(group, None)
+        if live is None:
+            return
+        if live.work is not None:
+            live.work.wait()  # never free a buffer a collective still writes
+        if self._current == group:
+            self._current = None
+        del self._group_at[live.buffer.untyped_storage().data_ptr()]
+        self.store.unbind_group(group)
+        self.store.tiers[DEVICE].free(live.buffer)
+
+    def release_all(self) -> None:
+        """Drop every live group (the shards changed: a step, a restore or a load)."""
+        for group in list(self._live):
+            self.release(group)
+        self._closed.clear()
+
+    def new_iteration(self) -> None:
+        self.trace.new_iteration()
+
+    # ------------------------------------------------------------------ saved tensors
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """Autograd saves views of live buffers as positions, so backward gathers them again."""
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        if tensor.device != self.store.tiers[DEVICE].device:
+            return tensor
+        group = self._group_at.get(tensor.untyped_storage().data_ptr())
+        if group is None:
+            return tensor
+        return _SavedView(group, tensor.storage_offset(), tensor.shape, tensor.stride())
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _SavedView):
+            return saved
+        return self.acquire(saved.group).as_strided(saved.shape, saved.stride, saved.offset)
