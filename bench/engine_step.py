@@ -38,6 +38,7 @@ SIZES = {  # GPT-2-style shapes; vocab 50304, seq 1024 as in the protocol
     "19b": dict(num_layers=60, hidden_size=5120, num_heads=40, tie_embeddings=False),
     "20b": dict(num_layers=63, hidden_size=5120, num_heads=40),  # tied embeddings: 20.08B
     "26b": dict(num_layers=41, hidden_size=7168, num_heads=56, tie_embeddings=False),  # 26.0B
+    "29b": dict(num_layers=46, hidden_size=7168, num_heads=56, tie_embeddings=False),  # 29.1B
     "30b": dict(num_layers=48, hidden_size=7168, num_heads=56, tie_embeddings=False),  # 30.3B
 }
 AIO = {"block_size": 1 << 20, "queue_depth": 32, "thread_count": 4, "single_submit": False, "overlap_events": True}
@@ -89,7 +90,7 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
             engine.backward(loss)
             engine.step()
             return loss
-    elif mode == "zero_cache":
+    elif mode in ("zero_cache", "zero_cache_shard"):  # zero_cache_shard: params sharded over the ranks (ZeRO-3)
         import angelptm
 
         import logging
@@ -99,7 +100,7 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
         engine, optimizer, *_ = angelptm.initialize(model=model, config={**ds_config, "optimizer": {
             "type": "AdamW", "params": {"lr": 1e-4}}, "aio": AIO, "zero_cache": {
                 "enabled": True, "device_memory_budget": device_budget, "host_memory_budget": host_budget,
-                "nvme_path": nvme_path}})
+                "nvme_path": nvme_path, "shard_params": True if mode == "zero_cache_shard" else "auto"}})
         tiers = [group.tier for group in optimizer.store.groups]
         print(f"zero_cache: optimizer groups {tiers.count('device')} device / {tiers.count('host')} host / "
               f"{tiers.count('nvme')} nvme of {len(tiers)}, "
@@ -153,7 +154,7 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
         times.append(time.perf_counter() - start)
     step_s = statistics.median(times[3:])
     extra = {}
-    if mode == "zero_cache":
+    if mode.startswith("zero_cache"):
         report = optimizer.report()
         seconds = {k.removeprefix("zero_cache_").removesuffix("_s"): v for k, v in report.items() if k.endswith("_s")}
         print("zero_cache: per step " + ", ".join(f"{k} {v / steps * 1e3:.0f} ms" for k, v in seconds.items())
@@ -164,7 +165,11 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
         tiers = [group.tier for group in optimizer.store.groups]
         extra = {"groups_device_host_nvme": [tiers.count(t) for t in ("device", "host", "nvme")],
                  "nvme_gib": optimizer.store.tiers["nvme"].used_bytes / 2**30 if "nvme" in optimizer.store.tiers else 0,
-                 "overlap": report.get("zero_cache_overlap"), "in_backward": optimizer.update_in_backward}
+                 "overlap": report.get("zero_cache_overlap"), "in_backward": optimizer.update_in_backward,
+                 "params_sharded": optimizer.params_sharded}
+        gathered = optimizer.exchange.gathered if optimizer.exchange is not None else None
+        if gathered is not None:  # all-gathers per step of each group (forward, recompute, backward)
+            extra["gathers_per_group_step"] = gathered.gathers / steps / len(optimizer.store.shards)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     tokens = micro * 1024 * world_size  # every rank's micro-batch: the global batch
     return {"size": size, "mode": mode, "ranks": world_size, "params": num_params, "step_s": step_s, "tokens_per_s": tokens / step_s,

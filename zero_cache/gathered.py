@@ -18,7 +18,7 @@ A group is acquired
 (:class:`AcquisitionTrace`); later iterations follow it with a cursor, start gathering the next
 ``ahead`` groups while this one computes, and, with ``max_live`` groups live, evict the one whose next
 use is furthest away (Belady's rule, as the planner does for param chunks); during the warm-up, the
-least recently used one. The group in use is never evicted. A buffer that autograd still holds (a
+least recently used one. The two groups acquired last are never evicted. A buffer that autograd still holds (a
 checkpointed block's recomputed views) stays valid until it is released: eviction drops this
 object's reference, the memory goes with the last one.
 """
@@ -88,6 +88,11 @@ class AcquisitionTrace:
         return len(self.groups) + 1
 
 
+RECENT = 2
+"""Groups not evicted for having been acquired last: a module may span two groups, and a checkpointed block
+recomputed in backward holds its views of them without acquiring them again."""
+
+
 @dataclass(frozen=True, slots=True)
 class _SavedView:
     """A tensor autograd saved that is a view of a live group buffer, kept as its position instead."""
@@ -126,6 +131,7 @@ class GatheredGroups:
         self._live: dict[int, _Live] = {}  # in order of last use (the warm-up evicts the first)
         self._group_at: dict[int, int] = {}  # buffer address -> group
         self._current: int | None = None
+        self._recent: list[int] = []  # the last RECENT groups acquired: their module may still be computing
         self._closed: set[int] = set()  # groups whose shard holds this step's gradients
         self.gathers = 0
         """All-gathers issued (a measure of the policy: each group is needed about 2-3 times a step)."""
@@ -144,6 +150,7 @@ class GatheredGroups:
                                "shard: with sharded params, run forward and backward once per step (or set "
                                "gradient_accumulation_steps for several micro-batches)")
         self._current = group
+        self._recent = [group, *(g for g in self._recent if g != group)][:RECENT]
         self.trace.visit(group)
         self._issue(group)
         live = self._live.pop(group)
@@ -172,7 +179,7 @@ class GatheredGroups:
 
     def _make_room(self) -> None:
         while len(self._live) >= self.max_live:
-            candidates = [g for g in self._live if g != self._current]
+            candidates = [g for g in self._live if g not in self._recent]
             if not candidates:
                 return
             if self.trace.recording:
@@ -193,6 +200,8 @@ class GatheredGroups:
             live.work.wait()  # never free a buffer a collective still writes
         if self._current == group:
             self._current = None
+        if group in self._recent:
+            self._recent.remove(group)
         del self._group_at[live.buffer.untyped_storage().data_ptr()]
         self.store.unbind_group(group)
         self.store.tiers[DEVICE].free(live.buffer)

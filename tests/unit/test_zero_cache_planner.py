@@ -68,6 +68,17 @@ def test_search_chunk_size_on_gpt_shapes_wastes_little():
     assert layout.num_chunks >= 4
 
 
+def test_search_chunk_size_finds_the_run_of_whole_layers_of_a_wide_gpt():
+    """Hidden 7168, 48 layers: [qkv, proj, fc] and [fc2, qkv, proj] runs fill 410.9M elements each."""
+    hidden, vocab = 7168, 50304
+    shapes = [("wte", (vocab, hidden)), ("wpe", (1024, hidden))]
+    for i in range(48):
+        shapes += [(f"{i}.ln1", (hidden,)), (f"{i}.qkv", (3 * hidden, hidden)), (f"{i}.proj", (hidden, hidden)),
+                   (f"{i}.ln2", (hidden,)), (f"{i}.fc", (4 * hidden, hidden)), (f"{i}.fc2", (hidden, 4 * hidden))]
+    shapes += [("ln_f", (hidden,)), ("lm_head", (vocab, hidden))]
+    assert pack(shapes, search_chunk_size(shapes)).waste_fraction < 0.01
+
+
 def optimal_misses(trace: tuple[int, ...], capacity: int) -> int:
     """Exhaustive search over every eviction choice (the reference Belady must match)."""
 
