@@ -58,6 +58,32 @@ def test_sharded_training_equals_one_process_with_the_same_global_batch(tmp_path
     assert_same_weights(result["weights"], expected, start)
 
 
+SHARD = "--shard-params"
+
+
+@pytest.mark.parametrize("nproc, extra", [(2, ["--checkpointing"]), (2, ["--no-overlap"]), (4, ["--hosts-of", "2"])],
+                         ids=["2-recompute", "2-no-overlap", "4-hierarchical"])
+def test_sharded_params_train_like_one_process(tmp_path, data_seed, unsharded, nproc, extra):
+    """ZeRO-3: each rank stores one chunk of each group; at 2 ranks only 3 of the 5 groups may be live, so
+    forward, the recompute of checkpointed blocks and backward gather evicted groups again."""
+    expected, start = unsharded
+    result = train(nproc, tmp_path / "sharded.pt", data_seed, 4, SHARD, *extra)
+    assert_same_weights(result["weights"], expected, start)
+    assert result["gathers"] >= 4 * result["groups"]
+    if nproc == 2:
+        assert result["gathers"] > 4 * result["groups"], "groups evicted in forward must be gathered for backward"
+
+
+def test_sharded_params_untied_updated_during_backward_equal_one_process(tmp_path, data_seed):
+    """Separate output weights (their group's gradients arrive first), host chunks updated as soon as each
+    group's reduce-scatter lands in the owner's shard, checkpointed blocks recomputed."""
+    common = ("--untied", "--clip", "0")
+    start = train(1, tmp_path / "start.pt", data_seed, 0, *common)["weights"]
+    expected = train(1, tmp_path / "one.pt", data_seed, 3, *common)["weights"]
+    result = train(2, tmp_path / "two.pt", data_seed, 3, *common, SHARD, "--checkpointing")
+    assert_same_weights(result["weights"], expected, start)
+
+
 def test_hierarchical_collectives_over_two_hosts_of_two_equal_one_process(tmp_path, data_seed, unsharded):
     """Four ranks as 2 hosts x 2: reduce within the host, then across; gathers the other way round."""
     expected, start = unsharded
@@ -79,11 +105,31 @@ def test_checkpoint_saved_at_four_ranks_resumes_at_two_and_one_and_exports_offli
     halfway = train(4, tmp_path / "first.pt", data_seed, 2, "--save-dir", str(save_dir))
     files = sorted(p.name for p in (save_dir / "global_step2").iterdir())
     assert files == ["model_states.pt", "optim_states.pt", *[f"rank_{r:05d}_states.pt" for r in range(4)]]
-    for nproc in (2, 1):
-        resumed = train(nproc, tmp_path / f"resumed{nproc}.pt", data_seed, 2, "--load", str(save_dir))
+    for nproc, extra in ((2, ()), (1, ()), (2, (SHARD,))):  # the last: a replicated checkpoint into shards
+        resumed = train(nproc, tmp_path / f"resumed{nproc}{extra}.pt", data_seed, 2, "--load", str(save_dir), *extra)
         assert resumed["global_steps"] == 4
         assert_same_weights(resumed["weights"], expected, start)
     # The offline export gathers the four shards' masters: the weights the 4-rank run held after 2 steps.
+    exported = tmp_path / "model.safetensors"
+    run_ok([sys.executable, "-m", "angelptm.export", str(save_dir), str(exported)], cwd=ROOT)
+    weights = load_file(exported)
+    assert weights.keys() == halfway["weights"].keys()
+    for name, tensor in halfway["weights"].items():
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=0)
+
+
+def test_checkpoint_saved_with_sharded_params_resumes_sharded_and_replicated_and_exports(tmp_path, data_seed,
+                                                                                         unsharded):
+    """The weights of a sharded-params checkpoint are its fp32 masters (the module file holds no params)."""
+    expected, start = unsharded
+    save_dir = tmp_path / "ckpt"
+    halfway = train(4, tmp_path / "first.pt", data_seed, 2, "--save-dir", str(save_dir), SHARD)
+    module = torch.load(save_dir / "global_step2" / "model_states.pt", weights_only=False)
+    assert module["weights_in_masters"] and not set(module["param_aliases"]) & set(module["module"])
+    for nproc, extra in ((2, (SHARD,)), (1, ())):
+        resumed = train(nproc, tmp_path / f"resumed{nproc}.pt", data_seed, 2, "--load", str(save_dir), *extra)
+        assert resumed["global_steps"] == 4
+        assert_same_weights(resumed["weights"], expected, start)
     exported = tmp_path / "model.safetensors"
     run_ok([sys.executable, "-m", "angelptm.export", str(save_dir), str(exported)], cwd=ROOT)
     weights = load_file(exported)
@@ -101,11 +147,18 @@ def test_a_rank_that_dies_mid_training_stops_the_others_with_its_exit_code(tmp_p
     assert time.monotonic() - start < 200
 
 
-def test_accumulating_micro_batches_equal_one_process(tmp_path, data_seed, unsharded):
-    """Two micro-batches per step: each group's gradients go through a bucket, the owner accumulates in fp32."""
+@pytest.fixture(scope="module")
+def accumulated_one_process(tmp_path_factory, data_seed) -> dict:
+    return train(1, tmp_path_factory.mktemp("accumulated") / "one.pt", data_seed, 3, "--accumulation", "2")["weights"]
+
+
+@pytest.mark.parametrize("extra", [(), (SHARD,)], ids=["replicated-params", "sharded-params"])
+def test_accumulating_micro_batches_equal_one_process(tmp_path, data_seed, unsharded, accumulated_one_process, extra):
+    """Two micro-batches per step: each group's gradients go through a bucket, the owner accumulates in fp32
+    (with sharded params the groups gathered in the first micro-step may stay live for the second)."""
     _, start = unsharded
-    expected = train(1, tmp_path / "one.pt", data_seed, 3, "--accumulation", "2")["weights"]
-    result = train(2, tmp_path / "two.pt", data_seed, 3, "--accumulation", "2")
+    expected = accumulated_one_process
+    result = train(2, tmp_path / "two.pt", data_seed, 3, "--accumulation", "2", *extra)
     # Four partial sums per step in another order; Adam divides by sqrt(exp_avg_sq), so an element whose
     # gradient is near zero shows that order at ~4e-5 now and then (one element in 1024 in one of ~10 runs
     # seen): still 70x below one step's movement (lr 3e-3).
