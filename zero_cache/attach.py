@@ -7,10 +7,9 @@ those measurements and optimizer groups move between tiers if it changed.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,12 +17,13 @@ from torch import nn
 from zero_cache.chunks import SWAP_BUFFERS, ChunkStore
 from zero_cache.config import ZeroCacheConfig
 from zero_cache.exchange import GRADIENT_BUCKETS
-from zero_cache.gathered import GatheredGroups
 from zero_cache.host_update import STAGING_BUFFERS
 from zero_cache.layout import ChunkLayout, pack, search_chunk_size
 from zero_cache.optimizer import ZeroCacheOptimizer
 from zero_cache.nvme import NvmeTier, auto_nvme_budget, check_directory
 from zero_cache.planner import DEVICE, HOST, NVME, Plan, PlanError, PlanInputs, make_plan
+from zero_cache.shard_params import (choose_shard_params, gather_ahead_groups, gather_objects, max_live_groups,
+                                     register_saving_hooks)
 from zero_cache.sharding import Sharding
 from zero_cache.tiers import auto_device_budget, build_tiers
 
@@ -63,19 +63,6 @@ def resolve_update_in_backward(config: ZeroCacheConfig, *, gradient_clipping: fl
         raise ValueError("zero_cache.update_in_backward is true but " + "; ".join(blockers)
                          + ". Set it to \"auto\" or false")
     return bool(config.update_in_backward)
-
-
-def gather_ahead_groups(config: ZeroCacheConfig, layout: ChunkLayout, sharding: Sharding) -> int:
-    """Groups whose all-gather starts ahead of use: ``gather_ahead_elements`` in whole groups, at least one."""
-    return max(1, -(-config.gather_ahead_elements // (sharding.world_size * layout.chunk_numel)))
-
-
-def max_live_groups(config: ZeroCacheConfig, layout: ChunkLayout, sharding: Sharding) -> int:
-    """Sharded params: groups gathered at once (``max_live_elements`` in whole groups, at least ahead + 2, at
-    most every group)."""
-    wanted = max(gather_ahead_groups(config, layout, sharding) + 2,
-                 config.max_live_elements // (sharding.world_size * layout.chunk_numel))
-    return min(wanted, sharding.num_groups(layout.num_chunks))
 
 
 def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: torch.dtype, device_budget: int,
@@ -224,7 +211,8 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
                            accumulation_steps, nonmodel_peak_bytes=reserve, nvme_budget=disk_budget,
                            sharding=sharding, shard_params=shard_params)
 
-    shard_params, plan = choose_shard_params(config, sharding, lambda shard: make_plan(inputs_for(shard)))
+    shard_params, plan = choose_shard_params(config, sharding, lambda shard: make_plan(inputs_for(shard)),
+                                             gather_objects(sharding))
     inputs = inputs_for(shard_params)
     tiers = {DEVICE: device_tier, HOST: host_tier}
     if swap_directory is not None:  # even if this plan needs no disk: the re-plan after warm-up may
@@ -247,55 +235,10 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # the warm-up measures the non-model peak from here
     if shard_params:
-        _register_saving_hooks(module, hybrid.exchange.gathered)
+        register_saving_hooks(module, hybrid.exchange.gathered)
     _register_forward_hooks(module, store, hybrid, tracer)
     hybrid.after_first_step = lambda: tracer.replan(hybrid)
     return hybrid
-
-
-def choose_shard_params(config: ZeroCacheConfig, sharding: Sharding, plan_for: Callable[[bool], Plan]
-                        ) -> tuple[bool, Plan]:
-    """Whether to shard params over the data-parallel ranks, and the plan that goes with it.
-
-    "auto" shards when the replicated params do not fit on the device (or not with the model's
-    optimizer states anywhere), or when sharding puts more optimizer groups on the device: those
-    skip the host round trip, which outweighs the two extra all-gathers of the params per step.
-
-    Raises:
-        PlanError: the chosen (or, for "auto", either) placement does not fit.
-    """
-    if not sharding.sharded:
-        return False, plan_for(False)  # one rank: nothing to shard over
-    if config.shard_params != "auto":
-        return bool(config.shard_params), plan_for(bool(config.shard_params))
-    try:
-        replicated = plan_for(False)
-    except PlanError:
-        return True, plan_for(True)
-    if not replicated.params_resident:  # the replicated params alone would have to stream from the host
-        return True, plan_for(True)
-    try:
-        sharded = plan_for(True)
-    except PlanError:
-        return False, replicated
-    if sharded.optimizer_tier.count(DEVICE) > replicated.optimizer_tier.count(DEVICE):
-        return True, sharded
-    return False, replicated
-
-
-def _register_saving_hooks(module: nn.Module, gathered: GatheredGroups) -> None:
-    """Around the model's forward: a new iteration of the gather trace, and autograd saving params by position."""
-    saving = contextlib.ExitStack()
-
-    def enter(_module: nn.Module, _inputs: Any) -> None:
-        gathered.new_iteration()
-        saving.enter_context(gathered.saving())
-
-    def leave(_module: nn.Module, _inputs: Any, _output: Any) -> None:
-        saving.close()
-
-    module.register_forward_pre_hook(enter, prepend=True)
-    module.register_forward_hook(leave, always_call=True)
 
 
 def _register_forward_hooks(module: nn.Module, store: ChunkStore, hybrid: ZeroCacheOptimizer,

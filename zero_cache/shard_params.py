@@ -1,0 +1,115 @@
+"""Sharded params (ZeRO-3) at attach time: whether to shard, how many groups to gather, the autograd hooks.
+
+The choice is collective: every rank plans with its own budgets and chunks, and all must shard or
+none, so each rank's plans are gathered and one rule decides (:func:`decide_shard_params`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from zero_cache.config import ZeroCacheConfig
+from zero_cache.gathered import GatheredGroups
+from zero_cache.layout import ChunkLayout
+from zero_cache.planner import DEVICE, Plan, PlanError
+from zero_cache.sharding import Sharding
+from zero_cache.units import AUTO
+
+
+def gather_ahead_groups(config: ZeroCacheConfig, layout: ChunkLayout, sharding: Sharding) -> int:
+    """Groups whose all-gather starts ahead of use: ``gather_ahead_elements`` in whole groups, at least one."""
+    return max(1, -(-config.gather_ahead_elements // (sharding.world_size * layout.chunk_numel)))
+
+
+def max_live_groups(config: ZeroCacheConfig, layout: ChunkLayout, sharding: Sharding) -> int:
+    """Sharded params: groups gathered at once (``max_live_elements`` in whole groups, at least ahead + 2, at
+    most every group)."""
+    wanted = max(gather_ahead_groups(config, layout, sharding) + 2,
+                 config.max_live_elements // (sharding.world_size * layout.chunk_numel))
+    return min(wanted, sharding.num_groups(layout.num_chunks))
+
+
+def choose_shard_params(config: ZeroCacheConfig, sharding: Sharding, plan_for: Callable[[bool], Plan],
+                        gather: Callable[[Any], list[Any]]) -> tuple[bool, Plan]:
+    """Whether to shard params over the data-parallel ranks, and this rank's plan that goes with it.
+
+    Every rank plans with its own budgets and chunks, and the choice must be the same on all of them,
+    so each rank's outcomes are gathered (``gather``: one object per rank, a collective) and decided by
+    :func:`decide_shard_params`.
+
+    Raises:
+        PlanError: the chosen (or, for "auto", either) placement does not fit on some rank; that rank
+            raises its shortfall, the others name it.
+    """
+    if not sharding.sharded:
+        return False, plan_for(False)  # one rank: nothing to shard over
+    plans: dict[bool, Plan] = {}
+    errors: dict[bool, PlanError] = {}
+    for shard in (False, True):
+        if config.shard_params not in (AUTO, shard):
+            continue
+        try:
+            plans[shard] = plan_for(shard)
+        except PlanError as err:
+            errors[shard] = err
+            continue
+        if not plans[shard].params_resident:  # replicated params alone would have to stream from the host
+            errors[shard] = PlanError("the replicated params alone exceed the device budget, and streaming them "
+                                      "from the host is not implemented: shard them (zero_cache.shard_params)")
+            del plans[shard]
+    mine = {shard: plan.optimizer_tier.count(DEVICE) for shard, plan in plans.items()}
+    outcomes = gather(mine)
+    choice = decide_shard_params(config.shard_params, outcomes)
+    if choice is not None:
+        return choice, plans[choice]
+    wanted = True if config.shard_params == AUTO else bool(config.shard_params)
+    if wanted in errors:
+        raise errors[wanted]
+    failed = [rank for rank, outcome in enumerate(outcomes) if wanted not in outcome]
+    raise PlanError(f"model states do not fit on data-parallel rank(s) {failed} (their errors give the shortfall); "
+                    "on this rank they would")
+
+
+def decide_shard_params(setting: bool | str, outcomes: list[dict[bool, int]]) -> bool | None:
+    """The choice every rank makes from every rank's plans ({shard_params: optimizer groups on the device} for
+    the placements that fit there); None when the setting's placement does not fit on some rank.
+
+    "auto" shards when only that fits everywhere, or when it puts more optimizer groups on the ranks'
+    devices in all: those skip the host round trip, which outweighs the extra all-gathers of the params.
+    """
+    fits = {shard: all(shard in outcome for outcome in outcomes) for shard in (False, True)}
+    if setting != AUTO:
+        return bool(setting) if fits[bool(setting)] else None
+    if fits[True] and fits[False]:
+        return sum(o[True] for o in outcomes) > sum(o[False] for o in outcomes)
+    return True if fits[True] else False if fits[False] else None
+
+
+def gather_objects(sharding: Sharding) -> Callable[[Any], list[Any]]:
+    def gather(obj: Any) -> list[Any]:
+        if not sharding.sharded:
+            return [obj]
+        out: list[Any] = [None] * sharding.world_size
+        torch.distributed.all_gather_object(out, obj, group=sharding.group)
+        return out
+
+    return gather
+
+
+def register_saving_hooks(module: nn.Module, gathered: GatheredGroups) -> None:
+    """Around the model's forward: a new iteration of the gather trace, and autograd saving params by position."""
+    saving = contextlib.ExitStack()
+
+    def enter(_module: nn.Module, _inputs: Any) -> None:
+        gathered.new_iteration()
+        saving.enter_context(gathered.saving())
+
+    def leave(_module: nn.Module, _inputs: Any, _output: Any) -> None:
+        saving.close()
+
+    module.register_forward_pre_hook(enter, prepend=True)
+    module.register_forward_hook(leave, always_call=True)
