@@ -28,8 +28,14 @@ def train(nproc: int, out: Path, data_seed: int, steps: int, *extra: str) -> dic
 
 
 def assert_same_weights(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-                        start: dict[str, torch.Tensor], atol: float = 1e-5) -> None:
-    """Equal up to summation order, and training moved them far more than that (or equality proves little)."""
+                        start: dict[str, torch.Tensor], atol: float = 1e-4) -> None:
+    """Equal up to summation order, and training moved them far more than that (or equality proves little).
+
+    W ranks sum a gradient in another order than one process; Adam divides by sqrt(exp_avg_sq), so an
+    element whose gradient is near zero shows that order at up to ~4e-5 now and then (about one run in
+    ten at 1e-5 tolerance): still 30x below one step's movement (lr 3e-3). A wrong shard or a stale
+    gather moves weights by a step's size.
+    """
     assert got.keys() == expected.keys()
     moved = max((expected[k] - start[k]).abs().max().item() for k in expected)
     assert moved > 1e-3, f"training moved the weights by only {moved}"
@@ -159,7 +165,4 @@ def test_accumulating_micro_batches_equal_one_process(tmp_path, data_seed, unsha
     _, start = unsharded
     expected = accumulated_one_process
     result = train(2, tmp_path / "two.pt", data_seed, 3, "--accumulation", "2", *extra)
-    # Four partial sums per step in another order; Adam divides by sqrt(exp_avg_sq), so an element whose
-    # gradient is near zero shows that order at ~4e-5 now and then (one element in 1024 in one of ~10 runs
-    # seen): still 70x below one step's movement (lr 3e-3).
-    assert_same_weights(result["weights"], expected, start, atol=1e-4)
+    assert_same_weights(result["weights"], expected, start)
