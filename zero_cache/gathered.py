@@ -129,7 +129,7 @@ class GatheredGroups:
         self.wait_owner = wait_owner
         self.trace = AcquisitionTrace()
         self._live: dict[int, _Live] = {}  # in order of last use (the warm-up evicts the first)
-        self._group_at: dict[int, int] = {}  # buffer address -> group
+        self._group_at: dict[tuple[str, int], int] = {}  # (device type, buffer address) -> group
         self._current: int | None = None
         self._recent: list[int] = []  # the last RECENT groups acquired: their module may still be computing
         self._closed: set[int] = set()  # groups whose shard holds this step's gradients
@@ -173,7 +173,7 @@ class GatheredGroups:
                                                    self.store.compute_dtype, zero=False)
         work = self.sharding.all_gather(buffer, source=self.store.shards[group])
         self._live[group] = _Live(buffer, work)
-        self._group_at[buffer.untyped_storage().data_ptr()] = group
+        self._group_at[_address(buffer)] = group
         self.store.bind_group(group, buffer)
         self.gathers += 1
 
@@ -202,7 +202,7 @@ class GatheredGroups:
             self._current = None
         if group in self._recent:
             self._recent.remove(group)
-        del self._group_at[live.buffer.untyped_storage().data_ptr()]
+        del self._group_at[_address(live.buffer)]
         self.store.unbind_group(group)
         self.store.tiers[DEVICE].free(live.buffer)
 
@@ -223,9 +223,7 @@ class GatheredGroups:
             yield
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        if tensor.device != self.store.tiers[DEVICE].device:
-            return tensor
-        group = self._group_at.get(tensor.untyped_storage().data_ptr())
+        group = self._group_at.get(_address(tensor))
         if group is None:
             return tensor
         return _SavedView(group, tensor.storage_offset(), tensor.shape, tensor.stride())
@@ -234,3 +232,8 @@ class GatheredGroups:
         if not isinstance(saved, _SavedView):
             return saved
         return self.acquire(saved.group).as_strided(saved.shape, saved.stride, saved.offset)
+
+
+def _address(tensor: torch.Tensor) -> tuple[str, int]:
+    """Where a tensor's memory starts (unique in the process: CUDA's addresses never overlap the host's)."""
+    return tensor.device.type, tensor.untyped_storage().data_ptr()
