@@ -40,6 +40,7 @@ SIZES = {  # GPT-2-style shapes; vocab 50304, seq 1024 as in the protocol
     "26b": dict(num_layers=41, hidden_size=7168, num_heads=56, tie_embeddings=False),  # 26.0B
     "29b": dict(num_layers=46, hidden_size=7168, num_heads=56, tie_embeddings=False),  # 29.1B
     "30b": dict(num_layers=48, hidden_size=7168, num_heads=56, tie_embeddings=False),  # 30.3B
+    "31b": dict(num_layers=49, hidden_size=7168, num_heads=56, tie_embeddings=False),  # 30.9B
 }
 AIO = {"block_size": 1 << 20, "queue_depth": 32, "thread_count": 4, "single_submit": False, "overlap_events": True}
 """The same aio block for DeepSpeed's NVMe offload and ZeRO-Cache's NVMe tier."""
