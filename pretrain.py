@@ -45,6 +45,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-resume", action="store_true", help="start fresh even if save_dir has a checkpoint")
     parser.add_argument("--plan", action="store_true",
                         help="print where ZeRO-Cache would place the model states (or the shortfall) and exit")
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="with --plan: data-parallel ranks to plan for (each like this machine's GPU)")
+    parser.add_argument("--ranks-per-host", type=int,
+                        help="with --plan: ranks sharing one host's RAM (default: all of --ranks)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser.parse_args(argv)
 
@@ -240,8 +244,10 @@ def log_metrics(step: int, loss: float, engine: angelptm.Engine, meter: Throughp
         engine.monitor.write(step, {"loss_all_ranks": loss, **rates, **memory, **tiers, **moe})
 
 
-def print_plan(raw: dict) -> int:
-    """``--plan``: lay the model out on the meta device and plan it, allocating nothing."""
+def print_plan(raw: dict, ranks: int = 1, ranks_per_host: int | None = None) -> int:
+    """``--plan``: lay the model out on the meta device and plan it for every rank, allocating nothing."""
+    if ranks < 1 or (ranks_per_host is not None and not 1 <= ranks_per_host <= ranks):
+        raise ConfigError(f"--ranks {ranks} --ranks-per-host {ranks_per_host}: need 1 <= ranks-per-host <= ranks")
     cfg = load_config(raw)
     with torch.device("meta"):
         model = build_model(cfg.model, moe=cfg.moe)
@@ -253,15 +259,17 @@ def print_plan(raw: dict) -> int:
         return 0
     try:
         layout, plan = zero_cache.dry_run(shapes, cfg.zero_cache, compute_dtype=cfg.precision.dtype, device=device,
-                                          accumulation_steps=cfg.batch.gradient_accumulation_steps)
+                                          accumulation_steps=cfg.batch.gradient_accumulation_steps,
+                                          world_size=ranks, ranks_per_host=ranks_per_host)
     except zero_cache.PlanError as err:
         print(f"does not fit: {err}")
         return 2
     except zero_cache.NvmeSetupError as err:
         print(f"cannot use the NVMe tier: {err}")
         return 2
+    who = f"rank 0 of {ranks}: " if ranks > 1 else ""
     print(f"{layout.num_chunks} chunks of {layout.chunk_numel:,} elements ({100 * layout.waste_fraction:.1f}% "
-          f"padding)\n{plan.summary()}\n(before the warm-up measures activations; it re-plans after step 1)")
+          f"padding)\n{who}{plan.summary()}\n(before the warm-up measures activations; it re-plans after step 1)")
     return 0
 
 
@@ -271,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                         datefmt="%H:%M:%S")
     try:
         if args.plan:
-            return print_plan(read_config(args))
+            return print_plan(read_config(args), args.ranks, args.ranks_per_host)
         loss = train(read_config(args))
     except (ConfigError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)

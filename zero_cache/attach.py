@@ -7,6 +7,7 @@ those measurements and optimizer groups move between tiers if it changed.
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,11 @@ from zero_cache.layout import ChunkLayout, pack, search_chunk_size
 from zero_cache.optimizer import ZeroCacheOptimizer
 from zero_cache.nvme import NvmeTier, auto_nvme_budget, check_directory
 from zero_cache.planner import DEVICE, HOST, NVME, Plan, PlanError, PlanInputs, make_plan
-from zero_cache.shard_params import (choose_shard_params, gather_ahead_groups, gather_objects, max_live_groups,
-                                     register_saving_hooks)
+from zero_cache.shard_params import (candidate_plans, choose_shard_params, decide_shard_params, device_groups,
+                                     gather_ahead_groups, gather_objects, max_live_groups, register_saving_hooks)
 from zero_cache.sharding import Sharding
 from zero_cache.tiers import auto_device_budget, build_tiers
+from zero_cache.units import AUTO
 
 logger = logging.getLogger(__name__)
 
@@ -145,25 +147,43 @@ class WarmupTracer:
 
 
 def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, *, compute_dtype: torch.dtype,
-            device: torch.device, accumulation_steps: int = 1) -> tuple[ChunkLayout, Plan]:
-    """The layout and first plan :func:`attach` would make, without allocating anything.
+            device: torch.device, accumulation_steps: int = 1, world_size: int = 1,
+            ranks_per_host: int | None = None) -> tuple[ChunkLayout, Plan]:
+    """The layout and rank 0's first plan :func:`attach` would make, without allocating anything.
 
     Args:
         shapes: (name, shape) of the trainable parameters in model order (a meta-device model gives them).
         config, compute_dtype, device, accumulation_steps: as for :func:`attach`; "auto" budgets are
-            measured now (nothing of the model is resident yet).
+            measured now (nothing of the model is resident yet), as if every rank's device and host
+            share were this machine's.
+        world_size, ranks_per_host: data-parallel ranks, in hosts of this many (default: all on one host).
+            Every rank is planned (each owns other chunks), and sharded params decided as the ranks would.
 
     Raises:
-        PlanError: the model states do not fit; the message has the shortfall per tier.
+        PlanError: the model states do not fit on some rank; the message has the shortfall per tier.
     """
     chunk_numel = search_chunk_size(shapes) if config.chunk_size == "auto" else int(config.chunk_size)
     layout = pack(shapes, chunk_numel)
-    device_tier, host_tier = build_tiers(device, config.device_budget_bytes, config.host_budget_bytes)
+    per_host = ranks_per_host or world_size
+    device_tier, host_tier = build_tiers(device, config.device_budget_bytes, config.host_budget_bytes, per_host)
     _, disk_budget = nvme_budget(config)
     reserve = int(WARMUP_ACTIVATION_RESERVE * device_tier.budget_bytes) if device.type == "cuda" else 0
-    plan = make_plan(plan_inputs(layout, config, compute_dtype, device_tier.budget_bytes, host_tier.budget_bytes,
-                                 accumulation_steps, nonmodel_peak_bytes=reserve, nvme_budget=disk_budget))
-    return layout, plan
+
+    def plan_for(sharding: Sharding, shard_params: bool) -> Plan:
+        return make_plan(plan_inputs(layout, config, compute_dtype, device_tier.budget_bytes, host_tier.budget_bytes,
+                                     accumulation_steps, nonmodel_peak_bytes=reserve, nvme_budget=disk_budget,
+                                     sharding=sharding, shard_params=shard_params))
+
+    if world_size == 1:
+        return layout, plan_for(Sharding(), False)
+    ranks = [Sharding(rank=rank, world_size=world_size, ranks_per_host=per_host) for rank in range(world_size)]
+    candidates = [candidate_plans(config, functools.partial(plan_for, sharding)) for sharding in ranks]
+    choice = decide_shard_params(config.shard_params, [device_groups(plans) for plans, _ in candidates])
+    if choice is None:
+        wanted = True if config.shard_params == AUTO else bool(config.shard_params)
+        rank, error = next((r, errors[wanted]) for r, (_, errors) in enumerate(candidates) if wanted in errors)
+        raise PlanError(f"rank {rank} of {world_size}: {error}")
+    return layout, candidates[0][0][choice]
 
 
 def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int, str], config: ZeroCacheConfig,
@@ -217,10 +237,9 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     tiers = {DEVICE: device_tier, HOST: host_tier}
     if swap_directory is not None:  # even if this plan needs no disk: the re-plan after warm-up may
         tiers[NVME] = NvmeTier(swap_directory, inputs.swap_slot_bytes, disk_budget, config.aio, rank=_rank())
-    logger.info("ZeRO-Cache: %d chunks of %d elements (%.1f%% padding); params %s; %s; host chunks update %s",
-                layout.num_chunks, layout.chunk_numel, 100 * layout.waste_fraction,
-                f"sharded over {sharding.world_size} ranks" if shard_params else "replicated", plan.summary(),
-                "during backward" if in_backward else "after backward")
+    logger.info("ZeRO-Cache: %d chunks of %d elements (%.1f%% padding) over %d ranks; %s; host chunks update %s",
+                layout.num_chunks, layout.chunk_numel, 100 * layout.waste_fraction, sharding.world_size,
+                plan.summary(), "during backward" if in_backward else "after backward")
     store = ChunkStore(layout, [p for _, p in params], plan, tiers, compute_dtype, accumulate=accumulation_steps > 1,
                        sharding=sharding, shard_params=shard_params)
     hybrid = ZeroCacheOptimizer(store, optimizer, names, decoupled_weight_decay=decoupled_weight_decay,

@@ -143,10 +143,14 @@ class Plan:
     """Model-state bytes planned on the host."""
     nvme_bytes: int = 0
     """Swap-file bytes planned on the NVMe tier."""
+    params_sharded: bool = False
+    """This rank holds one param chunk per collective group (its shards); the others are gathered on use."""
 
     def summary(self) -> str:
         counts = {tier: self.optimizer_tier.count(tier) for tier in (DEVICE, HOST, NVME)}
         params = "resident on the device" if self.params_resident else f"cached in {self.cache_slots} device slots"
+        if self.params_sharded:
+            params = "sharded (this rank's shards resident on the device, the other chunks gathered on use)"
         disk = f", nvme {format_bytes(self.nvme_bytes)}" if self.nvme_bytes else ""
         owned = len(self.optimizer_tier) - self.optimizer_tier.count(REMOTE)
         return (f"params {params}; optimizer states of {owned} chunks: {counts[DEVICE]} on the "
@@ -204,7 +208,8 @@ def make_plan(inputs: PlanInputs) -> Plan:
     device_bytes = (param_device + device_optim * inputs.optimizer_chunk_bytes + inputs.scratch_bytes
                     + inputs.exchange_buffer_bytes)
     return Plan(params_resident=params_resident, cache_slots=cache_slots, optimizer_tier=tuple(tiers),
-                device_bytes=device_bytes, host_bytes=host_bytes, nvme_bytes=num_nvme * inputs.swap_slot_bytes)
+                device_bytes=device_bytes, host_bytes=host_bytes, nvme_bytes=num_nvme * inputs.swap_slot_bytes,
+                params_sharded=inputs.param_chunks_held is not None)
 
 
 def _split_host_and_nvme(inputs: PlanInputs, off_device: int, host_fixed: int) -> tuple[int, int, int]:

@@ -47,6 +47,22 @@ def choose_shard_params(config: ZeroCacheConfig, sharding: Sharding, plan_for: C
     """
     if not sharding.sharded:
         return False, plan_for(False)  # one rank: nothing to shard over
+    plans, errors = candidate_plans(config, plan_for)
+    outcomes = gather(device_groups(plans))
+    choice = decide_shard_params(config.shard_params, outcomes)
+    if choice is not None:
+        return choice, plans[choice]
+    wanted = True if config.shard_params == AUTO else bool(config.shard_params)
+    if wanted in errors:
+        raise errors[wanted]
+    failed = [rank for rank, outcome in enumerate(outcomes) if wanted not in outcome]
+    raise PlanError(f"model states do not fit on data-parallel rank(s) {failed} (their errors give the shortfall); "
+                    "on this rank they would")
+
+
+def candidate_plans(config: ZeroCacheConfig, plan_for: Callable[[bool], Plan]
+                    ) -> tuple[dict[bool, Plan], dict[bool, PlanError]]:
+    """This rank's plan, or why it does not fit, for each placement ``shard_params`` allows ({sharded: ...})."""
     plans: dict[bool, Plan] = {}
     errors: dict[bool, PlanError] = {}
     for shard in (False, True):
@@ -61,17 +77,12 @@ def choose_shard_params(config: ZeroCacheConfig, sharding: Sharding, plan_for: C
             errors[shard] = PlanError("the replicated params alone exceed the device budget, and streaming them "
                                       "from the host is not implemented: shard them (zero_cache.shard_params)")
             del plans[shard]
-    mine = {shard: plan.optimizer_tier.count(DEVICE) for shard, plan in plans.items()}
-    outcomes = gather(mine)
-    choice = decide_shard_params(config.shard_params, outcomes)
-    if choice is not None:
-        return choice, plans[choice]
-    wanted = True if config.shard_params == AUTO else bool(config.shard_params)
-    if wanted in errors:
-        raise errors[wanted]
-    failed = [rank for rank, outcome in enumerate(outcomes) if wanted not in outcome]
-    raise PlanError(f"model states do not fit on data-parallel rank(s) {failed} (their errors give the shortfall); "
-                    "on this rank they would")
+    return plans, errors
+
+
+def device_groups(plans: dict[bool, Plan]) -> dict[bool, int]:
+    """What a rank tells the others: optimizer groups on its device per placement that fits."""
+    return {shard: plan.optimizer_tier.count(DEVICE) for shard, plan in plans.items()}
 
 
 def decide_shard_params(setting: bool | str, outcomes: list[dict[bool, int]]) -> bool | None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
-from zero_cache import Sharding, ZeroCacheConfig
+from zero_cache import Sharding, ZeroCacheConfig, dry_run
 from zero_cache.planner import DEVICE, HOST, REMOTE, Plan, PlanError
 from zero_cache.shard_params import choose_shard_params, decide_shard_params
 
@@ -84,3 +85,27 @@ def test_one_rank_never_shards():
     config = ZeroCacheConfig(enabled=True, shard_params=True)
     choice, _ = choose_shard_params(config, Sharding(), lambda shard: plan(2), lambda mine: [mine])
     assert choice is False
+
+
+def dry_run_plan(device_bytes: int, world_size: int, shard_params="auto") -> Plan:
+    """96 tensors of 4096 fp32 elements in chunks of 8192 (48 chunks of 32 KiB), planned for every rank."""
+    shapes = [(f"w{i}", (64, 64)) for i in range(96)]
+    config = ZeroCacheConfig(enabled=True, chunk_size=8192, device_memory_budget=device_bytes,
+                             host_memory_budget=2**30, shard_params=shard_params, max_live_elements=0,
+                             gather_ahead_elements=0)
+    _, plan = dry_run(shapes, config, compute_dtype=torch.float32, device=torch.device("cpu"),
+                      world_size=world_size)
+    return plan
+
+
+def test_dry_run_shards_params_when_only_that_fits_on_every_rank():
+    """Replicated, a rank holds all 48 param chunks; sharded over 2, its 24 shards and 3 gathered groups and
+    3 gradient buckets of 2 chunks each: 36 chunks (and one fp32 scratch chunk)."""
+    chunk = 8192 * 4
+    assert dry_run_plan(64 * 2**20, 2).params_sharded is False  # both fit with every group on the device
+    plan = dry_run_plan(40 * chunk, 2)
+    assert plan.params_sharded and plan.optimizer_tier.count(DEVICE) == 0
+    with pytest.raises(PlanError, match="rank 0 of 2: .*24 param shards"):
+        dry_run_plan(30 * chunk, 2)
+    with pytest.raises(PlanError, match="rank 0 of 2: the replicated params alone exceed"):
+        dry_run_plan(40 * chunk, 2, shard_params=False)
