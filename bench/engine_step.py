@@ -41,6 +41,8 @@ SIZES = {  # GPT-2-style shapes; vocab 50304, seq 1024 as in the protocol
     "29b": dict(num_layers=46, hidden_size=7168, num_heads=56, tie_embeddings=False),  # 29.1B
     "30b": dict(num_layers=48, hidden_size=7168, num_heads=56, tie_embeddings=False),  # 30.3B
     "31b": dict(num_layers=49, hidden_size=7168, num_heads=56, tie_embeddings=False),  # 30.9B
+    "40b": dict(num_layers=48, hidden_size=8192, num_heads=64, tie_embeddings=False),  # 39.5B
+    "50b": dict(num_layers=60, hidden_size=8192, num_heads=64, tie_embeddings=False),  # 49.2B
 }
 AIO = {"block_size": 1 << 20, "queue_depth": 32, "thread_count": 4, "single_submit": False, "overlap_events": True}
 """The same aio block for DeepSpeed's NVMe offload and ZeRO-Cache's NVMe tier."""

@@ -22,7 +22,10 @@
 #                      on 1 and on 4 GPUs (two runs, one engine_step each, to keep each under its limit);
 #   zero_cache_scaling_table   reads both and prints the scaling efficiency (needs the two runs before it,
 #                      in the same OUT).
-#   zero_cache_largest 30.3B (engine_step's largest size) with ZeRO-Cache on 4 GPUs, 16 host threads per rank.
+#   zero_cache_largest 49.2B with ZeRO-Cache on 4 GPUs ("auto": sharded params), 16 host threads per rank.
+#                      By the planner it needs about 90 GiB of each rank's host budget (about 113 GiB of
+#                      512 GiB RAM); 54.8B would need 114 GiB. Each rank builds the whole bf16 model on its GPU
+#                      first (92 GiB) before it moves into shards.
 #
 # Writes OUT/<run>.log (the bench's own report, where it writes one) and OUT/<run>.out (stdout and stderr).
 source "$(dirname "$0")/named_runs.sh"  # run NAME LIMIT command...; $out
@@ -54,5 +57,5 @@ run zero_cache_scaling_4gpu 250 python3 bench/engine_step.py --sizes 6.9b --mode
     --anchor deepspeed_zero3 --nproc 4 --steps 8
 run zero_cache_scaling_table 30 python3 -c "$scaling_py" "$out/zero_cache_scaling_1gpu.out" \
     "$out/zero_cache_scaling_4gpu.out"
-run zero_cache_largest 250 env OMP_NUM_THREADS=16 python3 bench/engine_step.py --sizes 30b --modes zero_cache \
+run zero_cache_largest 300 env OMP_NUM_THREADS=16 python3 bench/engine_step.py --sizes 50b --modes zero_cache \
     --nproc 4 --steps 5 --anchor zero_cache

@@ -68,9 +68,12 @@ def test_search_chunk_size_on_gpt_shapes_wastes_little():
     assert layout.num_chunks >= 4
 
 
-def test_search_chunk_size_finds_the_run_of_whole_layers_of_a_wide_gpt():
-    """Hidden 7168, 48 layers: [qkv, proj, fc] and [fc2, qkv, proj] runs fill 410.9M elements each."""
-    hidden, vocab = 7168, 50304
+@pytest.mark.parametrize("hidden", [7168, 8192])
+def test_search_chunk_size_finds_the_run_of_whole_layers_of_a_wide_gpt(hidden):
+    """48 layers. Hidden 7168: [qkv, proj, fc] and [fc2, qkv, proj] fill 410.9M elements each, 0.3% above a
+    16-per-octave grid point. Hidden 8192: the embedding (412M) is the largest tensor and [qkv, proj] + [fc]
+    (537M) the first whole run above it, 1.3x."""
+    vocab = 50304
     shapes = [("wte", (vocab, hidden)), ("wpe", (1024, hidden))]
     for i in range(48):
         shapes += [(f"{i}.ln1", (hidden,)), (f"{i}.qkv", (3 * hidden, hidden)), (f"{i}.proj", (hidden, hidden)),
