@@ -101,6 +101,8 @@ def decide_shard_params(setting: bool | str, outcomes: list[dict[bool, int]]) ->
 
 
 def gather_objects(sharding: Sharding) -> Callable[[Any], list[Any]]:
+    """A collective that returns every rank's object, in rank order (``choose_shard_params``'s ``gather``)."""
+
     def gather(obj: Any) -> list[Any]:
         if not sharding.sharded:
             return [obj]
