@@ -31,6 +31,9 @@ under the rest of backward. ``step()`` waits for them, takes the global norm fro
 every group stale; the next forward all-gathers each group in its pre-hook, ahead of use. The
 worker thread never issues a collective, so every rank issues them in the same order. That side
 lives in :mod:`zero_cache.optimizer_sharded`, the checkpoint surface in :mod:`zero_cache.optimizer_state`.
+With sharded params each owned chunk is this rank's shard: its gradients arrive by reduce-scatter from
+a bucket, the update rewrites it from the masters as above, and the other ranks' chunks exist only while
+gathered (:mod:`zero_cache.gathered`).
 """
 
 from __future__ import annotations
