@@ -235,6 +235,8 @@ def consolidate(module_state: dict[str, torch.Tensor], masters: dict[str, torch.
     state = {}
     for key in dict.fromkeys([*module_state, *aliases]):  # a module saved with sharded params has no weights
         name = aliases.get(key, key)
+        if name not in masters and key not in module_state:
+            continue  # a frozen parameter left out of the checkpoint (exclude_frozen_parameters)
         value = (masters[name] if name in masters else module_state[key]).detach().cpu()
         state[key] = (value.float() if value.is_floating_point() else value).contiguous().clone()
     return state

@@ -263,6 +263,7 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
 def _register_forward_hooks(module: nn.Module, store: ChunkStore, hybrid: ZeroCacheOptimizer,
                             tracer: WarmupTracer) -> None:
     chunk_of = {id(p): slot.chunk for p, slot in zip(store.params, store.slots)}
+    gathered = hybrid.exchange.gathered if hybrid.exchange is not None else None
     for submodule in module.modules():
         chunks = sorted({chunk_of[id(p)] for p in submodule.parameters(recurse=False) if id(p) in chunk_of})
         if not chunks:
@@ -272,5 +273,13 @@ def _register_forward_hooks(module: nn.Module, store: ChunkStore, hybrid: ZeroCa
             tracer.record(chunks)
             for chunk in chunks:
                 hybrid.prepare_chunk(chunk)
+                if gathered is not None:  # held from its acquisition: the module's later groups must not evict it
+                    gathered.hold(store.sharding.group_of(chunk))
+
+        def after_forward(_module: nn.Module, _inputs: Any, _output: Any, chunks: list[int] = chunks) -> None:
+            for chunk in chunks:
+                gathered.unhold(store.sharding.group_of(chunk))
 
         submodule.register_forward_pre_hook(before_forward)
+        if gathered is not None:
+            submodule.register_forward_hook(after_forward, always_call=True)

@@ -112,7 +112,8 @@ class ChunkStore:
                                   for _ in range(num_groups)]
             self.param_chunks = [chunk for buffer in self.group_buffers
                                  for chunk in buffer.view(sharding.world_size, -1).unbind()][:layout.num_chunks]
-        self._placeholder = torch.zeros(1, dtype=compute_dtype, device=tiers[DEVICE].device)
+        # NaN: a placeholder read by mistake (a weight used outside its module's forward) shows in the loss.
+        self._placeholder = torch.full((1,), float("nan"), dtype=compute_dtype, device=tiers[DEVICE].device)
         with torch.no_grad():
             for param, slot in zip(params, self.slots):
                 if self.param_chunks[slot.chunk] is not None:

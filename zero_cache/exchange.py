@@ -95,6 +95,10 @@ class ChunkExchange:
         self._reduced.add(group)
         buffer = self._open[group] if self.uses_buckets else self.store.group_buffers[group]
         into_shard = self.gathered is not None and not self.accumulate
+        if into_shard:  # an unused group's shard may still be receiving the last step's update
+            for chunk in self.sharding.group_chunks(group, self.store.layout.num_chunks):
+                if self.sharding.owns(chunk):
+                    self.wait_owner(chunk)
         self._reductions[group] = self.sharding.reduce_scatter(buffer, self.store.shards[group] if into_shard else None)
 
     def reduce_rest(self) -> None:

@@ -18,7 +18,8 @@ A group is acquired
 (:class:`AcquisitionTrace`); later iterations follow it with a cursor, start gathering the next
 ``ahead`` groups while this one computes, and, with ``max_live`` groups live, evict the one whose next
 use is furthest away (Belady's rule, as the planner does for param chunks); during the warm-up, the
-least recently used one. The two groups acquired last are never evicted. A buffer that autograd still holds (a
+least recently used one. The two groups acquired last are never evicted, nor the groups of a module
+whose forward is running (:meth:`GatheredGroups.hold`). A buffer that autograd still holds (a
 checkpointed block's recomputed views) stays valid until it is released: eviction drops this
 object's reference, the memory goes with the last one.
 """
@@ -133,6 +134,7 @@ class GatheredGroups:
         self._current: int | None = None
         self._recent: list[int] = []  # the last RECENT groups acquired: their module may still be computing
         self._closed: set[int] = set()  # groups whose shard holds this step's gradients
+        self._holds: dict[int, int] = {}  # group -> modules whose forward is running and use it
         self.gathers = 0
         """All-gathers issued (a measure of the policy: each group is needed about 2-3 times a step)."""
 
@@ -179,7 +181,7 @@ class GatheredGroups:
 
     def _make_room(self) -> None:
         while len(self._live) >= self.max_live:
-            candidates = [g for g in self._live if g not in self._recent]
+            candidates = [g for g in self._live if g not in self._recent and not self._holds.get(g)]
             if not candidates:
                 return
             if self.trace.recording:
@@ -206,11 +208,22 @@ class GatheredGroups:
         self.store.unbind_group(group)
         self.store.tiers[DEVICE].free(live.buffer)
 
+    def hold(self, group: int) -> None:
+        """A module's forward starts using ``group``: it is not evicted until :meth:`unhold` (a parent's own
+        parameters stay gathered while its children run, a module may span more than two groups)."""
+        self._holds[group] = self._holds.get(group, 0) + 1
+
+    def unhold(self, group: int) -> None:
+        self._holds[group] -= 1
+        if not self._holds[group]:
+            del self._holds[group]
+
     def release_all(self) -> None:
         """Drop every live group (the shards changed: a step, a restore or a load)."""
         for group in list(self._live):
             self.release(group)
         self._closed.clear()
+        self._holds.clear()
 
     def new_iteration(self) -> None:
         self.trace.new_iteration()
@@ -225,12 +238,18 @@ class GatheredGroups:
     def _pack(self, tensor: torch.Tensor) -> Any:
         group = self._group_at.get(_address(tensor))
         if group is None:
-            return tensor
+            # With hooks installed autograd no longer checks saved tensors' versions: keep the check.
+            return tensor, tensor._version
         return _SavedView(group, tensor.storage_offset(), tensor.shape, tensor.stride())
 
     def _unpack(self, saved: Any) -> torch.Tensor:
         if not isinstance(saved, _SavedView):
-            return saved
+            tensor, version = saved
+            if tensor._version != version:
+                raise RuntimeError(f"a tensor of shape {tuple(tensor.shape)} saved for backward was modified by an "
+                                   f"in-place operation (version {version}, now {tensor._version}); make that "
+                                   "operation out of place")
+            return tensor
         return self.acquire(saved.group).as_strided(saved.shape, saved.stride, saved.offset)
 
 

@@ -293,6 +293,7 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint):
             self.last_grad_norm = None
             if not self.store.grads_in_accumulators:
                 self._restore_params(written)
+                self._restore_unreached(written)
             self._reset_window()
             return False
         self.last_grad_norm = norm
@@ -305,6 +306,7 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint):
             if chunk not in self._queued:
                 self._queue_host_update(chunk, written, hypers, step=self.step_count, grad_factor=grad_factor)
         self._update_device_chunks(written, hypers, grad_factor)
+        self._restore_unreached(written)
         self._mark_stale()
         self._reset_window()
         if not self._replanned and self.after_first_step is not None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from zero_cache.planner import DEVICE, OFF_DEVICE
+from zero_cache.planner import DEVICE, OFF_DEVICE, REMOTE
 from zero_cache.tiers import wait
 
 
@@ -105,6 +105,20 @@ class ShardedGradients:
                     self._queued.add(chunk)
                     self._queue_host_update(chunk, frozenset(self._written), self._hypers(), step=self.step_count + 1,
                                             grad_factor=1.0 / self.sharding.world_size, squares=squares)
+
+    def _restore_unreached(self, written: frozenset) -> None:
+        """Sharded, one micro-batch: every group's reduce-scatter wrote into its owner's chunk, also where no
+        gradient reached it on this rank (a parameter used without one): rewrite those from their masters."""
+        if self.exchange is None or self.store.grads_in_accumulators:
+            return
+        for chunk, members in sorted(self._members_of_chunk.items()):
+            tier = self.store.groups[chunk].tier
+            if tier == REMOTE or any(slot.name in written for _, slot in members):
+                continue
+            if tier == DEVICE:
+                self.store.param_chunks[chunk].copy_(self.store.groups[chunk].field("master"))
+            else:
+                self._queue_host_update(chunk, written, [], step=self.step_count, grad_factor=1.0, restore_only=True)
 
     def _owned_square(self, chunk: int) -> torch.Tensor:
         # Padding inside a chunk is zero on every rank, so the whole chunk's norm is its gradients'.

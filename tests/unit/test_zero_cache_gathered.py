@@ -385,3 +385,15 @@ def test_checkpointed_blocks_recompute_with_gathered_weights(use_reentrant):
     forward = list(range(sharded.num_groups))
     assert sharded.gathered.trace.groups[:len(forward)] == forward
     assert len(sharded.gathered.trace.groups) >= 2 * len(forward)  # every group again in the recomputation
+
+
+def test_an_activation_modified_in_place_after_saving_still_raises():
+    """Saved-tensor hooks switch off autograd's version check; saving() keeps it for everything it does not pack."""
+    gathered = GatheredGroups.__new__(GatheredGroups)
+    gathered._group_at = {}
+    x = torch.randn(3, requires_grad=True)
+    with gathered.saving():
+        y = x.exp()  # saves its output
+    y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an in-place operation"):
+        y.sum().backward()
