@@ -204,7 +204,15 @@ def main() -> None:
                          args.gradient_clipping, args.host_budget, args.nvme_path)
         if os.environ.get("RANK", "0") == "0":
             print("RESULT " + json.dumps(result))
-        return
+        # Leave without the interpreter's teardown, where torch's communication threads can still be going
+        # down and abort a finished run ("terminate called without an active exception", SIGABRT).
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     results = []
     for size, mode, nproc in itertools.product(args.sizes, args.modes, args.nproc):
         launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
