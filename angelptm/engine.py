@@ -293,14 +293,15 @@ class Engine(nn.Module):
             if self.optimizer is not None:
                 self.optimizer.finish_pending()  # weights may still be landing from a background update
             module_state = self.module.state_dict()
-            held = self._sharded_weight_keys()
+            aliases = self._param_aliases()
+            held = self._sharded_weight_keys(aliases)
             module_state = {k: v for k, v in module_state.items() if k not in held}  # they are in the masters
             if exclude_frozen_parameters:
                 frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
                 module_state = {k: v for k, v in module_state.items() if k not in frozen}
             model_states = {
                 "format_version": checkpoint.FORMAT_VERSION, "module": module_state,
-                "param_aliases": self._param_aliases(), "weights_in_masters": bool(held),
+                "param_aliases": aliases, "weights_in_masters": bool(held),
                 "global_steps": self.global_steps,
                 "global_samples": self.global_samples, "micro_steps": self.micro_steps,
                 "skipped_steps": self.skipped_steps, "world_size": self.world_size,
@@ -399,12 +400,12 @@ class Engine(nn.Module):
         self._restore_rank_state(path, model_states["world_size"])
         return str(path), model_states["client_state"]
 
-    def _sharded_weight_keys(self) -> set[str]:
+    def _sharded_weight_keys(self, aliases: dict[str, str]) -> set[str]:
         """State-dict keys of the weights this run keeps only as ZeRO-Cache shards (none when params are replicated)."""
         if not getattr(self.optimizer, "params_sharded", False):
             return set()
         held = set(self.optimizer.names)
-        return {key for key, name in self._param_aliases().items() if name in held}
+        return {key for key, name in aliases.items() if name in held}
 
     def _load_module_state(self, path: Path, model_states: dict, *, strict: bool,
                            has_optimizer_file: bool) -> dict[str, torch.Tensor]:
@@ -415,7 +416,8 @@ class Engine(nn.Module):
             are no optimizer states to take them from; otherwise empty.
         """
         state = model_states["module"]
-        held, in_masters = self._sharded_weight_keys(), model_states.get("weights_in_masters", False)
+        aliases = self._param_aliases()
+        held, in_masters = self._sharded_weight_keys(aliases), model_states.get("weights_in_masters", False)
         if not held and not in_masters:
             self.module.load_state_dict(state, strict=strict)
             return {}
@@ -424,7 +426,6 @@ class Engine(nn.Module):
                                   f"in {checkpoint.OPTIM_FILE}, which this load cannot use (it is missing, or the "
                                   "engine has no optimizer). Export it with `python -m angelptm.export` and load the "
                                   "weights into the model instead")
-        aliases = self._param_aliases()
         weights = {aliases[key]: tensor.float() for key, tensor in state.items() if key in held}
         result = self.module.load_state_dict({k: v for k, v in state.items() if k not in held}, strict=False)
         saved_weights = set(model_states["param_aliases"]) if in_masters else set()

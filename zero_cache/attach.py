@@ -24,10 +24,10 @@ from zero_cache.optimizer import ZeroCacheOptimizer
 from zero_cache.nvme import NvmeTier, auto_nvme_budget, check_directory
 from zero_cache.planner import DEVICE, HOST, NVME, Plan, PlanError, PlanInputs, make_plan
 from zero_cache.shard_params import (candidate_plans, choose_shard_params, decide_shard_params, device_groups,
-                                     gather_ahead_groups, gather_objects, max_live_groups, register_saving_hooks)
+                                     gather_ahead_groups, gather_objects, max_live_groups, register_saving_hooks,
+                                     wanted_placement)
 from zero_cache.sharding import Sharding
 from zero_cache.tiers import auto_device_budget, build_tiers
-from zero_cache.units import AUTO
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +35,8 @@ WARMUP_ACTIVATION_RESERVE = 0.1
 """Share of the device budget held back for activations until the warm-up has measured them."""
 
 
-def build_layout(params: list[tuple[str, nn.Parameter]], config: ZeroCacheConfig) -> ChunkLayout:
-    """Pack parameters (model order) into chunks of the configured or searched size."""
-    shapes = [(name, tuple(p.shape)) for name, p in params]
+def build_layout(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig) -> ChunkLayout:
+    """Pack parameters ((name, shape) in model order) into chunks of the configured or searched size."""
     chunk_numel = search_chunk_size(shapes) if config.chunk_size == "auto" else int(config.chunk_size)
     return pack(shapes, chunk_numel)
 
@@ -162,8 +161,7 @@ def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, 
     Raises:
         PlanError: the model states do not fit on some rank; the message has the shortfall per tier.
     """
-    chunk_numel = search_chunk_size(shapes) if config.chunk_size == "auto" else int(config.chunk_size)
-    layout = pack(shapes, chunk_numel)
+    layout = build_layout(shapes, config)
     per_host = ranks_per_host or world_size
     device_tier, host_tier = build_tiers(device, config.device_budget_bytes, config.host_budget_bytes, per_host)
     _, disk_budget = nvme_budget(config)
@@ -180,7 +178,7 @@ def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, 
     candidates = [candidate_plans(config, functools.partial(plan_for, sharding)) for sharding in ranks]
     choice = decide_shard_params(config.shard_params, [device_groups(plans) for plans, _ in candidates])
     if choice is None:
-        wanted = True if config.shard_params == AUTO else bool(config.shard_params)
+        wanted = wanted_placement(config.shard_params)
         rank, error = next((r, errors[wanted]) for r, (_, errors) in enumerate(candidates) if wanted in errors)
         raise PlanError(f"rank {rank} of {world_size}: {error}")
     return layout, candidates[0][0][choice]
@@ -213,7 +211,7 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     ordered = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     in_optimizer = {id(p) for p in ordered}
     params = [(name, p) for name, p in module.named_parameters() if id(p) in in_optimizer]
-    layout = build_layout(params, config)
+    layout = build_layout([(name, tuple(p.shape)) for name, p in params], config)
     device_budget = config.device_budget_bytes
     if device_budget is None:
         # "auto": free memory now, plus the parameters about to move into chunks (their current

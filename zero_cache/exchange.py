@@ -58,8 +58,10 @@ class ChunkExchange:
         self.accumulate = accumulate
         self.uses_buckets = accumulate or store.shard_params
         self.gather_ahead = gather_ahead
-        self.gathered = (GatheredGroups(store, max_live=max_live_groups, ahead=gather_ahead, wait_owner=wait_owner)
-                         if store.shard_params else None)
+        self.gathered = (GatheredGroups(store, max_live=max_live_groups, ahead=gather_ahead,
+                                        wait_owned=self._wait_owned) if store.shard_params else None)
+        self.into_shards = store.shard_params and not accumulate
+        """Reductions land in this rank's shard, over its params (sharded params, one micro-batch per step)."""
         self._reduced: set[int] = set()  # groups reduced in this micro-step
         self._reductions: dict[int, Any] = {}  # group -> its reduction, issued and not yet waited for
         self._gathers: dict[int, Any] = {}  # group -> its gather, issued and not yet waited for
@@ -94,12 +96,10 @@ class ChunkExchange:
         without accumulation: into this rank's shard)."""
         self._reduced.add(group)
         buffer = self._open[group] if self.uses_buckets else self.store.group_buffers[group]
-        into_shard = self.gathered is not None and not self.accumulate
-        if into_shard:  # an unused group's shard may still be receiving the last step's update
-            for chunk in self.sharding.group_chunks(group, self.store.layout.num_chunks):
-                if self.sharding.owns(chunk):
-                    self.wait_owner(chunk)
-        self._reductions[group] = self.sharding.reduce_scatter(buffer, self.store.shards[group] if into_shard else None)
+        if self.into_shards:  # an unused group's shard may still be receiving the last step's update
+            self._wait_owned(group)
+        self._reductions[group] = self.sharding.reduce_scatter(buffer,
+                                                               self.store.shards[group] if self.into_shards else None)
 
     def reduce_rest(self) -> None:
         """Reduce every group not yet reduced in this micro-step, in group order (unused parameters)."""
@@ -117,7 +117,7 @@ class ChunkExchange:
             work = self._reductions.pop(group)
             if work is not None:
                 work.wait()
-            if self.gathered is not None and not self.accumulate:
+            if self.into_shards:
                 # The sum is in the shard, over the params: the bucket is free, and the group must not be
                 # gathered again before the step.
                 self.release_bucket(group)
@@ -162,10 +162,14 @@ class ChunkExchange:
         if group not in self._stale:
             return
         self._stale.discard(group)
+        self._wait_owned(group)
+        self._gathers[group] = self.sharding.all_gather(self.store.group_buffers[group])
+
+    def _wait_owned(self, group: int) -> None:
+        """Until the pending updates of this rank's chunks in ``group`` have landed in its param chunk (shard)."""
         for chunk in self.sharding.group_chunks(group, self.store.layout.num_chunks):
             if self.sharding.owns(chunk):
-                self.wait_owner(chunk)  # the owner's update has landed in its param chunk
-        self._gathers[group] = self.sharding.all_gather(self.store.group_buffers[group])
+                self.wait_owner(chunk)
 
     def sync(self) -> None:
         """Gather every stale group now (every rank calls it, e.g. before a checkpoint)."""

@@ -119,20 +119,19 @@ class GatheredGroups:
         store: chunk storage with ``shard_params``.
         max_live: groups live at once (at least ``ahead + 2``: in use, being gathered, one spare).
         ahead: groups gathered ahead of use, along the recorded trace.
-        wait_owner: blocks until an owned chunk's pending update has landed in its shard.
+        wait_owned: blocks until the pending updates of this rank's chunks in a group have landed in its shard.
     """
 
-    def __init__(self, store: Any, *, max_live: int, ahead: int, wait_owner: Callable[[int], None]) -> None:
+    def __init__(self, store: Any, *, max_live: int, ahead: int, wait_owned: Callable[[int], None]) -> None:
         self.store = store
         self.sharding = store.sharding
         self.ahead = ahead
         self.max_live = max(max_live, ahead + 2)
-        self.wait_owner = wait_owner
+        self.wait_owned = wait_owned
         self.trace = AcquisitionTrace()
         self._live: dict[int, _Live] = {}  # in order of last use (the warm-up evicts the first)
         self._group_at: dict[tuple[str, int], int] = {}  # (device type, buffer address) -> group
-        self._current: int | None = None
-        self._recent: list[int] = []  # the last RECENT groups acquired: their module may still be computing
+        self._recent: list[int] = []  # the last RECENT groups acquired, newest first: their module may still compute
         self._closed: set[int] = set()  # groups whose shard holds this step's gradients
         self._holds: dict[int, int] = {}  # group -> modules whose forward is running and use it
         self.gathers = 0
@@ -145,13 +144,12 @@ class GatheredGroups:
     def acquire(self, group: int) -> torch.Tensor:
         """Make ``group`` live (gathering it now if it is not), gather the next ones ahead; returns its buffer."""
         live = self._live.get(group)
-        if live is not None and group == self._current and live.work is None:
+        if live is not None and self._recent[:1] == [group] and live.work is None:
             return live.buffer  # the common case: the same group again (one per saved tensor)
         if group in self._closed:
             raise RuntimeError(f"chunk group {group} is used again after its gradients were reduced into this rank's "
                                "shard: with sharded params, run forward and backward once per step (or set "
                                "gradient_accumulation_steps for several micro-batches)")
-        self._current = group
         self._recent = [group, *(g for g in self._recent if g != group)][:RECENT]
         self.trace.visit(group)
         self._issue(group)
@@ -168,9 +166,7 @@ class GatheredGroups:
         if group in self._live or group in self._closed:
             return
         self._make_room()
-        for chunk in self.sharding.group_chunks(group, self.store.layout.num_chunks):
-            if self.sharding.owns(chunk):
-                self.wait_owner(chunk)  # the owner's update has landed in its shard
+        self.wait_owned(group)  # this rank's update has landed in its shard
         buffer = self.store.tiers[DEVICE].allocate(self.sharding.world_size * self.store.layout.chunk_numel,
                                                    self.store.compute_dtype, zero=False)
         work = self.sharding.all_gather(buffer, source=self.store.shards[group])
@@ -200,8 +196,6 @@ class GatheredGroups:
             return
         if live.work is not None:
             live.work.wait()  # never free a buffer a collective still writes
-        if self._current == group:
-            self._current = None
         if group in self._recent:
             self._recent.remove(group)
         del self._group_at[_address(live.buffer)]

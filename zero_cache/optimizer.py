@@ -362,11 +362,16 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint):
 
     def _restore_params(self, written: frozenset) -> None:
         """Rewrite param chunks that hold this window's gradients from their masters (no step taken)."""
-        for chunk in self._chunks_in(DEVICE, written):
-            self.store.param_chunks[chunk].copy_(self.store.groups[chunk].field("master"))
-        for chunk in self._chunks_in(OFF_DEVICE, written):
-            self._queue_host_update(chunk, written, [], step=self.step_count, grad_factor=1.0, restore_only=True)
+        self._rewrite_from_masters(self._chunks_in((DEVICE, *OFF_DEVICE), written), written)
         self._mark_stale()  # the non-owned chunks come back from their owners
+
+    def _rewrite_from_masters(self, chunks: list[int], written: frozenset) -> None:
+        """Param chunks rewritten from their masters: device chunks now, the others through the host worker."""
+        for chunk in chunks:
+            if self.store.groups[chunk].tier == DEVICE:
+                self.store.param_chunks[chunk].copy_(self.store.groups[chunk].field("master"))
+            else:
+                self._queue_host_update(chunk, written, [], step=self.step_count, grad_factor=1.0, restore_only=True)
 
     # ------------------------------------------------------------------ waiting
     def wait_for_chunk(self, chunk: int) -> None:

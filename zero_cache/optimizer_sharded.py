@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from zero_cache.planner import DEVICE, OFF_DEVICE, REMOTE
+from zero_cache.planner import DEVICE, OFF_DEVICE
 from zero_cache.tiers import wait
 
 
@@ -47,12 +47,16 @@ class ShardedGradients:
         self._micro_step_open = False
         self._reset_group_counts()
 
+    def _owned_in(self, group: int) -> list[int]:
+        """This rank's chunks of ``group`` that hold trainable parameters (not padding)."""
+        return [chunk for chunk in self.sharding.group_chunks(group, self.store.layout.num_chunks)
+                if self.sharding.owns(chunk) and chunk in self._members_of_chunk]
+
     def _accumulate_reduced(self, groups: list[int]) -> None:
         for group in groups:
             reduced, in_use_until = self.exchange.reduced_slice(group), None
-            for chunk in self.sharding.group_chunks(group, self.store.layout.num_chunks):
-                if self.sharding.owns(chunk) and chunk in self._members_of_chunk:
-                    in_use_until = self._add_to_accumulator(chunk, reduced)
+            for chunk in self._owned_in(group):
+                in_use_until = self._add_to_accumulator(chunk, reduced)
             self.exchange.release_bucket(group, in_use_until)
 
     def _add_to_accumulator(self, chunk: int, reduced: torch.Tensor) -> Any:
@@ -95,30 +99,27 @@ class ShardedGradients:
 
     def _update_reduced(self, groups: list[int]) -> None:
         """Queue the host updates of the owned chunks of reduced groups (update during backward)."""
-        for group in groups:
-            for chunk in self.sharding.group_chunks(group, self.store.layout.num_chunks):
-                if self.sharding.owns(chunk) and self.store.groups[chunk].tier in OFF_DEVICE \
-                        and chunk in self._members_of_chunk:
-                    self._chunk_squares[chunk] = self._owned_square(chunk)
-                    squares = self._squares_pinned[chunk:chunk + 1]
-                    squares.copy_(self._chunk_squares[chunk:chunk + 1], non_blocking=True)
-                    self._queued.add(chunk)
-                    self._queue_host_update(chunk, frozenset(self._written), self._hypers(), step=self.step_count + 1,
-                                            grad_factor=1.0 / self.sharding.world_size, squares=squares)
+        chunks = [chunk for group in groups for chunk in self._owned_in(group)
+                  if self.store.groups[chunk].tier in OFF_DEVICE]
+        if not chunks:
+            return
+        written, hypers = frozenset(self._written), self._hypers()
+        for chunk in chunks:
+            self._chunk_squares[chunk] = self._owned_square(chunk)
+            squares = self._squares_pinned[chunk:chunk + 1]
+            squares.copy_(self._chunk_squares[chunk:chunk + 1], non_blocking=True)
+            self._queued.add(chunk)
+            self._queue_host_update(chunk, written, hypers, step=self.step_count + 1,
+                                    grad_factor=1.0 / self.sharding.world_size, squares=squares)
 
     def _restore_unreached(self, written: frozenset) -> None:
         """Sharded, one micro-batch: every group's reduce-scatter wrote into its owner's chunk, also where no
         gradient reached it on this rank (a parameter used without one): rewrite those from their masters."""
         if self.exchange is None or self.store.grads_in_accumulators:
             return
-        for chunk, members in sorted(self._members_of_chunk.items()):
-            tier = self.store.groups[chunk].tier
-            if tier == REMOTE or any(slot.name in written for _, slot in members):
-                continue
-            if tier == DEVICE:
-                self.store.param_chunks[chunk].copy_(self.store.groups[chunk].field("master"))
-            else:
-                self._queue_host_update(chunk, written, [], step=self.step_count, grad_factor=1.0, restore_only=True)
+        reached = set(self._chunks_in((DEVICE, *OFF_DEVICE), written))
+        owned = set(self.sharding.owned(self.store.layout.num_chunks))
+        self._rewrite_from_masters(sorted(owned & set(self._members_of_chunk) - reached), written)
 
     def _owned_square(self, chunk: int) -> torch.Tensor:
         # Padding inside a chunk is zero on every rank, so the whole chunk's norm is its gradients'.

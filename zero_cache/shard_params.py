@@ -52,12 +52,18 @@ def choose_shard_params(config: ZeroCacheConfig, sharding: Sharding, plan_for: C
     choice = decide_shard_params(config.shard_params, outcomes)
     if choice is not None:
         return choice, plans[choice]
-    wanted = True if config.shard_params == AUTO else bool(config.shard_params)
+    wanted = wanted_placement(config.shard_params)
     if wanted in errors:
         raise errors[wanted]
     failed = [rank for rank, outcome in enumerate(outcomes) if wanted not in outcome]
     raise PlanError(f"model states do not fit on data-parallel rank(s) {failed} (their errors give the shortfall); "
                     "on this rank they would")
+
+
+def wanted_placement(setting: bool | str) -> bool:
+    """The placement whose shortfall explains a model that fits neither way ("auto": the sharded one, which
+    needs the least)."""
+    return True if setting == AUTO else bool(setting)
 
 
 def candidate_plans(config: ZeroCacheConfig, plan_for: Callable[[bool], Plan]

@@ -144,11 +144,7 @@ class Sharding:
 
         ``source``: this rank's slot comes from there (sharded params) instead of being in ``buffer`` already.
         """
-        if not self.sharded:
-            if source is not None:
-                self.mine(buffer).copy_(source)
-            return None
-        if not self.hierarchical:
+        if not self.hierarchical:  # (one rank: only the copy from ``source``)
             return _all_gather(buffer, self.rank, self.world_size, self.group, source)
         host, peers = self._stages(buffer)
         return _Chain([lambda: _all_gather(*peers, source), lambda: _all_gather(*host)], self.side_stream)

@@ -43,6 +43,24 @@ def assert_same_weights(got: dict[str, torch.Tensor], expected: dict[str, torch.
         torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=atol)
 
 
+def assert_resumes_and_exports(tmp_path: Path, data_seed: int, save_dir: Path, halfway: dict,
+                               unsharded: tuple[dict, dict], resumes: tuple[tuple[int, tuple[str, ...]], ...]) -> None:
+    """A checkpoint saved after 2 of 4 steps: each (ranks, flags) in ``resumes`` continues it to the one-process
+    weights, and the offline export gathers every shard's masters into exactly the weights the saving run held."""
+    expected, start = unsharded
+    for nproc, extra in resumes:
+        resumed = train(nproc, tmp_path / f"resumed{nproc}{''.join(extra)}.pt", data_seed, 2, "--load", str(save_dir),
+                        *extra)
+        assert resumed["global_steps"] == 4
+        assert_same_weights(resumed["weights"], expected, start)
+    exported = tmp_path / "model.safetensors"
+    run_ok([sys.executable, "-m", "angelptm.export", str(save_dir), str(exported)], cwd=ROOT)
+    weights = load_file(exported)
+    assert weights.keys() == halfway["weights"].keys()
+    for name, tensor in halfway["weights"].items():
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=0)
+
+
 @pytest.fixture(scope="module")
 def data_seed() -> int:
     return torch.randint(0, 2**31, ()).item()
@@ -106,42 +124,22 @@ def test_host_chunks_updated_during_backward_equal_one_process(tmp_path, data_se
 
 
 def test_checkpoint_saved_at_four_ranks_resumes_at_two_and_one_and_exports_offline(tmp_path, data_seed, unsharded):
-    expected, start = unsharded
     save_dir = tmp_path / "ckpt"
     halfway = train(4, tmp_path / "first.pt", data_seed, 2, "--save-dir", str(save_dir))
     files = sorted(p.name for p in (save_dir / "global_step2").iterdir())
     assert files == ["model_states.pt", "optim_states.pt", *[f"rank_{r:05d}_states.pt" for r in range(4)]]
-    for nproc, extra in ((2, ()), (1, ()), (2, (SHARD,))):  # the last: a replicated checkpoint into shards
-        resumed = train(nproc, tmp_path / f"resumed{nproc}{extra}.pt", data_seed, 2, "--load", str(save_dir), *extra)
-        assert resumed["global_steps"] == 4
-        assert_same_weights(resumed["weights"], expected, start)
-    # The offline export gathers the four shards' masters: the weights the 4-rank run held after 2 steps.
-    exported = tmp_path / "model.safetensors"
-    run_ok([sys.executable, "-m", "angelptm.export", str(save_dir), str(exported)], cwd=ROOT)
-    weights = load_file(exported)
-    assert weights.keys() == halfway["weights"].keys()
-    for name, tensor in halfway["weights"].items():
-        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=0)
+    # The last: a replicated checkpoint into shards.
+    assert_resumes_and_exports(tmp_path, data_seed, save_dir, halfway, unsharded, ((2, ()), (1, ()), (2, (SHARD,))))
 
 
 def test_checkpoint_saved_with_sharded_params_resumes_sharded_and_replicated_and_exports(tmp_path, data_seed,
                                                                                          unsharded):
     """The weights of a sharded-params checkpoint are its fp32 masters (the module file holds no params)."""
-    expected, start = unsharded
     save_dir = tmp_path / "ckpt"
     halfway = train(4, tmp_path / "first.pt", data_seed, 2, "--save-dir", str(save_dir), SHARD)
     module = torch.load(save_dir / "global_step2" / "model_states.pt", weights_only=False)
     assert module["weights_in_masters"] and not set(module["param_aliases"]) & set(module["module"])
-    for nproc, extra in ((2, (SHARD,)), (1, ())):
-        resumed = train(nproc, tmp_path / f"resumed{nproc}.pt", data_seed, 2, "--load", str(save_dir), *extra)
-        assert resumed["global_steps"] == 4
-        assert_same_weights(resumed["weights"], expected, start)
-    exported = tmp_path / "model.safetensors"
-    run_ok([sys.executable, "-m", "angelptm.export", str(save_dir), str(exported)], cwd=ROOT)
-    weights = load_file(exported)
-    assert weights.keys() == halfway["weights"].keys()
-    for name, tensor in halfway["weights"].items():
-        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=0)
+    assert_resumes_and_exports(tmp_path, data_seed, save_dir, halfway, unsharded, ((2, (SHARD,)), (1, ())))
 
 
 def test_a_rank_that_dies_mid_training_stops_the_others_with_its_exit_code(tmp_path, data_seed):

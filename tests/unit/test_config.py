@@ -681,6 +681,11 @@ def test_deepspeed_overlap_and_prefetch_keys_steer_sharded_zero_cache():
     plain = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"overlap_comm": False}})
     assert "zero_optimization.overlap_comm" in plain.accepted_not_acted
     assert load_config(base).zero_cache.overlap_comm is True
+    live = random.randint(0, 10**9)
+    carried = load_config({**base, "zero_optimization": {"stage3_max_live_parameters": live}}).zero_cache
+    assert carried.max_live_elements == live and carried.shard_params == "auto"
+    with pytest.raises(ConfigError, match="shard_params: expected true, false or 'auto'"):
+        load_config({**base, "zero_cache": {"enabled": True, "shard_params": "sometimes"}})
     with pytest.raises(ConfigError, match="gather_ahead_elements"):
         load_config({**base, "zero_cache": {"enabled": True, "gather_ahead_elements": -1}})
     with pytest.raises(ConfigError, match="hierarchical: expected true, false or 'auto'"):

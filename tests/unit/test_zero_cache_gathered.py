@@ -156,7 +156,7 @@ class Sharded:
         self.store = ChunkStore(layout, self.params, plan, {DEVICE: device, HOST: host}, torch.float32,
                                 accumulate=False, sharding=Sharding(), shard_params=True)
         self.num_groups = self.store.sharding.num_groups(layout.num_chunks)
-        self.gathered = GatheredGroups(self.store, max_live=max_live, ahead=ahead, wait_owner=lambda chunk: None)
+        self.gathered = GatheredGroups(self.store, max_live=max_live, ahead=ahead, wait_owned=lambda group: None)
         self.group_of_param = [self.store.sharding.group_of(slot.chunk) for slot in self.store.slots]
         self.after_hook: list = []  # called after each module's groups are acquired
 
