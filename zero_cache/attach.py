@@ -22,10 +22,10 @@ from zero_cache.host_update import STAGING_BUFFERS
 from zero_cache.layout import ChunkLayout, pack, search_chunk_size
 from zero_cache.optimizer import ZeroCacheOptimizer
 from zero_cache.nvme import NvmeTier, auto_nvme_budget, check_directory
-from zero_cache.planner import DEVICE, HOST, NVME, Plan, PlanError, PlanInputs, make_plan
-from zero_cache.shard_params import (candidate_plans, choose_shard_params, decide_shard_params, device_groups,
-                                     gather_ahead_groups, gather_objects, max_live_groups, register_saving_hooks,
-                                     wanted_placement)
+from zero_cache.planner import DEVICE, DEVICE_MARGIN_FRACTION, HOST, NVME, Plan, PlanError, PlanInputs, make_plan
+from zero_cache.shard_params import (candidate_plans, choose_shard_params, choose_streaming, decide_shard_params,
+                                     device_groups, gather_ahead_groups, gather_objects, max_live_groups,
+                                     register_saving_hooks, wanted_placement)
 from zero_cache.sharding import Sharding
 from zero_cache.tiers import auto_device_budget, build_tiers
 
@@ -35,10 +35,27 @@ WARMUP_ACTIVATION_RESERVE = 0.1
 """Share of the device budget held back for activations until the warm-up has measured them."""
 
 
-def build_layout(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig) -> ChunkLayout:
-    """Pack parameters ((name, shape) in model order) into chunks of the configured or searched size."""
-    chunk_numel = search_chunk_size(shapes) if config.chunk_size == "auto" else int(config.chunk_size)
-    return pack(shapes, chunk_numel)
+def build_layout(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig,
+                 max_chunk_numel: int | None = None) -> ChunkLayout:
+    """Pack parameters ((name, shape) in model order) into chunks of the configured or searched size (searched at
+    most ``max_chunk_numel`` when a larger tensor does not force more)."""
+    if config.chunk_size != "auto":
+        return pack(shapes, int(config.chunk_size))
+    return pack(shapes, search_chunk_size(shapes, max_numel=max_chunk_numel))
+
+
+def chunk_numel_cap(config: ZeroCacheConfig, device_budget: int, reserve: int, compute_dtype: torch.dtype,
+                    sharding: Sharding) -> int:
+    """The largest chunk whose fixed device share still fits the budget with streamed params: the fp32 scratch
+    chunk, the gradient buckets and the fewest live groups (prefetch depth + 2), each ``world_size`` chunks wide.
+
+    A small device must get small chunks, or the few slots a streamed model needs do not fit at all.
+    """
+    param_bytes = torch.empty((), dtype=compute_dtype).element_size()
+    ahead = max(1, config.prefetch_depth) if not sharding.sharded else 1
+    per_element = 4 + (GRADIENT_BUCKETS + ahead + 2) * sharding.world_size * param_bytes
+    room = int(device_budget * (1 - DEVICE_MARGIN_FRACTION)) - reserve
+    return max(1, room // per_element)
 
 
 def grad_bytes_per_element(accumulation_steps: int) -> int:
@@ -70,14 +87,22 @@ def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: tor
                 host_budget: int, accumulation_steps: int, trace: tuple[int, ...] = (),
                 nonmodel_peak_bytes: int = 0, nvme_budget: int = 0, sharding: Sharding = Sharding(),
                 shard_params: bool = False) -> PlanInputs:
+    """What the planner needs; ``shard_params``: params are gathered on use (sharded over the ranks, or, on one
+    rank, streamed from homes on the host)."""
     param_bytes = torch.empty((), dtype=compute_dtype).element_size()
-    buffers = GRADIENT_BUCKETS if sharding.sharded and (accumulation_steps > 1 or shard_params) else 0
+    buckets = GRADIENT_BUCKETS if shard_params or (sharding.sharded and accumulation_steps > 1) else 0
+    live = min_live = 0
     if shard_params:
-        buffers += max_live_groups(config, layout, sharding)
+        min_live = min(gather_ahead_groups(config, layout, sharding) + 2, sharding.num_groups(layout.num_chunks))
+        # One rank: more live groups than the fewest would only spare a few re-fetches in backward, and
+        # every one of them is room not given to a resident shard or an optimizer group.
+        live = max_live_groups(config, layout, sharding) if sharding.sharded else min_live
     return PlanInputs(num_chunks=layout.num_chunks, chunk_numel=layout.chunk_numel,
                       owned=sharding.owned(layout.num_chunks),
-                      exchange_buffer_bytes=buffers * sharding.world_size * layout.chunk_numel * param_bytes,
+                      exchange_buffer_bytes=buckets * sharding.world_size * layout.chunk_numel * param_bytes,
                       param_chunks_held=sharding.num_groups(layout.num_chunks) if shard_params else None,
+                      group_size=sharding.world_size, param_home=config.param_home, live_groups=live,
+                      min_live_groups=min_live,
                       padding_chunks=sharding.padded_chunks(layout.num_chunks) - layout.num_chunks,
                       param_bytes_per_element=param_bytes,
                       grad_bytes_per_element=grad_bytes_per_element(accumulation_steps),
@@ -161,11 +186,13 @@ def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, 
     Raises:
         PlanError: the model states do not fit on some rank; the message has the shortfall per tier.
     """
-    layout = build_layout(shapes, config)
     per_host = ranks_per_host or world_size
     device_tier, host_tier = build_tiers(device, config.device_budget_bytes, config.host_budget_bytes, per_host)
     _, disk_budget = nvme_budget(config)
     reserve = int(WARMUP_ACTIVATION_RESERVE * device_tier.budget_bytes) if device.type == "cuda" else 0
+    cap = chunk_numel_cap(config, device_tier.budget_bytes, reserve, compute_dtype,
+                          Sharding(world_size=world_size, ranks_per_host=per_host))
+    layout = build_layout(shapes, config, cap)
 
     def plan_for(sharding: Sharding, shard_params: bool) -> Plan:
         return make_plan(plan_inputs(layout, config, compute_dtype, device_tier.budget_bytes, host_tier.budget_bytes,
@@ -173,7 +200,7 @@ def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, 
                                      sharding=sharding, shard_params=shard_params))
 
     if world_size == 1:
-        return layout, plan_for(Sharding(), False)
+        return layout, choose_streaming(config, functools.partial(plan_for, Sharding()))[1]
     ranks = [Sharding(rank=rank, world_size=world_size, ranks_per_host=per_host) for rank in range(world_size)]
     candidates = [candidate_plans(config, functools.partial(plan_for, sharding)) for sharding in ranks]
     choice = decide_shard_params(config.shard_params, [device_groups(plans) for plans, _ in candidates])
@@ -211,7 +238,6 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     ordered = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     in_optimizer = {id(p) for p in ordered}
     params = [(name, p) for name, p in module.named_parameters() if id(p) in in_optimizer]
-    layout = build_layout([(name, tuple(p.shape)) for name, p in params], config)
     device_budget = config.device_budget_bytes
     if device_budget is None:
         # "auto": free memory now, plus the parameters about to move into chunks (their current
@@ -223,6 +249,8 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     # Before the warm-up has measured activations, keep part of the device for them; the re-plan
     # after the first step replaces this guess with the measured peak (and moves groups back).
     reserve = int(WARMUP_ACTIVATION_RESERVE * device_tier.budget_bytes) if device.type == "cuda" else 0
+    layout = build_layout([(name, tuple(p.shape)) for name, p in params], config,
+                          chunk_numel_cap(config, device_tier.budget_bytes, reserve, compute_dtype, sharding))
 
     def inputs_for(shard_params: bool) -> PlanInputs:
         return plan_inputs(layout, config, compute_dtype, device_tier.budget_bytes, host_tier.budget_bytes,
@@ -247,7 +275,7 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
                                                   else config.native_host_adam),
                                 overlap_comm=config.overlap_comm,
                                 gather_ahead=gather_ahead_groups(config, layout, sharding),
-                                max_live_groups=max_live_groups(config, layout, sharding))
+                                max_live_groups=plan.cache_slots)
     tracer = WarmupTracer(layout, config, compute_dtype, accumulation_steps)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # the warm-up measures the non-model peak from here

@@ -1,8 +1,11 @@
 """Chunk storage: the param chunks on the device and each chunk's optimizer group in its planned tier.
 
 Every parameter becomes a view into its chunk (``param.data`` is rebound), so a model state exists
-exactly once. With sharded params a rank stores only its own chunk of each collective group (its
-shard) and the parameters are placeholders except while their group is gathered.
+exactly once. With gathered params (``shard_params``) a rank stores only its own chunk of each
+collective group (its shard; on one rank, each chunk) and the parameters are placeholders except
+while their group is gathered. Each shard has a **home** tier: the device, or pinned host memory
+from which it is copied in on use and into which its gradients are written back (the plan's
+``param_home``), so the model's weights need not fit on the device.
 
 The optimizer group of a chunk (fp32 master, exp_avg, exp_avg_sq, and an fp32 gradient accumulator
 when micro-batches accumulate) lives in the tier the plan names; moving it (re-planning) copies it
@@ -69,24 +72,21 @@ class ChunkStore:
     Args:
         layout: the chunk layout of the trainable parameters.
         params: parameter objects in layout order.
-        plan: where each chunk's optimizer group lives (params must be resident).
+        plan: where each chunk's optimizer group lives, and (gathered params) each shard's home.
         tiers: {"device": Tier, "host": Tier} and, when the plan uses disk, "nvme": NvmeTier.
         compute_dtype: dtype of the param chunks.
         accumulate: keep an fp32 gradient accumulator per chunk (micro-batches accumulate); without
             it, gradients are written into the param chunks.
         sharding: which chunks' optimizer groups this rank owns; param chunks are allocated a
             collective group (one chunk per rank) at a time, in one buffer each.
-        shard_params: keep only this rank's chunk of each group (its *shard*); the others are gathered
-            while in use (:mod:`zero_cache.gathered`) and the parameters are placeholders meanwhile.
+        shard_params: keep only this rank's chunk of each group (its *shard*) in its planned home; groups
+            are gathered while in use (:mod:`zero_cache.gathered`) and the parameters are placeholders meanwhile.
     """
 
     def __init__(self, layout: ChunkLayout, params: list[nn.Parameter], plan: Plan, tiers: dict[str, Tier | NvmeTier],
                  compute_dtype: torch.dtype, accumulate: bool = True, sharding: Sharding = Sharding(),
                  shard_params: bool = False) -> None:
-        if not plan.params_resident:  # (sharded params are "resident": the shards stay, the gathers are planned)
-            raise NotImplementedError(
-                "this plan streams param chunks from the host (the params alone exceed the device budget); only "
-                "device-resident params are implemented so far: raise zero_cache.device_memory_budget")
+        assert shard_params == plan.params_sharded, "gathered params and the plan disagree"
         self.layout = layout
         self.tiers = tiers
         self.params = params
@@ -103,10 +103,12 @@ class ChunkStore:
         (zero padding)."""
         self.shards: list[torch.Tensor] = []
         """Sharded params: this rank's chunk of each group (zeros where its slot is padding)."""
+        self.param_home: list[str] = list(plan.param_home)
+        """Gathered params: DEVICE or HOST per group, the tier of this rank's shard."""
+        self.param_chunks: list[torch.Tensor | None] = []
         if shard_params:
-            self.shards = [tiers[DEVICE].allocate(layout.chunk_numel, compute_dtype) for _ in range(num_groups)]
-            self.param_chunks: list[torch.Tensor | None] = [
-                self.shards[sharding.group_of(c)] if sharding.owns(c) else None for c in range(layout.num_chunks)]
+            self.shards = [tiers[home].allocate(layout.chunk_numel, compute_dtype) for home in self.param_home]
+            self._index_param_chunks()
         else:
             self.group_buffers = [tiers[DEVICE].allocate(sharding.world_size * layout.chunk_numel, compute_dtype)
                                   for _ in range(num_groups)]
@@ -137,6 +139,15 @@ class ChunkStore:
                 # Masters start from the compute-dtype weights, as a mixed-precision loop's would.
                 state_field(states, "master").copy_(self.param_chunks[chunk])
 
+    def _index_param_chunks(self) -> None:
+        """Gathered params: this rank's param chunks are its shards (the others are None)."""
+        self.param_chunks = [self.shards[self.sharding.group_of(c)] if self.sharding.owns(c) else None
+                             for c in range(self.layout.num_chunks)]
+
+    def home_of(self, chunk: int) -> str:
+        """Where ``chunk``'s params live between uses (DEVICE unless gathered params put its shard on the host)."""
+        return self.param_home[self.sharding.group_of(chunk)] if self.shard_params else DEVICE
+
     def _grad_tier(self, tier: str) -> Tier:
         """Where a group's gradient accumulator lives: with its states, or on the host for NVMe groups."""
         return self.tiers[HOST if tier == NVME else tier]
@@ -160,6 +171,10 @@ class ChunkStore:
             self.tiers[group.tier].free(group.states)
         if group.grad is not None:
             self._grad_tier(group.tier).free(group.grad)
+
+    def slots_of(self, chunk: int) -> list[TensorSlot]:
+        """The tensors packed into ``chunk``."""
+        return [self.slots[index] for index in self._slots_of_chunk[chunk]]
 
     def param_view(self, slot: TensorSlot) -> torch.Tensor:
         """The parameter's compute-dtype view (shaped) in its param chunk (sharded params: owned chunks only)."""
@@ -236,11 +251,22 @@ class ChunkStore:
             self.tiers[NVME].flush()
 
     def apply_plan(self, plan: Plan) -> int:
-        """Move optimizer groups whose tier changed; returns the number moved.
+        """Move shards and optimizer groups whose tier changed; returns the number moved.
 
-        Groups leaving the device go first, then those leaving the host, so a tier receiving
-        groups has been emptied of those it is giving away.
+        Shards leaving the device go first (no group may be gathered meanwhile), then optimizer groups
+        leaving the device, then those leaving the host, so a tier receiving states has been emptied
+        of those it is giving away.
         """
+        homes = sorted((g for g, home in enumerate(plan.param_home) if home != self.param_home[g]),
+                       key=lambda g: self.param_home[g] != DEVICE)
+        for group in homes:
+            old, home = self.shards[group], plan.param_home[group]
+            self.shards[group] = self.tiers[home].allocate(self.layout.chunk_numel, self.compute_dtype, zero=False)
+            self.shards[group].copy_(old)
+            self.tiers[self.param_home[group]].free(old)
+            self.param_home[group] = home
+        if homes:
+            self._index_param_chunks()
         moves = [c for c, tier in enumerate(plan.optimizer_tier) if self.groups[c].tier != tier]
         leaving = {DEVICE: 0, HOST: 1, NVME: 2}
         moves.sort(key=lambda c: leaving[self.groups[c].tier])
@@ -254,4 +280,4 @@ class ChunkStore:
             if old.grad is not None:
                 new.grad.copy_(old.grad)
             self._free_group(old)
-        return len(moves)
+        return len(moves) + len(homes)

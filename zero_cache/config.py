@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from zero_cache.units import AUTO, parse_budget
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+PARAM_HOMES = ("auto", "device", "host")
 AIO_BACKENDS = ("auto", "native", "deepspeed", "libaio", "threads")
 
 
@@ -106,6 +107,15 @@ class ZeroCacheConfig:
     model per step. "auto": shard when that puts more optimizer states on the device, or is the only way
     the model fits."""
 
+    param_home: str = AUTO
+    """Where the bf16/fp16 params live between uses. "device": on the GPU for the whole run (the model's
+    weights must fit there). "host": every chunk's params at home in pinned host memory, copied to the
+    GPU ahead of use along the warm-up trace into a few device slots, their gradients written back to
+    that home and updated there by the host Adam (DeepSpeed's ``offload_param: {device: cpu}`` carries
+    over to this). "auto": as many chunks stay home on the GPU as the plan finds worth it by what the
+    step costs (PCIe bytes against CPU Adam), the rest stream from the host; a model whose weights fit
+    beside their optimizer states keeps them all on the GPU."""
+
     max_live_elements: int = 1_000_000_000
     """Sharded params: parameter elements gathered at once (rounded down to whole chunk groups, at least
     ``gather_ahead`` + 2 groups). DeepSpeed's ``zero_optimization.stage3_max_live_parameters`` carries over."""
@@ -139,6 +149,8 @@ class ZeroCacheConfig:
             value = getattr(self, key)
             if not isinstance(value, bool) and value != AUTO:
                 raise ValueError(f"zero_cache.{key}: expected true, false or 'auto', got {value!r}")
+        if self.param_home not in PARAM_HOMES:
+            raise ValueError(f"zero_cache.param_home: must be one of {PARAM_HOMES}, got {self.param_home!r}")
         if not isinstance(self.hierarchical, bool) and self.hierarchical != AUTO:
             raise ValueError(f"zero_cache.hierarchical: expected true, false or 'auto', got {self.hierarchical!r}")
         if self.ranks_per_host is not None and self.ranks_per_host < 1:

@@ -12,9 +12,11 @@
 * **parameters**: after a step every group is stale; the next forward gathers each group in its
   pre-hook, and issues the next stale group's gather so it runs under this one's compute.
 
-With sharded params (``store.shard_params``) the gradients always go through buckets and are
-reduced straight into the owner's shard; the parameters are gathered on use by
-:class:`~zero_cache.gathered.GatheredGroups`, and a group is dropped as soon as its reduction is done.
+With gathered params (``store.shard_params``: sharded over the ranks, or streamed on one rank) the
+gradients always go through buckets and are reduced straight into the owner's shard (a shard at home
+on the host receives its slice from the device->host stream, and the slice's squared norm is taken
+on the device first); the parameters are gathered on use by :class:`~zero_cache.gathered.GatheredGroups`,
+and a group is dropped as soon as its reduction is done.
 
 The worker thread never issues a collective, so ranks cannot disagree on the order.
 """
@@ -27,7 +29,7 @@ import torch
 
 from zero_cache.chunks import ChunkStore
 from zero_cache.gathered import GatheredGroups
-from zero_cache.planner import DEVICE
+from zero_cache.planner import DEVICE, HOST
 from zero_cache.sharding import Sharding
 from zero_cache.tiers import wait
 
@@ -46,11 +48,12 @@ class ChunkExchange:
         accumulate: micro-batches accumulate: reduce from gradient buckets, which the owner adds to its
             fp32 accumulators (sharded params use buckets either way).
         gather_ahead: groups whose all-gather is started ahead of the one a forward needs.
-        max_live_groups: sharded params: groups gathered at once (see :class:`GatheredGroups`).
+        max_live_groups: gathered params: groups gathered at once (see :class:`GatheredGroups`).
+        transfers: host<->device copies (:class:`~zero_cache.host_update.Transfers`), for shards at home on the host.
     """
 
     def __init__(self, store: ChunkStore, wait_owner: Callable[[int], None], *, accumulate: bool,
-                 gather_ahead: int = 1, max_live_groups: int = 0) -> None:
+                 gather_ahead: int = 1, max_live_groups: int = 0, transfers: Any = None) -> None:
         self.store = store
         self.sharding: Sharding = store.sharding
         self.wait_owner = wait_owner
@@ -58,8 +61,10 @@ class ChunkExchange:
         self.accumulate = accumulate
         self.uses_buckets = accumulate or store.shard_params
         self.gather_ahead = gather_ahead
+        self.transfers = transfers
         self.gathered = (GatheredGroups(store, max_live=max_live_groups, ahead=gather_ahead,
-                                        wait_owned=self._wait_owned) if store.shard_params else None)
+                                        wait_owned=self._wait_owned, transfers=transfers)
+                         if store.shard_params else None)
         self.into_shards = store.shard_params and not accumulate
         """Reductions land in this rank's shard, over its params (sharded params, one micro-batch per step)."""
         self._reduced: set[int] = set()  # groups reduced in this micro-step
@@ -68,6 +73,11 @@ class ChunkExchange:
         self._stale: set[int] = set()  # groups whose non-owned chunks await their owners' params
         self._open: dict[int, torch.Tensor] = {}  # group -> its bucket (being filled or reduced)
         self._free: list[tuple[torch.Tensor, Any]] = []  # (bucket, token of the copy still reading it)
+        self.landed: dict[int, Any] = {}
+        """Group -> the device->host copy that wrote its reduced gradients into a shard at home on the host."""
+        self.reduced_squares: dict[int, torch.Tensor] = {}
+        """Group -> squared norm (on the device) of this rank's reduced slice, for shards at home on the host (several
+        ranks)."""
 
     # ------------------------------------------------------------------ gradients
     def bucket_view(self, chunk: int) -> torch.Tensor:
@@ -81,7 +91,10 @@ class ChunkExchange:
     def _take_bucket(self) -> torch.Tensor:
         if self._free:
             bucket, in_use_until = self._free.pop()
-            wait(in_use_until)
+            if isinstance(in_use_until, torch.cuda.Event):  # the bucket's next writer is the compute stream
+                torch.cuda.current_stream(in_use_until.device).wait_event(in_use_until)
+            else:
+                wait(in_use_until)
         else:
             numel = self.sharding.world_size * self.store.layout.chunk_numel
             bucket = self.store.tiers[DEVICE].allocate(numel, self.store.compute_dtype)
@@ -98,8 +111,8 @@ class ChunkExchange:
         buffer = self._open[group] if self.uses_buckets else self.store.group_buffers[group]
         if self.into_shards:  # an unused group's shard may still be receiving the last step's update
             self._wait_owned(group)
-        self._reductions[group] = self.sharding.reduce_scatter(buffer,
-                                                               self.store.shards[group] if self.into_shards else None)
+        direct = self.into_shards and self.store.param_home[group] == DEVICE  # (collectives write device memory)
+        self._reductions[group] = self.sharding.reduce_scatter(buffer, self.store.shards[group] if direct else None)
 
     def reduce_rest(self) -> None:
         """Reduce every group not yet reduced in this micro-step, in group order (unused parameters)."""
@@ -118,11 +131,19 @@ class ChunkExchange:
             if work is not None:
                 work.wait()
             if self.into_shards:
-                # The sum is in the shard, over the params: the bucket is free, and the group must not be
-                # gathered again before the step.
-                self.release_bucket(group)
+                # The sum goes into the shard, over the params: the group must not be gathered again before the
+                # step (releasing it waits for a gather still in flight, which reads the shard).
                 self.gathered.release(group, closed=True)
+                self.release_bucket(group, self._write_home(group) if self.store.param_home[group] == HOST else None)
         return done
+
+    def _write_home(self, group: int) -> Any:
+        """Copy this rank's reduced slice into its shard's home on the host; returns the copy's token."""
+        reduced = self.sharding.mine(self._open[group])
+        if self.sharding.sharded:  # (one rank sums its squares per parameter, from the gradient hook)
+            self.reduced_squares[group] = torch.linalg.vector_norm(reduced, dtype=torch.float32).square()
+        self.landed[group] = self.transfers.copy(self.store.shards[group], reduced, "d2h", after=self.transfers.mark())
+        return self.landed[group]
 
     def reduced_slice(self, group: int) -> torch.Tensor:
         """This rank's reduced slice of a completed group (sum over the ranks)."""
@@ -132,6 +153,8 @@ class ChunkExchange:
     def new_micro_step(self) -> None:
         assert not self._reductions, "a reduction of the previous micro-step was never waited for"
         self._reduced.clear()
+        self.landed.clear()
+        self.reduced_squares.clear()
         if not self.accumulate:  # buckets of groups left incomplete (a window dropped by zero_grad)
             for group in list(self._open):
                 self.release_bucket(group)

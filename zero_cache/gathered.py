@@ -1,9 +1,17 @@
-"""Sharded params (ZeRO-3): a chunk group's full params exist on the device only while they are in use.
+"""Gathered params: a chunk group's full params exist on the device only while they are in use.
 
-Each rank keeps its own slot of every group (``ChunkStore.shards``). A group is **live** while its
-gathered buffer exists: its parameters are views into it. Otherwise each parameter is a placeholder
-of the right shape holding no memory (one element, expanded with zero strides), so module code that
-reads ``weight.shape`` keeps working.
+Each rank keeps its own slot of every group (``ChunkStore.shards``), at **home** on the device or in
+pinned host memory. A group is **live** while its gathered buffer exists: its parameters are views
+into it. Otherwise each parameter is a placeholder of the right shape holding no memory (one
+element, expanded with zero strides), so module code that reads ``weight.shape`` keeps working.
+
+Where a group's buffer comes from depends on the shard's home and the ranks:
+
+* home on the device, several ranks (ZeRO-3): all-gathered from every rank's shard;
+* home on the host (params streamed, ZeRO-Infinity's ``offload_param``): this rank's shard copied in
+  on the host->device stream, then, with several ranks, all-gathered in place behind that copy;
+* home on the device, one rank: the shard *is* the group; it is bound in place, no copy, and never
+  counts against ``max_live``.
 
 A group is acquired
 
@@ -32,7 +40,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from zero_cache.planner import DEVICE
+from zero_cache.planner import DEVICE, HOST
 
 
 class AcquisitionTrace:
@@ -109,21 +117,38 @@ class _Live:
     buffer: torch.Tensor
     """The whole group (``world_size`` chunks)."""
     work: Any
-    """Its all-gather while in flight, else None."""
+    """Its all-gather or host->device copy while in flight, else None."""
+    borrowed: bool = False
+    """The buffer is the shard itself (one rank, home on the device): never evicted nor freed."""
+
+
+class _Copied:
+    """A host->device copy behind a collective's ``wait()``: orders the caller's stream after it."""
+
+    def __init__(self, event: torch.cuda.Event | None) -> None:
+        self.event = event
+
+    def wait(self) -> None:
+        if self.event is not None:
+            torch.cuda.current_stream(self.event.device).wait_event(self.event)
 
 
 class GatheredGroups:
-    """The live groups of one sharded :class:`~zero_cache.chunks.ChunkStore`, and their all-gathers.
+    """The live groups of one :class:`~zero_cache.chunks.ChunkStore` with gathered params, and their gathers.
 
     Args:
         store: chunk storage with ``shard_params``.
         max_live: groups live at once (at least ``ahead + 2``: in use, being gathered, one spare).
         ahead: groups gathered ahead of use, along the recorded trace.
         wait_owned: blocks until the pending updates of this rank's chunks in a group have landed in its shard.
+        transfers: the host<->device copies (:class:`~zero_cache.host_update.Transfers`), for shards at home
+            on the host.
     """
 
-    def __init__(self, store: Any, *, max_live: int, ahead: int, wait_owned: Callable[[int], None]) -> None:
+    def __init__(self, store: Any, *, max_live: int, ahead: int, wait_owned: Callable[[int], None],
+                 transfers: Any = None) -> None:
         self.store = store
+        self.transfers = transfers
         self.sharding = store.sharding
         self.ahead = ahead
         self.max_live = max(max_live, ahead + 2)
@@ -135,7 +160,8 @@ class GatheredGroups:
         self._closed: set[int] = set()  # groups whose shard holds this step's gradients
         self._holds: dict[int, int] = {}  # group -> modules whose forward is running and use it
         self.gathers = 0
-        """All-gathers issued (a measure of the policy: each group is needed about 2-3 times a step)."""
+        """Gathers issued, all-gathers and host copies (a measure of the policy: each group is needed about 2-3
+        times a step)."""
 
     @property
     def live_groups(self) -> list[int]:
@@ -165,19 +191,39 @@ class GatheredGroups:
     def _issue(self, group: int) -> None:
         if group in self._live or group in self._closed:
             return
-        self._make_room()
-        self.wait_owned(group)  # this rank's update has landed in its shard
-        buffer = self.store.tiers[DEVICE].allocate(self.sharding.world_size * self.store.layout.chunk_numel,
-                                                   self.store.compute_dtype, zero=False)
-        work = self.sharding.all_gather(buffer, source=self.store.shards[group])
-        self._live[group] = _Live(buffer, work)
-        self._group_at[_address(buffer)] = group
-        self.store.bind_group(group, buffer)
-        self.gathers += 1
+        shard, home = self.store.shards[group], self.store.param_home[group]
+        if home == DEVICE and not self.sharding.sharded:
+            self.wait_owned(group)
+            self._live[group] = _Live(shard, None, borrowed=True)
+        else:
+            self._make_room()
+            self.wait_owned(group)  # this rank's update has landed in its shard
+            buffer = self.store.tiers[DEVICE].allocate(self.sharding.world_size * self.store.layout.chunk_numel,
+                                                       self.store.compute_dtype, zero=False)
+            work = self._fetch(buffer, shard) if home == HOST else self.sharding.all_gather(buffer, source=shard)
+            self._live[group] = _Live(buffer, work)
+            self.gathers += 1
+        self._group_at[_address(self._live[group].buffer)] = group
+        self.store.bind_group(group, self._live[group].buffer)
+
+    def _fetch(self, buffer: torch.Tensor, shard: torch.Tensor) -> Any:
+        """This rank's shard copied in from its home on the host, then the other ranks' slots gathered behind it.
+
+        The copy waits for the compute stream issued so far: the caching allocator may have handed out
+        memory that kernels queued there still read.
+        """
+        copied = self.transfers.copy(self.sharding.mine(buffer), shard, "h2d", after=self.transfers.mark())
+        if not self.sharding.sharded:
+            return _Copied(copied)
+        if self.transfers.h2d is None:
+            return self.sharding.all_gather(buffer)
+        with torch.cuda.stream(self.transfers.h2d):  # NCCL's stream then waits for the copy, not for compute
+            return self.sharding.all_gather(buffer)
 
     def _make_room(self) -> None:
-        while len(self._live) >= self.max_live:
-            candidates = [g for g in self._live if g not in self._recent and not self._holds.get(g)]
+        while sum(not live.borrowed for live in self._live.values()) >= self.max_live:
+            candidates = [g for g, live in self._live.items()
+                          if g not in self._recent and not self._holds.get(g) and not live.borrowed]
             if not candidates:
                 return
             if self.trace.recording:
@@ -200,7 +246,8 @@ class GatheredGroups:
             self._recent.remove(group)
         del self._group_at[_address(live.buffer)]
         self.store.unbind_group(group)
-        self.store.tiers[DEVICE].free(live.buffer)
+        if not live.borrowed:
+            self.store.tiers[DEVICE].free(live.buffer)
 
     def hold(self, group: int) -> None:
         """A module's forward starts using ``group``: it is not evicted until :meth:`unhold` (a parent's own

@@ -11,6 +11,10 @@ For each host-resident chunk the worker runs one :class:`ChunkUpdate`:
 3. the buffer copied into the param chunk on the host->device stream; the next forward waits for
    that copy alone.
 
+A shard at home on the host (streamed params) is its own staging buffer: its gradients arrive there
+from the device->host stream, the update runs in place, and nothing is copied back (the next gather
+copies the new weights in).
+
 An NVMe-resident group (``zero_cache.nvme``) has its states read from the swap file into a pinned
 bounce buffer alongside step 1, and written back from it after step 2; the buffer returns to its
 pool with the write in flight ("write behind"), and a later read of the same slot waits for it.
@@ -106,6 +110,8 @@ class ChunkUpdate:
     """Unscale (1 / loss scale) times the clip coefficient."""
     grads_written: torch.cuda.Event | None = None
     """Compute-stream point after which the chunk's gradients are complete (fetch waits for it)."""
+    grads_landed: torch.cuda.Event | None = None
+    """A shard at home on the host: the device->host copy that wrote its reduced gradients there."""
     squares: torch.Tensor | None = None
     """Pinned copy of the chunk's squared gradient norm, checked before updating (update in backward)."""
     restore_only: bool = False
@@ -188,7 +194,11 @@ class HostUpdater:
         """Start the chunk's input transfers: its in-param gradient to a staging buffer (none when the
         fp32 accumulator already lives on the host), and its states from disk (NVMe groups)."""
         fetched = Fetched()
-        if not (update.restore_only or self.store.grads_in_accumulators):
+        if not (update.restore_only or self.store.grads_in_accumulators) and self._in_home(update.chunk):
+            # Already written into the shard's home on the host: updated there, in place.
+            fetched.grads, fetched.grads_copied, fetched.in_home = self.store.param_chunks[update.chunk], \
+                update.grads_landed, True
+        elif not (update.restore_only or self.store.grads_in_accumulators):
             fetched.grads = self.pool.acquire()
             fetched.grads_copied = self.transfers.copy(fetched.grads, self.store.param_chunks[update.chunk], "d2h",
                                                        after=update.grads_written)
@@ -221,20 +231,30 @@ class HostUpdater:
             written = None if update.restore_only else self.store.tiers[NVME].write(
                 self.store.groups[chunk].swap_offset, fetched.swap)
             self.store.swap_buffers.release(fetched.swap, written)
-        ready = self.transfers.copy(self.store.param_chunks[chunk], buffer, "h2d")
-        self.pool.release(buffer, ready)
-        self.param_ready[chunk] = ready
+        if buffer is not self.store.param_chunks[chunk]:  # (a shard at home on the host is the buffer itself)
+            ready = self.transfers.copy(self.store.param_chunks[chunk], buffer, "h2d")
+            self.pool.release(buffer, ready)
+            self.param_ready[chunk] = ready
         update.issued.set()
 
+    def _in_home(self, chunk: int) -> bool:
+        """The chunk's params live in pinned host memory (its shard's home), where the update can run in place."""
+        return self.store.home_of(chunk) == HOST
+
     def _step_in_buffer(self, update: ChunkUpdate, buffer: torch.Tensor, states: torch.Tensor | None) -> None:
-        """csrc kernel, one pass: the buffer's gradients become the new weights. Slots without a
-        gradient still hold their weights (the fetch copied the whole param chunk); padding is zero."""
+        """csrc kernel, one pass: the buffer's gradients become the new weights. Slots without a gradient
+        are rewritten from their masters (a reduction from a bucket left zeros there); padding is zero."""
+        stepped = set()
         for index, slots in update.members.items():
             for slot in slots:
                 master, exp_avg, exp_avg_sq = (self.store.state_view(slot, f, states) for f in STATE_FIELDS)
                 self.host_adam.update_in_place(master, buffer[slot.offset:slot.offset + slot.numel], exp_avg,
                                                exp_avg_sq, step=update.step, grad_scale=update.grad_factor,
                                                **update.hypers[index])
+                stepped.add(slot.name)
+        for slot in self.store.slots_of(update.chunk):
+            if slot.name not in stepped:
+                buffer[slot.offset:slot.offset + slot.numel].copy_(self.store.state_view(slot, "master", states))
 
     def _step_then_round(self, update: ChunkUpdate, buffer: torch.Tensor | None,
                          states: torch.Tensor | None) -> torch.Tensor:
@@ -246,7 +266,7 @@ class HostUpdater:
             for index, slots in update.members.items():
                 adam_step(self.store, slots, grads, update.hypers[index], update.step, self.host_adam.update, states)
         if buffer is None:
-            buffer = self.pool.acquire()
+            buffer = self.store.param_chunks[update.chunk] if self._in_home(update.chunk) else self.pool.acquire()
         # fp32 -> compute dtype here: half the bus bytes
         buffer.copy_(group.field("master") if states is None else state_field(states, "master"))
         return buffer
@@ -263,10 +283,12 @@ class Fetched:
     """Bounce buffer receiving the states of an NVMe group."""
     swap_read: Any = None
     """The disk read's IO request."""
+    in_home: bool = False
+    """``grads`` is the shard's home on the host, not a staging buffer."""
 
     def release(self, pool: BufferPool, swap_buffers: BufferPool | None) -> None:
         """Give the buffers back without using them (a failed update); pending transfers finish first."""
-        if self.grads is not None:
+        if self.grads is not None and not self.in_home:
             pool.release(self.grads, self.grads_copied)
         if self.swap is not None:
             swap_buffers.release(self.swap, self.swap_read)

@@ -94,7 +94,7 @@ def pack(tensors: Sequence[tuple[str, tuple[int, ...]]], chunk_numel: int) -> Ch
 
 def search_chunk_size(tensors: Sequence[tuple[str, tuple[int, ...]]], *, max_chunks: int = 256,
                       candidates_per_octave: int = 256, range_factor: float = 1.5,
-                      waste_tolerance: float = 0.005) -> int:
+                      waste_tolerance: float = 0.005, max_numel: int | None = None) -> int:
     """The smallest chunk size whose padding is within ``waste_tolerance`` of the least found.
 
     Smaller chunks place state more finely (a chunk's optimizer group moves between tiers as a
@@ -113,6 +113,8 @@ def search_chunk_size(tensors: Sequence[tuple[str, tuple[int, ...]]], *, max_chu
         candidates_per_octave: geometric resolution of the search.
         range_factor: the largest candidate over the smallest.
         waste_tolerance: padding (a fraction of capacity) worth giving up for a smaller chunk.
+        max_numel: the device's cap on a chunk (see ``zero_cache.attach.chunk_numel_cap``): the range ends
+            there, and ``max_chunks`` yields to it; the largest tensor still sets the floor.
 
     Returns:
         A chunk size in elements, a multiple of ``ALIGN_NUMEL``.
@@ -122,9 +124,13 @@ def search_chunk_size(tensors: Sequence[tuple[str, tuple[int, ...]]], *, max_chu
     largest = max(_align(math.prod(shape)) for _, shape in tensors)
     total = sum(_align(math.prod(shape)) for _, shape in tensors)
     lower = max(largest, _align(total // max_chunks))
+    upper = lower * range_factor
+    if max_numel is not None and max_numel < upper:
+        lower = max(largest, min(lower, _align(max_numel)))
+        upper = max(lower, max_numel)
     step = 2 ** (1 / candidates_per_octave)
     candidates, size = [], float(lower)
-    while size <= lower * range_factor:
+    while size <= upper:
         candidates.append(_align(int(size)))
         size *= step
     waste = {candidate: pack(tensors, candidate).waste_fraction for candidate in candidates}

@@ -31,9 +31,11 @@ under the rest of backward. ``step()`` waits for them, takes the global norm fro
 every group stale; the next forward all-gathers each group in its pre-hook, ahead of use. The
 worker thread never issues a collective, so every rank issues them in the same order. That side
 lives in :mod:`zero_cache.optimizer_sharded`, the checkpoint surface in :mod:`zero_cache.optimizer_state`.
-With sharded params each owned chunk is this rank's shard: its gradients arrive by reduce-scatter from
+With gathered params each owned chunk is this rank's shard: its gradients arrive by reduce-scatter from
 a bucket, the update rewrites it from the masters as above, and the other ranks' chunks exist only while
-gathered (:mod:`zero_cache.gathered`).
+gathered (:mod:`zero_cache.gathered`). A shard at home on the host (streamed params, on one rank too)
+receives its gradients from the device->host stream and the host worker updates it in place: the next
+gather copies the new weights in, so no host->device copy follows the update.
 """
 
 from __future__ import annotations
@@ -91,13 +93,14 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint):
         self.device = store.tiers[DEVICE].device
         self.sharding = store.sharding
         self.overlap_comm = overlap_comm
+        self.transfers = Transfers(self.device)
         self.exchange = (ChunkExchange(store, self.wait_for_chunk, accumulate=store.grads_in_accumulators,
-                                       gather_ahead=gather_ahead, max_live_groups=max_live_groups)
-                         if self.sharding.sharded else None)
+                                       gather_ahead=gather_ahead, max_live_groups=max_live_groups,
+                                       transfers=self.transfers)
+                         if self.sharding.sharded or store.shard_params else None)
         self._device_adam = functools.partial(torch_fused_adam, decoupled=decoupled_weight_decay)
         self.host_adam = HostAdam(decoupled_weight_decay, try_deepspeed=self.device.type == "cuda",
                                   try_native=native_host_adam)
-        self.transfers = Transfers(self.device)
         self.host = HostUpdater(store, self.transfers, self.host_adam)
         slot_of = {slot.name: slot for slot in store.slots}
         # (param-group index, slot) for every parameter, in the optimizer's group order.
@@ -119,6 +122,7 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint):
         self._squares_pinned = torch.zeros(store.layout.num_chunks, dtype=torch.float32,
                                            pin_memory=self.device.type == "cuda")
         self._host_squares: list[float] = []
+        self._completed_order: list[TensorSlot] = []  # slots in the order the window's last backward wrote them
         self._written: set[str] = set()  # slots that received a gradient in this accumulation window
         num_groups = self.sharding.num_groups(store.layout.num_chunks)
         self._group_missing: list[int] = [0] * num_groups  # gradients still to come per collective group
@@ -177,11 +181,15 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint):
         param.grad = None
         first = slot.name not in self._written  # the first gradient of a window is copied, not added
         self._written.add(slot.name)
+        if self._boundary:
+            self._completed_order.append(slot)
         self.wait_for_chunk(slot.chunk)  # the chunk's last host update has landed before we write it
         if self.exchange is not None and self.exchange.uses_buckets:  # reduced from the group's bucket
             if not first and not self.store.grads_in_accumulators:
                 raise self._second_gradient(slot)
             self.exchange.bucket_view(slot.chunk)[slot.offset:slot.offset + slot.numel].copy_(grad.reshape(-1))
+            if not (self.sharding.sharded or self.store.grads_in_accumulators):
+                self._add_square(slot.chunk, grad)  # one rank: summed per parameter, in the resident path's order
             self._micro_step_open = self.store.grads_in_accumulators
             self._group_written(slot.chunk)
         elif not self.store.grads_in_accumulators:
@@ -201,8 +209,7 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint):
         if self.exchange is not None:
             self._group_written(slot.chunk)
             return
-        square = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
-        self._chunk_squares[slot.chunk:slot.chunk + 1].add_(square)
+        self._add_square(slot.chunk, grad)
         if self.update_in_backward and self._missing[slot.chunk] == 0 and self.store.tier_of(slot) != DEVICE:
             # The chunk's gradients are complete: update it now, under the rest of backward.
             squares = self._squares_pinned[slot.chunk:slot.chunk + 1]
@@ -210,6 +217,10 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint):
             self._queued.add(slot.chunk)
             self._queue_host_update(slot.chunk, frozenset(self._written), self._hypers(), step=self.step_count + 1,
                                     grad_factor=1.0, squares=squares)
+
+    def _add_square(self, chunk: int, grad: torch.Tensor) -> None:
+        square = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+        self._chunk_squares[chunk:chunk + 1].add_(square)
 
     @staticmethod
     def _second_gradient(slot: TensorSlot) -> RuntimeError:
@@ -243,6 +254,7 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint):
         self._queued.clear()
         self._accumulated.clear()
         self._host_squares.clear()
+        self._completed_order.clear()
         self._chunk_squares.zero_()
         self._missing = {chunk: len(members) for chunk, members in self._members_of_chunk.items()}
         self._reset_group_counts()
@@ -278,7 +290,7 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint):
         """Apply the accumulated gradients; False if skipped for non-finite gradients (e.g. fp16 overflow)."""
         self.host.raise_if_failed()
         scale = self.loss_scaler.scale if self.loss_scaler else 1.0
-        if self.sharding.sharded:
+        if self.exchange is not None:
             self._reduce_gradients()
             scale *= self.sharding.world_size  # the owners hold the sum of W ranks' gradients: step on the mean
         norm = self._grad_norm() / scale
@@ -316,6 +328,11 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint):
 
     def _grad_norm(self) -> float:
         """Global norm over the gradients written in this window (the one device sync of the step)."""
+        if self.store.grads_in_accumulators and self.store.shard_params and not self.sharding.sharded:
+            # One rank, streamed params: per parameter in double, in the order the resident path sums them.
+            return math.sqrt(sum(float(torch.linalg.vector_norm(self.store.state_view(slot, "grad"),
+                                                                dtype=torch.float32)) ** 2
+                                 for slot in self._completed_order))
         if not self.store.grads_in_accumulators or self.exchange is not None:
             return math.sqrt(float(self._chunk_squares.sum()))  # sharded: summed over the owners
         self._drain_host_gradients()
@@ -345,8 +362,10 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint):
 
     def _queue_host_update(self, chunk: int, written: frozenset, hypers: list[dict[str, Any]], *, step: int,
                            grad_factor: float, squares: torch.Tensor | None = None, restore_only: bool = False) -> None:
-        update = ChunkUpdate(chunk=chunk, members=self._step_members(chunk, written), hypers=hypers, step=step, grad_factor=grad_factor, grads_written=self.transfers.mark(), squares=squares,
-                             restore_only=restore_only)
+        landed = self.exchange.landed.get(self.sharding.group_of(chunk)) if self.exchange is not None else None
+        update = ChunkUpdate(chunk=chunk, members=self._step_members(chunk, written), hypers=hypers, step=step,
+                             grad_factor=grad_factor, grads_written=self.transfers.mark(), grads_landed=landed,
+                             squares=squares, restore_only=restore_only)
         self._pending[chunk] = update
         self.host.submit_update(update)
 

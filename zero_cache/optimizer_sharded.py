@@ -122,7 +122,12 @@ class ShardedGradients:
         self._rewrite_from_masters(sorted(owned & set(self._members_of_chunk) - reached), written)
 
     def _owned_square(self, chunk: int) -> torch.Tensor:
+        if not self.sharding.sharded:  # one rank (streamed params): the gradient hook summed it per parameter
+            return self._chunk_squares[chunk].clone()
         # Padding inside a chunk is zero on every rank, so the whole chunk's norm is its gradients'.
+        taken = self.exchange.reduced_squares.get(self.sharding.group_of(chunk))  # (a shard at home on the host)
+        if taken is not None:
+            return taken
         return torch.linalg.vector_norm(self.store.param_chunks[chunk], dtype=torch.float32).square()
 
     def prepare_chunk(self, chunk: int) -> None:

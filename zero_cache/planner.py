@@ -11,9 +11,14 @@ The plan decides, in this order of value per device byte:
 
 1. device room left after the measured non-model peak (activations, workspace) and a margin;
 2. param chunks resident on the device for the whole run when they all fit (no traffic at all);
-   otherwise a cache of ``cache_slots`` param chunks, filled along the trace with prefetch and
-   emptied by Belady's rule (evict the chunk whose next use is furthest away: optimal for
-   equal-size pages, Belady 1966);
+   with *gathered* params (sharded over ranks, or streamed from the host) each collective group's
+   shard has a **home**, on the device or in pinned host memory, and ``cache_slots`` groups are
+   live on the device at once, filled along the trace ahead of use and emptied by Belady's rule
+   (evict the group whose next use is furthest away: optimal for equal-size pages, Belady 1966).
+   Which shards stay home on the device is chosen by what the step costs
+   (:mod:`zero_cache.step_cost`): a streamed shard costs PCIe bytes every time it is used, a
+   device byte given to it is not given to optimizer groups, and a host optimizer group costs
+   CPU Adam time and PCIe bytes of its own;
 3. as many optimizer groups on the device as fit (updated by the GPU Adam, no traffic), for the
    chunks used first in the forward, so the host's update of the later chunks hides behind it;
 4. as many of the rest on the host as its budget holds, plus ``staging_buffers`` pinned param-sized
@@ -33,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from zero_cache.step_cost import StepTraffic, step_traffic
 from zero_cache.units import format_bytes
 
 DEVICE, HOST, NVME = "device", "host", "nvme"
@@ -42,6 +48,8 @@ REMOTE = "remote"
 """The optimizer group of a chunk that another data-parallel rank owns (see ``zero_cache.sharding``)."""
 SWAP_ALIGN_BYTES = 4096
 """Swap slots and bounce buffers are whole 4 KiB blocks (O_DIRECT)."""
+DEVICE_MARGIN_FRACTION = 0.03
+"""Device budget kept free for allocator fragmentation and transients."""
 STATE_BYTES_PER_ELEMENT = 12
 """fp32 master + exp_avg + exp_avg_sq (the gradient's bytes come on top, by its dtype)."""
 
@@ -70,7 +78,7 @@ class PlanInputs:
     """Peak device bytes not owned by ZeRO-Cache (activations, workspace), from the warm-up."""
     prefetch_depth: int = 2
     """Chunks fetched ahead of use when params are cached rather than resident."""
-    margin_fraction: float = 0.03
+    margin_fraction: float = DEVICE_MARGIN_FRACTION
     """Device budget kept free for allocator fragmentation and transients."""
     grad_bytes_per_element: int = 4
     """4 for an fp32 gradient accumulator, 0 when single-micro-batch gradients are written into the param chunk."""
@@ -85,11 +93,21 @@ class PlanInputs:
     padding_chunks: int = 0
     """Zero param chunks that complete the last collective group (sharding)."""
     exchange_buffer_bytes: int = 0
-    """Device bytes of the gradient buckets that sharded, accumulating micro-batches reduce from (and, with
-    sharded params, of the groups gathered at once)."""
+    """Device bytes of the gradient buckets that sharded or gathered params reduce from."""
     param_chunks_held: int | None = None
-    """Param chunks this rank stores: None = all of them and the padding (replicated params), or one per
-    collective group (sharded params: its shards)."""
+    """Param chunks this rank stores: None = all of them and the padding (replicated params, resident), or
+    one per collective group (gathered params: its shards, each at home on the device or the host)."""
+    group_size: int = 1
+    """Chunks per collective group (the data-parallel world size; 1 when params stream on one rank)."""
+    param_home: str = "device"
+    """Gathered params: where this rank's shards may live: "device" (all resident), "host" (all in pinned
+    host memory, copied in on use: DeepSpeed's ``offload_param``), or "auto" (by what the step costs)."""
+    live_groups: int = 0
+    """Gathered params: groups wanted live on the device at once (``max_live_elements``)..."""
+    min_live_groups: int = 0
+    """...and the fewest that work (in use, being fetched ahead, one spare)."""
+    gathers_per_step: float = 2.0
+    """Gathered params: times a group is brought onto the device per step (forward, backward)."""
 
     def __post_init__(self) -> None:
         if self.owned is not None and not all(0 <= c < self.num_chunks for c in self.owned):
@@ -122,6 +140,11 @@ class PlanInputs:
         return self.swap_slot_bytes + SWAP_ALIGN_BYTES
 
     @property
+    def live_group_bytes(self) -> int:
+        """Device bytes of one gathered group (``group_size`` chunks)."""
+        return self.group_size * self.param_chunk_bytes
+
+    @property
     def scratch_bytes(self) -> int:
         """One fp32 chunk per tier through which the update reads low-precision gradients."""
         return self.chunk_numel * 4
@@ -132,9 +155,9 @@ class Plan:
     """Where each chunk's states live, and how params move."""
 
     params_resident: bool
-    """All param chunks stay on the device; no param traffic."""
+    """No param shard streams from the host (replicated: every param chunk is on the device for good)."""
     cache_slots: int
-    """Param chunks the device holds at once when not resident."""
+    """Gathered params: collective groups live on the device at once (0 for replicated params)."""
     optimizer_tier: tuple[str, ...]
     """DEVICE, HOST or NVME for each chunk's optimizer group; REMOTE where another rank owns it."""
     device_bytes: int
@@ -144,18 +167,32 @@ class Plan:
     nvme_bytes: int = 0
     """Swap-file bytes planned on the NVMe tier."""
     params_sharded: bool = False
-    """This rank holds one param chunk per collective group (its shards); the others are gathered on use."""
+    """This rank holds one param chunk per collective group (its shard); whole groups are gathered on use."""
+    param_home: tuple[str, ...] = ()
+    """Gathered params: DEVICE or HOST per collective group, where this rank's shard lives."""
+    group_size: int = 1
+    """Chunks per collective group (data-parallel ranks)."""
+    traffic: StepTraffic = StepTraffic()
+    """What one step moves over PCIe and updates on the host under this plan (an estimate)."""
+
+    @property
+    def streamed_groups(self) -> int:
+        """Groups whose shard lives on the host and is copied to the device on use."""
+        return self.param_home.count(HOST)
 
     def summary(self) -> str:
         counts = {tier: self.optimizer_tier.count(tier) for tier in (DEVICE, HOST, NVME)}
-        params = "resident on the device" if self.params_resident else f"cached in {self.cache_slots} device slots"
+        params = "resident on the device"
         if self.params_sharded:
-            params = "sharded (this rank's shards resident on the device, the other chunks gathered on use)"
+            kind = "sharded" if self.group_size > 1 else "gathered on use"
+            params = (f"{kind}: {self.param_home.count(DEVICE)} of {len(self.param_home)} shards at home on the "
+                      f"device, {self.streamed_groups} streamed from the host; {self.cache_slots} groups live at once")
         disk = f", nvme {format_bytes(self.nvme_bytes)}" if self.nvme_bytes else ""
         owned = len(self.optimizer_tier) - self.optimizer_tier.count(REMOTE)
         return (f"params {params}; optimizer states of {owned} chunks: {counts[DEVICE]} on the "
                 f"device, {counts[HOST]} on the host, {counts[NVME]} on NVMe; device {format_bytes(self.device_bytes)}, "
-                f"host {format_bytes(self.host_bytes)}{disk}")
+                f"host {format_bytes(self.host_bytes)}{disk}; per step {self.traffic.describe()}")
+
 
 
 def first_use_order(trace: Sequence[int], num_chunks: int) -> tuple[int, ...]:
@@ -168,53 +205,130 @@ def make_plan(inputs: PlanInputs) -> Plan:
     """Decide placement; raise PlanError with the shortfall when it cannot fit.
 
     Returns:
-        The plan, maximising device residency in the order described in the module docstring.
+        The plan, maximising device residency in the order described in the module docstring (for
+        gathered params, the cheapest placement of the shards by :mod:`zero_cache.step_cost`).
     """
-    n = inputs.num_chunks
-    owned = inputs.owned_chunks
     room = (int(inputs.device_budget_bytes * (1 - inputs.margin_fraction)) - inputs.nonmodel_peak_bytes
             - inputs.scratch_bytes - inputs.exchange_buffer_bytes)
-    held = n + inputs.padding_chunks if inputs.param_chunks_held is None else inputs.param_chunks_held
-    all_params = held * inputs.param_chunk_bytes
-    min_slots = min(n, inputs.prefetch_depth + 2)  # in use + being fetched + one spare
-    if room >= all_params:
-        params_resident, cache_slots, param_device = True, n, all_params
-    elif inputs.param_chunks_held is not None:  # shards are not streamed from the host
+    if inputs.param_chunks_held is not None:
+        return _plan_gathered(inputs, room)
+    all_params = (inputs.num_chunks + inputs.padding_chunks) * inputs.param_chunk_bytes
+    if room < all_params:
         need = all_params + inputs.device_budget_bytes - room
+        remedy = ("zero_cache.param_home \"auto\" or \"host\" streams them from the host instead"
+                  if inputs.group_size == 1 else
+                  "zero_cache.shard_params \"auto\" or true gathers them on use instead (and streams this rank's "
+                  "shards from the host where they do not fit either)")
         raise PlanError(_shortfall_message("device", need, inputs.device_budget_bytes, inputs, detail=(
-            f"it holds this rank's {held} param shards of {format_bytes(inputs.param_chunk_bytes)} and "
-            f"{format_bytes(inputs.exchange_buffer_bytes)} of gathered groups and gradient buckets besides "
-            f"{format_bytes(inputs.nonmodel_peak_bytes)} of activations")))
-    elif room >= min_slots * inputs.param_chunk_bytes:
-        cache_slots = room // inputs.param_chunk_bytes
-        # Leave room for optimizer groups only once params are resident; a param cache takes it all.
-        params_resident, param_device = False, cache_slots * inputs.param_chunk_bytes
-    else:
-        need = min_slots * inputs.param_chunk_bytes + inputs.nonmodel_peak_bytes + inputs.scratch_bytes
-        raise PlanError(_shortfall_message("device", need, inputs.device_budget_bytes, inputs, detail=(
-            f"it needs room for {min_slots} param chunks of {format_bytes(inputs.param_chunk_bytes)} besides "
-            f"{format_bytes(inputs.nonmodel_peak_bytes)} of activations")))
-    device_optim = max(0, room - param_device) // inputs.optimizer_chunk_bytes if params_resident else 0
-    device_optim = min(len(owned), device_optim)
-    # Device optimizer groups go to the chunks the next forward needs first: the host groups' CPU
-    # Adam and their host->device copies then overlap the forward through those early layers.
-    mine = set(owned)
-    order = [c for c in first_use_order(inputs.trace, n) if c in mine]
-    host_fixed = inputs.scratch_bytes + (0 if params_resident else all_params)
-    num_host, num_nvme, host_bytes = _split_host_and_nvme(inputs, len(owned) - device_optim, host_fixed)
-    tiers = [REMOTE] * n
-    for position, chunk in enumerate(order):
-        tiers[chunk] = DEVICE if position < device_optim else HOST if position < device_optim + num_host else NVME
-    device_bytes = (param_device + device_optim * inputs.optimizer_chunk_bytes + inputs.scratch_bytes
-                    + inputs.exchange_buffer_bytes)
-    return Plan(params_resident=params_resident, cache_slots=cache_slots, optimizer_tier=tuple(tiers),
+            f"it holds every param chunk ({format_bytes(all_params)}) besides "
+            f"{format_bytes(inputs.nonmodel_peak_bytes)} of activations; {remedy}")))
+    owned = _owned_in_use_order(inputs)
+    device_optim = min(len(owned), (room - all_params) // inputs.optimizer_chunk_bytes)
+    return _finish(inputs, resident_bytes=all_params, live=0, device_optim=owned[:device_optim], home=(),
+                   host_params_bytes=0, traffic=_traffic(inputs, (), owned, device_optim))
+
+
+def _owned_in_use_order(inputs: PlanInputs) -> list[int]:
+    """This rank's chunks, those the next forward needs first first."""
+    mine = set(inputs.owned_chunks)
+    return [c for c in first_use_order(inputs.trace, inputs.num_chunks) if c in mine]
+
+
+def _plan_gathered(inputs: PlanInputs, room: int) -> Plan:
+    """Gathered params: how many shards stay home on the device (the groups used first), the live groups,
+    and the optimizer groups on the device, by the cheapest step; PlanError when nothing fits."""
+    held, shard_bytes = inputs.param_chunks_held, inputs.param_chunk_bytes
+    size = inputs.group_size
+    groups_in_order = list(dict.fromkeys(c // size for c in first_use_order(inputs.trace, inputs.num_chunks)))
+    groups_in_order += [g for g in range(held) if g not in groups_in_order]
+    owned = _owned_in_use_order(inputs)
+    resident_options = {"device": [held], "host": [0]}.get(inputs.param_home, range(held, -1, -1))
+    best: tuple | None = None
+    failure: PlanError | None = None
+    for resident in resident_options:
+        streamed = held - resident
+        cap = held if size > 1 else streamed  # one rank: a shard at home on the device is used in place
+        live_min = min(inputs.min_live_groups, cap)
+        left = room - resident * shard_bytes
+        if left < live_min * inputs.live_group_bytes:
+            continue
+        live = max(live_min, min(inputs.live_groups, cap, left // max(1, inputs.live_group_bytes)))
+        left -= live * inputs.live_group_bytes
+        home_on_device = set(groups_in_order[:resident])
+        eligible = [c for c in owned if c // size in home_on_device]  # device Adam needs the shard on the device
+        device_optim = min(len(eligible), left // inputs.optimizer_chunk_bytes)
+        home = tuple(DEVICE if g in home_on_device else HOST for g in range(held))
+        try:
+            plan = _finish(inputs, resident_bytes=resident * shard_bytes, live=live,
+                           device_optim=eligible[:device_optim], home=home, host_params_bytes=streamed * shard_bytes,
+                           traffic=_traffic(inputs, home, owned, device_optim, eligible))
+        except PlanError as err:
+            failure = failure or err
+            continue
+        key = (plan.traffic.seconds, -resident, -device_optim)
+        if best is None or key < best[0]:
+            best = (key, plan)
+    if best is not None:
+        return best[1]
+    if failure is not None:
+        raise failure
+    fewest = 0 if inputs.param_home != "device" else held
+    need = (fewest * shard_bytes + min(inputs.min_live_groups, held) * inputs.live_group_bytes
+            + inputs.device_budget_bytes - room)
+    raise PlanError(_shortfall_message("device", need, inputs.device_budget_bytes, inputs, detail=(
+        f"it holds {fewest} param shards of {format_bytes(shard_bytes)} at home, "
+        f"{min(inputs.min_live_groups, held)} gathered groups of {format_bytes(inputs.live_group_bytes)} "
+        f"(zero_cache.prefetch_depth / gather_ahead_elements set how many), "
+        f"{format_bytes(inputs.exchange_buffer_bytes)} of gradient buckets and "
+        f"{format_bytes(inputs.nonmodel_peak_bytes)} of activations")))
+
+
+def _traffic(inputs: PlanInputs, home: tuple[str, ...], owned: list[int], device_optim: int,
+             eligible: list[int] | None = None) -> StepTraffic:
+    """The step's PCIe bytes and host Adam of a placement (see :mod:`zero_cache.step_cost`)."""
+    on_device = set((owned if eligible is None else eligible)[:device_optim])
+    streamed = {g for g, where in enumerate(home) if where == HOST}
+    owned_streamed = sum(1 for c in owned if c // inputs.group_size in streamed)
+    host_updated = [c for c in owned if c not in on_device]
+    return step_traffic(chunk_numel=inputs.chunk_numel, param_bytes_per_element=inputs.param_bytes_per_element,
+                        streamed_shards=len(streamed), owned_streamed=owned_streamed,
+                        host_updated_resident=len(host_updated) - owned_streamed, host_updated=len(host_updated),
+                        gathers_per_step=inputs.gathers_per_step)
+
+
+def _finish(inputs: PlanInputs, *, resident_bytes: int, live: int, device_optim: list[int], home: tuple[str, ...],
+            host_params_bytes: int, traffic: StepTraffic) -> Plan:
+    """The plan, once the device's share is decided: the other owned groups go to the host, then NVMe.
+
+    Device optimizer groups go to the chunks the next forward needs first: the host groups' CPU
+    Adam and their host->device copies then overlap the forward through those early layers.
+    """
+    owned = _owned_in_use_order(inputs)
+    off_device = [c for c in owned if c not in set(device_optim)]
+    # A shard at home on the host is its own staging buffer, except while accumulating (it holds the weights the
+    # next micro-batch reads, so gradients stage through the pool on their way to the fp32 accumulators).
+    staged = bool(off_device) and (inputs.grad_bytes_per_element > 0
+                                   or any(not home or home[c // inputs.group_size] != HOST for c in off_device))
+    num_host, num_nvme, host_bytes = _split_host_and_nvme(inputs, len(off_device),
+                                                          inputs.scratch_bytes + host_params_bytes, staged)
+    tiers = [REMOTE] * inputs.num_chunks
+    for chunk in device_optim:
+        tiers[chunk] = DEVICE
+    for position, chunk in enumerate(off_device):
+        tiers[chunk] = HOST if position < num_host else NVME
+    device_bytes = (resident_bytes + live * inputs.live_group_bytes + len(device_optim) * inputs.optimizer_chunk_bytes
+                    + inputs.scratch_bytes + inputs.exchange_buffer_bytes)
+    return Plan(params_resident=HOST not in home, cache_slots=live, optimizer_tier=tuple(tiers),
                 device_bytes=device_bytes, host_bytes=host_bytes, nvme_bytes=num_nvme * inputs.swap_slot_bytes,
-                params_sharded=inputs.param_chunks_held is not None)
+                params_sharded=inputs.param_chunks_held is not None, param_home=home, group_size=inputs.group_size,
+                traffic=traffic)
 
 
-def _split_host_and_nvme(inputs: PlanInputs, off_device: int, host_fixed: int) -> tuple[int, int, int]:
-    """(groups on the host, groups on NVMe, host bytes) for the ``off_device`` groups, host first."""
-    staging = inputs.staging_buffers * inputs.param_chunk_bytes if off_device else 0
+def _split_host_and_nvme(inputs: PlanInputs, off_device: int, host_fixed: int, staged: bool
+                         ) -> tuple[int, int, int]:
+    """(groups on the host, groups on NVMe, host bytes) for the ``off_device`` groups, host first;
+    ``staged``: some of their gradients reach the host through the staging buffers."""
+    staging = inputs.staging_buffers * inputs.param_chunk_bytes if staged else 0
     per_host = inputs.optimizer_chunk_bytes
     per_nvme_on_host = inputs.chunk_numel * inputs.grad_bytes_per_element  # accumulators stay in RAM
     bounce = inputs.swap_buffers * inputs.swap_buffer_bytes

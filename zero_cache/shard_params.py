@@ -21,7 +21,10 @@ from zero_cache.units import AUTO
 
 
 def gather_ahead_groups(config: ZeroCacheConfig, layout: ChunkLayout, sharding: Sharding) -> int:
-    """Groups whose all-gather starts ahead of use: ``gather_ahead_elements`` in whole groups, at least one."""
+    """Groups whose gather starts ahead of use: over ranks, ``gather_ahead_elements`` in whole groups; on one rank
+    (params streamed from the host), ``prefetch_depth`` chunks; at least one."""
+    if not sharding.sharded:
+        return max(1, config.prefetch_depth)
     return max(1, -(-config.gather_ahead_elements // (sharding.world_size * layout.chunk_numel)))
 
 
@@ -46,7 +49,7 @@ def choose_shard_params(config: ZeroCacheConfig, sharding: Sharding, plan_for: C
             raises its shortfall, the others name it.
     """
     if not sharding.sharded:
-        return False, plan_for(False)  # one rank: nothing to shard over
+        return choose_streaming(config, plan_for)
     plans, errors = candidate_plans(config, plan_for)
     outcomes = gather(device_groups(plans))
     choice = decide_shard_params(config.shard_params, outcomes)
@@ -58,6 +61,28 @@ def choose_shard_params(config: ZeroCacheConfig, sharding: Sharding, plan_for: C
     failed = [rank for rank, outcome in enumerate(outcomes) if wanted not in outcome]
     raise PlanError(f"model states do not fit on data-parallel rank(s) {failed} (their errors give the shortfall); "
                     "on this rank they would")
+
+
+def choose_streaming(config: ZeroCacheConfig, plan_for: Callable[[bool], Plan]) -> tuple[bool, Plan]:
+    """One rank: params resident on the device, or gathered on use from their homes (some or all in pinned host
+    memory), whichever step costs less (:mod:`zero_cache.step_cost`; resident on a tie).
+    ``param_home`` "device" allows only the first, "host" only the second.
+
+    Raises:
+        PlanError: no allowed placement fits (the gathered one's shortfall, which needs the least device).
+    """
+    allowed = {"device": (False,), "host": (True,)}.get(config.param_home, (False, True))
+    plans: dict[bool, Plan] = {}
+    errors: dict[bool, PlanError] = {}
+    for gathered in allowed:
+        try:
+            plans[gathered] = plan_for(gathered)
+        except PlanError as err:
+            errors[gathered] = err
+    if not plans:
+        raise errors[allowed[-1]]
+    gathered = min(plans, key=lambda g: (plans[g].traffic.seconds, g))
+    return gathered, plans[gathered]
 
 
 def wanted_placement(setting: bool | str) -> bool:
@@ -78,11 +103,6 @@ def candidate_plans(config: ZeroCacheConfig, plan_for: Callable[[bool], Plan]
             plans[shard] = plan_for(shard)
         except PlanError as err:
             errors[shard] = err
-            continue
-        if not plans[shard].params_resident:  # replicated params alone would have to stream from the host
-            errors[shard] = PlanError("the replicated params alone exceed the device budget, and streaming them "
-                                      "from the host is not implemented: shard them (zero_cache.shard_params)")
-            del plans[shard]
     return plans, errors
 
 

@@ -233,6 +233,9 @@ def _not_acted_sections(raw: dict) -> tuple[str, ...]:
     if (raw.get("zero_cache") or {}).get("enabled") or (zero.get("stage") == 3 and offloaded):
         acted |= {"overlap_comm", "stage3_prefetch_bucket_size", "stage3_max_live_parameters"}  # sharded ZeRO-Cache
     keys = tuple(f"zero_optimization.{key}" for key in sorted(zero) if key not in acted)
+    for section in ("offload_param", "offload_optimizer"):  # ZeRO-Cache sizes its own buffers and pins its tiers
+        keys += tuple(f"zero_optimization.{section}.{key}" for key in sorted(zero.get(section) or {})
+                      if key not in ("device", "nvme_path"))
     if "aio" in raw and not _uses_nvme(raw):
         keys += ("aio",)  # it drives only the NVMe tier
     elif (raw.get("aio") or {}).get("use_gds"):
@@ -336,6 +339,12 @@ def _zero_cache_section(parsed: edge.EdgeConfig) -> ZeroCacheConfig:
         carried["max_live_elements"] = zero.stage3_max_live_parameters
     section = dataclasses.replace(section, **carried)
     offloads = [o for o in (zero.offload_param, zero.offload_optimizer) if o is not None and o.device != "none"]
+    if zero.offload_param is not None and zero.offload_param.device != "none" and section.param_home == "auto":
+        if zero.offload_param.device == "nvme":
+            logger.warning("zero_optimization.offload_param.device is nvme: ZeRO-Cache keeps param homes in pinned "
+                           "host memory (params on NVMe are not implemented); optimizer states still go to NVMe "
+                           "where the host budget ends")
+        section = dataclasses.replace(section, param_home="host")
     if section.enabled or zero.stage != 3 or not offloads:
         return section
     nvme = next((o.nvme_path for o in offloads if o.device == "nvme"), None)

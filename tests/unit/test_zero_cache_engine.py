@@ -22,8 +22,9 @@ def test_states_four_times_the_device_budget_train_like_the_reference():
     seed = torch.randint(0, 10_000, ()).item()
     batches = random_batches(seed, count=8, batch=8)
     device_budget, host_budget = budgets(six_layer_llama(seed))
-    engine, optimizer, _, _ = angelptm.initialize(model=six_layer_llama(seed),
-                                                  config=zero_cache_config(device_budget, host_budget))
+    config = zero_cache_config(device_budget, host_budget)
+    config["zero_cache"]["param_home"] = "device"  # params resident: the optimizer states alone are split
+    engine, optimizer, _, _ = angelptm.initialize(model=six_layer_llama(seed), config=config)
     store = optimizer.store
     tiers = [group.tier for group in store.groups]
     assert DEVICE in tiers and HOST in tiers, f"the budgets must force a split, got {tiers}"

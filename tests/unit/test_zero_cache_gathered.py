@@ -1,8 +1,8 @@
 """Sharded params on CPU, one rank: the acquisition trace (pure), and GatheredGroups over a real ChunkStore.
 
-With ``Sharding()`` every group is one chunk and the all-gather copies this rank's shard into the group
-buffer, so gathering, eviction, placeholders and autograd's re-gathering in backward all run here as they
-do on a GPU (without the asynchronous collectives).
+With ``Sharding()`` every group is one chunk; its shard is at home on the host (``param_home`` "host"), so
+each acquisition copies it into a fresh group buffer, and gathering, eviction, placeholders and autograd's
+re-gathering in backward all run here as they do on a GPU (without the asynchronous copies).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from torch import nn
 
 from zero_cache.chunks import ChunkStore
 from zero_cache.gathered import RECENT, AcquisitionTrace, GatheredGroups
+from zero_cache.host_update import Transfers
 from zero_cache.layout import pack
 from zero_cache.planner import DEVICE, HOST, PlanInputs, make_plan
 from zero_cache.sharding import Sharding
@@ -150,13 +151,14 @@ class Sharded:
         plan = make_plan(PlanInputs(num_chunks=layout.num_chunks, chunk_numel=layout.chunk_numel,
                                     param_bytes_per_element=FP32_BYTES, device_budget_bytes=BUDGET_BYTES,
                                     host_budget_bytes=BUDGET_BYTES, grad_bytes_per_element=0,
-                                    param_chunks_held=layout.num_chunks,
+                                    param_chunks_held=layout.num_chunks, param_home="host",
                                     exchange_buffer_bytes=max_live * layout.chunk_numel * FP32_BYTES))
         device, host = build_tiers(torch.device("cpu"), BUDGET_BYTES, BUDGET_BYTES)
         self.store = ChunkStore(layout, self.params, plan, {DEVICE: device, HOST: host}, torch.float32,
                                 accumulate=False, sharding=Sharding(), shard_params=True)
         self.num_groups = self.store.sharding.num_groups(layout.num_chunks)
-        self.gathered = GatheredGroups(self.store, max_live=max_live, ahead=ahead, wait_owned=lambda group: None)
+        self.gathered = GatheredGroups(self.store, max_live=max_live, ahead=ahead, wait_owned=lambda group: None,
+                                       transfers=Transfers(torch.device("cpu")))
         self.group_of_param = [self.store.sharding.group_of(slot.chunk) for slot in self.store.slots]
         self.after_hook: list = []  # called after each module's groups are acquired
 

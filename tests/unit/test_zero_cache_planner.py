@@ -9,6 +9,7 @@ import random
 import pytest
 
 from zero_cache.layout import ALIGN_NUMEL, pack, search_chunk_size
+from zero_cache.step_cost import HOST_ADAM_ELEMENTS_PER_S, PCIE_BYTES_PER_S
 from zero_cache.planner import (DEVICE, HOST, NVME, REMOTE, PlanError, PlanInputs, belady_misses, first_use_order,
                                 make_plan)
 from zero_cache.units import format_bytes
@@ -148,11 +149,83 @@ def test_nonmodel_peak_and_margin_reduce_device_room():
     assert tight.optimizer_tier.count(DEVICE) == (90_000 - 30_000 - 4_000 - 20_000) // 16_000
 
 
-def test_params_cached_when_they_do_not_all_fit():
-    plan = make_plan(inputs(device_budget_bytes=13_000))
-    assert not plan.params_resident and plan.cache_slots == 4
-    assert plan.optimizer_tier == (HOST,) * 10
-    assert plan.host_bytes == 10 * 16_000 + 4 * 2_000 + 10 * 2_000 + 4_000
+def test_params_do_not_stream_without_gathered_params():
+    with pytest.raises(PlanError, match=r"every param chunk .*param_home"):
+        make_plan(inputs(device_budget_bytes=13_000))
+
+
+def streamed(**overrides) -> PlanInputs:
+    """One rank with gathered params: 10 shards of 2,000 B, 3 gradient buckets, 3 live groups at least."""
+    values = dict(param_chunks_held=10, param_home="auto", live_groups=3, min_live_groups=3,
+                  exchange_buffer_bytes=3 * 2_000, grad_bytes_per_element=0)
+    values.update(overrides)
+    return inputs(**values)
+
+
+def test_params_stream_from_the_host_when_they_do_not_all_fit():
+    # scratch 4,000 + buckets 6,000 + 3 live groups 6,000 leave 1,000: no shard stays on the device.
+    plan = make_plan(streamed(device_budget_bytes=17_000))
+    assert not plan.params_resident and plan.params_sharded and plan.cache_slots == 3
+    assert plan.param_home == (HOST,) * 10 and plan.optimizer_tier == (HOST,) * 10
+    assert plan.device_bytes == 4_000 + 6_000 + 3 * 2_000
+    # every shard's home (its own staging buffer), the optimizer groups (12 B/element) and the fp32 scratch
+    assert plan.host_bytes == 10 * 2_000 + 10 * 12_000 + 4_000
+    # accumulating, the gradients stage through four buffers on their way to the fp32 accumulators (4 B/element)
+    accumulating = make_plan(streamed(device_budget_bytes=17_000, grad_bytes_per_element=4))
+    assert accumulating.host_bytes == 10 * 2_000 + 10 * 16_000 + 4 * 2_000 + 4_000
+    assert plan.traffic.h2d_bytes == 10 * 2 * 2_000 and plan.traffic.d2h_bytes == 10 * 2_000
+
+
+def test_forced_host_homes_keep_every_shard_on_the_host_even_with_room():
+    plan = make_plan(streamed(device_budget_bytes=10**6, param_home="host"))
+    assert plan.param_home == (HOST,) * 10 and plan.optimizer_tier == (HOST,) * 10
+
+
+def test_too_small_a_device_for_the_live_groups_is_refused_with_the_shortfall():
+    with pytest.raises(PlanError, match=r"short by .*3 gathered groups of 1.95 KiB"):
+        make_plan(streamed(device_budget_bytes=15_000))
+
+
+def brute_force_cost(inp: PlanInputs) -> float:
+    """The least step cost over every (resident shards, device optimizer groups) that fits, written out
+    independently of the planner: shards and device groups go to the chunks used first."""
+    order = list(dict.fromkeys(inp.trace)) + [c for c in range(inp.num_chunks) if c not in inp.trace]
+    room = (int(inp.device_budget_bytes * (1 - inp.margin_fraction)) - inp.nonmodel_peak_bytes - inp.scratch_bytes
+            - inp.exchange_buffer_bytes)
+    best = None
+    for resident in range(inp.num_chunks + 1):
+        live = min(inp.min_live_groups, inp.num_chunks - resident)
+        left = room - resident * inp.param_chunk_bytes - live * inp.param_chunk_bytes
+        if left < 0:
+            continue
+        for on_device in range(min(resident, left // inp.optimizer_chunk_bytes) + 1):
+            host_chunks = inp.num_chunks - on_device
+            h2d = (inp.num_chunks - resident) * 2 * inp.param_chunk_bytes + (resident - on_device) * inp.param_chunk_bytes
+            d2h = host_chunks * inp.param_chunk_bytes
+            cost = max(h2d / PCIE_BYTES_PER_S, d2h / PCIE_BYTES_PER_S, host_chunks * inp.chunk_numel / HOST_ADAM_ELEMENTS_PER_S)
+            best = cost if best is None else min(best, cost)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_gathered_plan_takes_the_cheapest_split_of_the_device(seed):
+    rng = random.Random(seed * 7919 + random.randrange(10**6))
+    trace = tuple(rng.sample(range(10), 10))
+    inp = streamed(device_budget_bytes=rng.randint(16_000, 200_000), trace=trace, min_live_groups=rng.randint(1, 4),
+                   live_groups=0)
+    plan = make_plan(inp)
+    assert plan.traffic.seconds == pytest.approx(brute_force_cost(inp))
+    # Shards stay home on the device for the groups used first; device Adam only where the shard is.
+    resident = plan.param_home.count(DEVICE)
+    assert [g for g in trace if plan.param_home[g] == DEVICE] == list(trace[:resident])
+    assert all(plan.param_home[c] == DEVICE for c, tier in enumerate(plan.optimizer_tier) if tier == DEVICE)
+    assert plan.device_bytes <= inp.device_budget_bytes
+
+
+def test_a_device_that_holds_every_shard_and_some_groups_keeps_the_params_resident():
+    plan = make_plan(streamed(device_budget_bytes=4_000 + 6_000 + 20_000 + 3 * 12_000))
+    assert plan.param_home == (DEVICE,) * 10 and plan.cache_slots == 0 and plan.params_resident
+    assert plan.optimizer_tier.count(DEVICE) == 3
 
 
 def test_device_shortfall_is_explained():

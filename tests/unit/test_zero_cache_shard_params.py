@@ -74,25 +74,18 @@ def test_the_rank_that_does_not_fit_raises_its_own_shortfall():
         choose_shard_params(config, Sharding(rank=1, world_size=2), plan_for, lambda mine: [{True: 1}, mine])
 
 
-def test_replicated_params_that_would_stream_from_the_host_count_as_not_fitting():
-    config = ZeroCacheConfig(enabled=True, shard_params=False)
-    with pytest.raises(PlanError, match="streaming them from the host is not implemented"):
-        choose_shard_params(config, Sharding(rank=0, world_size=2), lambda shard: plan(0, resident=False),
-                            lambda mine: [mine, mine])
-
-
 def test_one_rank_never_shards():
     config = ZeroCacheConfig(enabled=True, shard_params=True)
     choice, _ = choose_shard_params(config, Sharding(), lambda shard: plan(2), lambda mine: [mine])
     assert choice is False
 
 
-def dry_run_plan(device_bytes: int, world_size: int, shard_params="auto") -> Plan:
+def dry_run_plan(device_bytes: int, world_size: int, shard_params="auto", param_home="auto") -> Plan:
     """96 tensors of 4096 fp32 elements in chunks of 8192 (48 chunks of 32 KiB), planned for every rank."""
     shapes = [(f"w{i}", (64, 64)) for i in range(96)]
     config = ZeroCacheConfig(enabled=True, chunk_size=8192, device_memory_budget=device_bytes,
                              host_memory_budget=2**30, shard_params=shard_params, max_live_elements=0,
-                             gather_ahead_elements=0)
+                             gather_ahead_elements=0, param_home=param_home)
     _, plan = dry_run(shapes, config, compute_dtype=torch.float32, device=torch.device("cpu"),
                       world_size=world_size)
     return plan
@@ -103,9 +96,19 @@ def test_dry_run_shards_params_when_only_that_fits_on_every_rank():
     3 gradient buckets of 2 chunks each: 36 chunks (and one fp32 scratch chunk)."""
     chunk = 8192 * 4
     assert dry_run_plan(64 * 2**20, 2).params_sharded is False  # both fit with every group on the device
-    plan = dry_run_plan(40 * chunk, 2)
-    assert plan.params_sharded and plan.optimizer_tier.count(DEVICE) == 0
+    plan = dry_run_plan(40 * chunk, 2, param_home="device")
+    assert plan.params_sharded and plan.optimizer_tier.count(DEVICE) == 0 and set(plan.param_home) == {DEVICE}
     with pytest.raises(PlanError, match="rank 0 of 2: .*24 param shards"):
-        dry_run_plan(30 * chunk, 2)
-    with pytest.raises(PlanError, match="rank 0 of 2: the replicated params alone exceed"):
+        dry_run_plan(30 * chunk, 2, param_home="device")
+    with pytest.raises(PlanError, match="rank 0 of 2: .*holds every param chunk .*shard_params"):
         dry_run_plan(40 * chunk, 2, shard_params=False)
+
+
+def test_dry_run_streams_shards_from_the_host_where_the_device_cannot_hold_them():
+    """30 chunks cannot hold the 24 shards besides the gathered groups and buckets: some stay home on the host,
+    and the step's traffic counts their fetches."""
+    chunk = 8192 * 4
+    plan = dry_run_plan(30 * chunk, 2)
+    assert plan.params_sharded and HOST in plan.param_home
+    streamed = plan.param_home.count(HOST)
+    assert plan.traffic.h2d_bytes >= 2 * streamed * chunk  # fetched in forward and again in backward
