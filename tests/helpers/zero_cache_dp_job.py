@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--shard-params", action="store_true", help="zero_cache.shard_params true (ZeRO-3)")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing (recompute in backward)")
     parser.add_argument("--untied", action="store_true", help="separate embedding and output weights")
+    parser.add_argument("--param-home", default="auto", help="zero_cache.param_home (host: shards streamed from the host)")
     args = parser.parse_args()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -80,17 +81,20 @@ def main() -> None:
                                     "stage3_max_live_parameters": 0},
               "zero_cache": {"enabled": True, "chunk_size": CHUNK_NUMEL, "shard_params": shard_params,
                              "device_memory_budget": device_budget(model, world_size, args.accumulation, shard_params),
-                             "host_memory_budget": 64 * 2**20}}
+                             "host_memory_budget": 64 * 2**20, "param_home": args.param_home}}
     if args.hosts_of:
         config["zero_cache"].update(hierarchical=True, ranks_per_host=args.hosts_of)
     engine, optimizer, loader, _ = angelptm.initialize(model=model, training_data=RandomTokens(args.data_seed),
                                                        config=config)
     tiers = {group.tier for group in optimizer.store.groups}
-    expected = {"device", "host"} | ({"remote"} if world_size > 1 else set())
+    # Shards at home on the host update there: no optimizer group on the device.
+    expected = ({"host"} if args.param_home == "host" else {"device", "host"}) | ({"remote"} if world_size > 1 else set())
     # (On CUDA the first plan keeps a share of the device for activations: its split differs.)
     assert tiers == expected or engine.device.type == "cuda", f"rank {rank}: groups in {tiers}, expected {expected}"
     assert optimizer.update_in_backward == (args.clip == 0)
-    assert optimizer.params_sharded == shard_params
+    assert optimizer.params_sharded == (shard_params or args.param_home == "host")  # one rank streams them too
+    if args.param_home == "host":
+        assert set(optimizer.store.param_home) == {"host"}, optimizer.store.param_home
     assert optimizer.sharding.hierarchical == (bool(args.hosts_of) and world_size > 1)
     if args.load:
         path, _ = engine.load_checkpoint(args.load)

@@ -85,11 +85,16 @@ def test_sharded_training_equals_one_process_with_the_same_global_batch(tmp_path
 SHARD = "--shard-params"
 
 
-@pytest.mark.parametrize("nproc, extra", [(2, ["--checkpointing"]), (2, ["--no-overlap"]), (4, ["--hosts-of", "2"])],
-                         ids=["2-recompute", "2-no-overlap", "4-hierarchical"])
+HOST_HOME = ("--param-home", "host")
+
+
+@pytest.mark.parametrize("nproc, extra", [(2, ["--checkpointing"]), (2, ["--no-overlap"]), (4, ["--hosts-of", "2"]),
+                                          (2, ["--checkpointing", *HOST_HOME])],
+                         ids=["2-recompute", "2-no-overlap", "4-hierarchical", "2-streamed-recompute"])
 def test_sharded_params_train_like_one_process(tmp_path, data_seed, unsharded, nproc, extra):
     """ZeRO-3: each rank stores one chunk of each group; at 2 ranks only 3 of the 5 groups may be live, so
-    forward, the recompute of checkpointed blocks and backward gather evicted groups again."""
+    forward, the recompute of checkpointed blocks and backward gather evicted groups again. Streamed: each
+    rank's shards live in pinned host memory, copied in before every gather and updated there."""
     expected, start = unsharded
     result = train(nproc, tmp_path / "sharded.pt", data_seed, 4, SHARD, *extra)
     assert_same_weights(result["weights"], expected, start)
@@ -139,7 +144,8 @@ def test_checkpoint_saved_with_sharded_params_resumes_sharded_and_replicated_and
     halfway = train(4, tmp_path / "first.pt", data_seed, 2, "--save-dir", str(save_dir), SHARD)
     module = torch.load(save_dir / "global_step2" / "model_states.pt", weights_only=False)
     assert module["weights_in_masters"] and not set(module["param_aliases"]) & set(module["module"])
-    assert_resumes_and_exports(tmp_path, data_seed, save_dir, halfway, unsharded, ((2, (SHARD,)), (1, ())))
+    assert_resumes_and_exports(tmp_path, data_seed, save_dir, halfway, unsharded,
+                               ((2, (SHARD,)), (2, (SHARD, *HOST_HOME)), (1, HOST_HOME)))
 
 
 def test_a_rank_that_dies_mid_training_stops_the_others_with_its_exit_code(tmp_path, data_seed):
@@ -156,7 +162,8 @@ def accumulated_one_process(tmp_path_factory, data_seed) -> dict:
     return train(1, tmp_path_factory.mktemp("accumulated") / "one.pt", data_seed, 3, "--accumulation", "2")["weights"]
 
 
-@pytest.mark.parametrize("extra", [(), (SHARD,)], ids=["replicated-params", "sharded-params"])
+@pytest.mark.parametrize("extra", [(), (SHARD,), (SHARD, *HOST_HOME)],
+                         ids=["replicated-params", "sharded-params", "streamed-params"])
 def test_accumulating_micro_batches_equal_one_process(tmp_path, data_seed, unsharded, accumulated_one_process, extra):
     """Two micro-batches per step: each group's gradients go through a bucket, the owner accumulates in fp32
     (with sharded params the groups gathered in the first micro-step may stay live for the second)."""
