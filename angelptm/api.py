@@ -69,14 +69,16 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     _report_ignored(cfg, ctx)
     if cfg.seed is not None:
         _seed_everything(cfg.seed)
-    dtype = cfg.precision.dtype
-    model.to(device=ctx.device, dtype=dtype)
+    _place_module(model, ctx.device, cfg.precision.dtype, keep_trainable=cfg.zero_cache.enabled)
     try:
         experts = setup_expert_parallel(model, ctx.rank, ctx.world_size)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     _broadcast_module(model, ctx, experts)
     wrapped = _build_optimizer(model, optimizer, model_parameters, cfg, ctx, experts)
+    if cfg.zero_cache.enabled:  # what did not go into a chunk (no optimizer, frozen, not in model_parameters)
+        _place_module(model, ctx.device, cfg.precision.dtype, keep_trainable=False,
+                      chunked=getattr(wrapped, "store", None))
     scheduler = _build_scheduler(lr_scheduler, wrapped, cfg)
     loader = None
     if training_data is not None:
@@ -115,6 +117,36 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _place_module(model: nn.Module, device: torch.device, dtype: torch.dtype, *, keep_trainable: bool,
+                  chunked: Any = None) -> None:
+    """Parameters and buffers to ``device``, floating ones in ``dtype``.
+
+    ``keep_trainable`` (ZeRO-Cache): trainable parameters are cast where they are, so a model built on the
+    host never lands whole on the GPU; each is copied into its chunk (on the device, or its home in host
+    memory) when the optimizer attaches. ``chunked``: a :class:`~zero_cache.ChunkStore` whose parameters are
+    left as they are.
+
+    Raises:
+        ConfigError: a parameter is on the meta device (it has no values to train from).
+    """
+    skip = {id(p) for p in chunked.params} if chunked is not None else set()
+    meta = [name for name, p in model.named_parameters() if p.is_meta and id(p) not in skip]
+    if meta:
+        raise ConfigError(f"parameters {meta[:3]}{' ...' if len(meta) > 3 else ''} are on the meta device and hold "
+                          "no values; build the model under angelptm.zero.Init(...) or on the CPU, or materialise it "
+                          "(module.to_empty(device=...) and its initialisation) before initialize()")
+
+    def place(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) in skip:
+            return tensor
+        stays = keep_trainable and isinstance(tensor, nn.Parameter) and tensor.requires_grad
+        return tensor.to(device=tensor.device if stays else device,
+                         dtype=dtype if tensor.is_floating_point() else tensor.dtype)
+
+    # nn.Module.to's own traversal, with a per-tensor target: tied parameters stay one Parameter.
+    model._apply(place)
+
+
 def _broadcast_module(model: nn.Module, ctx: DistContext, experts: ExpertParallel | None) -> None:
     """Start every replica from rank 0's weights, as DDP does; experts from their expert-data-parallel source."""
     if ctx.group is None:
@@ -123,9 +155,19 @@ def _broadcast_module(model: nn.Module, ctx: DistContext, experts: ExpertParalle
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
             if id(tensor) not in expert_ids:
-                dist.broadcast(tensor.data, src=0, group=ctx.group)
+                _broadcast(tensor, 0, ctx.group, ctx.device)
             elif experts.edp_group is not None:
-                dist.broadcast(tensor.data, src=experts.edp_source, group=experts.edp_group)
+                _broadcast(tensor, experts.edp_source, experts.edp_group, ctx.device)
+
+
+def _broadcast(tensor: torch.Tensor, source: int, group: Any, device: torch.device) -> None:
+    """``dist.broadcast`` of one tensor; a host tensor under NCCL goes through a device copy of itself."""
+    if tensor.device == device or device.type != "cuda":
+        dist.broadcast(tensor.data, src=source, group=group)
+        return
+    staged = tensor.data.to(device)
+    dist.broadcast(staged, src=source, group=group)
+    tensor.data.copy_(staged)
 
 
 def _build_optimizer(model: nn.Module, client: Any, model_parameters: Iterable | None, cfg: EngineConfig,

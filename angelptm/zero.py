@@ -1,11 +1,18 @@
 """``angelptm.zero``: the construction helpers a DeepSpeed ZeRO-3 script uses, under the same names.
 
 ``with deepspeed.zero.Init(...): model = Model()`` keeps working after ``import angelptm as
-deepspeed``. Here the context builds the model directly on the compute device in the compute
-dtype (bf16/fp16 from the config, or ``dtype=``), so a large model never needs a full fp32 copy in
-host memory; ``initialize()`` then moves each parameter into its ZeRO-Cache chunk and releases the
-original storage. (Materialising each parameter straight into its chunk, for models whose bf16
-weights alone exceed the GPU, is not built yet.)
+deepspeed``. The context builds the model in the compute dtype (bf16/fp16 from the config, or
+``dtype=``), so a large model never needs a full fp32 copy, and on the device that will hold its
+weights:
+
+* on the GPU by default, where ``initialize()`` moves each parameter into its ZeRO-Cache chunk;
+* in host memory when the params are to live there: ``remote_device="cpu"`` or ``"nvme"`` (DeepSpeed's
+  argument), ``zero_optimization.offload_param``, or ``zero_cache.param_home: "host"``. The GPU then
+  never holds the model; ``initialize()`` copies each parameter into its shard's pinned home and releases
+  it, so host memory peaks at the compute-dtype model on top of the homes, never at an fp32 copy.
+
+(Materialising each parameter straight into its chunk, without the transient compute-dtype copy, needs
+the chunk layout before the model exists, and is not built.)
 """
 
 from __future__ import annotations
@@ -15,6 +22,9 @@ from typing import Any
 import torch
 
 from angelptm.config import load_config
+from angelptm.errors import ConfigError
+
+REMOTE_DEVICES = (None, "none", "cuda", "cpu", "nvme")
 
 
 class Init:
@@ -25,22 +35,29 @@ class Init:
         config: alias of ``config_dict_or_path`` (DeepSpeed accepts both).
         enabled: False makes the context a no-op.
         dtype: explicit parameter dtype (overrides the config).
-        **kwargs: DeepSpeed's other arguments (module, data_parallel_group, remote_device, pin_memory,
-            mpu, ...) are accepted; they concern partitioning, which ZeRO-Cache does at initialize().
+        remote_device: "cpu" or "nvme" builds the model in host memory (see the module docstring); None
+            or "cuda": where the config puts the params.
+        **kwargs: DeepSpeed's other arguments (data_parallel_group, pin_memory, mpu, ...) are accepted; they
+            concern partitioning, which ZeRO-Cache does at initialize().
     """
 
     def __init__(self, module: torch.nn.Module | None = None, *, config_dict_or_path: Any = None, config: Any = None,
-                 enabled: bool = True, dtype: torch.dtype | None = None, **kwargs: Any) -> None:
+                 enabled: bool = True, dtype: torch.dtype | None = None, remote_device: str | None = None,
+                 **kwargs: Any) -> None:
         if module is not None:
             raise NotImplementedError("zero.Init(module=...) (converting an existing module) is not supported; "
                                       "build the model inside `with zero.Init(...):` instead")
         self.enabled = enabled
+        if remote_device not in REMOTE_DEVICES:
+            raise ConfigError(f"zero.Init(remote_device={remote_device!r}): expected one of {list(REMOTE_DEVICES)}")
         source = config_dict_or_path if config_dict_or_path is not None else config
-        if dtype is None and source is not None:
-            dtype = load_config(source).precision.dtype
-        self.dtype = dtype or torch.float32
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        parsed = load_config(source) if source is not None else None
+        self.dtype = dtype or (parsed.precision.dtype if parsed is not None else torch.float32)
+        on_host = remote_device in ("cpu", "nvme") or (
+            parsed is not None and parsed.zero_cache.enabled and parsed.zero_cache.param_home == "host")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and not on_host \
             else torch.device("cpu")
+        """Where the parameters are built."""
         self._saved_dtype: torch.dtype | None = None
         self._device_context: Any = None
 

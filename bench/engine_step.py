@@ -5,6 +5,8 @@
         --device-budget 12GB --host-budget 4GB --nvme-path /tmp/swap      # optimizer states on disk
     python bench/engine_step.py --sizes 6.9b --modes zero_cache deepspeed_zero3 --anchor deepspeed_zero3 \
         --nproc 1 2                                                       # data parallel over 2 GPUs
+    python bench/engine_step.py --sizes 2.7b --modes zero_cache deepspeed_infinity --anchor deepspeed_infinity \
+        --memory-cap 22GiB --build-on-host     # a 24 GB GPU: params streamed from the host (ZeRO-Infinity)
 
 Each (size, mode) runs in its own process so peak memory is its own. Model TFLOPS follow the
 benchmark protocol: (6N + 12 L H S) x tokens / step time, recompute not counted. Prints one JSON
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = {  # GPT-2-style shapes; vocab 50304, seq 1024 as in the protocol
@@ -48,7 +51,10 @@ AIO = {"block_size": 1 << 20, "queue_depth": 32, "thread_count": 4, "single_subm
 """The same aio block for DeepSpeed's NVMe offload and ZeRO-Cache's NVMe tier."""
 
 
-def build(size: str, checkpointing: bool):
+def build(size: str, checkpointing: bool, construction: Any = None) -> tuple[Any, int, float]:
+    """The model in bf16, on the GPU (fast, no host copy), or under ``construction`` (a zero.Init context that
+    keeps it off the GPU); its parameter count and model FLOPs per token (from a meta-device twin: a
+    partitioning construction leaves the model's own params empty)."""
     import torch
 
     sys.path.insert(0, str(ROOT))
@@ -57,21 +63,53 @@ def build(size: str, checkpointing: bool):
     torch.manual_seed(0)
     config = ModelConfig(flavour="gpt2", vocab_size=50304, max_seq_len=1024, dropout=0.0,
                          activation_checkpointing=checkpointing, **SIZES[size])
+    with torch.device("meta"):
+        twin = build_model(config)
+    with construction if construction is not None else torch.device("cuda"):
+        model = build_model(config)
+    model = model.bfloat16() if construction is None else model  # (the constructions build in the config's dtype)
+    return model, twin.num_params(), twin.flops_per_token(1024)
+
+
+def cap_memory(cap: str | None) -> None:
+    """Stand in for a smaller GPU: this process may allocate ``cap`` bytes of it at most."""
+    import torch
+
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # under torchrun: this rank's GPU
-    with torch.device("cuda"):  # initialise on the GPU: fast, and no host copy of a large model
-        return build_model(config).bfloat16()
+    if cap:
+        sys.path.insert(0, str(ROOT))
+        from zero_cache.units import parse_bytes
+
+        torch.cuda.set_per_process_memory_fraction(parse_bytes(cap) / torch.cuda.get_device_properties(0).total_memory)
 
 
 def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, device_budget: str,
-            clip: float, host_budget: str = "auto", nvme_path: str | None = None) -> dict:
+            clip: float, host_budget: str = "auto", nvme_path: str | None = None, memory_cap: str | None = None,
+            build_on_host: bool = False, param_home: str = "auto") -> dict:
     """Train ``steps`` steps in this process and return timings."""
     import torch
 
-    model = build(size, checkpointing)
-    num_params = model.num_params()
-    flops_per_token = model.flops_per_token(1024)
+    cap_memory(memory_cap)
     ds_config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
                  "bf16": {"enabled": True}, "steps_per_print": 10**9, "gradient_clipping": clip}
+    on_host = {"device": "cpu", "pin_memory": True}
+    infinity = {**ds_config, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {
+        "stage": 3, "offload_param": on_host, "offload_optimizer": on_host}}
+    zero_cache_config = {**ds_config, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "aio": AIO,
+                         "zero_cache": {"enabled": True, "device_memory_budget": device_budget,
+                                        "host_memory_budget": host_budget, "nvme_path": nvme_path,
+                                        "param_home": param_home,
+                                        "shard_params": True if mode == "zero_cache_shard" else "auto"}}
+    construction = None
+    if build_on_host and mode.startswith("zero_cache"):
+        import angelptm
+
+        construction = angelptm.zero.Init(config_dict_or_path=zero_cache_config, remote_device="cpu")
+    elif mode == "deepspeed_infinity":  # its own construction: each param partitioned to pinned host memory
+        import deepspeed
+
+        construction = deepspeed.zero.Init(config_dict_or_path=infinity, remote_device="cpu", pin_memory=True)
+    model, num_params, flops_per_token = build(size, checkpointing, construction)
     if mode == "torch":  # bf16 weights stepped directly: the protocol's "no fp32 master" anchor
         model = model.cuda().bfloat16()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -100,10 +138,7 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
 
         logging.basicConfig(level=logging.WARNING, format="zero_cache: %(name)s %(message)s")
         logging.getLogger("zero_cache").setLevel(logging.INFO)  # the plan, the IO backend, the re-plan
-        engine, optimizer, *_ = angelptm.initialize(model=model, config={**ds_config, "optimizer": {
-            "type": "AdamW", "params": {"lr": 1e-4}}, "aio": AIO, "zero_cache": {
-                "enabled": True, "device_memory_budget": device_budget, "host_memory_budget": host_budget,
-                "nvme_path": nvme_path, "shard_params": True if mode == "zero_cache_shard" else "auto"}})
+        engine, optimizer, *_ = angelptm.initialize(model=model, config=zero_cache_config)
         tiers = [group.tier for group in optimizer.store.groups]
         print(f"zero_cache: optimizer groups {tiers.count('device')} device / {tiers.count('host')} host / "
               f"{tiers.count('nvme')} nvme of {len(tiers)}, "
@@ -135,6 +170,8 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
             engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
                 **ds_config, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, **({"aio": AIO} if tuned else {}),
                 "zero_optimization": {"stage": 3, "offload_optimizer": offload}})
+        elif mode == "deepspeed_infinity":  # ZeRO-Infinity: params and optimizer states in pinned host memory
+            engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=infinity)
         else:  # "deepspeed_offload": ZeRO-3 with the optimizer offloaded to DeepSpeedCPUAdam
             engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
                 **ds_config, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
@@ -169,7 +206,9 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
         extra = {"groups_device_host_nvme": [tiers.count(t) for t in ("device", "host", "nvme")],
                  "nvme_gib": optimizer.store.tiers["nvme"].used_bytes / 2**30 if "nvme" in optimizer.store.tiers else 0,
                  "overlap": report.get("zero_cache_overlap"), "in_backward": optimizer.update_in_backward,
-                 "params_sharded": optimizer.params_sharded}
+                 "params_sharded": optimizer.params_sharded,
+                 "param_homes_device_host": [optimizer.store.param_home.count(t) for t in ("device", "host")],
+                 "planned_device_gib": optimizer.store.tiers["device"].budget_bytes / 2**30}
         gathered = optimizer.exchange.gathered if optimizer.exchange is not None else None
         if gathered is not None:  # all-gathers per step of each group (forward, recompute, backward)
             extra["gathers_per_group_step"] = gathered.gathers / steps / len(optimizer.store.shards)
@@ -197,11 +236,15 @@ def main() -> None:
     parser.add_argument("--anchor", default="deepspeed", help="mode the ratios are taken against")
     parser.add_argument("--nproc", nargs="+", type=int, default=[1],
                         help="run each mode on each of these GPU counts (torchrun; same micro-batch per GPU)")
+    parser.add_argument("--memory-cap", help="torch.cuda.set_per_process_memory_fraction to this many bytes (every mode)")
+    parser.add_argument("--build-on-host", action="store_true", help="zero_cache: build under zero.Init(remote_device=cpu)")
+    parser.add_argument("--param-home", default="auto", help="zero_cache.param_home")
     parser.add_argument("--child", nargs=2, metavar=("SIZE", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         result = run_one(*args.child, args.steps, args.micro, not args.no_checkpointing, args.device_budget,
-                         args.gradient_clipping, args.host_budget, args.nvme_path)
+                         args.gradient_clipping, args.host_budget, args.nvme_path, args.memory_cap,
+                         args.build_on_host, args.param_home)
         if os.environ.get("RANK", "0") == "0":
             print("RESULT " + json.dumps(result))
         # Leave without the interpreter's teardown, where torch's communication threads can still be going
@@ -222,6 +265,9 @@ def main() -> None:
                    "--gradient-clipping", str(args.gradient_clipping), "--host-budget", args.host_budget]
         command += ["--no-checkpointing"] if args.no_checkpointing else []
         command += ["--nvme-path", args.nvme_path] if args.nvme_path else []
+        command += ["--memory-cap", args.memory_cap] if args.memory_cap else []
+        command += ["--build-on-host"] if args.build_on_host else []
+        command += ["--param-home", args.param_home]
         proc = subprocess.run(command, capture_output=True, text=True)
         lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
         if proc.returncode or not lines:

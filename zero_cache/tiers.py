@@ -165,11 +165,17 @@ def _pinned_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 def auto_device_budget(device: torch.device, ranks_per_host: int = 1) -> int:
     """Free memory on the compute device, less the margin (host RAM stands in on CPU-only runs, split
-    between the ranks of the host, as the host tier is)."""
+    between the ranks of the host, as the host tier is).
+
+    On CUDA, free is what this process may still allocate: the GPU's free memory, or less under a cap the
+    process already has (``torch.cuda.set_per_process_memory_fraction``, e.g. a GPU shared with others).
+    """
     if device.type == "cuda":
         torch.cuda.empty_cache()  # blocks cached by the allocator (e.g. an fp32 copy of the model) are free too
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free - max(AUTO_MARGIN_MIN_BYTES, free * AUTO_MARGIN_FRACTION))
+        free, total = torch.cuda.mem_get_info(device)
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _device: 1.0)(device)
+        free = min(free, int(total * fraction) - torch.cuda.memory_reserved(device))
+        return max(0, int(free - max(AUTO_MARGIN_MIN_BYTES, free * AUTO_MARGIN_FRACTION)))
     return int(psutil.virtual_memory().available * 0.5 * (1 - AUTO_MARGIN_FRACTION) / ranks_per_host)
 
 

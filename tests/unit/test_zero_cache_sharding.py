@@ -79,3 +79,20 @@ def test_auto_budgets_split_a_hosts_memory_between_its_ranks(monkeypatch):
         assert tiers.auto_host_budget(cpu, ranks) == pytest.approx(tiers.auto_host_budget(cpu) / ranks, abs=1)
         assert tiers.auto_device_budget(cpu, ranks) == pytest.approx(tiers.auto_device_budget(cpu) / ranks, abs=1)
     assert tiers.auto_host_budget(cpu) > 0 and tiers.auto_device_budget(cpu) > 0
+
+
+@pytest.mark.parametrize("fraction, reserved_gib, expected_free_gib", [(1.0, 0, 100), (22 / 139, 1, 21),
+                                                                       (0.5, 0, 69.5)])
+def test_auto_device_budget_plans_within_the_process_memory_cap(monkeypatch, fraction, reserved_gib,
+                                                                 expected_free_gib):
+    """A 139 GiB GPU with 100 GiB free: under set_per_process_memory_fraction the process may allocate only
+    its share, less what its allocator already holds (the real H200 case: a 22 GiB cap planned for 139)."""
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (100 * gib, 139 * gib))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: fraction)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: reserved_gib * gib)
+    free = int(139 * gib * fraction) - reserved_gib * gib if fraction < 1 else 100 * gib
+    assert free == pytest.approx(expected_free_gib * gib, abs=gib)
+    budget = tiers.auto_device_budget(torch.device("cuda", 0))
+    assert budget == int(free - max(tiers.AUTO_MARGIN_MIN_BYTES, free * tiers.AUTO_MARGIN_FRACTION))
