@@ -270,12 +270,12 @@ def main() -> None:
         command += ["--param-home", args.param_home]
         proc = subprocess.run(command, capture_output=True, text=True)
         lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        notes = [l for l in proc.stderr.splitlines() if l.startswith("zero_cache:")]
+        print("\n".join(notes), flush=True)
         if proc.returncode or not lines:
             tail = [l for l in proc.stderr.splitlines() if "Warning" not in l][-25:]
             print(f"{size} {mode} x{nproc}: failed (exit {proc.returncode})\n" + "\n".join(tail), flush=True)
             continue
-        notes = [l for l in proc.stderr.splitlines() if l.startswith("zero_cache:")]
-        print("\n".join(notes), flush=True)
         result = json.loads(lines[-1].removeprefix("RESULT "))
         results.append(result)
         print(json.dumps(result), flush=True)

@@ -28,11 +28,25 @@ from zero_cache.shard_params import (candidate_plans, choose_shard_params, choos
                                      register_saving_hooks, wanted_placement)
 from zero_cache.sharding import Sharding
 from zero_cache.tiers import auto_device_budget, build_tiers
+from zero_cache.units import parse_budget
 
 logger = logging.getLogger(__name__)
 
 WARMUP_ACTIVATION_RESERVE = 0.1
-"""Share of the device budget held back for activations until the warm-up has measured them."""
+"""Share of the device budget held back for activations until the warm-up has measured them..."""
+WARMUP_ACTIVATION_FLOOR_BYTES = 12 * 2**30
+"""...and at least this much (or half the budget, if less): a 13B model's activations at micro-batch 8, sequence
+1024, with checkpointing. A small GPU must not run out of memory in the first step."""
+
+
+def warmup_reserve(config: ZeroCacheConfig, device: torch.device, device_budget: int) -> int:
+    """Device bytes for activations in the first plan (``zero_cache.activation_memory``; none on CPU)."""
+    configured = parse_budget(config.activation_memory, name="zero_cache.activation_memory")
+    if configured is not None:
+        return configured
+    if device.type != "cuda":
+        return 0
+    return int(max(WARMUP_ACTIVATION_RESERVE * device_budget, min(device_budget / 2, WARMUP_ACTIVATION_FLOOR_BYTES)))
 
 
 def build_layout(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig,
@@ -165,6 +179,8 @@ class WarmupTracer:
             return None
         optimizer.finish_pending()
         moved = store.apply_plan(plan)
+        if optimizer.exchange is not None and optimizer.exchange.gathered is not None:
+            optimizer.exchange.gathered.resize(plan.cache_slots)
         logger.info("ZeRO-Cache re-plan after warm-up (non-model peak %d MiB): %s; %d groups moved",
                     nonmodel // 2**20, plan.summary(), moved)
         return plan
@@ -189,7 +205,7 @@ def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, 
     per_host = ranks_per_host or world_size
     device_tier, host_tier = build_tiers(device, config.device_budget_bytes, config.host_budget_bytes, per_host)
     _, disk_budget = nvme_budget(config)
-    reserve = int(WARMUP_ACTIVATION_RESERVE * device_tier.budget_bytes) if device.type == "cuda" else 0
+    reserve = warmup_reserve(config, device, device_tier.budget_bytes)
     cap = chunk_numel_cap(config, device_tier.budget_bytes, reserve, compute_dtype,
                           Sharding(world_size=world_size, ranks_per_host=per_host))
     layout = build_layout(shapes, config, cap)
@@ -248,7 +264,7 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     swap_directory, disk_budget = nvme_budget(config)
     # Before the warm-up has measured activations, keep part of the device for them; the re-plan
     # after the first step replaces this guess with the measured peak (and moves groups back).
-    reserve = int(WARMUP_ACTIVATION_RESERVE * device_tier.budget_bytes) if device.type == "cuda" else 0
+    reserve = warmup_reserve(config, device, device_tier.budget_bytes)
     layout = build_layout([(name, tuple(p.shape)) for name, p in params], config,
                           chunk_numel_cap(config, device_tier.budget_bytes, reserve, compute_dtype, sharding))
 

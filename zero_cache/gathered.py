@@ -151,7 +151,7 @@ class GatheredGroups:
         self.transfers = transfers
         self.sharding = store.sharding
         self.ahead = ahead
-        self.max_live = max(max_live, ahead + 2)
+        self.resize(max_live)
         self.wait_owned = wait_owned
         self.trace = AcquisitionTrace()
         self._live: dict[int, _Live] = {}  # in order of last use (the warm-up evicts the first)
@@ -162,6 +162,10 @@ class GatheredGroups:
         self.gathers = 0
         """Gathers issued, all-gathers and host copies (a measure of the policy: each group is needed about 2-3
         times a step)."""
+
+    def resize(self, max_live: int) -> None:
+        """A new plan's number of live groups (at least ``ahead + 2``), from the next acquisition on."""
+        self.max_live = max(max_live, self.ahead + 2)
 
     @property
     def live_groups(self) -> list[int]:

@@ -12,7 +12,7 @@ from reference import SEQ, VOCAB, ds_config, random_batches, train_steps
 from zero_cache.planner import DEVICE, HOST
 
 pytestmark = pytest.mark.gpu
-CHUNK_NUMEL = 8192
+CHUNK_NUMEL = 16384
 
 
 def tiny_gpt(seed: int) -> torch.nn.Module:

@@ -158,3 +158,27 @@ def test_a_non_finite_gradient_skips_the_step_as_if_its_batch_never_came():
     assert losses == expected[2:]
     start = {n: p.detach().clone() for n, p in tiny_gpt(seed).named_parameters()}
     assert_close_to(optimizer.master_state_dict(), straight_optimizer.master_state_dict(), start, rtol=0)
+
+
+def test_the_replan_after_the_first_step_brings_streamed_shards_home_to_the_device():
+    """activation_memory holds back most of the budget for the first step, so the shards stream; the first
+    step measures no activations on CPU, and the re-plan moves shards home to the device and resizes the live
+    groups. The weights stay those of the resident run."""
+    seed = torch.randint(0, 10_000, ()).item()
+    batches = random_batches(seed, count=4, batch=2)
+    budget = resident_budget(tiny_gpt(seed))
+    resident_losses, resident, _ = train(tiny_gpt(seed), config("device", budget), batches)
+    # Room for 9 chunks besides the activations: the fp32 scratch, 3 gradient buckets and 4 live groups, not
+    # the 9 param chunks.
+    cfg = config("auto", budget, activation_memory=int(0.97 * budget) - 9 * CHUNK_NUMEL * 4)
+    engine, optimizer, _, _ = angelptm.initialize(model=tiny_gpt(seed), config=cfg)
+    store = optimizer.store
+    streamed_first = store.param_home.count(HOST)
+    assert store.shard_params and streamed_first >= len(store.shards) - 1
+    losses = train_steps(engine, batches[:1])
+    assert store.param_home.count(HOST) < streamed_first, f"the re-plan must bring shards home: {store.param_home}"
+    losses += train_steps(engine, batches[1:])
+    assert store.tiers[DEVICE].peak_bytes <= budget
+    assert losses == resident_losses
+    start = {n: p.detach().clone() for n, p in tiny_gpt(seed).named_parameters()}
+    assert_close_to(optimizer.master_state_dict(), resident, start, rtol=0)
