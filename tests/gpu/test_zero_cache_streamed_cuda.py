@@ -8,7 +8,7 @@ import torch
 
 import angelptm
 from angelptm.models import ModelConfig, build_model
-from reference import SEQ, VOCAB, ds_config, random_batches, train_steps
+from reference import SEQ, VOCAB, assert_masters_close, ds_config, random_batches, reference_loop, train_steps
 from zero_cache.planner import DEVICE, HOST
 
 pytestmark = pytest.mark.gpu
@@ -21,36 +21,37 @@ def tiny_gpt(seed: int) -> torch.nn.Module:
                                    num_heads=4, tie_embeddings=True, activation_checkpointing=True))
 
 
-def config(param_home: str, *, clip: float, accumulation: int, device_budget: int | str = "1GiB") -> dict:
+def config(*, clip: float, accumulation: int, prefetch_depth: int) -> dict:
     return ds_config(bf16={"enabled": True}, gradient_clipping=clip, gradient_accumulation_steps=accumulation,
-                     zero_cache={"enabled": True, "chunk_size": CHUNK_NUMEL, "param_home": param_home,
-                                 "device_memory_budget": device_budget, "host_memory_budget": "2GiB",
-                                 "prefetch_depth": 2})
+                     zero_cache={"enabled": True, "chunk_size": CHUNK_NUMEL, "param_home": "host",
+                                 "device_memory_budget": "1GiB", "host_memory_budget": "2GiB",
+                                 "prefetch_depth": prefetch_depth})
 
 
 @pytest.mark.parametrize("accumulation, clip", [(1, 1.0), (2, 1.0), (1, 0.0)])
-def test_streamed_params_on_cuda_equal_resident_params(accumulation, clip):
-    """Both keep every optimizer group on the host (the resident run's budget holds the params only), so they
-    run the same host Adam on the same gradients: the streams and events must not change a bit."""
+def test_streamed_params_on_cuda_track_the_reference_and_do_not_depend_on_the_prefetch(accumulation, clip):
+    """Fetching 1 or 4 groups ahead changes only when copies run, never what they copy: the two runs are bitwise
+    equal (a copy racing its use, or a gradient written home before it was final, would show), and both follow
+    hand-written mixed precision."""
     seed = torch.randint(0, 10_000, ()).item()
     batches = random_batches(seed, count=10 * accumulation, batch=4)
-    weights = sum(p.numel() * 2 for p in tiny_gpt(seed).parameters())
-    resident_engine, resident, _, _ = angelptm.initialize(
-        model=tiny_gpt(seed), config=config("device", clip=clip, accumulation=accumulation,
-                                            device_budget=int(1.5 * weights) + 40 * 2**20))
-    streamed_engine, streamed, _, _ = angelptm.initialize(
-        model=tiny_gpt(seed), config=config("host", clip=clip, accumulation=accumulation))
-    assert {group.tier for group in resident.store.groups} == {HOST} and not resident.store.shard_params
-    assert set(streamed.store.param_home) == {HOST} and streamed.store.shards[0].is_pinned()
-    expected = train_steps(resident_engine, batches)
-    losses = train_steps(streamed_engine, batches)
+    runs = []
+    for depth in (1, 4):
+        engine, optimizer, _, _ = angelptm.initialize(
+            model=tiny_gpt(seed), config=config(clip=clip, accumulation=accumulation, prefetch_depth=depth))
+        store = optimizer.store
+        assert set(store.param_home) == {HOST} and store.shards[0].is_pinned()
+        assert {group.tier for group in store.groups} == {HOST}
+        runs.append((train_steps(engine, batches), optimizer.master_state_dict(), optimizer))
+    (losses, masters, optimizer), (deep_losses, deep_masters, _) = runs
+    assert losses == deep_losses
+    assert all(torch.equal(masters[name], deep_masters[name]) for name in masters)
+    assert optimizer.exchange.gathered.gathers > 2 * len(optimizer.store.shards)  # forward and again in backward
+    expected, expected_masters = reference_loop(tiny_gpt(seed), batches, dtype=torch.bfloat16,
+                                                accumulation=accumulation, lr=3e-3, clip=clip, device="cuda")
     assert expected[-1] < expected[0] - 0.3
-    assert losses == pytest.approx(expected, rel=1e-5)
-    got, want = streamed.master_state_dict(), resident.master_state_dict()
-    for name, value in want.items():
-        error = (got[name] - value).norm() / value.norm()
-        assert error <= 1e-6, f"{name}: relative error {error:.2e}"
-    assert streamed.exchange.gathered.gathers > 2 * len(streamed.store.shards)  # fetched in forward and backward
+    assert losses == pytest.approx(expected, rel=2e-2)
+    assert_masters_close(masters, expected_masters, dict(tiny_gpt(seed).named_parameters()))
 
 
 def test_built_on_the_host_the_gpu_never_holds_the_model():

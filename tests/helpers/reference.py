@@ -118,3 +118,15 @@ def end_job() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def assert_masters_close(masters: dict, expected_masters: dict, initial: dict) -> None:
+    """All masters together within a tenth of how far training moved them (fused vs foreach Adam, bf16
+    rounding). Taken over the whole model: a parameter whose gradient is pure rounding noise (a
+    key bias, which softmax ignores) takes steps of random sign, in any two implementations."""
+    diff = moved = 0.0
+    for name, expected in expected_masters.items():
+        start = initial[name].detach().cpu().float()
+        moved += (expected.cpu().float() - start).square().sum().item()
+        diff += (masters[name] - expected.cpu()).square().sum().item()
+    assert diff ** 0.5 < 0.1 * moved ** 0.5, f"masters differ by {diff ** 0.5:.2e} (norm), moved {moved ** 0.5:.2e}"
