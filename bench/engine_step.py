@@ -16,6 +16,7 @@ line per run and a table; ratios are against DeepSpeed measured in the same invo
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import json
 import os
@@ -112,7 +113,10 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
         import deepspeed
 
         construction = deepspeed.zero.Init(config_dict_or_path=infinity, remote_device="cpu", pin_memory=True)
+    started = time.perf_counter()
     model, num_params, flops_per_token = build(size, checkpointing, construction)
+    print(f"bench: {size} {mode} built in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+    started = time.perf_counter()
     if mode == "torch":  # bf16 weights stepped directly: the protocol's "no fp32 master" anchor
         model = model.cuda().bfloat16()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -186,6 +190,7 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
             engine.step()
             return loss
 
+    print(f"bench: {size} {mode} initialized in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     generator = torch.Generator(device="cuda").manual_seed(1)
     times, losses = [], []
     for index in range(steps):
@@ -195,6 +200,7 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
         start = time.perf_counter()
         losses.append(step(batch).item())  # .item() syncs
         times.append(time.perf_counter() - start)
+        print(f"bench: {size} {mode} step {index} {times[-1]:.2f} s loss {losses[-1]:.3f}", file=sys.stderr, flush=True)
     step_s = statistics.median(times[3:])
     extra = {}
     if mode.startswith("zero_cache"):
@@ -223,6 +229,21 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
             # ru_maxrss: the process's peak resident set (KiB on Linux), pinned host memory included
             "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             "losses": [round(loss, 3) for loss in losses], **extra}
+
+
+def run_child(command: list[str]) -> tuple[int, list[str], list[str]]:
+    """Run one (size, mode) child; its notes ("zero_cache: ...", "bench: ...") are printed as they come, so a
+    run cut at its time limit still shows how far it got. Returns its exit status, RESULT lines and stderr tail."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tail: collections.deque[str] = collections.deque(maxlen=25)
+    for line in proc.stderr:
+        line = line.rstrip("\n")
+        if line.startswith(("zero_cache:", "bench:")):
+            print(line, flush=True)
+        elif "Warning" not in line:
+            tail.append(line)
+    results = [l for l in proc.stdout.read().splitlines() if l.startswith("RESULT ")]
+    return proc.wait(), results, list(tail)
 
 
 def main() -> None:
@@ -271,13 +292,9 @@ def main() -> None:
         command += ["--memory-cap", args.memory_cap] if args.memory_cap else []
         command += ["--build-on-host"] if args.build_on_host else []
         command += ["--param-home", args.param_home]
-        proc = subprocess.run(command, capture_output=True, text=True)
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-        notes = [l for l in proc.stderr.splitlines() if l.startswith("zero_cache:")]
-        print("\n".join(notes), flush=True)
-        if proc.returncode or not lines:
-            tail = [l for l in proc.stderr.splitlines() if "Warning" not in l][-25:]
-            print(f"{size} {mode} x{nproc}: failed (exit {proc.returncode})\n" + "\n".join(tail), flush=True)
+        returncode, lines, tail = run_child(command)
+        if returncode or not lines:
+            print(f"{size} {mode} x{nproc}: failed (exit {returncode})\n" + "\n".join(tail), flush=True)
             continue
         result = json.loads(lines[-1].removeprefix("RESULT "))
         results.append(result)
