@@ -36,7 +36,7 @@ SIZES = {  # GPT-2-style shapes; vocab 50304, seq 1024 as in the protocol
     "2.7b": dict(num_layers=32, hidden_size=2560, num_heads=32),
     "4.4b": dict(num_layers=36, hidden_size=3072, num_heads=24, tie_embeddings=False),  # 4.39B
     "6.9b": dict(num_layers=32, hidden_size=4096, num_heads=32, tie_embeddings=False),
-    "9.3b": dict(num_layers=44, hidden_size=4096, num_heads=32, tie_embeddings=False),  # 9.28B
+    "8.5b": dict(num_layers=40, hidden_size=4096, num_heads=32, tie_embeddings=False),  # 8.47B
     "10b": dict(num_layers=48, hidden_size=4096, num_heads=32, tie_embeddings=False),  # 10.1B
     "13b": dict(num_layers=40, hidden_size=5120, num_heads=40, tie_embeddings=False),
     "13.7b": dict(num_layers=42, hidden_size=5120, num_heads=40, tie_embeddings=False),

@@ -27,7 +27,7 @@ from zero_cache.shard_params import (candidate_plans, choose_shard_params, choos
                                      device_groups, gather_ahead_groups, gather_objects, max_live_groups,
                                      register_saving_hooks, wanted_placement)
 from zero_cache.sharding import Sharding
-from zero_cache.tiers import auto_device_budget, build_tiers
+from zero_cache.tiers import auto_device_budget, auto_host_budget, build_tiers
 from zero_cache.units import parse_budget
 
 logger = logging.getLogger(__name__)
@@ -254,13 +254,15 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     ordered = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     in_optimizer = {id(p) for p in ordered}
     params = [(name, p) for name, p in module.named_parameters() if id(p) in in_optimizer]
-    device_budget = config.device_budget_bytes
+    # "auto" budgets: free memory now, plus the parameters about to move into chunks (their current
+    # storage is released as each one is rebound to its chunk view or copied into its home). A model
+    # built on the host (zero.Init(remote_device="cpu")) would otherwise shrink the host tier by its own size.
+    device_budget, host_budget = config.device_budget_bytes, config.host_budget_bytes
     if device_budget is None:
-        # "auto": free memory now, plus the parameters about to move into chunks (their current
-        # storage is released as each one is rebound to its chunk view).
-        reclaimable = sum(p.numel() * p.element_size() for _, p in params if p.device == device)
-        device_budget = auto_device_budget(device, sharding.ranks_per_host) + reclaimable
-    device_tier, host_tier = build_tiers(device, device_budget, config.host_budget_bytes, sharding.ranks_per_host)
+        device_budget = auto_device_budget(device, sharding.ranks_per_host) + _bytes_on(params, device)
+    if host_budget is None and device.type == "cuda":
+        host_budget = auto_host_budget(device, sharding.ranks_per_host) + _bytes_on(params, torch.device("cpu"))
+    device_tier, host_tier = build_tiers(device, device_budget, host_budget, sharding.ranks_per_host)
     swap_directory, disk_budget = nvme_budget(config)
     # Before the warm-up has measured activations, keep part of the device for them; the re-plan
     # after the first step replaces this guess with the measured peak (and moves groups back).
@@ -325,3 +327,9 @@ def _register_forward_hooks(module: nn.Module, store: ChunkStore, hybrid: ZeroCa
         submodule.register_forward_pre_hook(before_forward)
         if gathered is not None:
             submodule.register_forward_hook(after_forward, always_call=True)
+
+
+def _bytes_on(params: list[tuple[str, nn.Parameter]], device: torch.device) -> int:
+    """Bytes of the parameters stored on ``device`` (its type, and index where it has one)."""
+    return sum(p.numel() * p.element_size() for _, p in params
+               if p.device.type == device.type and (device.index is None or p.device.index == device.index))
