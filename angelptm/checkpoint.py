@@ -2,7 +2,8 @@
 
 Writing protocol (rank 0 coordinates, every rank writes its own RNG/data-position file):
 
-1. write every file into ``save_dir/.tmp-<tag>/`` and fsync each one;
+1. write every file into ``save_dir/.tmp-<tag>/`` and fsync each one, hashing it on the way out; rank 0
+   gathers every rank's file records and writes ``manifest.json`` (``angelptm.checkpoint_manifest``);
 2. rename the temporary directory to ``save_dir/<tag>`` (an existing tag is first moved aside
    to ``.old-<tag>`` and removed only after the new one is in place);
 3. fsync ``save_dir``, then replace ``latest`` atomically (write, fsync, ``os.replace``).
@@ -10,6 +11,11 @@ Writing protocol (rank 0 coordinates, every rank writes its own RNG/data-positio
 A crash at any point leaves ``latest`` naming a complete checkpoint: before step 2 the new files
 sit in a temporary directory that the next save removes; between the two renames of step 2 the
 loader falls back to ``.old-<tag>``.
+
+Loading verifies the manifest first (sizes and checksums, the files shared out over the ranks). An
+explicit tag that fails is a :class:`CheckpointError` naming the file; following ``latest`` falls back to
+the newest older checkpoint that verifies, with a warning naming the damaged one. Files are read
+without running code from them (``angelptm.checkpoint_pickle``).
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-import torch.distributed  # noqa: F401  (all_reduce of the save outcome)
+import torch.distributed  # noqa: F401  (all_gather of the save outcome)
 
+from angelptm import checkpoint_manifest as manifest, checkpoint_pickle
 from angelptm.distributed import DistContext
 from angelptm.errors import CheckpointError
 
@@ -33,7 +40,8 @@ logger = logging.getLogger(__name__)
 LATEST = "latest"
 MODEL_FILE = "model_states.pt"
 OPTIM_FILE = "optim_states.pt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: a manifest, and nothing that needs unsafe unpickling (1: numpy RNG state as a pickled array)."""
 
 
 def rank_file(rank: int) -> str:
@@ -49,12 +57,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_file_durably(obj: Any, path: Path) -> None:
-    """``torch.save`` then fsync, so a completed save survives a power cut."""
-    with open(path, "wb") as handle:
-        torch.save(obj, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
+def write_file_durably(obj: Any, path: Path) -> manifest.FileRecord:
+    """``torch.save`` then fsync, so a completed save survives a power cut; returns its manifest record.
+
+    Raises:
+        CheckpointError: ``obj`` holds objects that loading could only rebuild by running code.
+    """
+    record = manifest.write_hashed(obj, path)
+    checkpoint_pickle.refuse_unsafe_objects(path)
+    return record
 
 
 def _write_latest(save_dir: Path, tag: str) -> None:
@@ -104,20 +115,23 @@ def save(save_dir: str | os.PathLike, tag: str, ctx: DistContext, *, shared: dic
         tmp.mkdir()
     ctx.barrier()
     error: BaseException | None = None
+    records: list[manifest.FileRecord] = []
     try:
         if ctx.is_main:
             files = shared() if callable(shared) else shared
             for name, obj in files.items():
-                write_file_durably(obj, tmp / name)
-        write_file_durably(per_rank, tmp / rank_file(ctx.rank))
+                records.append(write_file_durably(obj, tmp / name))
+        records.append(write_file_durably(per_rank, tmp / rank_file(ctx.rank)))
     except Exception as err:  # every rank must learn of it, or the others wait at the next barrier
         error = err
-    if not _all_ranks_ok(ctx, error is None):
+    every_rank = _gather_records(ctx, None if error is not None else records)
+    if any(part is None for part in every_rank):
         if error is not None:
             raise error
         raise CheckpointError(f"another rank failed while writing checkpoint {final}; the previous checkpoint "
                               "is untouched")
     if ctx.is_main:
+        manifest.write_manifest(tmp, [record for part in every_rank for record in part])
         _fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
@@ -132,43 +146,115 @@ def save(save_dir: str | os.PathLike, tag: str, ctx: DistContext, *, shared: dic
     return final
 
 
-def _all_ranks_ok(ctx: DistContext, ok: bool) -> bool:
-    """All-reduce a success flag (doubles as the barrier before the rename)."""
+def _gather_records(ctx: DistContext, records: list[manifest.FileRecord] | None
+                    ) -> list[list[manifest.FileRecord] | None]:
+    """Every rank's file records (None for a rank that failed); doubles as the barrier before the rename."""
     if ctx.group is None:
-        return ok
-    flag = torch.tensor([int(ok)], device=ctx.device)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=ctx.group)
-    return bool(flag.item())
+        return [records]
+    parts: list[Any] = [None] * ctx.world_size
+    torch.distributed.all_gather_object(parts, records, group=ctx.group)
+    return parts
 
 
-def resolve(load_dir: str | os.PathLike, tag: str | None) -> Path | None:
-    """The directory of checkpoint ``tag`` (or of ``latest``), or None when there is no checkpoint."""
+def resolve(load_dir: str | os.PathLike, tag: str | None, ctx: DistContext | None = None) -> Path | None:
+    """The directory of a checkpoint that verifies against its manifest, or None when there is no checkpoint.
+
+    Args:
+        load_dir: the checkpoint root.
+        tag: an explicit tag, which must verify; None follows ``latest`` and falls back, newest first,
+            to the older checkpoints in ``load_dir`` when it does not.
+        ctx: with several ranks, each checks a share of the files and all agree on the outcome (every
+            rank must call it); None checks every file here.
+
+    Raises:
+        CheckpointError: the explicit tag, or every candidate, fails; the message names the damaged files.
+    """
     root = Path(load_dir)
-    if tag is None:
-        latest = root / LATEST
-        if not latest.is_file():
-            return None
-        tag = latest.read_text().strip()
+    if tag is not None:
+        path = _tag_dir(root, tag)
+        problem = _verify(path, ctx)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {path} does not verify: {problem}")
+        return path
+    latest = root / LATEST
+    if not latest.is_file():
+        return None
+    problems = []
+    for path in _candidates(root, latest.read_text().strip()):
+        problem = _verify(path, ctx)
+        if problem is None:
+            return path
+        problems.append(problem)
+        logger.warning("checkpoint %s does not verify (%s); trying the newest one before it", path, problem)
+    raise CheckpointError(f"no checkpoint in {root} verifies: {'; '.join(problems)}. Move the damaged ones out of "
+                          "the directory to inspect them, or start over with another save directory")
+
+
+def _tag_dir(root: Path, tag: str) -> Path:
     path = root / tag
     if not path.is_dir() and (root / f".old-{tag}").is_dir():
         logger.warning("checkpoint %s was being replaced when a save was interrupted; loading the previous copy", path)
         path = root / f".old-{tag}"
-    if not (path / MODEL_FILE).is_file():
-        raise CheckpointError(f"{path} is not a complete checkpoint (no {MODEL_FILE})")
     return path
 
 
-def load_file(path: Path) -> Any:
-    """Read one checkpoint file onto the CPU."""
+def _saved_at(path: Path) -> float:
+    """When a checkpoint was saved: its manifest's time, else its directory's modification time."""
     try:
-        # weights_only=False: checkpoints carry client_state, which may hold any picklable object.
-        # Load only checkpoints you trust, as with torch.load in general. mmap: a tensor is read from
-        # disk when it is used, so a rank merging every rank's ZeRO-Cache shard reads only its own.
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint file {path} is missing") from None
-    except Exception as err:  # a truncated or foreign file; say which one
-        raise CheckpointError(f"cannot read checkpoint file {path}: {err}") from None
+        return float(manifest.read_manifest(path)["saved_at_unix"])
+    except Exception:  # no manifest (an older checkpoint) or a damaged one: the directory still orders it
+        return path.stat().st_mtime
+
+
+def _candidates(root: Path, latest_tag: str) -> list[Path]:
+    """The checkpoint ``latest`` names, then every checkpoint saved before it, newest first.
+
+    Newer ones are left out: they never became ``latest`` (``save_latest=False``, or a crash between the
+    rename and the pointer update), so resuming from them would skip what the user chose.
+    """
+    named = _tag_dir(root, latest_tag)
+    limit = _saved_at(named) if named.is_dir() else float("inf")
+    others = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and p != named
+              and ((p / MODEL_FILE).is_file() or (p / manifest.MANIFEST_FILE).is_file())]
+    older = sorted(((t, p) for p in others if (t := _saved_at(p)) <= limit), key=lambda item: item[0], reverse=True)
+    return [named] + [p for _, p in older]
+
+
+def _verify(path: Path, ctx: DistContext | None) -> str | None:
+    """None when the checkpoint at ``path`` is complete and every file matches the manifest, else why not."""
+    if not path.is_dir():
+        return f"{path} does not exist"
+    try:
+        saved = manifest.read_manifest(path)
+    except CheckpointError as err:
+        return str(err)
+    if saved is None:
+        if not (path / MODEL_FILE).is_file():
+            return f"{path} is not a complete checkpoint (no {MODEL_FILE})"
+        logger.warning("%s has no %s (saved before manifests existed): its files cannot be verified",
+                       path, manifest.MANIFEST_FILE)
+        return None
+    if MODEL_FILE not in saved["files"]:
+        return f"{path} is not a complete checkpoint (its manifest lists no {MODEL_FILE})"
+    rank, world_size = (ctx.rank, ctx.world_size) if ctx is not None and ctx.group is not None else (0, 1)
+    problems = [p for name in manifest.share_of_files(saved, rank, world_size)
+                if (p := manifest.verify_file(path, name, saved["files"][name])) is not None]
+    if world_size > 1:  # every rank must reach the same verdict, or they would load different checkpoints
+        parts: list[Any] = [None] * world_size
+        torch.distributed.all_gather_object(parts, problems, group=ctx.group)
+        problems = [p for part in parts for p in part]
+    return "; ".join(problems) or None
+
+
+def load_file(path: Path, *, allow_unsafe_pickle: bool = False) -> Any:
+    """Read one checkpoint file onto the CPU, without running code from it (see ``angelptm.checkpoint_pickle``).
+
+    Args:
+        path: the file.
+        allow_unsafe_pickle: fully unpickle a file that holds more than the safe types (a checkpoint of
+            the previous format), after a warning; only for files whose origin you trust.
+    """
+    return checkpoint_pickle.load(path, allow_unsafe_pickle=allow_unsafe_pickle)
 
 
 ZERO_CACHE_SHARD = "zero_cache_shard"
@@ -176,7 +262,8 @@ ZERO_CACHE_SHARD = "zero_cache_shard"
 optimizer file)."""
 
 
-def merge_zero_cache_shards(path: Path, optimizer_state: dict[str, Any], num_shards: int) -> dict[str, Any]:
+def merge_zero_cache_shards(path: Path, optimizer_state: dict[str, Any], num_shards: int, *,
+                            allow_unsafe_pickle: bool = False) -> dict[str, Any]:
     """The whole optimizer state of a checkpoint saved by ``num_shards`` ZeRO-Cache ranks.
 
     Every state is keyed by parameter name, so merging the per-rank name tables is all a
@@ -186,13 +273,15 @@ def merge_zero_cache_shards(path: Path, optimizer_state: dict[str, Any], num_sha
         path: the checkpoint directory.
         optimizer_state: rank 0's (``optim_states.pt``'s ``"optimizer"`` entry), extended in place.
         num_shards: the world size it was saved at.
+        allow_unsafe_pickle: see :func:`load_file`.
 
     Returns:
         ``optimizer_state`` with every rank's masters, exp_avg and exp_avg_sq.
     """
     for rank in range(1, num_shards):
         source = path / rank_file(rank)
-        shard = load_file(source).get(ZERO_CACHE_SHARD) if source.is_file() else None
+        shard = load_file(source, allow_unsafe_pickle=allow_unsafe_pickle).get(ZERO_CACHE_SHARD) \
+            if source.is_file() else None
         if shard is None:
             raise CheckpointError(f"{source} is missing or lacks rank {rank}'s ZeRO-Cache shard: the checkpoint "
                                   f"was saved by {num_shards} ranks and needs every rank's file")
@@ -204,7 +293,10 @@ def merge_zero_cache_shards(path: Path, optimizer_state: dict[str, Any], num_sha
 
 def capture_rng_state() -> dict[str, Any]:
     """Every random generator a training step can touch."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    # numpy's key array as a tensor: a numpy array would need unsafe unpickling to load.
+    numpy_state = (kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached_gaussian)
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -213,7 +305,9 @@ def capture_rng_state() -> dict[str, Any]:
 def restore_rng_state(state: dict[str, Any]) -> None:
     """Undo :func:`capture_rng_state`'s snapshot."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, *rest = state["numpy"]  # keys: a tensor, or an array in a format-1 checkpoint
+    keys = keys.numpy() if isinstance(keys, torch.Tensor) else keys
+    np.random.set_state((kind, keys.astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from angelptm.errors import ConfigError
+from angelptm.liveness import RankWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,8 @@ class DistContext:
     """The data-parallel group, or None in a single-process run."""
     local_world_size: int = 1
     """Ranks on this host (the launcher's LOCAL_WORLD_SIZE): they share its RAM."""
+    watchdog: RankWatchdog | None = None
+    """The lost-rank heartbeat, when this context's :func:`init_distributed` created the group with one."""
 
     @property
     def is_main(self) -> bool:
@@ -65,13 +68,23 @@ def _env_int(name: str, default: int) -> int:
         raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
 
 
-def init_distributed(*, dist_init_required: bool | None = None, timeout_s: float = 600.0) -> DistContext:
+def launcher_world_size() -> int:
+    """Ranks of this job as the process group has them, or as the launcher announced them (before joining)."""
+    return dist.get_world_size() if dist.is_initialized() else _env_int("WORLD_SIZE", 1)
+
+
+def init_distributed(*, dist_init_required: bool | None = None, timeout_s: float = 600.0,
+                     lost_rank_after_s: float = 0.0) -> DistContext:
     """Join (or create) the default process group and pick this rank's device.
 
     Args:
         dist_init_required: None = initialise when the environment describes more than one rank;
             True = always initialise (a world of one is fine); False = never.
-        timeout_s: collective timeout, so a dead rank produces an error instead of a hang.
+        timeout_s: collective timeout, so a hung collective produces an error instead of a hang
+            (``comms.timeout_s``).
+        lost_rank_after_s: when this call creates a group of several ranks, start a heartbeat that
+            ends the job with the lost rank's name once one stands still this long
+            (``comms.lost_rank_after_s``; 0 = none, see ``angelptm.liveness``).
 
     Returns:
         This process's :class:`DistContext`. NCCL is used when CUDA is available, gloo otherwise.
@@ -83,6 +96,7 @@ def init_distributed(*, dist_init_required: bool | None = None, timeout_s: float
     if use_cuda:
         torch.cuda.set_device(device)
     wanted = world_size > 1 if dist_init_required is None else dist_init_required
+    watchdog = None
     if wanted and not dist.is_initialized():
         for name in ("MASTER_ADDR", "MASTER_PORT", "RANK"):
             if name not in os.environ:
@@ -90,15 +104,20 @@ def init_distributed(*, dist_init_required: bool | None = None, timeout_s: float
                     f"WORLD_SIZE={world_size} but {name} is not set; start the job with torchrun or the deepspeed launcher"
                 )
         backend = "nccl" if use_cuda else "gloo"
-        dist.init_process_group(backend=backend, init_method="env://",
-                                timeout=datetime.timedelta(seconds=timeout_s),
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # The env:// rendezvous that init_process_group would do, done here to keep the store for the heartbeat.
+        store, rank, size = next(dist.rendezvous("env://", timeout=timeout))
+        store.set_timeout(timeout)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size, timeout=timeout,
                                 device_id=device if use_cuda else None)
         logger.info("joined process group: backend %s, rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
+        if lost_rank_after_s > 0 and size > 1:
+            watchdog = RankWatchdog(store, rank, size, lost_rank_after_s)
     if world_size > 1 and not dist.is_initialized():
         raise ConfigError(f"the launcher started {world_size} ranks (WORLD_SIZE={world_size}) but dist_init_required="
                           "False and no process group exists; initialise torch.distributed first or drop the argument")
     if dist.is_initialized():
         return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                            device=device, group=dist.group.WORLD,
-                           local_world_size=_env_int("LOCAL_WORLD_SIZE", dist.get_world_size()))
+                           local_world_size=_env_int("LOCAL_WORLD_SIZE", dist.get_world_size()), watchdog=watchdog)
     return DistContext(rank=0, world_size=1, local_rank=local_rank, device=device, group=None)

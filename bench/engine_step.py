@@ -51,6 +51,8 @@ SIZES = {  # GPT-2-style shapes; vocab 50304, seq 1024 as in the protocol
     "40b": dict(num_layers=48, hidden_size=8192, num_heads=64, tie_embeddings=False),  # 39.5B
     "50b": dict(num_layers=60, hidden_size=8192, num_heads=64, tie_embeddings=False),  # 49.2B
 }
+TRACED_STEP = 3
+"""With --trace: the step pictured (after the warm-up step and the re-plan it triggers)."""
 AIO = {"block_size": 1 << 20, "queue_depth": 32, "thread_count": 4, "single_submit": False, "overlap_events": True}
 """The same aio block for DeepSpeed's NVMe offload and ZeRO-Cache's NVMe tier."""
 
@@ -89,7 +91,7 @@ def cap_memory(cap: str | None) -> None:
 
 def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, device_budget: str,
             clip: float, host_budget: str = "auto", nvme_path: str | None = None, memory_cap: str | None = None,
-            build_on_host: bool = False, param_home: str = "auto") -> dict:
+            build_on_host: bool = False, param_home: str = "auto", trace_dir: str | None = None) -> dict:
     """Train ``steps`` steps in this process and return timings."""
     import torch
 
@@ -194,6 +196,8 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
     generator = torch.Generator(device="cuda").manual_seed(1)
     times, losses = [], []
     for index in range(steps):
+        if trace_dir and index == TRACED_STEP and mode in ("angelptm", "zero_cache", "zero_cache_shard"):
+            engine.trace_next_step(Path(trace_dir) / f"{size}-{mode}")
         ids = torch.randint(0, 50304, (micro, 1025), device="cuda", generator=generator)
         batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
         torch.cuda.synchronize()
@@ -263,12 +267,13 @@ def main() -> None:
     parser.add_argument("--memory-cap", help="torch.cuda.set_per_process_memory_fraction to this many bytes (every mode)")
     parser.add_argument("--build-on-host", action="store_true", help="zero_cache: build under zero.Init(remote_device=cpu)")
     parser.add_argument("--param-home", default="auto", help="zero_cache.param_home")
+    parser.add_argument("--trace", help="engine modes: write a trace and PNG of one step under this directory")
     parser.add_argument("--child", nargs=2, metavar=("SIZE", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         result = run_one(*args.child, args.steps, args.micro, not args.no_checkpointing, args.device_budget,
                          args.gradient_clipping, args.host_budget, args.nvme_path, args.memory_cap,
-                         args.build_on_host, args.param_home)
+                         args.build_on_host, args.param_home, args.trace)
         if os.environ.get("RANK", "0") == "0":
             print("RESULT " + json.dumps(result))
         # Leave without the interpreter's teardown, where torch's communication threads can still be going
@@ -292,6 +297,7 @@ def main() -> None:
         command += ["--memory-cap", args.memory_cap] if args.memory_cap else []
         command += ["--build-on-host"] if args.build_on_host else []
         command += ["--param-home", args.param_home]
+        command += ["--trace", args.trace] if args.trace else []
         returncode, lines, tail = run_child(command)
         if returncode or not lines:
             print(f"{size} {mode} x{nproc}: failed (exit {returncode})\n" + "\n".join(tail), flush=True)

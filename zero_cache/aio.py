@@ -140,7 +140,9 @@ class DeepSpeedFileIO:
     def submit(self, path: Path, fd: int, buffer: torch.Tensor, offset: int, *, write: bool) -> IORequest:
         with self._lock:
             call = self._handle.async_pwrite if write else self._handle.async_pread
-            if call(buffer, str(path), offset) != 0:
+            # The op opens files by name, and the swap file has none (see zero_cache.nvme): /proc/self/fd/N
+            # reopens the same open file (O_WRONLY | O_CREAT without O_TRUNC: nothing is cut).
+            if call(buffer, f"/proc/self/fd/{fd}", offset) != 0:
                 self._failed[self._submitted + 1] = _io_error(errno.EIO, path, write)
             self._submitted += 1
             self._live.append(buffer)

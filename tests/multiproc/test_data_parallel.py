@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -32,3 +33,8 @@ def test_a_rank_failing_mid_save_stops_every_rank_and_keeps_the_last_checkpoint(
     assert (tmp_path / "outcome.0").read_text().startswith("CheckpointError: another rank failed")
     assert (tmp_path / "ckpt" / "latest").read_text() == "good"
     assert not (tmp_path / "ckpt" / "bad").exists()
+    manifest = json.loads((tmp_path / "ckpt" / "good" / "manifest.json").read_text())  # every rank's files
+    assert sorted(manifest["files"]) == ["model_states.pt", "optim_states.pt", "rank_00000_states.pt",
+                                         "rank_00001_states.pt"]
+    for name, entry in manifest["files"].items():
+        assert (tmp_path / "ckpt" / "good" / name).stat().st_size == entry["size_bytes"]

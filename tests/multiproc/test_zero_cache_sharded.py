@@ -132,7 +132,8 @@ def test_checkpoint_saved_at_four_ranks_resumes_at_two_and_one_and_exports_offli
     save_dir = tmp_path / "ckpt"
     halfway = train(4, tmp_path / "first.pt", data_seed, 2, "--save-dir", str(save_dir))
     files = sorted(p.name for p in (save_dir / "global_step2").iterdir())
-    assert files == ["model_states.pt", "optim_states.pt", *[f"rank_{r:05d}_states.pt" for r in range(4)]]
+    assert files == ["manifest.json", "model_states.pt", "optim_states.pt",
+                     *[f"rank_{r:05d}_states.pt" for r in range(4)]]
     # The last: a replicated checkpoint into shards.
     assert_resumes_and_exports(tmp_path, data_seed, save_dir, halfway, unsharded, ((2, ()), (1, ()), (2, (SHARD,))))
 

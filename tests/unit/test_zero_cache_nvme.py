@@ -8,6 +8,7 @@ import gc
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import types
@@ -117,10 +118,9 @@ def test_tier_slots_round_trip_unaligned_state_sizes_and_remove_their_file(tmp_p
         back = aligned_bytes(tier.slot_bytes)
         tier.read(offset, back).wait()  # waits for the slot's own write first
         assert torch.equal(back, buffer)
-    assert tier.used_bytes == 5 * tier.slot_bytes and os.path.getsize(tier.file.path) >= tier.used_bytes
-    path = tier.file.path
+    assert tier.used_bytes == 5 * tier.slot_bytes and os.fstat(tier.file.fd).st_size >= tier.used_bytes
+    assert not tier.file.path.exists() and not list(tmp_path.iterdir()), "the swap file must have no name"
     tier.close()
-    assert not path.exists()
 
 
 def test_a_crashed_runs_swap_file_is_removed_and_a_live_one_kept(tmp_path, caplog):
@@ -355,3 +355,50 @@ def test_a_filesystem_refusing_o_direct_at_open_falls_back_to_buffered_io(tmp_pa
     assert torch.equal(back, data)
     tier.close()
     assert not list(tmp_path.iterdir())
+
+
+SWAP_HOLDER = """
+import os, signal, sys
+sys.path[:0] = {paths!r}
+from pathlib import Path
+from zero_cache.config import AioConfig
+from zero_cache.nvme import NvmeTier
+tier = NvmeTier(Path({directory!r}), slot_bytes={slot_bytes}, budget_bytes={slot_bytes}, aio=AioConfig())
+tier.allocate_slot()  # reserves the slot's blocks on disk (posix_fallocate)
+print("ready", flush=True)
+sys.stdin.readline()
+how = {how!r}
+if how == "exception":
+    raise RuntimeError("a failing step")
+if how == "os._exit":
+    os._exit(3)
+if how == "sigkill":
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def free_bytes(path: Path) -> int:
+    stats = os.statvfs(path)
+    return stats.f_bavail * stats.f_frsize
+
+
+@pytest.mark.parametrize("how", ["return", "exception", "os._exit", "sigkill"])
+def test_no_exit_path_leaves_the_swap_file_or_its_space(tmp_path, how):
+    slot_bytes = 512 << 20
+    root = Path(__file__).resolve().parents[2]
+    code = SWAP_HOLDER.format(paths=[str(root)], directory=str(tmp_path), slot_bytes=slot_bytes, how=how)
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready", child.stderr.read()[-2000:]
+        held = free_bytes(tmp_path)
+        assert not list(tmp_path.iterdir()), "the swap file must have no name while it is used"
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        child.wait(timeout=60)
+    finally:
+        child.kill()
+    expected = {"return": 0, "exception": 1, "os._exit": 3, "sigkill": -signal.SIGKILL}[how]
+    assert child.returncode == expected
+    assert not list(tmp_path.iterdir())
+    assert free_bytes(tmp_path) - held >= 0.8 * slot_bytes, "the swap file's blocks were not given back"
