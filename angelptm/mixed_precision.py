@@ -31,8 +31,12 @@ from angelptm.loss_scaler import LossScaler
 logger = logging.getLogger(__name__)
 
 
-class MixedPrecisionOptimizer:
+class MixedPrecisionOptimizer(torch.optim.Optimizer):
     """Wraps a torch optimizer so that it steps fp32 master weights of a low-precision module.
+
+    A ``torch.optim.Optimizer`` by type, so torch and transformers LR schedulers attach to it; its
+    ``param_groups`` are the wrapped optimizer's, which :meth:`step` runs. ``Optimizer.__init__`` is
+    not run: step hooks (``register_step_pre_hook``) are not available.
 
     Args:
         optimizer: a torch optimizer built over the module's parameters, with no state yet; its
@@ -110,6 +114,10 @@ class MixedPrecisionOptimizer:
     @property
     def state(self) -> dict:
         return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
 
     def prepare_backward(self, boundary: bool) -> None:
         """Nothing to prepare: gradients always accumulate into the flat fp32 buffer."""

@@ -126,7 +126,7 @@ def saved_split(cfg: EngineConfig, ctx: DistContext, layout: PipelineLayout) -> 
     """
     if not cfg.train.resume:
         return None
-    path = checkpoint.resolve(cfg.train.save_dir, None)
+    path = checkpoint.resolve(cfg.train.save_dir, None, ctx)
     if path is None:
         return None
     meta = checkpoint.load_file(path / checkpoint.MODEL_FILE)
@@ -195,11 +195,13 @@ def reduce_and_clip(runner: PipelineRunner, optimizer: MixedPrecisionOptimizer, 
     if runner.layout.num_replicas > 1:
         flat.mul_(1.0 / runner.layout.num_replicas)
         dist.all_reduce(flat, group=runner.data_parallel_group)
-    views = dict(zip(optimizer.names, optimizer.grad_views))
-    runner.sync_tied_gradients(lambda name, _: views[name])
+    # By parameter, not name: the optimizer may name parameters after the user's module, the runner after its graph.
+    views = {id(param): view for param, view in zip(optimizer.params, optimizer.grad_views)}
+    runner.sync_tied_gradients(lambda _, param: views[id(param)])
     square = torch.linalg.vector_norm(flat).square()
+    named = dict(runner.named_parameters())
     for name in runner.duplicate_parameter_names:  # held (and counted) by a lower stage rank too
-        square = square - torch.linalg.vector_norm(views[name]).square()
+        square = square - torch.linalg.vector_norm(views[id(named[name])]).square()
     if runner.pipeline_group is not None:
         dist.all_reduce(square, group=runner.pipeline_group)
     norm = math.sqrt(max(square.item(), 0.0)) if math.isfinite(square.item()) else math.inf
@@ -253,7 +255,7 @@ def save(cfg: EngineConfig, ctx: DistContext, step: int, runner: PipelineRunner,
 def resume(cfg: EngineConfig, ctx: DistContext, runner: PipelineRunner, optimizer, scheduler,
            loader: ResumableDataLoader) -> int:
     """Load this rank's part of the latest checkpoint; returns its step (0 without one)."""
-    path = checkpoint.resolve(cfg.train.save_dir, None)
+    path = checkpoint.resolve(cfg.train.save_dir, None, ctx)
     if path is None:
         return 0
     state = checkpoint.load_file(path / checkpoint.rank_file(ctx.rank))

@@ -196,12 +196,14 @@ class PipelineRunner:
         stage_rank = self.rank % self.layout.num_stages
         return sorted(name for name in self._tie_groups if min(self._owners[name]) != stage_rank)
 
-    def step(self, inputs: dict[str, torch.Tensor], target: torch.Tensor) -> torch.Tensor | None:
+    def step(self, inputs: dict[str, torch.Tensor], target: torch.Tensor, *,
+             backward: bool = True) -> torch.Tensor | None:
         """Forward and backward of ``num_microbatches`` micro-batches (gradients accumulate).
 
         Args:
             inputs: the whole batch by input name; only read on the first rank.
             target: the whole batch's target; only read on the last rank.
+            backward: False runs the forward only (evaluation; call it under ``torch.no_grad()``).
 
         Returns:
             The summed scaled loss on the last rank (detached), None elsewhere.
@@ -211,8 +213,8 @@ class PipelineRunner:
         args = (tuple(inputs[name].to(self.device).contiguous() for name in self.input_names)
                 if self.is_first else ())
         losses: list[torch.Tensor] = []
-        self.schedule.step(*args, target=target.to(self.device).contiguous() if self.is_last else None,
-                           losses=losses)
+        run = self.schedule.step if backward else self.schedule.eval
+        run(*args, target=target.to(self.device).contiguous() if self.is_last else None, losses=losses)
         return torch.stack([loss.detach() for loss in losses]).sum() if self.is_last else None
 
     def sync_tied_gradients(self, grad_of: Callable[[str, nn.Parameter], torch.Tensor | None]) -> None:

@@ -1,0 +1,130 @@
+"""``deepspeed.utils.zero_to_fp32`` over angelptm checkpoints: the consolidated fp32 weights, offline, on CPU.
+
+    python -m angelptm.utils.zero_to_fp32 CHECKPOINT_DIR OUTPUT_DIR [-t TAG] [--safe_serialization]
+
+The reading is :func:`angelptm.export.consolidated_fp32_state_dict` (fp32 masters, ZeRO-Cache shards and
+expert-parallel slices merged). What is written follows DeepSpeed's script: ``OUTPUT_DIR/pytorch_model.bin``
+(``torch.save``) or ``OUTPUT_DIR/model.safetensors``. Checkpoints written by DeepSpeed itself are not read
+(their layout is DeepSpeed's): convert those with DeepSpeed's own script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from angelptm.errors import CheckpointError
+from angelptm.export import consolidated_fp32_state_dict
+
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | Path, tag: str | None = None,
+                                             exclude_frozen_parameters: bool = False,
+                                             lazy_mode: bool = False) -> dict[str, torch.Tensor]:
+    """The module state dict with fp32 weights from a checkpoint directory, like DeepSpeed's function.
+
+    Args:
+        checkpoint_dir: the ``save_dir`` given to ``engine.save_checkpoint`` (holds ``latest``).
+        tag: a checkpoint tag (e.g. ``global_step14``); None follows ``latest``.
+        exclude_frozen_parameters: not supported (raises; see the message).
+        lazy_mode: accepted; the tensors are always loaded (they are on CPU).
+
+    Returns:
+        The state dict, on CPU, loadable with ``model.load_state_dict``.
+    """
+    if exclude_frozen_parameters:
+        raise NotImplementedError("exclude_frozen_parameters=True: angelptm checkpoints do not record which "
+                                  "parameters were frozen; save with engine.save_checkpoint(..., "
+                                  "exclude_frozen_parameters=True) instead, or drop the keys from the result")
+    return consolidated_fp32_state_dict(checkpoint_dir, tag)
+
+
+def _parse_size(size: str | int) -> int:
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", size.upper())
+    if match is None:
+        raise ValueError(f"max_shard_size={size!r}: expected digits and a unit, like '5GB'")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | Path, output_dir: str | Path,
+                                               max_shard_size: str | int = "5GB", safe_serialization: bool = False,
+                                               tag: str | None = None, exclude_frozen_parameters: bool = False) -> Path:
+    """Write the consolidated fp32 state dict to ``output_dir``, as DeepSpeed's script does.
+
+    Args:
+        checkpoint_dir: the checkpoint's ``save_dir``.
+        output_dir: created if missing; receives ``pytorch_model.bin`` or ``model.safetensors``.
+        max_shard_size: the largest file to write; a larger model raises (sharded output is not built:
+            ``python -m angelptm.export`` writes one safetensors file of any size).
+        safe_serialization: safetensors instead of ``torch.save``.
+        tag: checkpoint tag; None follows ``latest``.
+        exclude_frozen_parameters: not supported (raises).
+
+    Returns:
+        The file written.
+    """
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
+    total_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    if total_bytes > _parse_size(max_shard_size):
+        raise NotImplementedError(f"the model has {total_bytes:,} bytes, more than max_shard_size={max_shard_size!r}, "
+                                  "and sharded output is not built; raise max_shard_size or run "
+                                  "`python -m angelptm.export CHECKPOINT_DIR OUT.safetensors`")
+    output = Path(output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    if safe_serialization:
+        from safetensors.torch import save_file
+
+        path = output / "model.safetensors"
+        save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata={"format": "pt"})
+    else:
+        path = output / "pytorch_model.bin"
+        torch.save(state, path)
+    return path
+
+
+def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str | Path, tag: str | None = None
+                                         ) -> nn.Module:
+    """Move ``model`` to CPU and load the checkpoint's fp32 weights into it (``strict=False``, as DeepSpeed).
+
+    Returns:
+        The model.
+    """
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    model = model.cpu()
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m angelptm.utils.zero_to_fp32",
+                                     description="Consolidate an angelptm checkpoint's fp32 weights (DeepSpeed's "
+                                                 "zero_to_fp32.py interface).")
+    parser.add_argument("checkpoint_dir", help="the save_dir given to engine.save_checkpoint")
+    parser.add_argument("output_dir", help="directory for pytorch_model.bin / model.safetensors")
+    parser.add_argument("--max_shard_size", default="5GB")
+    parser.add_argument("--safe_serialization", action="store_true")
+    parser.add_argument("-t", "--tag", default=None)
+    parser.add_argument("--exclude_frozen_parameters", action="store_true")
+    parser.add_argument("-d", "--debug", action="store_true", help="accepted; no extra output")
+    args = parser.parse_args(argv)
+    try:
+        path = convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_dir, args.max_shard_size,
+                                                          args.safe_serialization, args.tag,
+                                                          args.exclude_frozen_parameters)
+    except (CheckpointError, NotImplementedError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
