@@ -17,7 +17,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from zero_cache.timeline import COMPUTE, TRACKS, Interval, Timeline, overlap_shares
+from zero_cache.timeline import TRACKS, Interval, Timeline, overlap_shares
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class StepTracer:
 
     def phase(self, name: str) -> Any:
         """Context manager timing one phase (forward, backward, optimizer step) on the compute track."""
-        return self.timeline.on_stream(COMPUTE, name)
+        return self.timeline.computing(name)
 
 
 def write_trace(intervals: list[Interval], directory: Path, step: int) -> list[Path]:
@@ -133,22 +133,3 @@ def render_png(intervals: list[Interval], shares: dict[str, float], path: Path, 
     figure.savefig(path, dpi=120)
     plt.close(figure)
 
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m angelptm.step_trace TRACE.json [OUT.png]``: draw a written trace (e.g. one from a GPU machine
-    without matplotlib) as a PNG."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=main.__doc__.split(":")[0])
-    parser.add_argument("trace", type=Path, help="a step<N>.trace.json written by engine.trace_next_step")
-    parser.add_argument("png", type=Path, nargs="?", help="output (default: the trace's name with .png)")
-    args = parser.parse_args(argv)
-    events = json.loads(args.trace.read_text())["traceEvents"]
-    intervals = [Interval(e["cat"], e["name"], e["ts"], e["ts"] + e["dur"]) for e in events if e["ph"] == "X"]
-    png = args.png or args.trace.with_name(args.trace.name.removesuffix(".trace.json") + ".png")
-    render_png(intervals, overlap_shares(intervals), png, title=args.trace.name.removesuffix(".trace.json"))
-    print(png)
-
-
-if __name__ == "__main__":
-    main()

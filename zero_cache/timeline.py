@@ -13,6 +13,11 @@ Times are taken where the work runs, so the picture is true to the device, not t
 * a disk request runs in the kernel or an IO thread: its interval starts at submission and ends when
   its completion is observed (at the latest when someone waits for it), an upper bound on the IO.
 
+The compute track is the training stream's phases with the training thread's waits cut out of them
+(the stream runs dry once it has run what was queued before the wait). A wait the stream itself
+makes (on a copy's event) stays inside its phase: the picture then shows the copy overlapping
+compute although compute was stalled on it, so shares of copy time hidden are upper bounds.
+
 Recording costs two events per interval and is off unless a timeline is started.
 """
 
@@ -61,6 +66,7 @@ class Timeline:
         self._gpu: list[tuple[str, str, Any, Any]] = []
         self._base_ns = 0
         self._base_event: Any = None
+        self._open: list[list[Any]] = []  # the training thread's compute phases in progress: [name, start]
 
     def start(self) -> None:
         """Begin recording; on CUDA the device is synchronised once so the two clocks share an origin."""
@@ -102,13 +108,12 @@ class Timeline:
             self.add_cpu(track, name, start, time.perf_counter_ns())
 
     @contextlib.contextmanager
-    def on_stream(self, track: str, name: str, stream: Any = None) -> Iterator[None]:
-        """Time the work the body queues on ``stream`` (the current one by default); on the CPU, the body."""
+    def on_stream(self, track: str, name: str, stream: Any) -> Iterator[None]:
+        """Time the work the body queues on ``stream`` (a copy stream); on the CPU, the body itself."""
         if not self.recording or not self.cuda:
             with self.on_thread(track, name):
                 yield
             return
-        stream = stream if stream is not None else torch.cuda.current_stream(self.device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)
         try:
@@ -117,6 +122,53 @@ class Timeline:
             end.record(stream)
             with self._lock:
                 self._gpu.append((track, name, start, end))
+
+    @contextlib.contextmanager
+    def computing(self, name: str) -> Iterator[None]:
+        """Time a phase of the training stream (forward, backward, step) on the ``compute`` track, leaving out
+        the time the training thread waits inside it (:meth:`waiting`): the stream runs dry there."""
+        if not self.recording:
+            yield
+            return
+        self._open.append([name, self._mark()])
+        try:
+            yield
+        finally:
+            phase, start = self._open.pop()
+            self._close(phase, start)
+
+    @contextlib.contextmanager
+    def waiting(self, name: str) -> Iterator[None]:
+        """The training thread blocks (on the host worker): a ``waits`` interval, and a gap in the open compute
+        phases. On CUDA the gap starts when the stream has run what was queued before the wait."""
+        if not self.recording:
+            yield
+            return
+        for phase in self._open:
+            self._close(phase[0], phase[1])
+        try:
+            with self.on_thread(WAITS, name):
+                yield
+        finally:
+            restart = self._mark()
+            for phase in self._open:
+                phase[1] = restart
+
+    def _mark(self) -> Any:
+        """Now on the training stream: an event recorded there (CUDA), or the thread's clock."""
+        if not self.cuda:
+            return time.perf_counter_ns()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _close(self, name: str, start: Any) -> None:
+        end = self._mark()
+        if self.cuda:
+            with self._lock:
+                self._gpu.append((COMPUTE, name, start, end))
+        else:
+            self.add_cpu(COMPUTE, name, start, end)
 
     def add_cpu(self, track: str, name: str, start_ns: int, end_ns: int) -> None:
         """An interval timed elsewhere with ``time.perf_counter_ns`` (e.g. a disk request's lifetime)."""

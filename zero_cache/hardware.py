@@ -1,0 +1,87 @@
+"""Tier budgets of a machine described rather than measured: planning for hardware this machine is not.
+
+``pretrain.py --plan --gpus 8 --device-memory 80GiB --host-memory 1TiB --nvme 8TB`` plans a config for a
+DGX-class host on a laptop. The budgets are what "auto" would measure on a freshly booted machine of that
+size, with the same margins (:mod:`zero_cache.tiers`, :mod:`zero_cache.nvme`), so a plan made here is the
+plan that machine would make before its warm-up, up to what else runs there (the OS and page cache take
+host memory the margin may not cover; a GPU shared with another process has less free).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from zero_cache import nvme, tiers
+from zero_cache.config import ZeroCacheConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    """One host of the machine to plan for."""
+
+    device_bytes: int
+    """Memory of one GPU (what ``nvidia-smi`` reports as total)."""
+    host_bytes: int
+    """RAM of one host."""
+    gpus_per_host: int = 1
+    """GPUs of one host (a rank each, unless fewer ranks are planned), which share its RAM and NVMe drive."""
+    nvme_bytes: int = 0
+    """Free space for swap files on the host's NVMe drive; 0 = no disk tier."""
+
+    def __post_init__(self) -> None:
+        if self.device_bytes <= 0 or self.host_bytes <= 0:
+            raise ValueError(f"device and host memory must be > 0 bytes, got {self.device_bytes} and {self.host_bytes}")
+        if self.gpus_per_host < 1:
+            raise ValueError(f"gpus per host must be >= 1, got {self.gpus_per_host}")
+        if self.nvme_bytes < 0:
+            raise ValueError(f"NVMe space must be >= 0 bytes, got {self.nvme_bytes}")
+
+
+@dataclass(frozen=True, slots=True)
+class TierBudgets:
+    """Bytes one rank may give each tier."""
+
+    device_bytes: int
+    host_bytes: int
+    nvme_bytes: int = 0
+    """0 = no disk tier."""
+    nvme_directory: Path | None = None
+    """The checked swap directory of a measured NVMe tier (None when planned from a :class:`Hardware`)."""
+
+
+def tier_budgets(config: ZeroCacheConfig, device: torch.device, ranks_per_host: int = 1,
+                 hardware: Hardware | None = None) -> TierBudgets:
+    """One rank's budgets: the config's where it gives bytes, else "auto": measured here, or from ``hardware``.
+
+    With ``hardware`` the disk tier is the one it describes (the config's ``nvme_path`` is not touched);
+    its RAM and NVMe space are split between the ``ranks_per_host`` ranks, as "auto" splits the host's RAM.
+
+    Raises:
+        NvmeSetupError: measuring here, and nvme_path is missing or not writable.
+    """
+    if hardware is None:
+        device_tier, host_tier = tiers.build_tiers(device, config.device_budget_bytes, config.host_budget_bytes,
+                                                   ranks_per_host)
+        directory, disk = nvme.nvme_budget(config, ranks_per_host)
+        return TierBudgets(device_tier.budget_bytes, host_tier.budget_bytes, disk, directory)
+    per_host = ranks_per_host
+    device_budget = config.device_budget_bytes
+    if device_budget is None:  # a fresh GPU's free memory is its total, less the CUDA context the margin covers
+        total = hardware.device_bytes
+        device_budget = max(0, int(total - max(tiers.AUTO_MARGIN_MIN_BYTES, total * tiers.AUTO_MARGIN_FRACTION)))
+    host_budget = config.host_budget_bytes
+    if host_budget is None:
+        total = hardware.host_bytes
+        usable = total - max(4 * 2**30, int(total * tiers.HOST_MARGIN_FRACTION))
+        host_budget = max(0, usable // per_host)
+    disk = 0
+    if hardware.nvme_bytes:
+        disk = config.nvme_budget_bytes
+        if disk is None:
+            free = hardware.nvme_bytes
+            disk = max(0, int(free - max(2**30, free * nvme.AUTO_MARGIN_FRACTION))) // per_host
+    return TierBudgets(device_budget, host_budget, disk)
+
