@@ -24,14 +24,16 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import angelptm
-import zero_cache
 from angelptm import pipeline
+from angelptm.api import report_precision
 from angelptm.config import EngineConfig, load_config, read_config_source
 from angelptm.data import TokenDataset, prepare_default_dataset, repeat_batches
-from angelptm.distributed import DistContext, init_distributed
+from angelptm.distributed import DistContext, init_distributed, launcher_world_size
 from angelptm.errors import CheckpointError, ConfigError
+from angelptm.liveness import EXIT_CODE as LOST_RANK_EXIT, RankLostError
 from angelptm.models import build_model
 from angelptm.monitor import ThroughputMeter, format_memory, format_tiers, memory_snapshot
+from angelptm.plan_report import DEFAULT_TFLOPS, PlanRequest, named_hardware, plan_report
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.json"
 logger = logging.getLogger("pretrain")
@@ -43,14 +45,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, help="override train.steps")
     parser.add_argument("--save-dir", help="override train.save_dir")
     parser.add_argument("--no-resume", action="store_true", help="start fresh even if save_dir has a checkpoint")
+    parser.add_argument("--allow-unsafe-pickle", action="store_true",
+                        help="resume from a checkpoint of the previous format by full unpickling, which can run "
+                             "code from its files: only for checkpoints whose origin you trust")
     parser.add_argument("--plan", action="store_true",
                         help="print where ZeRO-Cache would place the model states (or the shortfall) and exit")
-    parser.add_argument("--ranks", type=int, default=1,
-                        help="with --plan: data-parallel ranks to plan for (each like this machine's GPU)")
+    parser.add_argument("--ranks", type=int,
+                        help="with --plan: data-parallel ranks to plan for (default: --gpus, else 1)")
     parser.add_argument("--ranks-per-host", type=int,
-                        help="with --plan: ranks sharing one host's RAM (default: all of --ranks)")
+                        help="with --plan: ranks sharing one host's RAM (default: --gpus, else all of --ranks)")
+    hardware = parser.add_argument_group("--plan for named hardware, without it (else this machine is measured)")
+    hardware.add_argument("--gpus", type=int, help="GPUs per host (each a rank)")
+    hardware.add_argument("--device-memory", metavar="SIZE", help="memory of one GPU, e.g. 24GiB, 80GiB")
+    hardware.add_argument("--host-memory", metavar="SIZE", help="RAM of one host, e.g. 256GiB, 2TiB")
+    hardware.add_argument("--nvme", metavar="SIZE", help="free NVMe space of one host for the disk tier, e.g. 2TB")
+    hardware.add_argument("--tflops", type=float, default=DEFAULT_TFLOPS,
+                          help=f"model TFLOPS one GPU sustains, for the compute floor (default {DEFAULT_TFLOPS:.0f})")
+    parser.add_argument("--trace", type=Path, metavar="DIR",
+                        help="write a Chrome/Perfetto trace and a PNG of the step after warm-up under DIR")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser.parse_args(argv)
+
+
+def plan_request(args: argparse.Namespace) -> PlanRequest:
+    """The ranks and machine ``--plan`` plans for."""
+    hardware = named_hardware(gpus=args.gpus, device_memory=args.device_memory, host_memory=args.host_memory,
+                              nvme=args.nvme)
+    ranks = args.ranks or (hardware.gpus_per_host if hardware is not None else 1)
+    return PlanRequest(ranks=ranks, ranks_per_host=args.ranks_per_host, hardware=hardware, tflops=args.tflops)
 
 
 def read_config(args: argparse.Namespace) -> dict:
@@ -161,15 +183,33 @@ class StopRequest:
                        signal.Signals(signum).name)
 
 
-def train(raw: dict) -> float:
-    """Run the configured training; returns the last logged loss."""
-    ctx = init_distributed()
-    cfg = load_config(raw, world_size=ctx.world_size)
+def train(raw: dict, *, allow_unsafe_pickle: bool = False, trace_dir: Path | None = None) -> float:
+    """Run the configured training; returns the last logged loss.
+
+    ``allow_unsafe_pickle``: resume from a previous-format checkpoint (see ``angelptm.checkpoint_pickle``).
+
+    Raises:
+        RankLostError: another rank died or hung (named), and a collective with it failed or timed out.
+    """
+    cfg = load_config(raw, world_size=launcher_world_size())
+    ctx = init_distributed(timeout_s=cfg.comms.timeout_s, lost_rank_after_s=cfg.comms.lost_rank_after_s)
+    try:
+        return _train(cfg, ctx, allow_unsafe_pickle, trace_dir)
+    except RuntimeError as err:  # gloo names a socket, not a rank: ask the heartbeat who is gone
+        lost = ctx.watchdog.explain(err) if ctx.watchdog is not None and not isinstance(err, CheckpointError) else None
+        if lost is None:
+            raise
+        raise lost from err
+
+
+def _train(cfg: EngineConfig, ctx: DistContext, allow_unsafe_pickle: bool, trace_dir: Path | None) -> float:
     if not cfg.train.resume:
         refuse_fresh_start_over_a_run(cfg.train.save_dir, ctx)
     torch.manual_seed(cfg.seed if cfg.seed is not None else 0)  # model init is reproducible either way
     dataset = build_dataset(cfg, ctx)
     if cfg.autopipe.enabled:  # pipeline parallelism: angelptm/pipeline.py builds the stages and their optimizer
+        if ctx.is_main:
+            report_precision(cfg)  # initialize() reports it on the other path
         stop = StopRequest()
         return pipeline.train(cfg, ctx, dataset, stop_requested=lambda: stop.requested,
                               after_save=lambda: prune_checkpoints(cfg.train.save_dir, cfg.train.keep_last))
@@ -179,7 +219,7 @@ def train(raw: dict) -> float:
                                                training_data=dataset, config=cfg)
     save_dir = cfg.train.save_dir
     if cfg.train.resume:
-        path, _ = engine.load_checkpoint(save_dir)
+        path, _ = engine.load_checkpoint(save_dir, allow_unsafe_pickle=allow_unsafe_pickle)
         if path and ctx.is_main:
             logger.info("resumed from %s at step %d", path, engine.global_steps)
     if ctx.is_main:
@@ -188,11 +228,14 @@ def train(raw: dict) -> float:
                     model.num_params() / 1e6, ctx.world_size, cfg.batch.micro_batch_size,
                     cfg.batch.gradient_accumulation_steps, cfg.batch.train_batch_size, dataset.seq_len,
                     ctx.device, cfg.precision.dtype)
-    return run_loop(engine, cfg, ctx, loader, dataset.seq_len)
+    return run_loop(engine, cfg, ctx, loader, dataset.seq_len, trace_dir)
 
 
-def run_loop(engine: angelptm.Engine, cfg: EngineConfig, ctx: DistContext, loader, seq_len: int) -> float:
+def run_loop(engine: angelptm.Engine, cfg: EngineConfig, ctx: DistContext, loader, seq_len: int,
+             trace_dir: Path | None = None) -> float:
+    """Train to ``cfg.train.steps``; with ``trace_dir``, trace the step after this run's first (warm-up) step."""
     batches = repeat_batches(loader)
+    first_step = engine.global_steps
     meter = ThroughputMeter(engine.module.flops_per_token(seq_len), ctx.device)
     stop = StopRequest()
     tokens_per_step = cfg.batch.train_batch_size * seq_len
@@ -200,6 +243,8 @@ def run_loop(engine: angelptm.Engine, cfg: EngineConfig, ctx: DistContext, loade
                     disable=not ctx.is_main, dynamic_ncols=True)
     loss_sum, loss_count, last_loss = 0.0, 0, float("nan")
     while engine.global_steps < cfg.train.steps and not ctx.any_rank(stop.requested):
+        if trace_dir is not None and engine.global_steps == first_step + 1:
+            engine.trace_next_step(trace_dir / f"rank{ctx.rank}" if ctx.world_size > 1 else trace_dir)
         for _ in range(cfg.batch.gradient_accumulation_steps):
             loss = engine(**next(batches))
             engine.backward(loss)
@@ -215,6 +260,7 @@ def run_loop(engine: angelptm.Engine, cfg: EngineConfig, ctx: DistContext, loade
         if step % cfg.train.save_interval == 0 and step < cfg.train.steps:
             save(engine, cfg, ctx)
     progress.close()
+    engine.finish_trace()
     save(engine, cfg, ctx)
     if stop.requested:
         logger.warning("stopped at step %d; run the same command again to continue", engine.global_steps)
@@ -244,33 +290,14 @@ def log_metrics(step: int, loss: float, engine: angelptm.Engine, meter: Throughp
         engine.monitor.write(step, {"loss_all_ranks": loss, **rates, **memory, **tiers, **moe})
 
 
-def print_plan(raw: dict, ranks: int = 1, ranks_per_host: int | None = None) -> int:
-    """``--plan``: lay the model out on the meta device and plan it for every rank, allocating nothing."""
-    if ranks < 1 or (ranks_per_host is not None and not 1 <= ranks_per_host <= ranks):
-        raise ConfigError(f"--ranks {ranks} --ranks-per-host {ranks_per_host}: need 1 <= ranks-per-host <= ranks")
-    cfg = load_config(raw)
-    with torch.device("meta"):
-        model = build_model(cfg.model, moe=cfg.moe)
-    shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    print(f"model: {model.num_params() / 1e6:,.1f}M parameters, {cfg.precision.dtype}, device {device}")
-    if not cfg.zero_cache.enabled:
-        print("zero_cache is not enabled in this config: every rank holds all model states on its device")
-        return 0
-    try:
-        layout, plan = zero_cache.dry_run(shapes, cfg.zero_cache, compute_dtype=cfg.precision.dtype, device=device,
-                                          accumulation_steps=cfg.batch.gradient_accumulation_steps,
-                                          world_size=ranks, ranks_per_host=ranks_per_host)
-    except zero_cache.PlanError as err:
-        print(f"does not fit: {err}")
-        return 2
-    except zero_cache.NvmeSetupError as err:
-        print(f"cannot use the NVMe tier: {err}")
-        return 2
-    who = f"rank 0 of {ranks}: " if ranks > 1 else ""
-    print(f"{layout.num_chunks} chunks of {layout.chunk_numel:,} elements ({100 * layout.waste_fraction:.1f}% "
-          f"padding)\n{who}{plan.summary()}\n(before the warm-up measures activations; it re-plans after step 1)")
-    return 0
+def print_plan(raw: dict, request: PlanRequest = PlanRequest()) -> int:
+    """``--plan``: lay the model out on the meta device and plan it for every rank, allocating nothing;
+    prints a table of tiers, bytes, groups and the step's bound (``angelptm.plan_report``). Returns 0 when
+    it fits, 2 when it does not (the message names the tier and the shortfall)."""
+    device_type = "cuda" if request.hardware is not None or torch.cuda.is_available() else "cpu"
+    text, fits = plan_report(load_config(raw, world_size=request.ranks, device_type=device_type), request)
+    print(text)
+    return 0 if fits else 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,11 +306,14 @@ def main(argv: list[str] | None = None) -> int:
                         datefmt="%H:%M:%S")
     try:
         if args.plan:
-            return print_plan(read_config(args), args.ranks, args.ranks_per_host)
-        loss = train(read_config(args))
+            return print_plan(read_config(args), plan_request(args))
+        loss = train(read_config(args), allow_unsafe_pickle=args.allow_unsafe_pickle, trace_dir=args.trace)
     except (ConfigError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except RankLostError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return LOST_RANK_EXIT
     finally:
         main_rank = _leave_process_group()
     if main_rank:

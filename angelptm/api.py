@@ -14,13 +14,15 @@ from torch import nn
 import zero_cache
 
 from angelptm.config import EngineConfig, load_config
+from angelptm.cpu_bf16 import slow_bf16_warning
 from angelptm.data.loader import ResumableDataLoader
-from angelptm.distributed import DistContext, init_distributed
+from angelptm.distributed import DistContext, init_distributed, launcher_world_size
 from angelptm.engine import Engine
 from angelptm.errors import ConfigError
 from angelptm.expert_parallel import ExpertParallel, setup_expert_parallel
 from angelptm.loss_scaler import LossScaler
 from angelptm.mixed_precision import MixedPrecisionOptimizer
+from angelptm.pipe.module import PipelineModule
 from angelptm.schedulers import build_scheduler
 
 logger = logging.getLogger(__name__)
@@ -60,9 +62,16 @@ def initialize(args: Any = None, model: nn.Module | None = None,
         raise ConfigError("angelptm.initialize: model= is required")
     if mpu is not None or mesh_param is not None:
         raise ConfigError("angelptm.initialize: mpu/mesh_param (tensor or sequence parallelism) are not supported")
+    if isinstance(model, PipelineModule):  # DeepSpeed's PipelineEngine: train_batch() on AutoPipe's runtime
+        from angelptm.pipe.engine import initialize_pipeline  # it builds on this module's helpers
+
+        return initialize_pipeline(args, model, optimizer, model_parameters, training_data, lr_scheduler,
+                                   dist_init_required, collate_fn, config, config_params)
     config = _pick_config(args, config, config_params)
-    ctx = init_distributed(dist_init_required=dist_init_required)
-    cfg = config if isinstance(config, EngineConfig) else load_config(config, world_size=ctx.world_size)
+    # The config first: it holds the process group's timeout and heartbeat (comms).
+    cfg = config if isinstance(config, EngineConfig) else load_config(config, world_size=launcher_world_size())
+    ctx = init_distributed(dist_init_required=dist_init_required, timeout_s=cfg.comms.timeout_s,
+                           lost_rank_after_s=cfg.comms.lost_rank_after_s)
     if cfg.batch.world_size != ctx.world_size:
         raise ConfigError(f"the config was resolved for {cfg.batch.world_size} ranks but this run has "
                           f"{ctx.world_size}; load it with load_config(..., world_size={ctx.world_size})")
@@ -103,12 +112,23 @@ def _pick_config(args: Any, config: Any, config_params: Any) -> Any:
 def _report_ignored(cfg: EngineConfig, ctx: DistContext) -> None:
     if not ctx.is_main:
         return
+    report_precision(cfg)
     if cfg.accepted_not_acted:
         logger.warning("these config keys are accepted for DeepSpeed compatibility but have no effect here: %s",
                        ", ".join(cfg.accepted_not_acted))
     if cfg.zero.stage > 0 and not cfg.zero_cache.enabled:
         logger.warning("zero_optimization.stage=%d: model states are not partitioned yet (ZeRO-Cache is the planned "
                        "path); every rank holds a full replica", cfg.zero.stage)
+
+
+def report_precision(cfg: EngineConfig) -> None:
+    """One log line: the compute dtype and why; a warning, with the measured slowdown, for bf16 on a CPU
+    without bf16 units."""
+    precision = cfg.precision
+    if precision.slow_bf16:
+        logger.warning("%s", slow_bf16_warning(precision.reason))
+    elif precision.reason:
+        logger.info("compute dtype %s: %s", str(precision.dtype).removeprefix("torch."), precision.reason)
 
 
 def _seed_everything(seed: int) -> None:

@@ -1,6 +1,11 @@
 """Offline export of a checkpoint's fp32 weights to one safetensors file.
 
-    python -m angelptm.export CHECKPOINT_DIR OUTPUT.safetensors [--tag TAG]
+    python -m angelptm.export CHECKPOINT_DIR OUTPUT.safetensors [--tag TAG] [--allow-unsafe-pickle]
+    python -m angelptm.export CHECKPOINT_DIR --hf OUTPUT_DIR [--max-shard-size 5GB]
+
+``--hf`` writes a ``save_pretrained`` directory instead (``config.json`` + safetensors shards, see
+``angelptm.hf_export``): a transformers model trained here under its own names, our reference GPT as
+``LlamaForCausalLM`` or ``GPT2LMHeadModel``.
 
 Runs on CPU from the files alone (no model code, no GPU): the fp32 master weights come from
 ``optim_states.pt``; buffers and the names of tied weights from ``model_states.pt``. The result
@@ -24,37 +29,68 @@ from angelptm import checkpoint
 from angelptm.errors import CheckpointError
 
 
-def consolidated_fp32_state_dict(load_dir: str | Path, tag: str | None = None) -> dict[str, torch.Tensor]:
+def consolidated_fp32_state_dict(load_dir: str | Path, tag: str | None = None, *,
+                                 allow_unsafe_pickle: bool = False) -> dict[str, torch.Tensor]:
     """The module state dict with fp32 master weights, read from a checkpoint directory.
 
     Args:
         load_dir: the ``save_dir`` given to ``save_checkpoint``.
-        tag: a checkpoint tag; None follows ``latest``.
+        tag: a checkpoint tag; None follows ``latest`` (or the newest older checkpoint that verifies).
+        allow_unsafe_pickle: see :func:`angelptm.checkpoint.load_file` (previous-format checkpoints).
 
     Returns:
         Every key of the module's state dict; tied weights appear under each of their names.
     """
+    return _read(load_dir, tag, allow_unsafe_pickle)[1]
+
+
+def _read(load_dir: str | Path, tag: str | None, unsafe: bool) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(model_states, consolidated fp32 state dict)`` of a checkpoint."""
     path = checkpoint.resolve(load_dir, tag)
     if path is None:
         raise CheckpointError(f"{load_dir} holds no checkpoint (no 'latest' file); pass --tag")
-    model_states = checkpoint.load_file(path / checkpoint.MODEL_FILE)
+    model_states = checkpoint.load_file(path / checkpoint.MODEL_FILE, allow_unsafe_pickle=unsafe)
     module, masters = model_states["module"], {}
     if (path / checkpoint.OPTIM_FILE).is_file():
-        optimizer = checkpoint.load_file(path / checkpoint.OPTIM_FILE)["optimizer"]
+        optimizer = checkpoint.load_file(path / checkpoint.OPTIM_FILE, allow_unsafe_pickle=unsafe)["optimizer"]
         shards = model_states.get("zero_cache_shards", 1)
-        masters = checkpoint.merge_zero_cache_shards(path, optimizer, shards)["masters"] if shards > 1 \
-            else optimizer["masters"]
+        masters = optimizer["masters"] if shards == 1 else \
+            checkpoint.merge_zero_cache_shards(path, optimizer, shards, allow_unsafe_pickle=unsafe)["masters"]
     if model_states.get("ep_size", 1) > 1:
-        module, masters = _gather_experts(path, model_states, masters)
-    return checkpoint.consolidate(module, masters, model_states["param_aliases"])
+        module, masters = _gather_experts(path, model_states, masters, allow_unsafe_pickle=unsafe)
+    return model_states, checkpoint.consolidate(module, masters, model_states["param_aliases"])
+
+
+def export_hf(load_dir: str | Path, out_dir: str | Path, tag: str | None = None, *, max_shard_size: int | str = "5GB",
+              allow_unsafe_pickle: bool = False) -> list[str]:
+    """Write a checkpoint as a Hugging Face ``save_pretrained`` directory (fp32 weights).
+
+    Args:
+        load_dir, tag, allow_unsafe_pickle: as :func:`consolidated_fp32_state_dict`.
+        out_dir: the directory to write (created if missing).
+        max_shard_size: largest safetensors file, bytes or e.g. "5GB"; more weights are sharded with an index.
+
+    Returns:
+        The names of the files written.
+
+    Raises:
+        CheckpointError: unreadable checkpoint, or a model with no Hugging Face equivalent (the message names
+            the option).
+    """
+    from angelptm import hf_export  # needs transformers, which only this path requires
+
+    model_states, state = _read(load_dir, tag, allow_unsafe_pickle)
+    config, hf_state = hf_export.pretrained_files(model_states.get("architecture"), state,
+                                                  model_states["param_aliases"])
+    return hf_export.write_pretrained(out_dir, config, hf_state, max_shard_size=max_shard_size)
 
 
 _INDEXED_EXPERT = re.compile(r"^(.*\.experts\.)(\d+)(\..+)$")
 """A key of one expert module of a list (``...experts.experts.3.weight``); other expert keys are stacked [L, ...]."""
 
 
-def _gather_experts(path: Path, model_states: dict, masters: dict[str, torch.Tensor]
-                    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _gather_experts(path: Path, model_states: dict, masters: dict[str, torch.Tensor], *,
+                    allow_unsafe_pickle: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The module state and masters of a checkpoint saved with experts over W ranks, with every expert.
 
     Rank 0's slice is in the shared files, slice p in ``rank_<p>``'s file. Stacked expert tensors
@@ -65,7 +101,8 @@ def _gather_experts(path: Path, model_states: dict, masters: dict[str, torch.Ten
     slices = [(model_states["module"], masters)]
     for rank in range(1, ep_size):
         source = path / checkpoint.rank_file(rank)
-        saved = checkpoint.load_file(source).get("experts") if source.is_file() else None
+        saved = checkpoint.load_file(source, allow_unsafe_pickle=allow_unsafe_pickle).get("experts") \
+            if source.is_file() else None
         if saved is None:
             raise CheckpointError(f"{source} is missing or lacks the experts of expert-parallel rank {rank}")
         slices.append((saved["module"], (saved["optimizer"] or {}).get("masters", {})))  # None: saved without one
@@ -95,16 +132,28 @@ def _gather_experts(path: Path, model_states: dict, masters: dict[str, torch.Ten
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m angelptm.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("load_dir", help="checkpoint directory (the save_dir given to save_checkpoint)")
-    parser.add_argument("output", help="the .safetensors file to write")
+    parser.add_argument("output", nargs="?", help="the .safetensors file to write (or give --hf DIR)")
+    parser.add_argument("--hf", metavar="DIR", default=None,
+                        help="write a Hugging Face save_pretrained directory (config.json + safetensors shards) "
+                             "instead of one file")
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="with --hf: largest safetensors file, e.g. 5GB or bytes (default 5GB)")
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in 'latest')")
+    parser.add_argument("--allow-unsafe-pickle", action="store_true",
+                        help="load a checkpoint of the previous format by full unpickling, which can run code "
+                             "from the files: only for checkpoints whose origin you trust")
     args = parser.parse_args(argv)
+    if (args.output is None) == (args.hf is None):
+        parser.error("give either OUTPUT.safetensors or --hf DIR")
+    if args.hf is not None:
+        return _main_hf(args)
     parent = Path(args.output).parent
     if not parent.is_dir():  # checked first: no point reading a large checkpoint that cannot be written out
         problem = "is not a directory" if parent.exists() else "does not exist"
         print(f"error: cannot write {args.output}: the directory {str(parent)!r} {problem}", file=sys.stderr)
         return 1
     try:
-        state = consolidated_fp32_state_dict(args.load_dir, args.tag)
+        state = consolidated_fp32_state_dict(args.load_dir, args.tag, allow_unsafe_pickle=args.allow_unsafe_pickle)
     except CheckpointError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -115,6 +164,21 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     numel = sum(t.numel() for t in state.values())
     print(f"wrote {len(state)} tensors ({numel:,} elements, fp32) to {args.output}")
+    return 0
+
+
+def _main_hf(args: argparse.Namespace) -> int:
+    shard_size = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
+    try:
+        written = export_hf(args.load_dir, args.hf, args.tag, max_shard_size=shard_size,
+                            allow_unsafe_pickle=args.allow_unsafe_pickle)
+    except CheckpointError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except (OSError, SafetensorError) as err:
+        print(f"error: cannot write {args.hf}: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {', '.join(written)} to {args.hf} (fp32; load with from_pretrained({args.hf!r}))")
     return 0
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,10 +17,11 @@ from torch import nn
 from zero_cache.chunks import SWAP_BUFFERS, ChunkStore
 from zero_cache.config import ZeroCacheConfig
 from zero_cache.exchange import GRADIENT_BUCKETS
+from zero_cache.hardware import Hardware, tier_budgets
 from zero_cache.host_update import STAGING_BUFFERS
 from zero_cache.layout import ChunkLayout, pack, search_chunk_size
 from zero_cache.optimizer import ZeroCacheOptimizer
-from zero_cache.nvme import NvmeTier, auto_nvme_budget, check_directory
+from zero_cache.nvme import NvmeTier, nvme_budget
 from zero_cache.planner import DEVICE, DEVICE_MARGIN_FRACTION, HOST, NVME, Plan, PlanError, PlanInputs, make_plan
 from zero_cache.shard_params import (candidate_plans, choose_shard_params, choose_streaming, decide_shard_params,
                                      device_groups, gather_ahead_groups, gather_objects, max_live_groups,
@@ -125,19 +125,6 @@ def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: tor
                       staging_buffers=STAGING_BUFFERS, nvme_budget_bytes=nvme_budget, swap_buffers=SWAP_BUFFERS)
 
 
-def nvme_budget(config: ZeroCacheConfig) -> tuple[Path | None, int]:
-    """(checked swap directory, its byte budget), or (None, 0) without an NVMe tier.
-
-    Raises:
-        NvmeSetupError: nvme_path is missing or not writable.
-    """
-    if config.nvme_path is None:
-        return None, 0
-    directory = check_directory(config.nvme_path)
-    budget = config.nvme_budget_bytes
-    return directory, auto_nvme_budget(directory) if budget is None else budget
-
-
 def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
@@ -188,7 +175,7 @@ class WarmupTracer:
 
 def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, *, compute_dtype: torch.dtype,
             device: torch.device, accumulation_steps: int = 1, world_size: int = 1,
-            ranks_per_host: int | None = None) -> tuple[ChunkLayout, Plan]:
+            ranks_per_host: int | None = None, hardware: Hardware | None = None) -> tuple[ChunkLayout, Plan]:
     """The layout and rank 0's first plan :func:`attach` would make, without allocating anything.
 
     Args:
@@ -198,21 +185,24 @@ def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, 
             share were this machine's.
         world_size, ranks_per_host: data-parallel ranks, in hosts of this many (default: all on one host).
             Every rank is planned (each owns other chunks), and sharded params decided as the ranks would.
+        hardware: plan for this machine, not the one running: "auto" budgets come from its sizes, its NVMe
+            space (if any) is the disk tier, and the device is a GPU (:mod:`zero_cache.hardware`).
 
     Raises:
         PlanError: the model states do not fit on some rank; the message has the shortfall per tier.
     """
-    per_host = ranks_per_host or world_size
-    device_tier, host_tier = build_tiers(device, config.device_budget_bytes, config.host_budget_bytes, per_host)
-    _, disk_budget = nvme_budget(config)
-    reserve = warmup_reserve(config, device, device_tier.budget_bytes)
-    cap = chunk_numel_cap(config, device_tier.budget_bytes, reserve, compute_dtype,
+    per_host = ranks_per_host or (hardware.gpus_per_host if hardware is not None else world_size)
+    if hardware is not None:
+        device = torch.device("cuda")  # only its type matters: nothing is allocated or measured
+    budgets = tier_budgets(config, device, per_host, hardware)
+    reserve = warmup_reserve(config, device, budgets.device_bytes)
+    cap = chunk_numel_cap(config, budgets.device_bytes, reserve, compute_dtype,
                           Sharding(world_size=world_size, ranks_per_host=per_host))
     layout = build_layout(shapes, config, cap)
 
     def plan_for(sharding: Sharding, shard_params: bool) -> Plan:
-        return make_plan(plan_inputs(layout, config, compute_dtype, device_tier.budget_bytes, host_tier.budget_bytes,
-                                     accumulation_steps, nonmodel_peak_bytes=reserve, nvme_budget=disk_budget,
+        return make_plan(plan_inputs(layout, config, compute_dtype, budgets.device_bytes, budgets.host_bytes,
+                                     accumulation_steps, nonmodel_peak_bytes=reserve, nvme_budget=budgets.nvme_bytes,
                                      sharding=sharding, shard_params=shard_params))
 
     if world_size == 1:
@@ -263,7 +253,7 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     if host_budget is None and device.type == "cuda":
         host_budget = auto_host_budget(device, sharding.ranks_per_host) + _bytes_on(params, torch.device("cpu"))
     device_tier, host_tier = build_tiers(device, device_budget, host_budget, sharding.ranks_per_host)
-    swap_directory, disk_budget = nvme_budget(config)
+    swap_directory, disk_budget = nvme_budget(config, sharding.ranks_per_host)
     # Before the warm-up has measured activations, keep part of the device for them; the re-plan
     # after the first step replaces this guess with the measured peak (and moves groups back).
     reserve = warmup_reserve(config, device, device_tier.budget_bytes)

@@ -41,6 +41,7 @@ from zero_cache.host_adam import HostAdam
 from zero_cache.layout import TensorSlot
 from zero_cache.planner import HOST, NVME
 from zero_cache.tiers import BufferPool, TrafficCounter, wait
+from zero_cache.timeline import D2H, H2D, HOST_ADAM, Timeline
 
 _STOP = object()
 STAGING_BUFFERS = 4
@@ -62,12 +63,14 @@ class Transfers:
     Every copy returns the event that marks its completion (None on CPU, where copies are synchronous).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, timeline: Timeline | None = None) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
         self.h2d = torch.cuda.Stream(device) if self.cuda else None
         self.traffic = TrafficCounter("d2h", "h2d")
+        self.timeline = timeline if timeline is not None else Timeline(device)
+        """Where copies are recorded while a step is traced (:mod:`zero_cache.timeline`)."""
 
     def mark(self) -> torch.cuda.Event | None:
         """An event after everything issued so far on the calling thread's current stream."""
@@ -80,15 +83,19 @@ class Transfers:
     def copy(self, destination: torch.Tensor, source: torch.Tensor, direction: str,
              after: torch.cuda.Event | None = None) -> torch.cuda.Event | None:
         """``destination.copy_(source)`` on the ``direction`` ("d2h" or "h2d") stream, after ``after``."""
-        self.traffic.add(direction, source.numel() * source.element_size())
+        num_bytes = source.numel() * source.element_size()
+        self.traffic.add(direction, num_bytes)
+        track, name = (D2H if direction == "d2h" else H2D), f"{num_bytes / 2**20:.0f} MiB"
         if not self.cuda:
-            destination.copy_(source)
+            with self.timeline.on_thread(track, name):
+                destination.copy_(source)
             return None
         stream = self.d2h if direction == "d2h" else self.h2d
         with torch.cuda.stream(stream):
             if after is not None:
                 stream.wait_event(after)
-            destination.copy_(source, non_blocking=True)
+            with self.timeline.on_stream(track, name, stream):
+                destination.copy_(source, non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
         if direction == "d2h" and source.device.type == "cuda":
@@ -180,7 +187,11 @@ class HostUpdater:
         if self.error is None:  # after a failure nothing else runs; waiters re-raise it
             start = time.perf_counter()
             try:
-                self._update(job, prepared) if isinstance(job, ChunkUpdate) else job()
+                if isinstance(job, ChunkUpdate):
+                    self._update(job, prepared)
+                else:
+                    with self.transfers.timeline.on_thread(HOST_ADAM, getattr(job, "__name__", "host job")):
+                        job()
             except BaseException as err:
                 self.error = err
             self.busy_s += time.perf_counter() - start
@@ -223,10 +234,11 @@ class HostUpdater:
             raise
         states = None if fetched.swap is None else self.store.states_in(fetched.swap)
         buffer = fetched.grads
-        if buffer is not None and not update.restore_only and self.host_adam.fuses(buffer.dtype):
-            self._step_in_buffer(update, buffer, states)
-        else:
-            buffer = self._step_then_round(update, buffer, states)
+        with self.transfers.timeline.on_thread(HOST_ADAM, f"chunk {chunk}"):  # its inputs have landed
+            if buffer is not None and not update.restore_only and self.host_adam.fuses(buffer.dtype):
+                self._step_in_buffer(update, buffer, states)
+            else:
+                buffer = self._step_then_round(update, buffer, states)
         if fetched.swap is not None:  # written behind: the buffer is reused once the write has landed
             written = None if update.restore_only else self.store.tiers[NVME].write(
                 self.store.groups[chunk].swap_offset, fetched.swap)

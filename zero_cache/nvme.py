@@ -5,10 +5,15 @@ One swap file per engine (``angelptm-zero-cache-<host>-<pid>-rank<r>-<random>.sw
 master | exp_avg | exp_avg_sq, padded to 4 KiB). Before anything is allocated the directory is
 checked: it exists, is writable, supports O_DIRECT (otherwise buffered IO with a warning), and
 has the bytes the plan needs. Slots are reserved with ``posix_fallocate`` as they are handed out,
-so a full disk is found when the plan is applied, not in the middle of a step. The file is locked
-(``flock``) while its run lives and removed at exit; a swap file whose lock nobody holds belongs
-to a run that crashed, and is reported and removed at the next start. Swap files never carry
-state across runs: checkpoints hold the disk-resident states like any other.
+so a full disk is found when the plan is applied, not in the middle of a step.
+
+The swap file has no name while it is used: it is created with ``O_TMPFILE`` (or, where the
+filesystem lacks it, unlinked right after it is created), so its open descriptor is the only
+reference and the kernel frees its space when the process ends, however it ends: a normal exit,
+an exception, ``os._exit`` or SIGKILL. (A 60 GB swap file outlived a benchmark child that left through
+``os._exit`` before.) Swap files of earlier versions, which had names, are removed at the next start
+when no live run holds their lock. Swap files never carry state across runs: checkpoints hold the
+disk-resident states like any other.
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ from pathlib import Path
 import torch
 
 from zero_cache.aio import FileIO, IORequest, open_file_io
-from zero_cache.config import AioConfig
+from zero_cache.config import AioConfig, ZeroCacheConfig
 from zero_cache.planner import NVME
 from zero_cache.tiers import TierFullError, TrafficCounter
+from zero_cache.timeline import Timeline
 from zero_cache.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -61,10 +67,23 @@ def check_directory(path: str) -> Path:
     return directory
 
 
-def auto_nvme_budget(directory: Path) -> int:
-    """Free bytes under ``directory`` less the margin."""
+def auto_nvme_budget(directory: Path, ranks_per_host: int = 1) -> int:
+    """Free bytes under ``directory`` less the margin, split between the ranks of a host (who share the drive)."""
     free = shutil.disk_usage(directory).free
-    return max(0, int(free - max(2**30, free * AUTO_MARGIN_FRACTION)))
+    return max(0, int(free - max(2**30, free * AUTO_MARGIN_FRACTION))) // ranks_per_host
+
+
+def nvme_budget(config: ZeroCacheConfig, ranks_per_host: int = 1) -> tuple[Path | None, int]:
+    """(checked swap directory, this rank's byte budget there), or (None, 0) without an NVMe tier.
+
+    Raises:
+        NvmeSetupError: nvme_path is missing or not writable.
+    """
+    if config.nvme_path is None:
+        return None, 0
+    directory = check_directory(config.nvme_path)
+    budget = config.nvme_budget_bytes
+    return directory, auto_nvme_budget(directory, ranks_per_host) if budget is None else budget
 
 
 def remove_stale_swap_files(directory: Path) -> list[Path]:
@@ -91,30 +110,32 @@ def remove_stale_swap_files(directory: Path) -> list[Path]:
 
 
 class SwapFile:
-    """This process's swap file: open (O_DIRECT where the filesystem allows), locked, removed at exit."""
+    """This process's swap file: open (O_DIRECT where the filesystem allows) and nameless, freed when closed.
+
+    ``path`` is the name it would have had: it appears in messages only (nothing opens it).
+    """
 
     def __init__(self, directory: Path, rank: int) -> None:
         # The random part keeps several engines of one process apart.
         self.path = directory / f"{SWAP_PREFIX}{socket.gethostname()}-{os.getpid()}-rank{rank}-{secrets.token_hex(4)}.swap"
         direct_flag = getattr(os, "O_DIRECT", 0)
         try:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | direct_flag)
+            self.fd = _open_nameless(directory, self.path, direct_flag)
             self.direct = bool(direct_flag) and _direct_io_works(self.fd)
         except OSError as err:
-            # Some filesystems refuse O_DIRECT at open (tmpfs before Linux 6.6), after creating the file.
+            # Some filesystems refuse O_DIRECT at open (tmpfs before Linux 6.6).
             if err.errno != errno.EINVAL or not direct_flag:
                 raise
             self.fd, self.direct = None, False
         if not self.direct:
             if self.fd is not None:
                 os.close(self.fd)
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT)
+            self.fd = _open_nameless(directory, self.path, 0)
             logger.warning("ZeRO-Cache: %s does not support O_DIRECT; the NVMe tier uses buffered IO through the "
                            "page cache (slower and competing with host memory). Point zero_cache.nvme_path at a "
                            "local NVMe filesystem (ext4, xfs)", directory)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
         self.reserved_bytes = 0
-        self._finalizer = weakref.finalize(self, _remove, self.fd, self.path)
+        self._finalizer = weakref.finalize(self, os.close, self.fd)
 
     def reserve(self, num_bytes: int) -> None:
         """Make the file hold ``num_bytes`` on disk now, so no later write finds the disk full."""
@@ -146,9 +167,25 @@ def _direct_io_works(fd: int) -> bool:
         return False
 
 
-def _remove(fd: int, path: Path) -> None:
-    os.close(fd)
-    path.unlink(missing_ok=True)
+def _open_nameless(directory: Path, path: Path, flags: int) -> int:
+    """A read-write descriptor of a new file under ``directory`` that no name refers to.
+
+    ``O_TMPFILE`` creates it without a name (Linux 3.11+; ext4, xfs, btrfs, tmpfs); elsewhere it is
+    created as ``path`` and unlinked at once, which leaves a window of one system call for a kill.
+    """
+    tmpfile = getattr(os, "O_TMPFILE", 0)
+    if tmpfile:
+        try:
+            return os.open(directory, os.O_RDWR | tmpfile | flags, 0o600)
+        except OSError as err:  # no O_TMPFILE on this filesystem or kernel (EINVAL may also be O_DIRECT's)
+            if err.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.ENOENT, errno.EINVAL):
+                raise
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | flags, 0o600)
+    finally:
+        # Also when the open failed: some filesystems create the file, then refuse O_DIRECT.
+        path.unlink(missing_ok=True)
+    return fd
 
 
 class NvmeTier:
@@ -176,6 +213,8 @@ class NvmeTier:
         self._writes: dict[int, IORequest] = {}  # slot offset -> its latest write, until known complete
         self._lock = threading.Lock()
         self.traffic = TrafficCounter("read", "write")
+        self.timeline: Timeline | None = None
+        """Set by the optimizer: while a step is traced, each request's lifetime goes on its ``disk`` track."""
 
     @property
     def free_bytes(self) -> int:
@@ -228,8 +267,11 @@ class NvmeTier:
     def _submit(self, offset: int, buffer: torch.Tensor, *, write: bool) -> IORequest:
         assert buffer.numel() == self.slot_bytes and buffer.data_ptr() % ALIGN_BYTES == 0, "unaligned swap buffer"
         self.traffic.add("write" if write else "read", self.slot_bytes)
-        return self.io.submit(self.file.path, self.file.fd, buffer, offset, write=write)
+        request = self.io.submit(self.file.path, self.file.fd, buffer, offset, write=write)
+        if self.timeline is None:
+            return request
+        return self.timeline.timed_request(request, f"{'write' if write else 'read'} {self.slot_bytes / 2**20:.0f} MiB")
 
     def close(self) -> None:
-        """Remove the swap file now (it is also removed when the tier is garbage-collected, or at exit)."""
+        """Free the swap file now (also done when the tier is garbage-collected, and by the kernel at any exit)."""
         self.file.close()

@@ -61,8 +61,13 @@ from zero_cache.planner import DEVICE, NVME, OFF_DEVICE
 
 
 
-class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint):
+class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Optimizer):
     """Engine-facing optimizer over a :class:`ChunkStore` (same surface as the replicated one).
+
+    A ``torch.optim.Optimizer`` by type, so torch and transformers LR schedulers accept it; its
+    ``param_groups`` are the client optimizer's, from which every step reads its hyperparameters
+    (:meth:`_hypers`), so a scheduler's lr is the one applied. ``Optimizer.__init__`` is not run:
+    step hooks (``register_step_pre_hook``) are not available.
 
     Args:
         store: chunk storage, already bound to the module's parameters.
@@ -102,6 +107,10 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint):
         self.host_adam = HostAdam(decoupled_weight_decay, try_deepspeed=self.device.type == "cuda",
                                   try_native=native_host_adam)
         self.host = HostUpdater(store, self.transfers, self.host_adam)
+        self.timeline = self.transfers.timeline
+        """The step's timeline (copies, host jobs, disk requests, waits); recording only while a step is traced."""
+        if NVME in store.tiers:
+            store.tiers[NVME].timeline = self.timeline
         slot_of = {slot.name: slot for slot in store.slots}
         # (param-group index, slot) for every parameter, in the optimizer's group order.
         self.members: list[tuple[int, TensorSlot]] = []
@@ -146,6 +155,10 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint):
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
 
     @property
     def state(self) -> dict:
@@ -282,7 +295,8 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint):
 
     def _drain_host_gradients(self) -> None:
         start = time.perf_counter()
-        self.host.drain()
+        with self.timeline.waiting("host worker drained"):
+            self.host.drain()
         self.timings["grad_wait"] += time.perf_counter() - start
 
     # ------------------------------------------------------------------ step
@@ -400,8 +414,9 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint):
             return
         if not update.issued.is_set():
             start = time.perf_counter()
-            while not update.issued.wait(0.005):  # only this chunk's update, not the whole host tier
-                self.host.raise_if_failed()
+            with self.timeline.waiting(f"chunk {chunk}"):
+                while not update.issued.wait(0.005):  # only this chunk's update, not the whole host tier
+                    self.host.raise_if_failed()
             self.timings["chunk_wait"] += time.perf_counter() - start
         self.host.raise_if_failed()
         ready = self.host.param_ready.pop(chunk, None)

@@ -41,8 +41,13 @@ class StepTraffic:
 
     def describe(self) -> str:
         return (f"H2D {format_bytes(self.h2d_bytes)}, D2H {format_bytes(self.d2h_bytes)}, host Adam over "
-                f"{self.host_adam_elements / 1e9:.2f} G elements (at least {self.seconds:.3f} s at "
+                f"{_count(self.host_adam_elements)} elements (at least {self.seconds:.3f} s at "
                 f"{PCIE_BYTES_PER_S / 2**30:.0f} GiB/s and {HOST_ADAM_ELEMENTS_PER_S / 1e9:.1f} G elements/s)")
+
+
+def _count(elements: int) -> str:
+    """``1.38 M`` / ``5.04 G``: element counts at a readable scale."""
+    return f"{elements / 1e9:.2f} G" if elements >= 1e9 else f"{elements / 1e6:.2f} M"
 
 
 def step_traffic(*, chunk_numel: int, param_bytes_per_element: int, streamed_shards: int, owned_streamed: int,

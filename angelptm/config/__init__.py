@@ -2,11 +2,11 @@
 
 from angelptm.config.loader import load_config, read_config_source, resolve_batch_sizes
 from angelptm.config.typed import (
-    BatchConfig, EngineConfig, LossScaleConfig, MonitorConfig, OptimizerConfig, PrecisionConfig, SchedulerConfig,
+    BatchConfig, CommsConfig, EngineConfig, LossScaleConfig, MonitorConfig, OptimizerConfig, PrecisionConfig, SchedulerConfig,
     TrainConfig, ZeroConfig,
 )
 
 __all__ = [
-    "BatchConfig", "EngineConfig", "LossScaleConfig", "MonitorConfig", "OptimizerConfig", "PrecisionConfig",
+    "BatchConfig", "CommsConfig", "EngineConfig", "LossScaleConfig", "MonitorConfig", "OptimizerConfig", "PrecisionConfig",
     "SchedulerConfig", "TrainConfig", "ZeroConfig", "load_config", "read_config_source", "resolve_batch_sizes",
 ]

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from angelptm.data.config import DataConfig
 from angelptm.models import ModelConfig
-from angelptm.config.typed import TrainConfig
+from angelptm.config.typed import CommsConfig, TrainConfig
 from autopipe import AutoPipeConfig
 from moe import MoEConfig
 from zero_cache import ZeroCacheConfig
@@ -94,7 +94,16 @@ class FP16Section(Section):
 
 
 class BF16Section(Section):
-    enabled: bool = False
+    enabled: bool | Literal["auto"] = False
+    """"auto" (ours): bf16 where the device computes it natively, else fp32 (angelptm.config.precision)."""
+
+    @field_validator("enabled", mode="wrap")
+    @classmethod
+    def _bool_or_auto(cls, value: Any, handler: Any) -> bool | str:
+        try:
+            return handler(value)
+        except ValidationError:  # one message, not one per member of the union
+            raise ValueError(f"bf16.enabled: expected true, false or \"auto\" (got {value!r})") from None
     immediate_grad_update: bool = True
     check_grad_overflow: bool = False
 
@@ -207,3 +216,4 @@ class EdgeConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    comms: CommsConfig = Field(default_factory=CommsConfig)

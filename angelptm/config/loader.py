@@ -19,19 +19,23 @@ from typing import Any
 import pydantic
 import torch
 
-from angelptm.config import edge, typed
+from angelptm.config import edge, precision, typed
 from angelptm.errors import ConfigError
 from zero_cache import ZeroCacheConfig
 
 logger = logging.getLogger(__name__)
 
 
-def load_config(config: str | os.PathLike | dict | None, *, world_size: int = 1) -> typed.EngineConfig:
+def load_config(config: str | os.PathLike | dict | None, *, world_size: int = 1,
+                device_type: str | None = None) -> typed.EngineConfig:
     """Parse a DeepSpeed-style config into the typed tree.
 
     Args:
         config: a path to a JSON file, or the already-loaded dict.
         world_size: data-parallel ranks, needed to resolve the batch-size triple.
+        device_type: "cuda" or "cpu", the device the run computes on, which settles a precision the
+            config leaves open (:mod:`angelptm.config.precision`); default: CUDA where available, as
+            ``init_distributed`` picks.
 
     Returns:
         The typed config.
@@ -48,7 +52,10 @@ def load_config(config: str | os.PathLike | dict | None, *, world_size: int = 1)
     try:
         parsed = edge.EdgeConfig.model_validate(raw)
         scheduler = _scheduler(parsed.scheduler)
-        return _to_typed(parsed, scheduler, tuple(sorted(ignored)) + _not_acted_sections(raw), world_size)
+        if device_type is None:
+            device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        return _to_typed(parsed, scheduler, tuple(sorted(ignored)) + _not_acted_sections(raw), world_size,
+                         device_type)
     except pydantic.ValidationError as err:
         raise ConfigError("invalid config:\n  " + "\n  ".join(_describe(err, raw))) from None
     except ConfigError:
@@ -246,24 +253,27 @@ def _not_acted_sections(raw: dict) -> tuple[str, ...]:
     for section, names in quiet.items():
         keys += tuple(f"{section}.{name}" for name in names if name in (raw.get(section) or {}))
     params = (raw.get("optimizer") or {}).get("params") or {}
-    keys += tuple(f"optimizer.params.{name}" for name in ("torch_adam", "fused") if name in params)
+    keys += ("optimizer.params.fused",) if "fused" in params else ()  # torch_adam: sets AdamW's default weight decay
     return keys
 
 
-def _precision(parsed: edge.EdgeConfig) -> typed.PrecisionConfig:
-    if parsed.fp16.enabled and parsed.bf16.enabled:
+def _precision(parsed: edge.EdgeConfig, device_type: str) -> typed.PrecisionConfig:
+    if parsed.fp16.enabled and parsed.bf16.enabled is True:
         raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one")
-    if parsed.bf16.enabled:
-        return typed.PrecisionConfig(dtype=torch.bfloat16)
+    # A bf16 or fp16 section with enabled false is fp32 as written; only a config naming neither is left open.
+    named = bool({"bf16", "fp16"} & parsed.model_fields_set)
+    bf16 = parsed.bf16.enabled if named else None
+    choice = precision.choose_dtype(bf16=bf16, fp16=parsed.fp16.enabled, device_type=device_type)
     if not parsed.fp16.enabled:
-        return typed.PrecisionConfig(dtype=torch.float32)
+        return typed.PrecisionConfig(dtype=choice.dtype, reason=choice.reason, slow_bf16=choice.slow_bf16)
     fp16 = parsed.fp16
     scale = typed.LossScaleConfig(
         static_scale=fp16.loss_scale or None, initial_scale_power=fp16.initial_scale_power,
         window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
         consecutive_hysteresis=fp16.consecutive_hysteresis, min_scale=fp16.min_loss_scale,
     )
-    return typed.PrecisionConfig(dtype=torch.float16, loss_scale=scale, cast_inputs=fp16.auto_cast)
+    return typed.PrecisionConfig(dtype=torch.float16, loss_scale=scale, cast_inputs=fp16.auto_cast,
+                                 reason=choice.reason)
 
 
 def _optimizer(section: edge.OptimizerSection | None) -> typed.OptimizerConfig | None:
@@ -276,12 +286,15 @@ def _optimizer(section: edge.OptimizerSection | None) -> typed.OptimizerConfig |
     if not params.bias_correction:
         raise ConfigError("optimizer.params.bias_correction: false is not supported; remove the key or set it to true")
     decoupled = True if kind == "AdamW" else params.adam_w_mode
-    return typed.OptimizerConfig(lr=params.lr, betas=params.betas, eps=params.eps, weight_decay=params.weight_decay,
+    weight_decay = params.weight_decay
+    if params.torch_adam and decoupled and "weight_decay" not in params.model_fields_set:
+        weight_decay = 0.01  # DeepSpeed builds torch.optim.AdamW from the params as given: torch's default applies
+    return typed.OptimizerConfig(lr=params.lr, betas=params.betas, eps=params.eps, weight_decay=weight_decay,
                                  decoupled_weight_decay=decoupled, amsgrad=params.amsgrad)
 
 
 def _to_typed(parsed: edge.EdgeConfig, scheduler: typed.SchedulerConfig | None, ignored: tuple[str, ...],
-              world_size: int) -> typed.EngineConfig:
+              world_size: int, device_type: str) -> typed.EngineConfig:
     zero = parsed.zero_optimization
     monitor = typed.MonitorConfig(
         steps_per_print=parsed.steps_per_print,
@@ -296,7 +309,7 @@ def _to_typed(parsed: edge.EdgeConfig, scheduler: typed.SchedulerConfig | None, 
     return typed.EngineConfig(
         batch=resolve_batch_sizes(parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu,
                                   parsed.gradient_accumulation_steps, _data_parallel_ranks(parsed, world_size)),
-        precision=_precision(parsed),
+        precision=_precision(parsed, device_type),
         optimizer=_optimizer(parsed.optimizer),
         scheduler=scheduler,
         gradient_clipping=parsed.gradient_clipping,
@@ -306,7 +319,7 @@ def _to_typed(parsed: edge.EdgeConfig, scheduler: typed.SchedulerConfig | None, 
             offload_optimizer_device=zero.offload_optimizer.device if zero.offload_optimizer else "none",
         ),
         zero_cache=_zero_cache_section(parsed), monitor=monitor, seed=parsed.seed, model=parsed.model, data=parsed.data,
-        train=parsed.train, moe=parsed.moe, autopipe=parsed.autopipe, accepted_not_acted=ignored,
+        train=parsed.train, moe=parsed.moe, autopipe=parsed.autopipe, comms=parsed.comms, accepted_not_acted=ignored,
     )
 
 

@@ -111,6 +111,10 @@ class PrecisionConfig:
     """Set only for fp16."""
     cast_inputs: bool = False
     """Cast floating-point forward inputs to the compute dtype (DeepSpeed's fp16.auto_cast)."""
+    reason: str = ""
+    """Why this dtype on this device, for the log (``angelptm.config.precision`` has the rule)."""
+    slow_bf16: bool = False
+    """bf16 was asked for on a CPU without bf16 units: kept, and warned about with the measured slowdown."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -169,6 +173,25 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class CommsConfig:
+    """How the ranks of a job wait for each other, and notice one is gone (the ``"comms"`` section)."""
+
+    timeout_s: float = 600.0
+    """Collective timeout of the process group, in seconds (DeepSpeed's default, 10 minutes; DeepSpeed sets
+    it only through ``DEEPSPEED_TIMEOUT``). It must cover the longest wait of one rank for another, e.g.
+    rank 0 writing a large checkpoint or tokenizing the data."""
+    lost_rank_after_s: float = 30.0
+    """A rank whose heartbeat stands still this long is lost, and every rank stops with an error naming it
+    (``angelptm.liveness``); 0 turns the heartbeat off, leaving only ``timeout_s`` to end a hung job."""
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ValueError(f"comms.timeout_s: must be > 0 seconds, got {self.timeout_s}")
+        if self.lost_rank_after_s < 0:
+            raise ValueError(f"comms.lost_rank_after_s: must be >= 0 seconds (0 = off), got {self.lost_rank_after_s}")
+
+
+@dataclass(kw_only=True, slots=True)
 class EngineConfig:
     """Everything one training run is configured with."""
 
@@ -189,5 +212,7 @@ class EngineConfig:
     train: TrainConfig
     moe: MoEConfig
     autopipe: AutoPipeConfig
+    comms: CommsConfig = field(default_factory=CommsConfig)
+    """Process-group timeout and the lost-rank heartbeat."""
     accepted_not_acted: tuple[str, ...] = ()
     """Keys present in the JSON that load fine but change nothing (reported once)."""
