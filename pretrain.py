@@ -211,8 +211,12 @@ def _train(cfg: EngineConfig, ctx: DistContext, allow_unsafe_pickle: bool, trace
         if ctx.is_main:
             report_precision(cfg)  # initialize() reports it on the other path
         stop = StopRequest()
+        if trace_dir is not None:
+            raise ConfigError("--trace pictures one engine's step; the AutoPipe pipeline has no tracer yet "
+                              "(drop --trace, or trace the model without autopipe)")
         return pipeline.train(cfg, ctx, dataset, stop_requested=lambda: stop.requested,
-                              after_save=lambda: prune_checkpoints(cfg.train.save_dir, cfg.train.keep_last))
+                              after_save=lambda: prune_checkpoints(cfg.train.save_dir, cfg.train.keep_last),
+                              allow_unsafe_pickle=allow_unsafe_pickle)
     model = build_model(cfg.model, moe=cfg.moe)
     weight_decay = cfg.optimizer.weight_decay if cfg.optimizer else 0.0
     engine, _, loader, _ = angelptm.initialize(model=model, model_parameters=model.param_groups(weight_decay),

@@ -130,20 +130,44 @@ def save(save_dir: str | os.PathLike, tag: str, ctx: DistContext, *, shared: dic
             raise error
         raise CheckpointError(f"another rank failed while writing checkpoint {final}; the previous checkpoint "
                               "is untouched")
+    error = None
     if ctx.is_main:
-        manifest.write_manifest(tmp, [record for part in every_rank for record in part])
-        _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-        shutil.rmtree(old, ignore_errors=True)
-        if save_latest:
-            _write_latest(root, tag)
-        logger.info("saved checkpoint %s", final)
-    ctx.barrier()
+        try:
+            _finalize(root, tmp, final, old, tag if save_latest else None,
+                      [record for part in every_rank for record in part])
+        except Exception as err:  # the other ranks wait below: tell them, or they would hang there
+            error = err
+    if not _main_succeeded(ctx, error is None):
+        if error is not None:
+            raise error
+        raise CheckpointError(f"rank 0 failed to finish checkpoint {final} (its log says why); the previous "
+                              "checkpoint is untouched")
     return final
+
+
+def _finalize(root: Path, tmp: Path, final: Path, old: Path, latest_tag: str | None,
+              records: list[manifest.FileRecord]) -> None:
+    """Rank 0, once every file is written: the manifest, the renames, and ``latest``."""
+    manifest.write_manifest(tmp, records)
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    shutil.rmtree(old, ignore_errors=True)
+    if latest_tag is not None:
+        _write_latest(root, latest_tag)
+    logger.info("saved checkpoint %s", final)
+
+
+def _main_succeeded(ctx: DistContext, ok: bool) -> bool:
+    """Rank 0's outcome on every rank (doubles as the barrier after the save)."""
+    if ctx.group is None:
+        return ok
+    flag = [ok]
+    torch.distributed.broadcast_object_list(flag, src=0, group=ctx.group)
+    return bool(flag[0])
 
 
 def _gather_records(ctx: DistContext, records: list[manifest.FileRecord] | None
@@ -229,11 +253,7 @@ def _verify(path: Path, ctx: DistContext | None) -> str | None:
     except CheckpointError as err:
         return str(err)
     if saved is None:
-        if not (path / MODEL_FILE).is_file():
-            return f"{path} is not a complete checkpoint (no {MODEL_FILE})"
-        logger.warning("%s has no %s (saved before manifests existed): its files cannot be verified",
-                       path, manifest.MANIFEST_FILE)
-        return None
+        return _check_unverifiable(path)
     if MODEL_FILE not in saved["files"]:
         return f"{path} is not a complete checkpoint (its manifest lists no {MODEL_FILE})"
     rank, world_size = (ctx.rank, ctx.world_size) if ctx is not None and ctx.group is not None else (0, 1)
@@ -244,6 +264,28 @@ def _verify(path: Path, ctx: DistContext | None) -> str | None:
         torch.distributed.all_gather_object(parts, problems, group=ctx.group)
         problems = [p for part in parts for p in part]
     return "; ".join(problems) or None
+
+
+def _check_unverifiable(path: Path) -> str | None:
+    """A checkpoint without a manifest: acceptable (with a warning) only if it predates manifests (format 1).
+
+    Every checkpoint of format 2 or later was written with its manifest, so one without it lost files on
+    the way (a partial copy): it is damaged, whatever else is left of it.
+    """
+    if not (path / MODEL_FILE).is_file():
+        return f"{path} is not a complete checkpoint (no {MODEL_FILE})"
+    try:
+        version = checkpoint_pickle.load(path / MODEL_FILE).get("format_version", 1)
+    except CheckpointError as err:
+        if "opt in with" not in str(err):  # unreadable, not merely of the old, pickled format
+            return str(err)
+        version = 1
+    if version >= 2:
+        return (f"{path / manifest.MANIFEST_FILE} is missing, although {path / MODEL_FILE} is of format {version}, "
+                "which is always saved with one: files were lost (a partial copy?)")
+    logger.warning("%s has no %s (saved before manifests existed): its files cannot be verified",
+                   path, manifest.MANIFEST_FILE)
+    return None
 
 
 def load_file(path: Path, *, allow_unsafe_pickle: bool = False) -> Any:

@@ -113,6 +113,8 @@ def init_distributed(*, dist_init_required: bool | None = None, timeout_s: float
         logger.info("joined process group: backend %s, rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
         if lost_rank_after_s > 0 and size > 1:
             watchdog = RankWatchdog(store, rank, size, lost_rank_after_s)
+    elif lost_rank_after_s > 0 and dist.is_initialized() and dist.get_world_size() > 1:
+        watchdog = _watch_existing_group(lost_rank_after_s)  # e.g. deepspeed.init_distributed() ran first
     if world_size > 1 and not dist.is_initialized():
         raise ConfigError(f"the launcher started {world_size} ranks (WORLD_SIZE={world_size}) but dist_init_required="
                           "False and no process group exists; initialise torch.distributed first or drop the argument")
@@ -121,3 +123,18 @@ def init_distributed(*, dist_init_required: bool | None = None, timeout_s: float
                            device=device, group=dist.group.WORLD,
                            local_world_size=_env_int("LOCAL_WORLD_SIZE", dist.get_world_size()), watchdog=watchdog)
     return DistContext(rank=0, world_size=1, local_rank=local_rank, device=device, group=None)
+
+
+_HEARTBEATS: dict[int, RankWatchdog] = {}
+"""The heartbeat of each process group created before ``initialize()`` (by ``init_distributed()``, a launcher
+library, or accelerate), keyed by its store: a process beats once however many engines it builds."""
+
+
+def _watch_existing_group(lost_rank_after_s: float) -> RankWatchdog | None:
+    """A heartbeat on the default group's store; its collective timeout was set by whoever created it."""
+    store = dist.distributed_c10d._get_default_store()
+    if id(store) not in _HEARTBEATS:
+        logger.info("the process group was created before initialize(): comms.timeout_s does not apply to it "
+                    "(pass timeout= where it is created); comms.lost_rank_after_s does")
+        _HEARTBEATS[id(store)] = RankWatchdog(store, dist.get_rank(), dist.get_world_size(), lost_rank_after_s)
+    return _HEARTBEATS[id(store)]

@@ -84,6 +84,9 @@ class DeepSpeedEngineMethods:
         Returns:
             True (the model was saved).
         """
+        if self.experts is not None:  # refused on every rank, before any collective
+            raise NotImplementedError("save_16bit_model with experts spread over ranks (moe.ep_size > 1): save a "
+                                      "checkpoint and export it offline with `python -m angelptm.export`")
         state: dict[str, Any] | None = None
         if self.ctx.is_main or self.zero_cache_shards > 1:
             state = self.consolidated_state_dict()  # a collective when the masters are sharded

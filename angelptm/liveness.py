@@ -1,4 +1,9 @@
-"""Heartbeats between the ranks of a job, so that a dead or hung rank ends the job with its name.
+"""Heartbeats between the ranks of a job, so that a dead or stopped rank ends the job with its name.
+
+What it sees: a process that died or stopped as a whole (SIGKILL, SIGSTOP, a crashed host, a hung driver
+call that holds the interpreter). What it does not: a rank whose main thread is stuck while the process
+lives (a deadlock in Python code, a collective waiting on a mismatched peer); its heartbeat thread still
+beats, and ``comms.timeout_s`` ends such a job.
 
 Why: gloo fails a collective at once when a peer process dies (its sockets close), but the error names a
 socket address, not a rank; a rank that hangs, or a dead one under NCCL (which does not notice), leaves

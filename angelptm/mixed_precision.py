@@ -119,6 +119,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Not possible: the fp32 masters and gradient buffers are built at ``initialize()``."""
+        raise NotImplementedError("the engine's fp32 masters and flat gradient buffer cover the parameters given at "
+                                  "initialize(); a param group cannot be added later. Pass every parameter you will "
+                                  "train to angelptm.initialize")
+
     def prepare_backward(self, boundary: bool) -> None:
         """Nothing to prepare: gradients always accumulate into the flat fp32 buffer."""
 

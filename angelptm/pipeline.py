@@ -253,12 +253,14 @@ def save(cfg: EngineConfig, ctx: DistContext, step: int, runner: PipelineRunner,
 
 
 def resume(cfg: EngineConfig, ctx: DistContext, runner: PipelineRunner, optimizer, scheduler,
-           loader: ResumableDataLoader) -> int:
-    """Load this rank's part of the latest checkpoint; returns its step (0 without one)."""
+           loader: ResumableDataLoader, *, allow_unsafe_pickle: bool = False) -> int:
+    """Load this rank's part of the latest checkpoint; returns its step (0 without one).
+
+    ``allow_unsafe_pickle``: a rank file of the previous format (numpy RNG state) loads by full unpickling."""
     path = checkpoint.resolve(cfg.train.save_dir, None, ctx)
     if path is None:
         return 0
-    state = checkpoint.load_file(path / checkpoint.rank_file(ctx.rank))
+    state = checkpoint.load_file(path / checkpoint.rank_file(ctx.rank), allow_unsafe_pickle=allow_unsafe_pickle)
     meta = state.get("meta", {})
     if meta.get("world_size") != ctx.world_size or meta.get("op_starts") != runner.op_starts:
         raise CheckpointError(f"{path} was saved by a pipeline of {meta.get('world_size')} ranks split at ops "
@@ -275,7 +277,7 @@ def resume(cfg: EngineConfig, ctx: DistContext, runner: PipelineRunner, optimize
 
 
 def train(cfg: EngineConfig, ctx: DistContext, dataset: TokenDataset, *, stop_requested: Callable[[], bool],
-          after_save: Callable[[], None]) -> float:
+          after_save: Callable[[], None], allow_unsafe_pickle: bool = False) -> float:
     """Train the configured GPT as an AutoPipe pipeline.
 
     Args:
@@ -284,6 +286,7 @@ def train(cfg: EngineConfig, ctx: DistContext, dataset: TokenDataset, *, stop_re
         dataset: the token dataset.
         stop_requested: polled between steps (Ctrl-C / SIGTERM); all ranks stop together.
         after_save: called on rank 0 after each checkpoint (e.g. pruning old ones).
+        allow_unsafe_pickle: resume from a checkpoint of the previous format (see :func:`resume`).
 
     Returns:
         The last logged loss.
@@ -296,7 +299,8 @@ def train(cfg: EngineConfig, ctx: DistContext, dataset: TokenDataset, *, stop_re
     flush_size = cfg.batch.micro_batch_size * cfg.autopipe.num_microbatches
     loader = ResumableDataLoader(dataset, flush_size, rank=replica, world_size=layout.num_replicas,
                                  shuffle=cfg.data.shuffle, seed=cfg.seed or 0, num_workers=cfg.data.num_workers)
-    step = resume(cfg, ctx, runner, optimizer, scheduler, loader) if cfg.train.resume else 0
+    step = resume(cfg, ctx, runner, optimizer, scheduler, loader,
+                  allow_unsafe_pickle=allow_unsafe_pickle) if cfg.train.resume else 0
     return run_loop(cfg, ctx, runner, optimizer, scheduler, loader, step, flops_per_token, dataset.seq_len,
                     stop_requested, after_save)
 

@@ -160,6 +160,12 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
     def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Not possible: chunks are laid out over the parameters given to ``initialize()``."""
+        raise NotImplementedError("zero_cache lays out its chunks over the parameters given at initialize(); a "
+                                  "param group cannot be added later. Pass every parameter you will train to "
+                                  "angelptm.initialize (a later-unfrozen one included, frozen until then)")
+
     @property
     def state(self) -> dict:
         return {"step": self.step_count}

@@ -90,8 +90,10 @@ class Timeline:
             cpu, gpu = list(self._cpu), list(self._gpu)
         intervals = [Interval(track, name, (start - self._base_ns) / 1e3, (end - self._base_ns) / 1e3)
                      for track, name, start, end in cpu]
+        # A copy the host worker queued as recording stopped may still be running: leave it out.
         intervals += [Interval(track, name, 1e3 * self._base_event.elapsed_time(start),
-                               1e3 * self._base_event.elapsed_time(end)) for track, name, start, end in gpu]
+                               1e3 * self._base_event.elapsed_time(end))
+                      for track, name, start, end in gpu if start.query() and end.query()]
         return sorted(intervals, key=lambda interval: interval.start_us)
 
     # ------------------------------------------------------------------ recording

@@ -181,8 +181,9 @@ class CommsConfig:
     it only through ``DEEPSPEED_TIMEOUT``). It must cover the longest wait of one rank for another, e.g.
     rank 0 writing a large checkpoint or tokenizing the data."""
     lost_rank_after_s: float = 30.0
-    """A rank whose heartbeat stands still this long is lost, and every rank stops with an error naming it
-    (``angelptm.liveness``); 0 turns the heartbeat off, leaving only ``timeout_s`` to end a hung job."""
+    """A rank whose heartbeat stands still this long (its process died or stopped) is lost, and every rank
+    stops with an error naming it (``angelptm.liveness``); 0 turns the heartbeat off. A rank stuck while its
+    process lives still beats: ``timeout_s`` ends that job."""
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:

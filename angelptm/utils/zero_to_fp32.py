@@ -4,13 +4,14 @@
 
 The reading is :func:`angelptm.export.consolidated_fp32_state_dict` (fp32 masters, ZeRO-Cache shards and
 expert-parallel slices merged). What is written follows DeepSpeed's script: ``OUTPUT_DIR/pytorch_model.bin``
-(``torch.save``) or ``OUTPUT_DIR/model.safetensors``. Checkpoints written by DeepSpeed itself are not read
+(``torch.save``) or ``OUTPUT_DIR/model.safetensors``, in numbered shards with an index above ``max_shard_size``. Checkpoints written by DeepSpeed itself are not read
 (their layout is DeepSpeed's): convert those with DeepSpeed's own script.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from pathlib import Path
@@ -61,33 +62,39 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | Path, outpu
 
     Args:
         checkpoint_dir: the checkpoint's ``save_dir``.
-        output_dir: created if missing; receives ``pytorch_model.bin`` or ``model.safetensors``.
-        max_shard_size: the largest file to write; a larger model raises (sharded output is not built:
-            ``python -m angelptm.export`` writes one safetensors file of any size).
+        output_dir: created if missing; receives ``pytorch_model.bin`` or ``model.safetensors``, or, for a
+            model larger than ``max_shard_size``, numbered shards of them and their index
+            (``pytorch_model.bin.index.json`` / ``model.safetensors.index.json``, as ``save_pretrained`` names them).
+        max_shard_size: the largest file to write.
         safe_serialization: safetensors instead of ``torch.save``.
         tag: checkpoint tag; None follows ``latest``.
         exclude_frozen_parameters: not supported (raises).
 
     Returns:
-        The file written.
+        The file written (the index when sharded).
     """
+    from huggingface_hub import split_torch_state_dict_into_shards
+
     state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
-    total_bytes = sum(t.numel() * t.element_size() for t in state.values())
-    if total_bytes > _parse_size(max_shard_size):
-        raise NotImplementedError(f"the model has {total_bytes:,} bytes, more than max_shard_size={max_shard_size!r}, "
-                                  "and sharded output is not built; raise max_shard_size or run "
-                                  "`python -m angelptm.export CHECKPOINT_DIR OUT.safetensors`")
     output = Path(output_dir)
     output.mkdir(parents=True, exist_ok=True)
-    if safe_serialization:
-        from safetensors.torch import save_file
+    pattern = "model{suffix}.safetensors" if safe_serialization else "pytorch_model{suffix}.bin"
+    split = split_torch_state_dict_into_shards(state, filename_pattern=pattern,
+                                               max_shard_size=_parse_size(max_shard_size))
+    for filename, keys in split.filename_to_tensors.items():
+        shard = {key: state[key].contiguous() for key in keys}
+        if safe_serialization:
+            from safetensors.torch import save_file
 
-        path = output / "model.safetensors"
-        save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata={"format": "pt"})
-    else:
-        path = output / "pytorch_model.bin"
-        torch.save(state, path)
-    return path
+            save_file(shard, str(output / filename), metadata={"format": "pt"})
+        else:
+            torch.save(shard, output / filename)
+    if not split.is_sharded:
+        return output / next(iter(split.filename_to_tensors))
+    index = output / (pattern.format(suffix="") + ".index.json")
+    index.write_text(json.dumps({"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                                 "weight_map": split.tensor_to_filename}, indent=2, sort_keys=True) + "\n")
+    return index
 
 
 def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str | Path, tag: str | None = None

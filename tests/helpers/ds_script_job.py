@@ -70,8 +70,10 @@ def main() -> None:
     engine.save_16bit_model(args.save_dir, "model.bin")
     if rank == 0:
         is_torch = isinstance(engine.optimizer, torch.optim.Optimizer)
+        # The group existed before initialize() (init_distributed above): comms' heartbeat must still run.
+        heartbeat = getattr(getattr(engine, "ctx", None), "watchdog", None) is not None
         Path(args.out).write_text(json.dumps({"losses": losses, "lrs": lrs, "stage": engine.zero_optimization_stage(),
-                                              "optimizer_is_torch": is_torch}))
+                                              "optimizer_is_torch": is_torch, "heartbeat": heartbeat}))
     deepspeed.comm.barrier()
 
 

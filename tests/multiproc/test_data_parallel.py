@@ -26,11 +26,16 @@ def test_two_ranks_equal_one_rank_with_double_batch(tmp_path):
         torch.testing.assert_close(dp["masters"][name], expected, rtol=1e-4, atol=1e-5)
 
 
-def test_a_rank_failing_mid_save_stops_every_rank_and_keeps_the_last_checkpoint(tmp_path):
+@pytest.mark.parametrize("failing, failed_rank, message", [
+    ("rank-file", 1, "CheckpointError: another rank failed"),
+    ("finalize", 0, "CheckpointError: rank 0 failed to finish")])  # after every file was written: no hang either
+def test_a_rank_failing_mid_save_stops_every_rank_and_keeps_the_last_checkpoint(tmp_path, failing, failed_rank,
+                                                                                message):
     job = Path(__file__).resolve().parents[1] / "helpers" / "save_fail_job.py"
-    run_ok(torchrun(2, job, "--save-dir", str(tmp_path / "ckpt"), "--out-prefix", str(tmp_path / "outcome")))
-    assert (tmp_path / "outcome.1").read_text().startswith("OSError")
-    assert (tmp_path / "outcome.0").read_text().startswith("CheckpointError: another rank failed")
+    run_ok(torchrun(2, job, "--save-dir", str(tmp_path / "ckpt"), "--out-prefix", str(tmp_path / "outcome"),
+                    "--failing", failing))
+    assert (tmp_path / f"outcome.{failed_rank}").read_text().startswith("OSError")
+    assert (tmp_path / f"outcome.{1 - failed_rank}").read_text().startswith(message)
     assert (tmp_path / "ckpt" / "latest").read_text() == "good"
     assert not (tmp_path / "ckpt" / "bad").exists()
     manifest = json.loads((tmp_path / "ckpt" / "good" / "manifest.json").read_text())  # every rank's files

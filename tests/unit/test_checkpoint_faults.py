@@ -160,6 +160,8 @@ def test_a_previous_format_checkpoint_loads_only_with_the_opt_in(two_checkpoints
     kind, keys, *rest = per_rank["rng"]["numpy"]
     per_rank["rng"]["numpy"] = (kind, keys.numpy().astype(np.uint32), *rest)  # format 1: a pickled numpy array
     torch.save(per_rank, rank_path)
+    model_states = torch.load(directory / checkpoint.MODEL_FILE, weights_only=True)
+    torch.save({**model_states, "format_version": 1}, directory / checkpoint.MODEL_FILE)  # format 1 had no manifest
     (directory / checkpoint_manifest.MANIFEST_FILE).unlink()
     with pytest.raises(angelptm.CheckpointError, match=r"rank_00000_states.pt holds Python objects.*numpy.*"
                                                        r"allow_unsafe_pickle=True"):
@@ -170,6 +172,20 @@ def test_a_previous_format_checkpoint_loads_only_with_the_opt_in(two_checkpoints
     assert Path(path).name == "global_step2" and "allow_unsafe_pickle" in caplog.text
     assert_same_weights(fresh, weights[2])
     assert np.random.get_state()[1].tolist() == keys.tolist()
+
+
+def test_a_checkpoint_that_lost_its_manifest_is_damaged_and_resume_falls_back(two_checkpoints, caplog):
+    """Every format-2 checkpoint is written with its manifest: without it (a partial copy) files may be missing."""
+    root, weights = two_checkpoints
+    for name in (checkpoint_manifest.MANIFEST_FILE, checkpoint.OPTIM_FILE):
+        (root / "global_step2" / name).unlink()
+    engine = fp32_engine(seed=3)
+    with caplog.at_level(logging.WARNING):
+        path, _ = engine.load_checkpoint(root)
+    assert Path(path).name == "global_step1" and "manifest.json is missing" in caplog.text
+    assert_same_weights(engine, weights[1])
+    with pytest.raises(angelptm.CheckpointError, match="manifest.json is missing"):
+        fp32_engine().load_checkpoint(root, tag="global_step2")
 
 
 def test_client_state_that_needs_unsafe_unpickling_is_refused_at_save(two_checkpoints):

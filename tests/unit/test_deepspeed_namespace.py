@@ -4,6 +4,7 @@ process, else against plain PyTorch. Multi-process scripts are in ``tests/multip
 from __future__ import annotations
 
 import argparse
+import json
 import random
 
 import pytest
@@ -217,7 +218,14 @@ def test_zero_to_fp32_reads_our_checkpoints(tmp_path) -> None:
     assert zero_to_fp32_main([str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
     written = torch.load(tmp_path / "out" / "pytorch_model.bin")
     assert all(torch.equal(written[k], expected[k]) for k in expected)
-    assert zero_to_fp32_main([str(tmp_path / "ckpt"), str(tmp_path / "out"), "--max_shard_size", "10B"]) == 1
+    # A max_shard_size below the model: numbered shards and an index, as DeepSpeed's script writes them.
+    largest = max(t.numel() * 4 for t in expected.values())
+    assert zero_to_fp32_main([str(tmp_path / "ckpt"), str(tmp_path / "shards"), "--max_shard_size", f"{largest}B"]) == 0
+    index = json.loads((tmp_path / "shards" / "pytorch_model.bin.index.json").read_text())
+    files = set(index["weight_map"].values())
+    assert len(files) > 1 and set(index["weight_map"]) == set(expected)
+    merged = {k: v for name in files for k, v in torch.load(tmp_path / "shards" / name).items()}
+    assert all(torch.equal(merged[k], expected[k]) for k in expected)
 
 
 def test_partitions_are_deepspeeds() -> None:
@@ -249,3 +257,14 @@ def test_deepspeed_import_paths_resolve() -> None:
         from angelptm.runtime.lr_schedules import OneCycle  # noqa: F401
     with pytest.raises(ValueError, match="tensor parallelism"):
         MoE(4, nn.Linear(4, 4), num_experts=2, enable_expert_tensor_parallelism=True)
+
+
+@pytest.mark.parametrize("zero_cache", [False, True])
+def test_adding_a_param_group_later_is_refused_not_trained_around_the_engine(zero_cache) -> None:
+    """A torch Optimizer by type, but its masters (or chunks) cover the parameters given to initialize()."""
+    extra = {"zero_cache": {"enabled": True, "chunk_size": 4096}} if zero_cache else {}
+    model = mlp(6)
+    head = nn.Linear(6, 6)
+    engine, optimizer, _, _ = angelptm.initialize(model=model, config=config(**extra))
+    with pytest.raises(NotImplementedError, match="initialize"):
+        optimizer.add_param_group({"params": list(head.parameters())})
