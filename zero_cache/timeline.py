@@ -73,6 +73,7 @@ class Timeline:
         with self._lock:
             self._cpu.clear()
             self._gpu.clear()
+        self._open.clear()
         if self.cuda:
             torch.cuda.synchronize(self.device)
             self._base_event = torch.cuda.Event(enable_timing=True)
