@@ -19,14 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import angelptm  # noqa: E402
 from angelptm import checkpoint, checkpoint_manifest  # noqa: E402
 from angelptm.models import ModelConfig, build_model  # noqa: E402
-
-
-def train(engine, steps: int) -> None:
-    generator = torch.Generator().manual_seed(engine.global_steps)
-    for _ in range(steps):
-        ids = torch.randint(0, 64, (2, 17), generator=generator)
-        engine.backward(engine(input_ids=ids[:, :-1], labels=ids[:, 1:]))
-        engine.step()
+from reference import train_on_seeded_tokens as train  # noqa: E402
 
 
 def main() -> None:

@@ -130,3 +130,13 @@ def assert_masters_close(masters: dict, expected_masters: dict, initial: dict) -
         moved += (expected.cpu().float() - start).square().sum().item()
         diff += (masters[name] - expected.cpu()).square().sum().item()
     assert diff ** 0.5 < 0.1 * moved ** 0.5, f"masters differ by {diff ** 0.5:.2e} (norm), moved {moved ** 0.5:.2e}"
+
+
+def train_on_seeded_tokens(engine, steps: int, vocab: int = 64) -> None:
+    """``steps`` steps of batch 2 x 16 tokens drawn from a generator seeded by the engine's step (a run resumed
+    at step k sees the batches an uninterrupted one saw from step k on)."""
+    generator = torch.Generator().manual_seed(engine.global_steps)
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (2, 17), generator=generator)
+        engine.backward(engine(input_ids=ids[:, :-1], labels=ids[:, 1:]))
+        engine.step()

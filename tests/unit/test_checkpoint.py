@@ -16,6 +16,7 @@ from angelptm import checkpoint
 from angelptm.data import TokenWriter
 from angelptm.export import main as export_main
 from angelptm.models import ModelConfig, build_model
+from reference import train_on_seeded_tokens as train_steps
 
 JOB = Path(__file__).resolve().parents[1] / "helpers" / "resume_job.py"
 
@@ -70,14 +71,6 @@ def small_engine(seed: int = 0):
     config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "bf16": {"enabled": True}}
     engine, *_ = angelptm.initialize(model=model, config=config)
     return engine
-
-
-def train_steps(engine, steps: int) -> None:
-    generator = torch.Generator().manual_seed(engine.global_steps)
-    for _ in range(steps):
-        ids = torch.randint(0, 64, (2, 17), generator=generator)
-        engine.backward(engine(input_ids=ids[:, :-1], labels=ids[:, 1:]))
-        engine.step()
 
 
 def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):

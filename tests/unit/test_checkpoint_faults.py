@@ -19,6 +19,7 @@ import torch
 import angelptm
 from angelptm import checkpoint, checkpoint_manifest
 from angelptm.models import ModelConfig, build_model
+from reference import train_on_seeded_tokens as train_steps
 
 KILL_JOB = Path(__file__).resolve().parents[1] / "helpers" / "kill_during_save_job.py"
 
@@ -29,14 +30,6 @@ def fp32_engine(seed: int = 0):
     engine, *_ = angelptm.initialize(model=model, config={
         "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
     return engine
-
-
-def train_steps(engine, steps: int) -> None:
-    generator = torch.Generator().manual_seed(engine.global_steps)
-    for _ in range(steps):
-        ids = torch.randint(0, 64, (2, 17), generator=generator)
-        engine.backward(engine(input_ids=ids[:, :-1], labels=ids[:, 1:]))
-        engine.step()
 
 
 def assert_same_weights(engine, expected: dict[str, torch.Tensor]) -> None:
