@@ -87,7 +87,7 @@ class Transfers:
         self.traffic.add(direction, num_bytes)
         track, name = (D2H if direction == "d2h" else H2D), f"{num_bytes / 2**20:.0f} MiB"
         if not self.cuda:
-            with self.timeline.on_thread(track, name):
+            with self.timeline.on_stream(track, name, None):
                 destination.copy_(source)
             return None
         stream = self.d2h if direction == "d2h" else self.h2d

@@ -67,6 +67,7 @@ class Timeline:
         self._base_ns = 0
         self._base_event: Any = None
         self._open: list[list[Any]] = []  # the training thread's compute phases in progress: [name, start]
+        self._compute_thread: int | None = None
 
     def start(self) -> None:
         """Begin recording; on CUDA the device is synchronised once so the two clocks share an origin."""
@@ -89,8 +90,9 @@ class Timeline:
             torch.cuda.synchronize(self.device)
         with self._lock:
             cpu, gpu = list(self._cpu), list(self._gpu)
+        # (an interval begun before this recording started, in a thread, would start before 0: left out)
         intervals = [Interval(track, name, (start - self._base_ns) / 1e3, (end - self._base_ns) / 1e3)
-                     for track, name, start, end in cpu]
+                     for track, name, start, end in cpu if start >= self._base_ns]
         # A copy the host worker queued as recording stopped may still be running: leave it out.
         intervals += [Interval(track, name, 1e3 * self._base_event.elapsed_time(start),
                                1e3 * self._base_event.elapsed_time(end))
@@ -112,9 +114,13 @@ class Timeline:
 
     @contextlib.contextmanager
     def on_stream(self, track: str, name: str, stream: Any) -> Iterator[None]:
-        """Time the work the body queues on ``stream`` (a copy stream); on the CPU, the body itself."""
-        if not self.recording or not self.cuda:
-            with self.on_thread(track, name):
+        """Time the work the body queues on ``stream`` (a copy stream); on the CPU, the body itself, which, run by
+        the training thread (a fetch in a forward pre-hook), is not compute: it is cut out of the open phases."""
+        if not self.recording:
+            yield
+            return
+        if not self.cuda:
+            with self._off_compute(only_on_its_thread=True), self.on_thread(track, name):
                 yield
             return
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -133,6 +139,7 @@ class Timeline:
         if not self.recording:
             yield
             return
+        self._compute_thread = threading.get_ident()
         self._open.append([name, self._mark()])
         try:
             yield
@@ -147,11 +154,20 @@ class Timeline:
         if not self.recording:
             yield
             return
+        # Any thread: on CUDA the backward's hooks run on autograd's device thread, which waits for the step all the same.
+        with self._off_compute(only_on_its_thread=False), self.on_thread(WAITS, name):
+            yield
+
+    @contextlib.contextmanager
+    def _off_compute(self, *, only_on_its_thread: bool) -> Iterator[None]:
+        """Close the open compute phases for the body and reopen them after it."""
+        if not self._open or (only_on_its_thread and threading.get_ident() != self._compute_thread):
+            yield
+            return
         for phase in self._open:
             self._close(phase[0], phase[1])
         try:
-            with self.on_thread(WAITS, name):
-                yield
+            yield
         finally:
             restart = self._mark()
             for phase in self._open:
@@ -193,8 +209,9 @@ class _TimedRequest:
         self._recorded = False
 
     def _record(self) -> None:
-        if not self._recorded:
-            self._recorded = True
+        with self._timeline._lock:  # two threads may see it complete
+            first, self._recorded = not self._recorded, True
+        if first:
             self._timeline.add_cpu(DISK, self._name, self._submitted_ns, time.perf_counter_ns())
 
     def done(self) -> bool:

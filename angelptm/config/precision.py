@@ -38,7 +38,7 @@ class DtypeChoice:
 
 def choose_dtype(*, bf16: bool | Literal["auto"] | None, fp16: bool, device_type: str,
                  cpu: Callable[[], CpuBf16] = detect_cpu_bf16,
-                 cuda_bf16: Callable[[], bool] = lambda: torch.cuda.is_bf16_supported()) -> DtypeChoice:
+                 cuda_bf16: Callable[[], bool] = lambda: _gpu_has_bf16()) -> DtypeChoice:
     """Apply the module's rule.
 
     Args:
@@ -67,7 +67,8 @@ def choose_dtype(*, bf16: bool | Literal["auto"] | None, fp16: bool, device_type
         if bf16 != BF16_AUTO:
             return DtypeChoice(torch.float32, f"{asked}: fp32 on the GPU, as DeepSpeed")
         if cuda_bf16():
-            return DtypeChoice(torch.bfloat16, f"{asked} and this GPU computes bf16")
+            planned = "" if torch.cuda.is_available() else " (assumed of a GPU planned for, not on this machine)"
+            return DtypeChoice(torch.bfloat16, f"{asked} and this GPU computes bf16{planned}")
         return DtypeChoice(torch.float32, f"{asked} and this GPU has no bf16 support")
     if device_type != "cpu":
         return DtypeChoice(torch.float32, f"{asked}: fp32 on a {device_type} device")
@@ -76,3 +77,9 @@ def choose_dtype(*, bf16: bool | Literal["auto"] | None, fp16: bool, device_type
         return DtypeChoice(torch.bfloat16, f"{asked} and this CPU has bf16 units ({support.evidence})")
     return DtypeChoice(torch.float32, f"{asked} and this CPU has no bf16 units ({support.evidence}), where bf16 "
                                       f"is emulated and many times slower")
+
+
+def _gpu_has_bf16() -> bool:
+    """Whether the CUDA device computes bf16. Without CUDA here the GPU is one being planned for (``pretrain.py
+    --plan --gpus ...``), taken to be bf16-capable like every data-centre GPU since Ampere."""
+    return not torch.cuda.is_available() or torch.cuda.is_bf16_supported()

@@ -68,7 +68,11 @@ class Trainer(transformers.Trainer):
         """
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         engine = self.deepspeed  # None before training: the module's own weights are current
-        self._save(output_dir, state_dict=engine.consolidated_state_dict() if engine is not None else None)
+        state = None
+        # Only writers build the fp32 copy (8 B/param of host memory), unless sharded masters need every rank.
+        if engine is not None and (self.args.should_save or engine.zero_cache_shards > 1):
+            state = engine.consolidated_state_dict()
+        self._save(output_dir, state_dict=state)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 

@@ -1,7 +1,7 @@
 """Checkpoints of a :class:`~angelptm.pipe.engine.PipelineEngine`: every rank saves its own stage.
 
-A rank holds only its stage's layers, so each rank's file carries that stage's weights (by the
-``PipelineModule``'s parameter names), its optimizer state (fp32 masters, moments), the scheduler, its
+A rank holds only its stage's layers, so each rank's file carries that stage's parameters, frozen ones
+too, and the module's buffers (by the ``PipelineModule``'s state-dict names), its optimizer state (fp32 masters, moments), the scheduler, its
 RNG streams and data position; rank 0's model file carries the steps, the layout and the client
 state. The files go through :func:`angelptm.checkpoint.save` (atomic, with a manifest), so a checkpoint
 is whole or absent, and loading verifies it first. A checkpoint loads into a pipeline of the same
@@ -31,9 +31,17 @@ class PipelineCheckpoints:
         return {"num_stages": self.layout.num_stages, "world_size": self.ctx.world_size,
                 "parts": list(self.module.parts) if self.module.parts is not None else None, "op_starts": split}
 
-    def _stage_weights(self) -> dict[str, torch.Tensor]:
-        held = {id(p) for p in self.optimizer.params}
-        return {name: p.detach().cpu().clone() for name, p in self.module.named_parameters() if id(p) in held}
+    def _stage_state(self) -> dict[str, torch.Tensor]:
+        """This stage's parameters (frozen ones too) and every persistent buffer (small; each rank builds every
+        layer, so a buffer's name is the same on every rank), by the ``PipelineModule``'s state-dict names."""
+        mine = {id(p) for p in self.optimizer.params}
+        if self.runner is not None:
+            mine |= {id(p) for _, p in self.runner.named_parameters()}
+        if self.module.parts is not None:
+            mine |= {id(p) for p in self.module.stage_parameters(self.stage_id)}
+        params = {id(p) for p in self.module.parameters()}
+        return {name: t for name, t in self.module.state_dict(keep_vars=True).items()
+                if id(t) in mine or id(t) not in params}
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> Path:
@@ -47,7 +55,8 @@ class PipelineCheckpoints:
                         "global_steps": self.global_steps, "global_samples": self.global_samples,
                         "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps,
                         "client_state": dict(client_state or {})}
-        per_rank = {"stage": self.stage_id, "layout": layout, "module": self._stage_weights(),
+        per_rank = {"stage": self.stage_id, "layout": layout,
+                    "module": {name: t.detach().cpu().clone() for name, t in self._stage_state().items()},
                     "optimizer": self.optimizer.state_dict(),
                     "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
                     "rng": checkpoint.capture_rng_state(),
@@ -76,12 +85,28 @@ class PipelineCheckpoints:
         if model_states.get("format") != FORMAT:
             raise CheckpointError(f"{path} was not written by a pipeline engine (a PipelineModule's "
                                   "save_checkpoint); load it with the engine that wrote it")
+        error = None
+        try:  # a stage that cannot load must stop every stage, or the others would wait for it in train_batch
+            self._load_stage(path, model_states, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
+                             load_module_only, allow_unsafe_pickle)
+        except Exception as err:
+            error = err
+        failed = self._failed_ranks(error is None)
+        if error is not None:
+            raise error
+        if failed:
+            raise CheckpointError(f"{path}: stage(s) of rank(s) {failed} could not load their part (their logs say "
+                                  "why); nothing was trained from it")
+        return str(path), model_states["client_state"]
+
+    def _load_stage(self, path: Path, model_states: dict, strict: bool, load_optimizer_states: bool,
+                    load_lr_scheduler_states: bool, module_only: bool, allow_unsafe_pickle: bool) -> None:
         state = checkpoint.load_file(path / checkpoint.rank_file(self.ctx.rank), allow_unsafe_pickle=allow_unsafe_pickle)
         self._check_layout(path, state["layout"])
-        self._load_stage_weights(path, state["module"], strict=load_module_strict)
-        if load_module_only:
+        self._load_stage_weights(path, state["module"], strict=strict)
+        if module_only:
             self.optimizer.refresh_masters_from_params()
-            return str(path), model_states["client_state"]
+            return
         self.optimizer.load_state_dict(state["optimizer"], load_optimizer_states=load_optimizer_states)
         if load_lr_scheduler_states and self.lr_scheduler is not None and state["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
@@ -90,7 +115,14 @@ class PipelineCheckpoints:
         checkpoint.restore_rng_state(state["rng"])
         if self.training_dataloader is not None and state["data"] is not None:
             self.training_dataloader.load_state_dict(state["data"])
-        return str(path), model_states["client_state"]
+
+    def _failed_ranks(self, ok: bool) -> list[int]:
+        """The ranks whose load failed (a collective: every rank calls it)."""
+        if self.ctx.group is None:
+            return [] if ok else [self.ctx.rank]
+        outcomes: list[Any] = [None] * self.ctx.world_size
+        torch.distributed.all_gather_object(outcomes, ok, group=self.ctx.group)
+        return [rank for rank, fine in enumerate(outcomes) if not fine]
 
     def _check_layout(self, path: Path, saved: dict[str, Any]) -> None:
         mine = self._stage_layout()
@@ -104,7 +136,7 @@ class PipelineCheckpoints:
                 "same autopipe.profile_path)")
 
     def _load_stage_weights(self, path: Path, weights: dict[str, torch.Tensor], *, strict: bool) -> None:
-        own = {name: p for name, p in self.module.named_parameters() if id(p) in {id(q) for q in self.optimizer.params}}
+        own = self._stage_state()
         missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
         if strict and (missing or unexpected):
             raise CheckpointError(f"{path}: stage {self.stage_id}'s weights do not match its layers: missing "

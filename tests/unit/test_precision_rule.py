@@ -106,3 +106,11 @@ def test_initialize_logs_the_choice_and_warns_with_the_measured_slowdown(monkeyp
 
 def test_slowdown_measurement_is_a_positive_ratio():
     assert measure_bf16_slowdown(size=32, repeats=1) > 0
+
+
+def test_a_gpu_planned_for_on_a_machine_without_one_is_taken_as_bf16_capable(monkeypatch):
+    """pretrain.py --plan --gpus N on a CPU machine: "auto" plans the bf16 params the GPUs will hold."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    choice = choose_dtype(bf16="auto", fp16=False, device_type="cuda")
+    assert choice.dtype == torch.bfloat16 and "planned for" in choice.reason
+    assert choose_dtype(bf16=None, fp16=False, device_type="cuda").dtype == torch.float32  # DeepSpeed's default
