@@ -137,7 +137,7 @@ def save(save_dir: str | os.PathLike, tag: str, ctx: DistContext, *, shared: dic
                       [record for part in every_rank for record in part])
         except Exception as err:  # the other ranks wait below: tell them, or they would hang there
             error = err
-    if not _main_succeeded(ctx, error is None):
+    if failed_ranks(ctx, error is None):  # only rank 0 can have failed here
         if error is not None:
             raise error
         raise CheckpointError(f"rank 0 failed to finish checkpoint {final} (its log says why); the previous "
@@ -161,13 +161,14 @@ def _finalize(root: Path, tmp: Path, final: Path, old: Path, latest_tag: str | N
     logger.info("saved checkpoint %s", final)
 
 
-def _main_succeeded(ctx: DistContext, ok: bool) -> bool:
-    """Rank 0's outcome on every rank (doubles as the barrier after the save)."""
+def failed_ranks(ctx: DistContext, ok: bool) -> list[int]:
+    """The ranks whose part of a save or load failed, on every rank (a collective; doubles as a barrier), so that
+    all of them stop together instead of some waiting in the next collective for the others."""
     if ctx.group is None:
-        return ok
-    flag = [ok]
-    torch.distributed.broadcast_object_list(flag, src=0, group=ctx.group)
-    return bool(flag[0])
+        return [] if ok else [ctx.rank]
+    outcomes: list[Any] = [None] * ctx.world_size
+    torch.distributed.all_gather_object(outcomes, ok, group=ctx.group)
+    return [rank for rank, fine in enumerate(outcomes) if not fine]
 
 
 def _gather_records(ctx: DistContext, records: list[manifest.FileRecord] | None

@@ -67,21 +67,15 @@ def tier_budgets(config: ZeroCacheConfig, device: torch.device, ranks_per_host: 
                                                    ranks_per_host)
         directory, disk = nvme.nvme_budget(config, ranks_per_host)
         return TierBudgets(device_tier.budget_bytes, host_tier.budget_bytes, disk, directory)
-    per_host = ranks_per_host
-    device_budget = config.device_budget_bytes
+    device_budget, host_budget = config.device_budget_bytes, config.host_budget_bytes
     if device_budget is None:  # a fresh GPU's free memory is its total, less the CUDA context the margin covers
-        total = hardware.device_bytes
-        device_budget = max(0, int(total - max(tiers.AUTO_MARGIN_MIN_BYTES, total * tiers.AUTO_MARGIN_FRACTION)))
-    host_budget = config.host_budget_bytes
+        device_budget = tiers.device_share(hardware.device_bytes)
     if host_budget is None:
-        total = hardware.host_bytes
-        usable = total - max(4 * 2**30, int(total * tiers.HOST_MARGIN_FRACTION))
-        host_budget = max(0, usable // per_host)
+        host_budget = tiers.host_share(hardware.host_bytes, hardware.host_bytes, ranks_per_host)
     disk = 0
     if hardware.nvme_bytes:
         disk = config.nvme_budget_bytes
         if disk is None:
-            free = hardware.nvme_bytes
-            disk = max(0, int(free - max(2**30, free * nvme.AUTO_MARGIN_FRACTION))) // per_host
+            disk = nvme.disk_share(hardware.nvme_bytes, ranks_per_host)
     return TierBudgets(device_budget, host_budget, disk)
 

@@ -69,8 +69,12 @@ def check_directory(path: str) -> Path:
 
 def auto_nvme_budget(directory: Path, ranks_per_host: int = 1) -> int:
     """Free bytes under ``directory`` less the margin, split between the ranks of a host (who share the drive)."""
-    free = shutil.disk_usage(directory).free
-    return max(0, int(free - max(2**30, free * AUTO_MARGIN_FRACTION))) // ranks_per_host
+    return disk_share(shutil.disk_usage(directory).free, ranks_per_host)
+
+
+def disk_share(free_bytes: int, ranks_per_host: int = 1) -> int:
+    """One rank's "auto" NVMe budget: a drive's free bytes less the margin, split between the host's ranks."""
+    return max(0, int(free_bytes - max(2**30, free_bytes * AUTO_MARGIN_FRACTION))) // ranks_per_host
 
 
 def nvme_budget(config: ZeroCacheConfig, ranks_per_host: int = 1) -> tuple[Path | None, int]:

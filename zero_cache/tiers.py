@@ -174,9 +174,13 @@ def auto_device_budget(device: torch.device, ranks_per_host: int = 1) -> int:
         torch.cuda.empty_cache()  # blocks cached by the allocator (e.g. an fp32 copy of the model) are free too
         free, total = torch.cuda.mem_get_info(device)
         fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _device: 1.0)(device)
-        free = min(free, int(total * fraction) - torch.cuda.memory_reserved(device))
-        return max(0, int(free - max(AUTO_MARGIN_MIN_BYTES, free * AUTO_MARGIN_FRACTION)))
+        return device_share(min(free, int(total * fraction) - torch.cuda.memory_reserved(device)))
     return int(psutil.virtual_memory().available * 0.5 * (1 - AUTO_MARGIN_FRACTION) / ranks_per_host)
+
+
+def device_share(free_bytes: int) -> int:
+    """An "auto" device budget: ``free_bytes`` of a GPU less the margin (measured, or a named GPU's total)."""
+    return max(0, int(free_bytes - max(AUTO_MARGIN_MIN_BYTES, free_bytes * AUTO_MARGIN_FRACTION)))
 
 
 HOST_MARGIN_FRACTION = 0.10
@@ -188,8 +192,13 @@ def auto_host_budget(device: torch.device, ranks_per_host: int = 1) -> int:
     """Available host RAM less the margin, split between the ranks on this host (and halved when the
     device tier is host RAM too)."""
     memory = psutil.virtual_memory()
-    usable = memory.available - max(4 * 2**30, int(memory.total * HOST_MARGIN_FRACTION))
-    share = 0.5 if device.type == "cpu" else 1.0
+    return host_share(memory.available, memory.total, ranks_per_host, share=0.5 if device.type == "cpu" else 1.0)
+
+
+def host_share(available_bytes: int, total_bytes: int, ranks_per_host: int = 1, *, share: float = 1.0) -> int:
+    """One rank's "auto" host budget: available RAM less the margin on the total, times ``share``, split between
+    the host's ranks (measured here, or a named host's RAM, all of it available)."""
+    usable = available_bytes - max(4 * 2**30, int(total_bytes * HOST_MARGIN_FRACTION))
     return max(0, int(usable * share / ranks_per_host))
 
 

@@ -91,7 +91,7 @@ class PipelineCheckpoints:
                              load_module_only, allow_unsafe_pickle)
         except Exception as err:
             error = err
-        failed = self._failed_ranks(error is None)
+        failed = checkpoint.failed_ranks(self.ctx, error is None)
         if error is not None:
             raise error
         if failed:
@@ -115,14 +115,6 @@ class PipelineCheckpoints:
         checkpoint.restore_rng_state(state["rng"])
         if self.training_dataloader is not None and state["data"] is not None:
             self.training_dataloader.load_state_dict(state["data"])
-
-    def _failed_ranks(self, ok: bool) -> list[int]:
-        """The ranks whose load failed (a collective: every rank calls it)."""
-        if self.ctx.group is None:
-            return [] if ok else [self.ctx.rank]
-        outcomes: list[Any] = [None] * self.ctx.world_size
-        torch.distributed.all_gather_object(outcomes, ok, group=self.ctx.group)
-        return [rank for rank, fine in enumerate(outcomes) if not fine]
 
     def _check_layout(self, path: Path, saved: dict[str, Any]) -> None:
         mine = self._stage_layout()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -21,9 +20,7 @@ from torch import nn
 
 from angelptm.errors import CheckpointError
 from angelptm.export import consolidated_fp32_state_dict
-
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
+from zero_cache.units import parse_bytes
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | Path, tag: str | None = None,
                                              exclude_frozen_parameters: bool = False,
@@ -44,15 +41,6 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | Path, tag: st
                                   "parameters were frozen; save with engine.save_checkpoint(..., "
                                   "exclude_frozen_parameters=True) instead, or drop the keys from the result")
     return consolidated_fp32_state_dict(checkpoint_dir, tag)
-
-
-def _parse_size(size: str | int) -> int:
-    if isinstance(size, int):
-        return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", size.upper())
-    if match is None:
-        raise ValueError(f"max_shard_size={size!r}: expected digits and a unit, like '5GB'")
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | Path, output_dir: str | Path,
@@ -80,7 +68,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | Path, outpu
     output.mkdir(parents=True, exist_ok=True)
     pattern = "model{suffix}.safetensors" if safe_serialization else "pytorch_model{suffix}.bin"
     split = split_torch_state_dict_into_shards(state, filename_pattern=pattern,
-                                               max_shard_size=_parse_size(max_shard_size))
+                                               max_shard_size=parse_bytes(max_shard_size, name="max_shard_size"))
     for filename, keys in split.filename_to_tensors.items():
         shard = {key: state[key].contiguous() for key in keys}
         if safe_serialization:
