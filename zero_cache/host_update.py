@@ -63,14 +63,14 @@ class Transfers:
     Every copy returns the event that marks its completion (None on CPU, where copies are synchronous).
     """
 
-    def __init__(self, device: torch.device, timeline: Timeline | None = None) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
         self.h2d = torch.cuda.Stream(device) if self.cuda else None
         self.traffic = TrafficCounter("d2h", "h2d")
-        self.timeline = timeline if timeline is not None else Timeline(device)
-        """Where copies are recorded while a step is traced (:mod:`zero_cache.timeline`)."""
+        self.timeline = Timeline(device)
+        """Where copies (and the optimizer's host jobs and waits) are recorded while a step is traced."""
 
     def mark(self) -> torch.cuda.Event | None:
         """An event after everything issued so far on the calling thread's current stream."""
@@ -85,7 +85,8 @@ class Transfers:
         """``destination.copy_(source)`` on the ``direction`` ("d2h" or "h2d") stream, after ``after``."""
         num_bytes = source.numel() * source.element_size()
         self.traffic.add(direction, num_bytes)
-        track, name = (D2H if direction == "d2h" else H2D), f"{num_bytes / 2**20:.0f} MiB"
+        track = D2H if direction == "d2h" else H2D
+        name = f"{num_bytes / 2**20:.0f} MiB" if self.timeline.recording else ""  # (no formatting off the trace)
         if not self.cuda:
             with self.timeline.on_stream(track, name, None):
                 destination.copy_(source)
