@@ -49,10 +49,7 @@ class EngineCheckpoints:
         """The full module state dict with fp32 weights on CPU, loadable into the plain model.
 
         With sharded ZeRO-Cache states every rank must call it (the masters are gathered)."""
-        if self.experts is not None:
-            raise NotImplementedError("consolidating a model whose experts are spread over ranks (moe.ep_size > 1) "
-                                      "needs every rank's experts: save a checkpoint and export it offline with "
-                                      "`python -m angelptm.export`")
+        self._refuse_spread_experts()
         masters = self._named_master_weights()  # first: it waits for weights still landing from the last step
         self._sync_params()
         return checkpoint.consolidate(self.module.state_dict(), masters, self._param_aliases())
@@ -257,11 +254,25 @@ class EngineCheckpoints:
         """Write the consolidated fp32 weights to one safetensors file (rank 0; every rank calls it)."""
         from safetensors.torch import save_file
 
-        if self.ctx.is_main or self.zero_cache_shards > 1:
-            state = self.consolidated_state_dict()  # a collective when the masters are sharded
-            if self.ctx.is_main:
-                save_file(state, path)
+        state = self._state_dict_for_writer()
+        if state is not None:
+            save_file(state, path)
         self.ctx.barrier()
+
+    def _refuse_spread_experts(self) -> None:
+        if self.experts is not None:
+            raise NotImplementedError("consolidating a model whose experts are spread over ranks (moe.ep_size > 1) "
+                                      "needs every rank's experts: save a checkpoint and export it offline with "
+                                      "`python -m angelptm.export`")
+
+    def _state_dict_for_writer(self) -> dict[str, torch.Tensor] | None:
+        """:meth:`consolidated_state_dict` on rank 0, None elsewhere (every rank calls it: sharded masters are
+        gathered by all; a model that cannot be consolidated is refused on every rank, before any collective)."""
+        self._refuse_spread_experts()
+        if not (self.ctx.is_main or self.zero_cache_shards > 1):
+            return None
+        state = self.consolidated_state_dict()
+        return state if self.ctx.is_main else None
 
     def _sync_params(self) -> None:
         """Bring every rank's param chunks up to date (sharded ZeRO-Cache; a collective)."""

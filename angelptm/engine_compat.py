@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 
@@ -84,13 +84,8 @@ class DeepSpeedEngineMethods:
         Returns:
             True (the model was saved).
         """
-        if self.experts is not None:  # refused on every rank, before any collective
-            raise NotImplementedError("save_16bit_model with experts spread over ranks (moe.ep_size > 1): save a "
-                                      "checkpoint and export it offline with `python -m angelptm.export`")
-        state: dict[str, Any] | None = None
-        if self.ctx.is_main or self.zero_cache_shards > 1:
-            state = self.consolidated_state_dict()  # a collective when the masters are sharded
-        if self.ctx.is_main:
+        state = self._state_dict_for_writer()
+        if state is not None:
             dtype = self.compute_dtype
             state = {key: value.to(dtype) if value.is_floating_point() else value for key, value in state.items()}
             if exclude_frozen_parameters:
