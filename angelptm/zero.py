@@ -11,6 +11,17 @@ weights:
   never holds the model; ``initialize()`` copies each parameter into its shard's pinned home and releases
   it, so host memory peaks at the compute-dtype model on top of the homes, never at an fp32 copy.
 
+What runs where when the model is built in host memory and a GPU is there: the parameters are allocated,
+and non-random initialisation (``zeros_``, ``ones_``, ``mul_``) runs, on the CPU; the random fills
+(``normal_`` and ``uniform_``, which ``nn.init``'s ``normal_``, ``uniform_``, ``trunc_normal_``,
+``kaiming_*`` and ``xavier_*`` come down to) of each tensor of 1M elements or more are drawn on the GPU, at
+most 256 MiB at a time, and copied back (``angelptm.init_on_device.RandomFillsOnDevice``). Why: torch
+draws random numbers on the CPU on one thread, so an 8.5B GPT took 280 s to build on a 16-core H200 host,
+while DeepSpeed's ``zero.Init``, which initialises on the GPU, built 4.4B in 15 s; with the fills on the
+GPU an 8.2B GPT builds in 15.4 s on the H100 machine (0.94B: 45.1 s with CPU fills, 1.9 s). The values
+then come from the GPU's generator (``torch.manual_seed`` seeds it too: the same seed gives the same
+weights) rather than the CPU's. Without a GPU nothing changes: the fills run on the CPU.
+
 (Materialising each parameter straight into its chunk, without the transient compute-dtype copy, needs
 the chunk layout before the model exists, and is not built.)
 """
@@ -23,6 +34,7 @@ import torch
 
 from angelptm.config import load_config
 from angelptm.errors import ConfigError
+from angelptm.init_on_device import RandomFillsOnDevice
 
 REMOTE_DEVICES = (None, "none", "cuda", "cpu", "nvme")
 
@@ -58,6 +70,9 @@ class Init:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and not on_host \
             else torch.device("cpu")
         """Where the parameters are built."""
+        self.fills = RandomFillsOnDevice(torch.device("cuda", torch.cuda.current_device())) \
+            if on_host and torch.cuda.is_available() else None
+        """Draws the random fills of large host params on the GPU while active (None: they stay on the CPU)."""
         self._saved_dtype: torch.dtype | None = None
         self._device_context: Any = None
 
@@ -67,9 +82,13 @@ class Init:
             torch.set_default_dtype(self.dtype)
             self._device_context = torch.device(self.device)
             self._device_context.__enter__()
+            if self.fills is not None:
+                self.fills.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self.enabled:
+            if self.fills is not None:
+                self.fills.__exit__(*exc)
             self._device_context.__exit__(*exc)
             torch.set_default_dtype(self._saved_dtype)
