@@ -57,7 +57,7 @@ AIO = {"block_size": 1 << 20, "queue_depth": 32, "thread_count": 4, "single_subm
 """The same aio block for DeepSpeed's NVMe offload and ZeRO-Cache's NVMe tier."""
 
 
-def build(size: str, checkpointing: bool, construction: Any = None) -> tuple[Any, int, float]:
+def build(size: str, checkpointing: bool, construction: Any = None, fp16: bool = False) -> tuple[Any, int, float]:
     """The model in bf16, on the GPU (fast, no host copy), or under ``construction`` (a zero.Init context that
     keeps it off the GPU); its parameter count and model FLOPs per token (from a meta-device twin: a
     partitioning construction leaves the model's own params empty)."""
@@ -73,7 +73,8 @@ def build(size: str, checkpointing: bool, construction: Any = None) -> tuple[Any
         twin = build_model(config)
     with construction if construction is not None else torch.device("cuda"):
         model = build_model(config)
-    model = model.bfloat16() if construction is None else model  # (the constructions build in the config's dtype)
+    if construction is None:  # (the constructions build in the config's dtype)
+        model = model.half() if fp16 else model.bfloat16()
     return model, twin.num_params(), twin.flops_per_token(1024)
 
 
@@ -91,13 +92,18 @@ def cap_memory(cap: str | None) -> None:
 
 def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, device_budget: str,
             clip: float, host_budget: str = "auto", nvme_path: str | None = None, memory_cap: str | None = None,
-            build_on_host: bool = False, param_home: str = "auto", trace_dir: str | None = None) -> dict:
-    """Train ``steps`` steps in this process and return timings."""
+            build_on_host: bool = False, param_home: str = "auto", trace_dir: str | None = None,
+            accumulation: int = 1) -> dict:
+    """Train ``steps`` steps in this process and return timings. Modes zero_cache_clip and zero_cache_fp16 are
+    zero_cache with gradient_clipping 1.0, and with fp16 (dynamic loss scaling) instead of bf16."""
     import torch
 
     cap_memory(memory_cap)
-    ds_config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
-                 "bf16": {"enabled": True}, "steps_per_print": 10**9, "gradient_clipping": clip}
+    if mode == "zero_cache_clip":
+        clip = 1.0
+    precision = {"fp16": {"enabled": True}} if mode == "zero_cache_fp16" else {"bf16": {"enabled": True}}
+    ds_config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accumulation,
+                 **precision, "steps_per_print": 10**9, "gradient_clipping": clip}
     on_host = {"device": "cpu", "pin_memory": True}
     infinity = {**ds_config, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {
         "stage": 3, "offload_param": on_host, "offload_optimizer": on_host}}
@@ -116,7 +122,7 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
 
         construction = deepspeed.zero.Init(config_dict_or_path=infinity, remote_device="cpu", pin_memory=True)
     started = time.perf_counter()
-    model, num_params, flops_per_token = build(size, checkpointing, construction)
+    model, num_params, flops_per_token = build(size, checkpointing, construction, fp16=mode == "zero_cache_fp16")
     print(f"bench: {size} {mode} built in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     started = time.perf_counter()
     if mode == "torch":  # bf16 weights stepped directly: the protocol's "no fp32 master" anchor
@@ -140,7 +146,7 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
             engine.backward(loss)
             engine.step()
             return loss
-    elif mode in ("zero_cache", "zero_cache_shard"):  # zero_cache_shard: params sharded over the ranks (ZeRO-3)
+    elif mode.startswith("zero_cache"):  # zero_cache_shard: params sharded over the ranks (ZeRO-3)
         import angelptm
 
         import logging
@@ -198,11 +204,12 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
     for index in range(steps):
         if trace_dir and index == TRACED_STEP and mode in ("angelptm", "zero_cache", "zero_cache_shard"):
             engine.trace_next_step(Path(trace_dir) / f"{size}-{mode}")
-        ids = torch.randint(0, 50304, (micro, 1025), device="cuda", generator=generator)
-        batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+        ids = torch.randint(0, 50304, (accumulation, micro, 1025), device="cuda", generator=generator)
         torch.cuda.synchronize()
         start = time.perf_counter()
-        losses.append(step(batch).item())  # .item() syncs
+        for window in ids:  # (engine modes: step() after every micro-batch, the optimizer at the last)
+            loss = step({"input_ids": window[:, :-1], "labels": window[:, 1:]})
+        losses.append(loss.item())  # .item() syncs
         times.append(time.perf_counter() - start)
         print(f"bench: {size} {mode} step {index} {times[-1]:.2f} s loss {losses[-1]:.3f}", file=sys.stderr, flush=True)
     step_s = statistics.median(times[3:])
@@ -221,12 +228,16 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
                  "overlap": report.get("zero_cache_overlap"), "in_backward": optimizer.update_in_backward,
                  "params_sharded": optimizer.params_sharded,
                  "param_homes_device_host": [optimizer.store.param_home.count(t) for t in ("device", "host")],
-                 "planned_device_gib": optimizer.store.tiers["device"].budget_bytes / 2**30}
+                 "planned_device_gib": optimizer.store.tiers["device"].budget_bytes / 2**30,
+                 **{name: report[f"zero_cache_{name}"] for name in optimizer.counts},
+                 "skipped_steps": engine.skipped_steps}
+        print("zero_cache: " + ", ".join(f"{name} {extra[name]}" for name in optimizer.counts)
+              + f" in {steps} steps", file=sys.stderr)
         gathered = optimizer.exchange.gathered if optimizer.exchange is not None else None
         if gathered is not None:  # all-gathers per step of each group (forward, recompute, backward)
             extra["gathers_per_group_step"] = gathered.gathers / steps / len(optimizer.store.shards)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    tokens = micro * 1024 * world_size  # every rank's micro-batch: the global batch
+    tokens = accumulation * micro * 1024 * world_size  # every rank's micro-batches: the global batch
     return {"size": size, "mode": mode, "ranks": world_size, "params": num_params, "step_s": step_s, "tokens_per_s": tokens / step_s,
             "tflops": tokens * flops_per_token / step_s / 1e12,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
@@ -256,6 +267,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["torch", "angelptm", "deepspeed"])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--micro", type=int, default=8)
+    parser.add_argument("--accumulation", type=int, default=1, help="micro-batches per step (engine modes)")
     parser.add_argument("--no-checkpointing", action="store_true")
     parser.add_argument("--device-budget", default="auto", help="zero_cache.device_memory_budget for zero_cache")
     parser.add_argument("--host-budget", default="auto", help="zero_cache.host_memory_budget for zero_cache")
@@ -273,7 +285,7 @@ def main() -> None:
     if args.child:
         result = run_one(*args.child, args.steps, args.micro, not args.no_checkpointing, args.device_budget,
                          args.gradient_clipping, args.host_budget, args.nvme_path, args.memory_cap,
-                         args.build_on_host, args.param_home, args.trace)
+                         args.build_on_host, args.param_home, args.trace, args.accumulation)
         if os.environ.get("RANK", "0") == "0":
             print("RESULT " + json.dumps(result))
         # Leave without the interpreter's teardown, where torch's communication threads can still be going
@@ -290,7 +302,8 @@ def main() -> None:
         launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
                                                         "--standalone", "--nproc-per-node", str(nproc)]
         command = [*launcher, __file__, "--child", size, mode, "--steps", str(args.steps),
-                   "--micro", str(args.micro), "--device-budget", args.device_budget,
+                   "--micro", str(args.micro), "--accumulation", str(args.accumulation),
+                   "--device-budget", args.device_budget,
                    "--gradient-clipping", str(args.gradient_clipping), "--host-budget", args.host_budget]
         command += ["--no-checkpointing"] if args.no_checkpointing else []
         command += ["--nvme-path", args.nvme_path] if args.nvme_path else []

@@ -16,6 +16,7 @@ from torch import nn
 
 from zero_cache.chunks import SWAP_BUFFERS, ChunkStore
 from zero_cache.config import ZeroCacheConfig
+from zero_cache.units import AUTO
 from zero_cache.exchange import GRADIENT_BUCKETS
 from zero_cache.hardware import Hardware, tier_budgets
 from zero_cache.host_update import STAGING_BUFFERS
@@ -77,32 +78,27 @@ def grad_bytes_per_element(accumulation_steps: int) -> int:
     return 4 if accumulation_steps > 1 else 0
 
 
-def resolve_update_in_backward(config: ZeroCacheConfig, *, gradient_clipping: float, loss_scaler: Any,
-                               accumulation_steps: int) -> bool:
-    """Whether host chunks update during backward: "auto" turns it on wherever it is exact."""
-    blockers = []
-    if gradient_clipping > 0:
-        blockers.append(f"gradient_clipping is {gradient_clipping} (the clip factor needs the global norm, "
-                        "known only after backward)")
-    if loss_scaler is not None:
-        blockers.append("fp16 loss scaling is on (an overflow must be able to skip the step)")
-    if accumulation_steps > 1:
-        blockers.append(f"gradient_accumulation_steps is {accumulation_steps} (only the last micro-batch's "
-                        "backward completes a gradient)")
-    if config.update_in_backward == "auto":
-        return not blockers
-    if config.update_in_backward and blockers:
-        raise ValueError("zero_cache.update_in_backward is true but " + "; ".join(blockers)
-                         + ". Set it to \"auto\" or false")
-    return bool(config.update_in_backward)
+def resolve_update_in_backward(config: ZeroCacheConfig, *, accumulation_steps: int, world_size: int) -> bool:
+    """Whether host chunks update during backward ("auto": wherever it is built). The update stays exact
+    under clipping, loss scaling and skipped steps by keeping each such chunk's gradient
+    (:mod:`zero_cache.revision`); data-parallel ranks that accumulate micro-batches update after backward."""
+    if accumulation_steps > 1 and world_size > 1:
+        if config.update_in_backward is True:
+            raise ValueError(f"zero_cache.update_in_backward is true, but with {world_size} data-parallel ranks and "
+                             f"gradient_accumulation_steps {accumulation_steps} host chunks update after backward "
+                             "(the update during the last micro-batch's backward is built for one rank). Set it "
+                             "to \"auto\" or false")
+        return False
+    return config.update_in_backward in (True, AUTO)
 
 
 def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: torch.dtype, device_budget: int,
                 host_budget: int, accumulation_steps: int, trace: tuple[int, ...] = (),
                 nonmodel_peak_bytes: int = 0, nvme_budget: int = 0, sharding: Sharding = Sharding(),
-                shard_params: bool = False) -> PlanInputs:
+                shard_params: bool = False, in_backward: bool = False) -> PlanInputs:
     """What the planner needs; ``shard_params``: params are gathered on use (sharded over the ranks, or, on one
-    rank, streamed from homes on the host)."""
+    rank, streamed from homes on the host); ``in_backward``: host chunks update during backward (one
+    micro-batch per step: each wants a kept gradient)."""
     param_bytes = torch.empty((), dtype=compute_dtype).element_size()
     buckets = GRADIENT_BUCKETS if shard_params or (sharding.sharded and accumulation_steps > 1) else 0
     live = min_live = 0
@@ -122,7 +118,8 @@ def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: tor
                       grad_bytes_per_element=grad_bytes_per_element(accumulation_steps),
                       device_budget_bytes=device_budget, host_budget_bytes=host_budget, trace=trace,
                       nonmodel_peak_bytes=nonmodel_peak_bytes, prefetch_depth=config.prefetch_depth,
-                      staging_buffers=STAGING_BUFFERS, nvme_budget_bytes=nvme_budget, swap_buffers=SWAP_BUFFERS)
+                      staging_buffers=STAGING_BUFFERS, nvme_budget_bytes=nvme_budget, swap_buffers=SWAP_BUFFERS,
+                      kept_bytes_per_element=param_bytes if in_backward and accumulation_steps == 1 else 0)
 
 
 def _rank() -> int:
@@ -133,9 +130,10 @@ class WarmupTracer:
     """Records chunk order in the first forward and re-plans after the first step."""
 
     def __init__(self, layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: torch.dtype,
-                 accumulation_steps: int) -> None:
+                 accumulation_steps: int, in_backward: bool) -> None:
         self.layout, self.config, self.compute_dtype = layout, config, compute_dtype
         self.accumulation_steps = accumulation_steps
+        self.in_backward = in_backward
         self.trace: list[int] = []
         self.recording = True
 
@@ -156,7 +154,7 @@ class WarmupTracer:
         inputs = plan_inputs(self.layout, self.config, self.compute_dtype, device_tier.budget_bytes,
                              host_tier.budget_bytes, self.accumulation_steps, tuple(self.trace), nonmodel,
                              nvme_budget=nvme_tier.budget_bytes if nvme_tier is not None else 0,
-                             sharding=store.sharding, shard_params=store.shard_params)
+                             sharding=store.sharding, shard_params=store.shard_params, in_backward=self.in_backward)
         try:
             plan = make_plan(inputs)
         except PlanError as err:  # the running plan works; a worse estimate must not stop the run
@@ -199,11 +197,12 @@ def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, 
     cap = chunk_numel_cap(config, budgets.device_bytes, reserve, compute_dtype,
                           Sharding(world_size=world_size, ranks_per_host=per_host))
     layout = build_layout(shapes, config, cap)
+    in_backward = resolve_update_in_backward(config, accumulation_steps=accumulation_steps, world_size=world_size)
 
     def plan_for(sharding: Sharding, shard_params: bool) -> Plan:
         return make_plan(plan_inputs(layout, config, compute_dtype, budgets.device_bytes, budgets.host_bytes,
                                      accumulation_steps, nonmodel_peak_bytes=reserve, nvme_budget=budgets.nvme_bytes,
-                                     sharding=sharding, shard_params=shard_params))
+                                     sharding=sharding, shard_params=shard_params, in_backward=in_backward))
 
     if world_size == 1:
         return layout, choose_streaming(config, functools.partial(plan_for, Sharding()))[1]
@@ -236,11 +235,8 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     Raises:
         PlanError: the model states do not fit; nothing has been allocated.
     """
-    if config.overlap_optimizer_step:
-        raise NotImplementedError("zero_cache.overlap_optimizer_step (the one-step-late host update) is not "
-                                  "implemented yet; leave it false for the exact update")
-    in_backward = resolve_update_in_backward(config, gradient_clipping=gradient_clipping, loss_scaler=loss_scaler,
-                                             accumulation_steps=accumulation_steps)
+    in_backward = resolve_update_in_backward(config, accumulation_steps=accumulation_steps,
+                                             world_size=sharding.world_size)
     ordered = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     in_optimizer = {id(p) for p in ordered}
     params = [(name, p) for name, p in module.named_parameters() if id(p) in in_optimizer]
@@ -263,7 +259,7 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     def inputs_for(shard_params: bool) -> PlanInputs:
         return plan_inputs(layout, config, compute_dtype, device_tier.budget_bytes, host_tier.budget_bytes,
                            accumulation_steps, nonmodel_peak_bytes=reserve, nvme_budget=disk_budget,
-                           sharding=sharding, shard_params=shard_params)
+                           sharding=sharding, shard_params=shard_params, in_backward=in_backward)
 
     shard_params, plan = choose_shard_params(config, sharding, lambda shard: make_plan(inputs_for(shard)),
                                              gather_objects(sharding))
@@ -284,7 +280,7 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
                                 overlap_comm=config.overlap_comm,
                                 gather_ahead=gather_ahead_groups(config, layout, sharding),
                                 max_live_groups=plan.cache_slots)
-    tracer = WarmupTracer(layout, config, compute_dtype, accumulation_steps)
+    tracer = WarmupTracer(layout, config, compute_dtype, accumulation_steps, in_backward)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # the warm-up measures the non-model peak from here
     if shard_params:

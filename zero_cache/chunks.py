@@ -57,6 +57,9 @@ class OptimizerGroup:
     are written into the param chunk."""
     swap_offset: int | None = None
     """Byte offset of the states' slot in the swap file (NVMe groups)."""
+    kept: torch.Tensor | None = None
+    """chunk_numel in the compute dtype, on the host: the gradient a during-backward update used, kept until the
+    step knows the global norm (:mod:`zero_cache.revision`); None for chunks updated after backward."""
 
     def field(self, name: str) -> torch.Tensor:
         if name == "grad":
@@ -135,6 +138,8 @@ class ChunkStore:
             self.groups.append(self._allocate_group(tier))
             if tier == REMOTE:
                 continue
+            if chunk in plan.kept_gradients:
+                self.groups[chunk].kept = tiers[HOST].allocate(layout.chunk_numel, compute_dtype, zero=False)
             with self.open_states(chunk, write_back=True, fresh=True) as states:
                 # Masters start from the compute-dtype weights, as a mixed-precision loop's would.
                 state_field(states, "master").copy_(self.param_chunks[chunk])
@@ -171,6 +176,8 @@ class ChunkStore:
             self.tiers[group.tier].free(group.states)
         if group.grad is not None:
             self._grad_tier(group.tier).free(group.grad)
+        if group.kept is not None:
+            self.tiers[HOST].free(group.kept)
 
     def slots_of(self, chunk: int) -> list[TensorSlot]:
         """The tensors packed into ``chunk``."""
@@ -267,6 +274,10 @@ class ChunkStore:
             self.param_home[group] = home
         if homes:
             self._index_param_chunks()
+        for chunk, group in enumerate(self.groups):  # between steps, no kept gradient is in use
+            if group.kept is not None and chunk not in plan.kept_gradients:
+                self.tiers[HOST].free(group.kept)
+                group.kept = None
         moves = [c for c, tier in enumerate(plan.optimizer_tier) if self.groups[c].tier != tier]
         leaving = {DEVICE: 0, HOST: 1, NVME: 2}
         moves.sort(key=lambda c: leaving[self.groups[c].tier])
@@ -279,5 +290,10 @@ class ChunkStore:
                     destination.copy_(states)
             if old.grad is not None:
                 new.grad.copy_(old.grad)
+            new.kept, old.kept = old.kept, None  # (host memory either way)
             self._free_group(old)
+        for chunk in plan.kept_gradients:
+            if self.groups[chunk].kept is None:
+                self.groups[chunk].kept = self.tiers[HOST].allocate(self.layout.chunk_numel, self.compute_dtype,
+                                                                    zero=False)
         return len(moves) + len(homes)

@@ -69,17 +69,13 @@ class ZeroCacheConfig:
     prefetch_depth: int = 2
     """How many chunks ahead of use, along the warm-up trace, to start copying to the device."""
 
-    overlap_optimizer_step: bool = False
-    """Update host-resident chunks one step late while the GPU computes (AngelPTM's lock-free update).
-    Off by default: the default step is exact."""
-
     update_in_backward: bool | str = AUTO
     """Start each host-resident chunk's Adam update during backward, as soon as the chunk's last
-    gradient is written, so CPU Adam overlaps the rest of backward and the next forward. Exact (the
-    same arithmetic as updating after backward) but it needs the global gradient norm to be
-    irrelevant: no gradient clipping, no fp16 loss scaling, one micro-batch per step. A non-finite
-    gradient then cannot skip the step and stops the run with an error instead. "auto" turns it on
-    whenever those conditions hold."""
+    gradient is complete (the last micro-batch's backward when they accumulate), so CPU Adam overlaps
+    the rest of backward and the next forward. Exact: the clip factor and a non-finite gradient are
+    known only after backward, so each such chunk keeps its gradient on the host until the step, which
+    takes the update back or redoes it with the true factor when needed (:mod:`zero_cache.revision`).
+    "auto" = on (data-parallel ranks that accumulate micro-batches update after backward)."""
 
     native_host_adam: bool | str = AUTO
     """Update host chunks with ``csrc/fused_host_adam.cpp`` (built on first use; bf16 gradient in, bf16

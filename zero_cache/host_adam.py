@@ -11,13 +11,18 @@ the same pass (see bench/host_adam.py and BENCHMARKS.md for the measured differe
 from __future__ import annotations
 
 import logging
+import math
 import os
+from typing import Any
 
 import torch
 
 from zero_cache.native import load_csrc
 
 logger = logging.getLogger(__name__)
+
+_FUSED = (torch.bfloat16, torch.float32)
+"""Gradient / weight dtypes the csrc kernel reads and writes."""
 
 
 def torch_fused_adam(masters: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
@@ -53,14 +58,32 @@ class HostAdam:
 
     def fuses(self, dtype: torch.dtype) -> bool:
         """Whether :meth:`update_in_place` takes gradients of this dtype."""
-        return self._native is not None and dtype in (torch.bfloat16, torch.float32)
+        return self._native is not None and dtype in _FUSED
 
     def update_in_place(self, master: torch.Tensor, grad_and_param: torch.Tensor, exp_avg: torch.Tensor,
                         exp_avg_sq: torch.Tensor, *, step: int, lr: float, betas: tuple[float, float], eps: float,
-                        weight_decay: float, grad_scale: float) -> None:
-        """One step over flat views; ``grad_and_param`` holds the gradient and receives the rounded new weight."""
+                        weight_decay: float, grad_scale: float, kept: torch.Tensor | None = None) -> None:
+        """One step over flat views; ``grad_and_param`` holds the gradient and receives the rounded new weight;
+        ``kept`` (same dtype) receives a copy of the gradient in the same pass."""
         self._native.fused_adam_(master, grad_and_param, exp_avg, exp_avg_sq, step, lr, betas[0], betas[1], eps,
-                                 weight_decay, grad_scale, self.decoupled, self.threads)
+                                 weight_decay, grad_scale, self.decoupled, self.threads, kept)
+
+    def revise(self, master: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, exp_avg: torch.Tensor,
+               exp_avg_sq: torch.Tensor, *, step: int, hyper: dict[str, Any], undo_scale: float,
+               redo_scale: float) -> None:
+        """Take back the step made from ``grad * undo_scale`` (if > 0), then make it from ``grad * redo_scale``
+        (if > 0); the rounded weight goes to ``out``. See :mod:`zero_cache.revision`."""
+        if self._native is not None and grad.dtype in _FUSED and out.dtype in _FUSED:
+            self._native.adam_revise_(master, grad, out, exp_avg, exp_avg_sq, step, hyper["lr"], hyper["betas"][0],
+                                      hyper["betas"][1], hyper["eps"], hyper["weight_decay"], undo_scale, redo_scale,
+                                      self.decoupled, self.threads)
+            return
+        if undo_scale > 0:
+            undo_adam_(master, grad.float() * undo_scale, exp_avg, exp_avg_sq, decoupled=self.decoupled, step=step,
+                       **hyper)
+        if redo_scale > 0:
+            self.update([master], [grad.float() * redo_scale], [exp_avg], [exp_avg_sq], step=step, **hyper)
+        out.copy_(master)
 
     def update(self, masters: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                exp_avg_sqs: list[torch.Tensor], *, step: int, lr: float, betas: tuple[float, float], eps: float,
@@ -74,6 +97,31 @@ class HostAdam:
             return
         torch_fused_adam(masters, grads, exp_avgs, exp_avg_sqs, decoupled=self.decoupled, step=step, lr=lr,
                          betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+def undo_adam_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+               decoupled: bool, step: int, lr: float, betas: tuple[float, float], eps: float,
+               weight_decay: float) -> None:
+    """Take back, in place, the Adam step ``step`` that ``grad`` (fp32, already scaled) made: the inverse of
+    torch's fused Adam line by line (``csrc/fused_host_adam.cpp`` has the same in one pass).
+
+    Exact up to fp32 rounding: each state comes back within about one ulp of the *stepped* value
+    (relative error 1e-7 of it). At step 1 the moments return to exactly zero, what they were.
+    """
+    beta1, beta2 = betas
+    bias_correction1, bias_correction2 = 1 - beta1 ** step, 1 - beta2 ** step
+    denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)
+    master.addcdiv_(exp_avg, denom, value=lr / bias_correction1)
+    if decoupled:
+        master.div_(1 - lr * weight_decay)
+    else:
+        grad = grad.add(master, alpha=weight_decay)
+    if step == 1:
+        exp_avg.zero_()
+        exp_avg_sq.zero_()
+        return
+    exp_avg.sub_(grad, alpha=1 - beta1).div_(beta1)
+    exp_avg_sq.addcmul_(grad, grad, value=-(1 - beta2)).div_(beta2).clamp_(min=0)
 
 
 def _load_deepspeed_cpu_adam(decoupled: bool):

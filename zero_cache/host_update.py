@@ -26,8 +26,6 @@ no per-chunk staging), and on a CPU-only run the same code runs with synchronous
 
 from __future__ import annotations
 
-import math
-import queue
 import threading
 import time
 import weakref
@@ -38,23 +36,16 @@ import torch
 
 from zero_cache.chunks import STATE_FIELDS, ChunkStore, state_field
 from zero_cache.host_adam import HostAdam
+from zero_cache.jobs import GRADIENTS, UPDATES, JobQueue
 from zero_cache.layout import TensorSlot
 from zero_cache.planner import HOST, NVME
+from zero_cache.revision import APPLIED, DEFERRED, SpeculationWindow, revision_scales
 from zero_cache.tiers import BufferPool, TrafficCounter, wait
 from zero_cache.timeline import D2H, H2D, HOST_ADAM, Timeline
 
 _STOP = object()
 STAGING_BUFFERS = 4
 """Pinned chunk-sized buffers: one being fetched ahead, one under CPU Adam, the rest in H2D flight."""
-
-
-class NonFiniteGradientError(FloatingPointError):
-    """A gradient was inf/NaN while host chunks were being updated during backward (cannot be skipped)."""
-
-    def __init__(self, where: str) -> None:
-        super().__init__(f"non-finite gradient ({where}) while zero_cache updated host chunks during backward: the "
-                         "step cannot be skipped. Resume from the last checkpoint with zero_cache.update_in_backward "
-                         "false (or gradient_clipping > 0), which skips such steps")
 
 
 class Transfers:
@@ -121,9 +112,19 @@ class ChunkUpdate:
     grads_landed: torch.cuda.Event | None = None
     """A shard at home on the host: the device->host copy that wrote its reduced gradients there."""
     squares: torch.Tensor | None = None
-    """Pinned copy of the chunk's squared gradient norm, checked before updating (update in backward)."""
+    """Pinned copy of the chunk's squared gradient norm (updates during backward; else read from the accumulator)."""
     restore_only: bool = False
     """Copy the masters back into the param chunk without a step (skipped step over in-param gradients)."""
+    window: SpeculationWindow | None = None
+    """Set on an update made during backward, before the global norm is known: it keeps its gradient, and the
+    window may defer it (:mod:`zero_cache.revision`)."""
+    outcome: str | None = None
+    """A speculative update, once the worker has run it: APPLIED or DEFERRED."""
+    revises: ChunkUpdate | None = None
+    """Set on the step's revision of a speculative update: redo it with ``grad_factor`` (or take it back
+    when ``skip``) -- nothing to do when it was applied with that factor already."""
+    skip: bool = False
+    """A revision for a skipped step (non-finite gradient, or ``zero_grad()``): take the update back."""
     issued: threading.Event = field(default_factory=threading.Event)
     """Set once the param chunk's host->device copy is queued (the forward may then order after it)."""
 
@@ -147,7 +148,7 @@ class HostUpdater:
         """Chunk -> completion event of its latest host->device param copy (popped by the waiter)."""
         self.busy_s = 0.0
         self.error: BaseException | None = None
-        self._jobs: queue.Queue = queue.Queue()
+        self._jobs = JobQueue()
         # The thread holds only a weak reference, so a dropped optimizer (and its pinned memory) is
         # freed; the finalizer stops the thread then, or at interpreter exit, before teardown: a
         # thread frozen inside CPU Adam's OpenMP region during teardown aborts the process.
@@ -161,12 +162,12 @@ class HostUpdater:
         self._jobs.put(update)
 
     def submit(self, job: Callable[[], None]) -> None:
-        """Run ``job`` on the worker after everything queued before it."""
-        self._jobs.put(job)
+        """Run a gradient job (accumulation) on the worker, ahead of queued updates (:mod:`zero_cache.jobs`)."""
+        self._jobs.put(job, GRADIENTS)
 
-    def drain(self) -> None:
-        """Block until every queued job has run; re-raise the first failure."""
-        self._jobs.join()
+    def drain(self, gradients_only: bool = False) -> None:
+        """Block until every queued job (or every gradient job) has run; re-raise the first failure."""
+        self._jobs.join(GRADIENTS if gradients_only else None)
         self.raise_if_failed()
 
     def raise_if_failed(self) -> None:
@@ -206,7 +207,9 @@ class HostUpdater:
         """Start the chunk's input transfers: its in-param gradient to a staging buffer (none when the
         fp32 accumulator already lives on the host), and its states from disk (NVMe groups)."""
         fetched = Fetched()
-        if not (update.restore_only or self.store.grads_in_accumulators) and self._in_home(update.chunk):
+        if update.revises is not None:
+            pass  # the gradient was kept on the host
+        elif not (update.restore_only or self.store.grads_in_accumulators) and self._in_home(update.chunk):
             # Already written into the shard's home on the host: updated there, in place.
             fetched.grads, fetched.grads_copied, fetched.in_home = self.store.param_chunks[update.chunk], \
                 update.grads_landed, True
@@ -225,45 +228,96 @@ class HostUpdater:
         try:
             wait(fetched.grads_copied)
             wait(fetched.swap_read)
-            if update.squares is not None:
-                wait(update.grads_written)
-                square = float(update.squares)
-                if not math.isfinite(square):
-                    raise NonFiniteGradientError(f"squared norm {square} in chunk {chunk}")
+            deferred = update.window is not None and not update.window.admits(self._square(update))
         except BaseException:
             fetched.release(self.pool, self.store.swap_buffers)
             raise
+        if deferred:  # the step will clip or skip: keep the gradient, apply nothing yet
+            self._defer(update, fetched)
+            return
         states = None if fetched.swap is None else self.store.states_in(fetched.swap)
         buffer = fetched.grads
         with self.transfers.timeline.on_thread(HOST_ADAM, f"chunk {chunk}"):  # its inputs have landed
-            if buffer is not None and not update.restore_only and self.host_adam.fuses(buffer.dtype):
+            if update.revises is not None:
+                buffer = self._revise(update, states)
+            elif buffer is not None and not update.restore_only and self.host_adam.fuses(buffer.dtype):
                 self._step_in_buffer(update, buffer, states)
             else:
                 buffer = self._step_then_round(update, buffer, states)
+        if update.window is not None:
+            update.outcome = APPLIED
         if fetched.swap is not None:  # written behind: the buffer is reused once the write has landed
-            written = None if update.restore_only else self.store.tiers[NVME].write(
-                self.store.groups[chunk].swap_offset, fetched.swap)
+            changed = buffer is not None and not update.restore_only
+            written = self.store.tiers[NVME].write(self.store.groups[chunk].swap_offset, fetched.swap) \
+                if changed else None
             self.store.swap_buffers.release(fetched.swap, written)
-        if buffer is not self.store.param_chunks[chunk]:  # (a shard at home on the host is the buffer itself)
+        if buffer is not None and buffer is not self.store.param_chunks[chunk]:  # (a home on the host is in place)
             ready = self.transfers.copy(self.store.param_chunks[chunk], buffer, "h2d")
             self.pool.release(buffer, ready)
             self.param_ready[chunk] = ready
         update.issued.set()
+
+    def _square(self, update: ChunkUpdate) -> float:
+        """The chunk's squared gradient norm: computed on the device during backward, or from its accumulator."""
+        if update.squares is not None:
+            wait(update.grads_written)
+            return float(update.squares)
+        return float(torch.linalg.vector_norm(self.store.groups[update.chunk].grad, dtype=torch.float32)) ** 2
+
+    def _kept(self, chunk: int) -> torch.Tensor:
+        """Where a speculative update's gradient stays until the step: the kept copy, or the fp32 accumulator."""
+        group = self.store.groups[chunk]
+        return group.grad if self.store.grads_in_accumulators else group.kept
+
+    def _defer(self, update: ChunkUpdate, fetched: Fetched) -> None:
+        if fetched.grads is not None:
+            self._kept(update.chunk).copy_(fetched.grads)
+        fetched.release(self.pool, self.store.swap_buffers)
+        update.outcome = DEFERRED
+        update.issued.set()
+
+    def _revise(self, update: ChunkUpdate, states: torch.Tensor | None) -> torch.Tensor | None:
+        """Run the step's revision of a speculative update; returns the buffer holding the new weights, or
+        None when the update already stands (applied with the step's factor)."""
+        original = update.revises
+        undo_scale, redo_scale = revision_scales(original, update)
+        if not (undo_scale or redo_scale):
+            if original.outcome == APPLIED:
+                return None
+            return self._round_masters(update.chunk, None, states)  # deferred, step skipped: weights unchanged
+        chunk = update.chunk
+        kept = self._kept(chunk)
+        out = self.store.param_chunks[chunk] if self._in_home(chunk) else self.pool.acquire()
+        revised = set()
+        for index, slots in original.members.items():
+            for slot in slots:
+                master, exp_avg, exp_avg_sq = (self.store.state_view(slot, f, states) for f in STATE_FIELDS)
+                window = slice(slot.offset, slot.offset + slot.numel)
+                self.host_adam.revise(master, kept[window], out[window], exp_avg, exp_avg_sq, step=original.step,
+                                      hyper=original.hypers[index], undo_scale=undo_scale, redo_scale=redo_scale)
+                revised.add(slot.name)
+        for slot in self.store.slots_of(chunk):
+            if slot.name not in revised:
+                out[slot.offset:slot.offset + slot.numel].copy_(self.store.state_view(slot, "master", states))
+        return out
 
     def _in_home(self, chunk: int) -> bool:
         """The chunk's params live in pinned host memory (its shard's home), where the update can run in place."""
         return self.store.home_of(chunk) == HOST
 
     def _step_in_buffer(self, update: ChunkUpdate, buffer: torch.Tensor, states: torch.Tensor | None) -> None:
-        """csrc kernel, one pass: the buffer's gradients become the new weights. Slots without a gradient
-        are rewritten from their masters (a reduction from a bucket left zeros there); padding is zero."""
+        """csrc kernel, one pass: the buffer's gradients become the new weights (a speculative update copies
+        them to the kept gradient on the way). Slots without a gradient are rewritten from their masters (a
+        reduction from a bucket left zeros there); padding is zero."""
         stepped = set()
+        kept = self._kept(update.chunk) if update.window is not None else None
         for index, slots in update.members.items():
             for slot in slots:
                 master, exp_avg, exp_avg_sq = (self.store.state_view(slot, f, states) for f in STATE_FIELDS)
-                self.host_adam.update_in_place(master, buffer[slot.offset:slot.offset + slot.numel], exp_avg,
-                                               exp_avg_sq, step=update.step, grad_scale=update.grad_factor,
-                                               **update.hypers[index])
+                window = slice(slot.offset, slot.offset + slot.numel)
+                self.host_adam.update_in_place(master, buffer[window], exp_avg, exp_avg_sq, step=update.step,
+                                               grad_scale=update.grad_factor, **update.hypers[index],
+                                               kept=None if kept is None else kept[window])
                 stepped.add(slot.name)
         for slot in self.store.slots_of(update.chunk):
             if slot.name not in stepped:
@@ -275,13 +329,22 @@ class HostUpdater:
         group = self.store.groups[update.chunk]
         if not update.restore_only:
             source = group.grad if buffer is None else buffer
-            grads = fp32_gradient(source, self.store.scratch[HOST], update.grad_factor)
+            # A speculative update's gradient must outlive it: the accumulator is not scaled in place,
+            # and a staged gradient is kept before the buffer receives the weights.
+            grads = fp32_gradient(source, self.store.scratch[HOST], update.grad_factor,
+                                  in_place=update.window is None)
+            if update.window is not None and buffer is not None:
+                self._kept(update.chunk).copy_(buffer)
             for index, slots in update.members.items():
                 adam_step(self.store, slots, grads, update.hypers[index], update.step, self.host_adam.update, states)
+        return self._round_masters(update.chunk, buffer, states)
+
+    def _round_masters(self, chunk: int, buffer: torch.Tensor | None, states: torch.Tensor | None) -> torch.Tensor:
+        """The chunk's masters in the compute dtype, in ``buffer`` (or the home on the host, or a staging buffer)."""
         if buffer is None:
-            buffer = self.store.param_chunks[update.chunk] if self._in_home(update.chunk) else self.pool.acquire()
+            buffer = self.store.param_chunks[chunk] if self._in_home(chunk) else self.pool.acquire()
         # fp32 -> compute dtype here: half the bus bytes
-        buffer.copy_(group.field("master") if states is None else state_field(states, "master"))
+        buffer.copy_(self.store.groups[chunk].field("master") if states is None else state_field(states, "master"))
         return buffer
 
 
@@ -307,38 +370,39 @@ class Fetched:
             swap_buffers.release(self.swap, self.swap_read)
 
 
-def _serve(jobs: queue.Queue, updater_ref: weakref.ref) -> None:
+def _serve(jobs: JobQueue, updater_ref: weakref.ref) -> None:
     """The worker thread: run jobs in order, starting the next job's transfer before running the current one."""
-    ahead = following = None  # the next job, its transfer already started
+    ahead = None  # (job, what its start returned): the next job, its transfer already started
     while True:
-        entry = jobs.get() if ahead is None else None  # blocks holding no reference to the updater
-        updater = updater_ref()
-        if entry is _STOP or ahead is _STOP or updater is None:
-            jobs.task_done()
+        if ahead is None:
+            job = jobs.get()  # blocks holding no reference to the updater
+            updater = updater_ref()
+            current = (job, None) if job is _STOP or updater is None else updater._start(job)
+        else:
+            current, ahead, updater = ahead, None, updater_ref()
+        if current[0] is _STOP or updater is None:
+            jobs.task_done(current[0])
             return
-        current = ahead if ahead is not None else updater._start(entry)
-        ahead = None
-        try:
-            following = jobs.get_nowait()
-            ahead = _STOP if following is _STOP else updater._start(following)
-        except queue.Empty:
-            pass
+        following = jobs.get(block=False)
+        if following is not None:
+            ahead = (following, None) if following is _STOP else updater._start(following)
         updater._run(*current)
+        jobs.task_done(current[0])
         # Hold nothing of the optimizer while blocked: a job (a closure over the optimizer) left in a
         # local would keep it, its pinned memory and its swap file alive after the engine is dropped.
-        updater = current = entry = following = None
-        jobs.task_done()
+        updater = current = job = following = None
 
 
-def _stop(jobs: queue.Queue, thread: threading.Thread) -> None:
+def _stop(jobs: JobQueue, thread: threading.Thread) -> None:
     jobs.put(_STOP)
     if thread is not threading.current_thread():
         thread.join()
 
 
-def fp32_gradient(source: torch.Tensor, scratch: torch.Tensor, grad_factor: float) -> torch.Tensor:
-    """``source`` as fp32 (in place when it is fp32, else through ``scratch``), times ``grad_factor``."""
-    grads = source if source.dtype == torch.float32 else scratch.copy_(source)
+def fp32_gradient(source: torch.Tensor, scratch: torch.Tensor, grad_factor: float, *,
+                  in_place: bool = True) -> torch.Tensor:
+    """``source`` as fp32 (in place when it is fp32 and ``in_place``, else through ``scratch``), times ``grad_factor``."""
+    grads = source if source.dtype == torch.float32 and (in_place or grad_factor == 1.0) else scratch.copy_(source)
     if grad_factor != 1.0:
         grads.mul_(grad_factor)
     return grads

@@ -10,10 +10,11 @@ Gradient paths (chosen once, from the accumulation steps):
 
 Update order (exact: every update uses this step's gradients, like a plain AdamW loop):
 
-1. host chunks are queued on the :class:`~zero_cache.host_update.HostUpdater` in forward order,
-   at ``step()`` once the global norm is known (clipping, overflow skip), or, with
-   ``update_in_backward``, from the gradient hook as soon as a chunk's last gradient is written,
-   so CPU Adam runs under the rest of backward;
+1. host chunks are queued on the :class:`~zero_cache.host_update.HostUpdater`: with
+   ``update_in_backward``, from the gradient hook as soon as a chunk's gradient is complete, so CPU
+   Adam runs under the rest of backward, with the clip factor taken as 1; ``step()``, which knows the
+   global norm, then revises them (:mod:`zero_cache.revision`: nothing to do unless the step clips
+   or is skipped). Chunks updated after backward are queued by ``step()``, in forward order;
 2. the device chunks are updated by torch's fused Adam on the compute stream, each param chunk
    rewritten from its masters;
 3. the next forward waits, per chunk, only for that chunk's host->device copy (a stream-event
@@ -52,12 +53,12 @@ from torch import nn
 from zero_cache.chunks import ChunkStore
 from zero_cache.exchange import ChunkExchange
 from zero_cache.host_adam import HostAdam, torch_fused_adam
-from zero_cache.host_update import (ChunkUpdate, HostUpdater, NonFiniteGradientError, Transfers, adam_step,
-                                   fp32_gradient, wait)
+from zero_cache.host_update import ChunkUpdate, HostUpdater, Transfers, adam_step, fp32_gradient, wait
 from zero_cache.layout import TensorSlot
 from zero_cache.optimizer_sharded import ShardedGradients
 from zero_cache.optimizer_state import OptimizerCheckpoint
 from zero_cache.planner import DEVICE, NVME, OFF_DEVICE
+from zero_cache.revision import SpeculationWindow
 
 
 
@@ -88,8 +89,6 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
                  decoupled_weight_decay: bool = True, loss_scaler: Any = None, gradient_clipping: float = 0.0,
                  update_in_backward: bool = False, native_host_adam: bool = False, overlap_comm: bool = True,
                  gather_ahead: int = 1, max_live_groups: int = 0) -> None:
-        assert not (update_in_backward and (store.grads_in_accumulators or loss_scaler or gradient_clipping)), \
-            "update_in_backward needs one micro-batch per step, no loss scaler and no clipping"
         self.store = store
         self.optimizer = optimizer
         self.loss_scaler = loss_scaler
@@ -138,7 +137,11 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
         self._accumulated: set[int] = set()  # sharded, accumulating: owned chunks that received a reduced slice
         self._micro_step_open = False  # sharded, accumulating: this micro-step wrote a gradient bucket
         self._missing: dict[int, int] = {}  # gradients still to come per chunk, this window
-        self._queued: set[int] = set()  # host chunks already queued from backward in this window
+        self._queued: dict[int, ChunkUpdate] = {}  # host chunk -> its speculative update from this window's backward
+        self._window: SpeculationWindow | None = None  # this window's speculation (see zero_cache.revision)
+        self._speculating = update_in_backward  # whether this window updates during backward (the prediction)
+        self.counts = dict.fromkeys(("speculated_chunks", "revised_chunks", "clipped_steps", "skipped_steps"), 0)
+        """Since the last report: chunks updated during backward, of them revised at the step, steps clipped / skipped."""
         self._pending: dict[int, ChunkUpdate] = {}  # host chunk -> its latest queued update, until waited for
         self._boundary = True
         self._replanned = False
@@ -229,13 +232,32 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
             self._group_written(slot.chunk)
             return
         self._add_square(slot.chunk, grad)
-        if self.update_in_backward and self._missing[slot.chunk] == 0 and self.store.tier_of(slot) != DEVICE:
+        if self._missing[slot.chunk] == 0 and self._speculates(slot.chunk):
             # The chunk's gradients are complete: update it now, under the rest of backward.
             squares = self._squares_pinned[slot.chunk:slot.chunk + 1]
             squares.copy_(self._chunk_squares[slot.chunk:slot.chunk + 1], non_blocking=True)
-            self._queued.add(slot.chunk)
-            self._queue_host_update(slot.chunk, frozenset(self._written), self._hypers(), step=self.step_count + 1,
-                                    grad_factor=1.0, squares=squares)
+            self._queue_speculative(slot.chunk, squares)
+
+    def _speculates(self, chunk: int) -> bool:
+        """Whether ``chunk`` (its gradient complete) is updated now, during backward (:mod:`zero_cache.revision`)."""
+        group = self.store.groups[chunk]
+        return (self._speculating and group.tier in OFF_DEVICE
+                and (group.kept is not None or self.store.grads_in_accumulators))
+
+    def _unscale_factor(self) -> float:
+        """What the summed gradients are multiplied by before the clip factor: 1 / (loss scale x ranks summed)."""
+        scale = self.loss_scaler.scale if self.loss_scaler else 1.0
+        return 1.0 / (scale * self.sharding.world_size if self.exchange is not None else scale)
+
+    def _queue_speculative(self, chunk: int, squares: torch.Tensor | None) -> None:
+        """Update ``chunk`` now with the clip factor taken as 1; ``step()`` revises it (``squares``: its squared
+        gradient norm, copied from the device; None: the worker takes it from the accumulator)."""
+        if self._window is None:
+            self._window = SpeculationWindow(self.gradient_clipping, self._unscale_factor())
+        self._queued[chunk] = self._queue_host_update(chunk, frozenset(self._written), self._hypers(),
+                                                      step=self.step_count + 1, grad_factor=self._unscale_factor(),
+                                                      squares=squares, window=self._window)
+        self.counts["speculated_chunks"] += 1
 
     def _add_square(self, chunk: int, grad: torch.Tensor) -> None:
         square = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
@@ -267,10 +289,15 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
                 self._host_squares.append(float(torch.linalg.vector_norm(accumulator, dtype=torch.float32)) ** 2)
 
         self.host.submit(accumulate)
+        if boundary and self.exchange is None:
+            self._missing[slot.chunk] -= 1
+            if self._missing[slot.chunk] == 0 and self._speculates(slot.chunk):
+                self._queue_speculative(slot.chunk, None)  # runs after its accumulations (zero_cache.jobs)
 
     def _reset_window(self) -> None:
         self._written.clear()
         self._queued.clear()
+        self._window = None
         self._accumulated.clear()
         self._host_squares.clear()
         self._completed_order.clear()
@@ -287,22 +314,37 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
             self.exchange.new_micro_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Start a new accumulation window: drop the gradients of this one."""
-        if self._queued:
-            raise RuntimeError("zero_grad() after a backward whose host chunks were already updated during it "
-                               "(zero_cache.update_in_backward): those updates cannot be undone. Call step() after "
-                               "each backward, or set zero_cache.update_in_backward false")
+        """Start a new accumulation window: drop the gradients of this one (and take back its updates made
+        during backward)."""
         if self.exchange is not None:  # reductions in flight write into the chunks about to be restored
             self._finish_micro_step() if self.store.grads_in_accumulators else self.exchange.completed()
         self._drain_host_gradients()
-        if self._written and not self.store.grads_in_accumulators:
-            self._restore_params(frozenset(self._written))  # the dropped gradients overwrote parameters
+        self._take_back(frozenset(self._written), restore_unreached=False)
+
+    def _take_back(self, written: frozenset, *, restore_unreached: bool) -> None:
+        """End the window without a step: revise the speculative updates away, restore overwritten params."""
+        for chunk in sorted(self._queued):
+            self._queue_revision(chunk, skip=True)
+        if written and not self.store.grads_in_accumulators:
+            self._restore_params(written)  # the dropped gradients overwrote parameters
+            if restore_unreached:
+                self._restore_unreached(written)
         self._reset_window()
 
+    def _queue_revision(self, chunk: int, *, grad_factor: float = 0.0, skip: bool = False) -> None:
+        original = self._queued[chunk]
+        revision = ChunkUpdate(chunk=chunk, members=original.members, hypers=original.hypers, step=original.step,
+                               grad_factor=grad_factor, revises=original, skip=skip)
+        self._pending[chunk] = revision
+        self.host.submit_update(revision)
+        if skip or grad_factor != original.grad_factor:
+            self.counts["revised_chunks"] += 1
+
     def _drain_host_gradients(self) -> None:
+        """Wait for the worker's gradient jobs (accumulation), not for the updates queued behind them."""
         start = time.perf_counter()
-        with self.timeline.waiting("host worker drained"):
-            self.host.drain()
+        with self.timeline.waiting("host gradients drained"):
+            self.host.drain(gradients_only=True)
         self.timings["grad_wait"] += time.perf_counter() - start
 
     # ------------------------------------------------------------------ step
@@ -315,31 +357,31 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
             scale *= self.sharding.world_size  # the owners hold the sum of W ranks' gradients: step on the mean
         norm = self._grad_norm() / scale
         self.overflow = not math.isfinite(norm)  # a non-finite gradient skips the step in any precision
-        if self.overflow and self.update_in_backward:
-            self.host.drain()  # raises the worker's error if a host chunk's gradient was the non-finite one
-            raise NonFiniteGradientError(f"global norm {norm}")
         if self.loss_scaler is not None:
             self.loss_scaler.update(self.overflow)
         written = frozenset(self._written)
         if self.overflow:
             self.last_grad_norm = None
-            if not self.store.grads_in_accumulators:
-                self._restore_params(written)
-                self._restore_unreached(written)
-            self._reset_window()
+            self.counts["skipped_steps"] += 1
+            self._take_back(written, restore_unreached=True)
             return False
         self.last_grad_norm = norm
         grad_factor = 1.0 / scale
-        if self.gradient_clipping > 0 and norm > self.gradient_clipping:
+        clipped = self.gradient_clipping > 0 and norm > self.gradient_clipping
+        if clipped:
             grad_factor *= self.gradient_clipping / (norm + 1e-6)  # clip_grad_norm_'s rule
+            self.counts["clipped_steps"] += 1
         self.step_count += 1
         hypers = self._hypers()
         for chunk in self._chunks_in(OFF_DEVICE, written):
-            if chunk not in self._queued:
+            if chunk in self._queued:
+                self._queue_revision(chunk, grad_factor=grad_factor)
+            else:
                 self._queue_host_update(chunk, written, hypers, step=self.step_count, grad_factor=grad_factor)
         self._update_device_chunks(written, hypers, grad_factor)
         self._restore_unreached(written)
         self._mark_stale()
+        self._speculating = self.update_in_backward and not clipped  # a clipped step predicts another
         self._reset_window()
         if not self._replanned and self.after_first_step is not None:
             self._replanned = True
@@ -381,13 +423,15 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
                 for g in self.optimizer.param_groups]
 
     def _queue_host_update(self, chunk: int, written: frozenset, hypers: list[dict[str, Any]], *, step: int,
-                           grad_factor: float, squares: torch.Tensor | None = None, restore_only: bool = False) -> None:
+                           grad_factor: float, squares: torch.Tensor | None = None, restore_only: bool = False,
+                           window: SpeculationWindow | None = None) -> ChunkUpdate:
         landed = self.exchange.landed.get(self.sharding.group_of(chunk)) if self.exchange is not None else None
         update = ChunkUpdate(chunk=chunk, members=self._step_members(chunk, written), hypers=hypers, step=step,
                              grad_factor=grad_factor, grads_written=self.transfers.mark(), grads_landed=landed,
-                             squares=squares, restore_only=restore_only)
+                             squares=squares, restore_only=restore_only, window=window)
         self._pending[chunk] = update
         self.host.submit_update(update)
+        return update
 
     def _update_device_chunks(self, written: frozenset, hypers: list[dict[str, Any]], grad_factor: float) -> None:
         """Fused Adam over each written device chunk, then its param chunk rewritten from the masters."""
@@ -400,8 +444,10 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
             self.store.param_chunks[chunk].copy_(group.field("master"))
 
     def _restore_params(self, written: frozenset) -> None:
-        """Rewrite param chunks that hold this window's gradients from their masters (no step taken)."""
-        self._rewrite_from_masters(self._chunks_in((DEVICE, *OFF_DEVICE), written), written)
+        """Rewrite param chunks that hold this window's gradients from their masters (no step taken; the
+        speculatively updated ones are revised instead)."""
+        chunks = [c for c in self._chunks_in((DEVICE, *OFF_DEVICE), written) if c not in self._queued]
+        self._rewrite_from_masters(chunks, written)
         self._mark_stale()  # the non-owned chunks come back from their owners
 
     def _rewrite_from_masters(self, chunks: list[int], written: frozenset) -> None:
@@ -453,6 +499,8 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
                            for way, moved in self.store.tiers[NVME].traffic.take().items()})
         report.update({f"zero_cache_{name}_s": seconds for name, seconds in self.timings.items()})
         report["zero_cache_host_update_s"] = host_work
+        report.update({f"zero_cache_{name}": count for name, count in self.counts.items()})
+        self.counts = dict.fromkeys(self.counts, 0)
         if host_work > 0 and self.device.type == "cuda":  # on CPU the "device" competes for the same cores
             report["zero_cache_overlap"] = max(0.0, 1.0 - waited / host_work)
         self.timings = dict.fromkeys(self.timings, 0.0)

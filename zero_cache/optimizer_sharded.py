@@ -35,7 +35,7 @@ class ShardedGradients:
         done = self.exchange.completed(keep_in_flight=1 if self.overlap_comm else 0)
         if self.store.grads_in_accumulators:
             self._accumulate_reduced(done)
-        elif self.update_in_backward:
+        elif self._speculating:
             self._update_reduced(done)
 
     def _finish_micro_step(self) -> None:
@@ -99,18 +99,11 @@ class ShardedGradients:
 
     def _update_reduced(self, groups: list[int]) -> None:
         """Queue the host updates of the owned chunks of reduced groups (update during backward)."""
-        chunks = [chunk for group in groups for chunk in self._owned_in(group)
-                  if self.store.groups[chunk].tier in OFF_DEVICE]
-        if not chunks:
-            return
-        written, hypers = frozenset(self._written), self._hypers()
-        for chunk in chunks:
+        for chunk in [chunk for group in groups for chunk in self._owned_in(group) if self._speculates(chunk)]:
             self._chunk_squares[chunk] = self._owned_square(chunk)
             squares = self._squares_pinned[chunk:chunk + 1]
             squares.copy_(self._chunk_squares[chunk:chunk + 1], non_blocking=True)
-            self._queued.add(chunk)
-            self._queue_host_update(chunk, written, hypers, step=self.step_count + 1,
-                                    grad_factor=1.0 / self.sharding.world_size, squares=squares)
+            self._queue_speculative(chunk, squares)
 
     def _restore_unreached(self, written: frozenset) -> None:
         """Sharded, one micro-batch: every group's reduce-scatter wrote into its owner's chunk, also where no

@@ -77,7 +77,10 @@ class OptimizerCheckpoint:
         fields = self._read_fields(STATE_FIELDS)
         masters = fields.pop("master")
         hypers = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
-        return {"optimizer": {"step": self.step_count, "param_groups": hypers, **fields},
+        # speculate_next: whether the next step updates during backward (a clipped step predicts another; kept so
+        # a resumed run takes the same path, bit for bit).
+        return {"optimizer": {"step": self.step_count, "param_groups": hypers, "speculate_next": self._speculating,
+                              **fields},
                 "masters": {name: masters[name].view(shape) for name, shape in self._owned_shapes()},
                 "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None}
 
@@ -87,6 +90,7 @@ class OptimizerCheckpoint:
             return
         saved = state["optimizer"]
         self.step_count = saved["step"]
+        self._speculating = self.update_in_backward and saved.get("speculate_next", True)
         for group, hyper in zip(self.optimizer.param_groups, saved["param_groups"]):
             group.update(hyper)
         with torch.no_grad():

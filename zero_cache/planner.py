@@ -27,7 +27,11 @@ The plan decides, in this order of value per device byte:
    forward, whose updates start first in backward and are needed last by the next forward, so
    their disk reads and writes have the most compute to hide under. They cost the host
    ``swap_buffers`` pinned bounce buffers (read chunk i+1 while updating chunk i while writing
-   chunk i-1) and, when micro-batches accumulate, their fp32 gradient accumulators.
+   chunk i-1) and, when micro-batches accumulate, their fp32 gradient accumulators;
+6. with host memory left, a **kept gradient** (one param chunk's bytes) for as many host-updated
+   chunks as it holds, again those used last in the forward: a chunk updated during backward keeps
+   its gradient until the step knows the global norm, so the update can be taken back or redone
+   exactly (:mod:`zero_cache.revision`). A chunk without one is updated after backward instead.
 
 If something does not fit, :func:`make_plan` raises :class:`PlanError` with the shortfall per
 tier and what to change, before a single byte is allocated.
@@ -108,6 +112,9 @@ class PlanInputs:
     """...and the fewest that work (in use, being fetched ahead, one spare)."""
     gathers_per_step: float = 2.0
     """Gathered params: times a group is brought onto the device per step (forward, backward)."""
+    kept_bytes_per_element: int = 0
+    """Host bytes per element of a kept gradient (host chunks updated during backward, one micro-batch per
+    step: the compute dtype's size); 0 = none are wanted."""
 
     def __post_init__(self) -> None:
         if self.owned is not None and not all(0 <= c < self.num_chunks for c in self.owned):
@@ -174,6 +181,8 @@ class Plan:
     """Chunks per collective group (data-parallel ranks)."""
     traffic: StepTraffic = StepTraffic()
     """What one step moves over PCIe and updates on the host under this plan (an estimate)."""
+    kept_gradients: tuple[int, ...] = ()
+    """Host-updated chunks that keep their gradient on the host (updated during backward, revisable)."""
 
     @property
     def streamed_groups(self) -> int:
@@ -188,9 +197,10 @@ class Plan:
             params = (f"{kind}: {self.param_home.count(DEVICE)} of {len(self.param_home)} shards at home on the "
                       f"device, {self.streamed_groups} streamed from the host; {self.cache_slots} groups live at once")
         disk = f", nvme {format_bytes(self.nvme_bytes)}" if self.nvme_bytes else ""
+        kept = f" ({len(self.kept_gradients)} keep their gradient)" if self.kept_gradients else ""
         owned = len(self.optimizer_tier) - self.optimizer_tier.count(REMOTE)
         return (f"params {params}; optimizer states of {owned} chunks: {counts[DEVICE]} on the "
-                f"device, {counts[HOST]} on the host, {counts[NVME]} on NVMe; device {format_bytes(self.device_bytes)}, "
+                f"device, {counts[HOST]} on the host, {counts[NVME]} on NVMe{kept}; device {format_bytes(self.device_bytes)}, "
                 f"host {format_bytes(self.host_bytes)}{disk}; per step {self.traffic.describe()}")
 
 
@@ -311,6 +321,10 @@ def _finish(inputs: PlanInputs, *, resident_bytes: int, live: int, device_optim:
                                    or any(not home or home[c // inputs.group_size] != HOST for c in off_device))
     num_host, num_nvme, host_bytes = _split_host_and_nvme(inputs, len(off_device),
                                                           inputs.scratch_bytes + host_params_bytes, staged)
+    kept_chunk_bytes = inputs.chunk_numel * inputs.kept_bytes_per_element
+    num_kept = 0 if not kept_chunk_bytes else max(0, min(len(off_device),
+                                                         (inputs.host_budget_bytes - host_bytes) // kept_chunk_bytes))
+    host_bytes += num_kept * kept_chunk_bytes
     tiers = [REMOTE] * inputs.num_chunks
     for chunk in device_optim:
         tiers[chunk] = DEVICE
@@ -321,7 +335,7 @@ def _finish(inputs: PlanInputs, *, resident_bytes: int, live: int, device_optim:
     return Plan(params_resident=HOST not in home, cache_slots=live, optimizer_tier=tuple(tiers),
                 device_bytes=device_bytes, host_bytes=host_bytes, nvme_bytes=num_nvme * inputs.swap_slot_bytes,
                 params_sharded=inputs.param_chunks_held is not None, param_home=home, group_size=inputs.group_size,
-                traffic=traffic)
+                traffic=traffic, kept_gradients=tuple(sorted(off_device[len(off_device) - num_kept:])))
 
 
 def _split_host_and_nvme(inputs: PlanInputs, off_device: int, host_fixed: int, staged: bool

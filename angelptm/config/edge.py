@@ -177,6 +177,14 @@ class WandbSection(Section):
 
 # DeepSpeed keys we accept so that configs load unchanged, but do not act on (yet). Setting one
 # is reported once as a warning that lists them, so nobody believes they took effect.
+RETIRED_KEYS = {
+    "zero_cache.overlap_optimizer_step": (
+        "removed. It was to be AngelPTM's one-step-late host update, whose forward reads weights one step "
+        "stale; zero_cache.update_in_backward now overlaps the host update with backward exactly, clipping "
+        "and loss scaling included (README: ZeRO-Cache). Delete the key"),
+}
+"""Keys that once existed, with why they went and what to do instead."""
+
 ACCEPTED_NOT_ACTED = (
     "prescale_gradients", "gradient_predivide_factor", "communication_data_type", "sparse_gradients",
     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "amp", "activation_checkpointing",

@@ -124,6 +124,8 @@ def _unknown_key_problems(data: Any, schema: type, prefix: str) -> list[str]:
             nested = _nested_schema(allowed[key])
             if nested is not None:
                 problems += _unknown_key_problems(value, nested, f"{path}.")
+        elif path in edge.RETIRED_KEYS:
+            problems.append(f"{path}: {edge.RETIRED_KEYS[path]}")
         elif key not in extra_allowed:
             problems.append(_unknown_key_message(path, key, list(allowed) + list(extra_allowed)))
     return problems

@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--load")
     parser.add_argument("--out", required=True)
     parser.add_argument("--accumulation", type=int, default=1)
-    parser.add_argument("--clip", type=float, default=0.5, help="0: host chunks update during backward")
+    parser.add_argument("--clip", type=float, default=0.5, help="0: no clipping")
     parser.add_argument("--no-overlap", action="store_true", help="zero_optimization.overlap_comm false")
     parser.add_argument("--hosts-of", type=int, default=None, help="hierarchical collectives over hosts of this many ranks")
     parser.add_argument("--die-at-step", type=int, default=None, help="rank 1 exits (code 3) before this step")
@@ -91,7 +91,8 @@ def main() -> None:
     expected = ({"host"} if args.param_home == "host" else {"device", "host"}) | ({"remote"} if world_size > 1 else set())
     # (On CUDA the first plan keeps a share of the device for activations: its split differs.)
     assert tiers == expected or engine.device.type == "cuda", f"rank {rank}: groups in {tiers}, expected {expected}"
-    assert optimizer.update_in_backward == (args.clip == 0)
+    # During backward (clipping included: zero_cache.revision), except for ranks that accumulate micro-batches.
+    assert optimizer.update_in_backward == (args.accumulation == 1 or world_size == 1)
     assert optimizer.params_sharded == (shard_params or args.param_home == "host")  # one rank streams them too
     if args.param_home == "host":
         assert set(optimizer.store.param_home) == {"host"}, optimizer.store.param_home

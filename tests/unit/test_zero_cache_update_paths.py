@@ -11,7 +11,6 @@ import torch
 
 import angelptm
 from reference import random_batches, reference_loop, train_steps
-from zero_cache.host_update import NonFiniteGradientError
 from zero_cache.planner import HOST
 from zero_cache_setup import budgets, six_layer_llama, zero_cache_config
 
@@ -39,8 +38,10 @@ def test_update_in_backward_is_the_same_arithmetic_as_after_backward():
     for batch in batches:
         loss = during(**batch)
         during.backward(loss)
-        # Before step(): every host chunk's update was queued by the gradient hook.
-        assert during_opt._queued == host_chunks(during_opt)
+        # Before step(): the gradient hook queued the update of every host chunk with a kept gradient
+        # (the host budget holds some of them: the chunks used last in the forward).
+        kept = {c for c in host_chunks(during_opt) if during_opt.store.groups[c].kept is not None}
+        assert set(during_opt._queued) == kept and 0 < len(kept) < len(host_chunks(during_opt))
         during.step()
         losses.append(loss.item())
     assert losses == train_steps(after, batches)
@@ -78,14 +79,6 @@ def test_zero_grad_after_backward_restores_the_params_the_gradients_overwrote():
         assert torch.equal(param, expected), name
 
 
-def test_zero_grad_cannot_undo_updates_made_during_backward():
-    seed = torch.randint(0, 10_000, ()).item()
-    engine, _ = build(seed, clip=0.0)
-    engine.backward(engine(**random_batches(seed, 1, 4)[0]))
-    with pytest.raises(RuntimeError, match="cannot be undone.*update_in_backward false"):
-        engine.zero_grad()
-
-
 def poison(engine, optimizer, tier: str) -> str:
     """Make one parameter of a chunk in ``tier`` receive a NaN gradient; returns its name."""
     tiers = {slot.name: optimizer.store.tier_of(slot) for slot in optimizer.store.slots}
@@ -109,15 +102,6 @@ def test_a_non_finite_gradient_skips_the_step_and_keeps_every_weight(tier):
         assert torch.equal(param, before[name]), f"{name} changed in a skipped step"
 
 
-@pytest.mark.parametrize("tier", ["device", "host"])
-def test_a_non_finite_gradient_during_backward_updates_stops_with_an_explanation(tier):
-    seed = torch.randint(0, 10_000, ()).item()
-    engine, optimizer = build(seed, clip=0.0)
-    poison(engine, optimizer, tier)
-    with pytest.raises(NonFiniteGradientError, match="cannot be skipped.*update_in_backward false"):
-        train_steps(engine, random_batches(seed, 1, 4))
-
-
 def test_a_failing_host_update_surfaces_on_the_training_thread():
     seed = torch.randint(0, 10_000, ()).item()
     engine, optimizer = build(seed, clip=0.0)
@@ -128,11 +112,6 @@ def test_a_failing_host_update_surfaces_on_the_training_thread():
     optimizer.host_adam.update = broken
     with pytest.raises(RuntimeError, match="cpu adam exploded"):
         train_steps(engine, random_batches(seed, 3, 4))
-
-
-def test_update_in_backward_true_with_clipping_is_a_config_error():
-    with pytest.raises(angelptm.ConfigError, match="update_in_backward is true but gradient_clipping is 1.0"):
-        build(0, update_in_backward=True)
 
 
 def test_a_dropped_engine_stops_its_worker_and_frees_its_memory():

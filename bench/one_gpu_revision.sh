@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Host updates during backward under clipping, accumulation and fp16 (zero_cache.revision) on one H200, each
+# against the same run without clipping (or in bf16) in the same invocation; plus the checkpoint checksum's
+# cost on that machine's disk (issue 19). Name the runs to do:
+#
+#   source .devdeps/gpu-setup.sh && bash bench/one_gpu_revision.sh "$OUT" gpu_tests clip_13p7b
+#
+# Writes OUT/<run>.out (the bench's table, the plan and per-step notes, or the failure's tail).
+source "$(dirname "$0")/named_runs.sh"  # run NAME LIMIT command...; $out
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-16}
+step=(python3 bench/engine_step.py --steps 10)
+
+run gpu_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_zero_cache_cuda.py
+# 13.7B, whole GPU (BENCHMARKS.md: 410 TFLOPS without clipping, 292 with clipping 1.0 before this change).
+run clip_13p7b 300 "${step[@]}" --sizes 13.7b --modes zero_cache zero_cache_clip --anchor zero_cache
+run accumulate_13p7b 300 "${step[@]}" --steps 8 --sizes 13.7b --micro 2 --accumulation 4 \
+    --modes zero_cache zero_cache_clip --anchor zero_cache
+run fp16_6p9b 240 "${step[@]}" --sizes 6.9b --modes zero_cache zero_cache_fp16 --anchor zero_cache
+run checkpoint_hash 240 python3 bench/checkpoint_hash.py --gib 8 --repeats 3 --dir /tmp/ckpt_hash

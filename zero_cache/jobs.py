@@ -1,0 +1,58 @@
+"""The host worker's job queue: two FIFO lanes, gradients before updates.
+
+Gradient jobs (adding a staged micro-batch gradient into a host fp32 accumulator) are short, and
+``step()`` needs all of them done to know the global norm; update jobs (CPU Adam over a chunk) are
+long. With one lane, the norm would wait behind every update queued during the last backward. So
+the worker takes the oldest gradient job whenever there is one, and ``drain(GRADIENTS)`` waits for
+that lane alone. No update depends on a gradient job queued after it: a chunk's accumulation is
+queued before its update, and the training thread waits for a chunk's update before it stages that
+chunk's next gradient (``ZeroCacheOptimizer.wait_for_chunk``).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any
+
+GRADIENTS, UPDATES = "gradients", "updates"
+
+
+class JobQueue:
+    """Two lanes of jobs for one consumer thread, with ``join`` per lane or for both."""
+
+    def __init__(self) -> None:
+        self._lanes: dict[str, collections.deque] = {GRADIENTS: collections.deque(), UPDATES: collections.deque()}
+        self._unfinished = dict.fromkeys(self._lanes, 0)
+        self._lane_of: dict[int, str] = {}  # id(job) -> its lane, from get() until task_done()
+        self._changed = threading.Condition()
+
+    def put(self, job: Any, lane: str = UPDATES) -> None:
+        with self._changed:
+            self._lanes[lane].append(job)
+            self._unfinished[lane] += 1
+            self._changed.notify_all()
+
+    def get(self, block: bool = True) -> Any:
+        """The oldest gradient job, else the oldest update; None when empty and not ``block``."""
+        with self._changed:
+            while not any(self._lanes.values()):
+                if not block:
+                    return None
+                self._changed.wait()
+            lane = GRADIENTS if self._lanes[GRADIENTS] else UPDATES
+            job = self._lanes[lane].popleft()
+            self._lane_of[id(job)] = lane
+            return job
+
+    def task_done(self, job: Any) -> None:
+        with self._changed:
+            self._unfinished[self._lane_of.pop(id(job))] -= 1
+            self._changed.notify_all()
+
+    def join(self, lane: str | None = None) -> None:
+        """Block until every job of ``lane`` (None: of both) put so far has been marked done."""
+        lanes = (lane,) if lane is not None else tuple(self._lanes)
+        with self._changed:
+            while any(self._unfinished[name] for name in lanes):
+                self._changed.wait()
