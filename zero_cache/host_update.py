@@ -288,17 +288,22 @@ class HostUpdater:
         chunk = update.chunk
         kept = self._kept(chunk)
         out = self.store.param_chunks[chunk] if self._in_home(chunk) else self.pool.acquire()
-        revised = set()
+        revised = []
         for index, slots in original.members.items():
             for slot in slots:
                 master, exp_avg, exp_avg_sq = (self.store.state_view(slot, f, states) for f in STATE_FIELDS)
                 window = slice(slot.offset, slot.offset + slot.numel)
                 self.host_adam.revise(master, kept[window], out[window], exp_avg, exp_avg_sq, step=original.step,
                                       hyper=original.hypers[index], undo_scale=undo_scale, redo_scale=redo_scale)
-                revised.add(slot.name)
-        for slot in self.store.slots_of(chunk):
-            if slot.name not in revised:
-                out[slot.offset:slot.offset + slot.numel].copy_(self.store.state_view(slot, "master", states))
+                revised.append((slot.offset, slot.offset + slot.numel))
+        # Everything else (slots without a gradient, and the padding, which collectives and norms read whole)
+        # is the masters, rounded, as after any update: a staging buffer holds whatever it carried last.
+        masters = self.store.groups[chunk].field("master") if states is None else state_field(states, "master")
+        start = 0
+        for begin, end in sorted(revised) + [(out.numel(), out.numel())]:
+            if begin > start:
+                out[start:begin].copy_(masters[start:begin])
+            start = max(start, end)
         return out
 
     def _in_home(self, chunk: int) -> bool:

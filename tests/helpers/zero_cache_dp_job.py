@@ -60,6 +60,7 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--clip", type=float, default=0.5, help="0: no clipping")
     parser.add_argument("--no-overlap", action="store_true", help="zero_optimization.overlap_comm false")
+    parser.add_argument("--after-backward", action="store_true", help="zero_cache.update_in_backward false")
     parser.add_argument("--hosts-of", type=int, default=None, help="hierarchical collectives over hosts of this many ranks")
     parser.add_argument("--die-at-step", type=int, default=None, help="rank 1 exits (code 3) before this step")
     parser.add_argument("--shard-params", action="store_true", help="zero_cache.shard_params true (ZeRO-3)")
@@ -81,6 +82,7 @@ def main() -> None:
                                     "stage3_max_live_parameters": 0},
               "zero_cache": {"enabled": True, "chunk_size": CHUNK_NUMEL, "shard_params": shard_params,
                              "device_memory_budget": device_budget(model, world_size, args.accumulation, shard_params),
+                             "update_in_backward": not args.after_backward,
                              "host_memory_budget": 64 * 2**20, "param_home": args.param_home}}
     if args.hosts_of:
         config["zero_cache"].update(hierarchical=True, ranks_per_host=args.hosts_of)
@@ -92,7 +94,7 @@ def main() -> None:
     # (On CUDA the first plan keeps a share of the device for activations: its split differs.)
     assert tiers == expected or engine.device.type == "cuda", f"rank {rank}: groups in {tiers}, expected {expected}"
     # During backward (clipping included: zero_cache.revision), except for ranks that accumulate micro-batches.
-    assert optimizer.update_in_backward == (args.accumulation == 1 or world_size == 1)
+    assert optimizer.update_in_backward == (not args.after_backward and (args.accumulation == 1 or world_size == 1))
     assert optimizer.params_sharded == (shard_params or args.param_home == "host")  # one rank streams them too
     if args.param_home == "host":
         assert set(optimizer.store.param_home) == {"host"}, optimizer.store.param_home

@@ -229,3 +229,46 @@ def test_removed_overlap_optimizer_step_key_says_why():
     with pytest.raises(angelptm.ConfigError, match="overlap_optimizer_step: removed.*update_in_backward"):
         angelptm.config.load_config({"train_micro_batch_size_per_gpu": 1,
                                      "zero_cache": {"enabled": True, "overlap_optimizer_step": True}})
+
+
+@pytest.fixture(scope="module")
+def native_adam():
+    from zero_cache.native import load_csrc
+
+    module = load_csrc("fused_host_adam")
+    if module is None:
+        pytest.skip("no C++ toolchain to build csrc/fused_host_adam.cpp (the library kernel is used instead)")
+    return module
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("step", [1, 6])
+def test_native_revision_redoes_and_takes_back_a_step_like_the_reference(native_adam, decoupled, dtype, step):
+    """The one-pass kernel: a speculative step (factor 1, gradient kept in the same pass), then redone with the
+    true factor, equals torch's Adam with that factor; taken back, it equals the states before."""
+    from zero_cache.host_adam import HostAdam, torch_fused_adam
+
+    generator = torch.Generator().manual_seed(torch.randint(0, 10_000, ()).item())
+    numel = 100_003  # not a multiple of any vector width
+    before = [torch.randn(numel, generator=generator), torch.randn(numel, generator=generator) * 1e-2,
+              torch.rand(numel, generator=generator) * 1e-4]
+    if step == 1:
+        before[1].zero_(), before[2].zero_()
+    grad = (torch.randn(numel, generator=generator) * 1e-2).to(dtype)
+    hyper = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    adam = HostAdam(decoupled, try_deepspeed=False, try_native=True)
+    want = [t.clone() for t in before]
+    torch_fused_adam([want[0]], [grad.float() * 0.3], [want[1]], [want[2]], decoupled=decoupled, step=step, **hyper)
+    for redo in (0.3, 0.0):
+        got, kept, grad_and_out = [t.clone() for t in before], torch.empty_like(grad), grad.clone()
+        adam.update_in_place(*got[:1], grad_and_out, *got[1:], step=step, grad_scale=1.0, kept=kept, **hyper)
+        assert torch.equal(kept, grad) and torch.equal(grad_and_out, got[0].to(dtype))
+        out = torch.empty_like(grad)
+        adam.revise(got[0], kept, out, got[1], got[2], step=step, hyper=hyper, undo_scale=1.0, redo_scale=redo)
+        assert torch.equal(out, got[0].to(dtype)), "the weight written is the revised master, rounded"
+        expected = want if redo else before
+        for index, field in enumerate(("master", "exp_avg", "exp_avg_sq")):  # (scale: see assert_states_close)
+            scale = max(torch.linalg.vector_norm(expected[index]), torch.linalg.vector_norm(want[index]))
+            error = (torch.linalg.vector_norm(got[index] - expected[index]) / scale).item()
+            assert error < TOLERANCE, f"{'redo' if redo else 'undo'}: {field} off by {error:.1e}"

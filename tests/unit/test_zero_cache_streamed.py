@@ -66,7 +66,12 @@ def test_streamed_params_give_the_weights_of_resident_params(accumulation, clip,
     seed = torch.randint(0, 10_000, ()).item()
     batches = random_batches(seed, count=4 * accumulation, batch=2)
     start = {n: p.detach().clone() for n, p in tiny_gpt(seed, tied=tied).named_parameters()}
-    resident_cfg = config("device", resident_budget(tiny_gpt(seed, tied=tied)), clip=clip, accumulation=accumulation)
+    # Accumulating, the resident run would update during the last backward and revise at a clipped step (within
+    # an ulp: zero_cache.revision), where streamed params, which accumulate through buckets, update after it.
+    # Both after backward, the comparison stays bitwise.
+    after = {"update_in_backward": False} if accumulation > 1 else {}
+    resident_cfg = config("device", resident_budget(tiny_gpt(seed, tied=tied)), clip=clip, accumulation=accumulation,
+                          **after)
     resident_losses, resident, reference = train(tiny_gpt(seed, tied=tied), resident_cfg, batches)
     assert {group.tier for group in reference.store.groups} == {HOST} and not reference.store.shard_params
     losses, masters, optimizer = train(tiny_gpt(seed, tied=tied), config("host", clip=clip, accumulation=accumulation),
