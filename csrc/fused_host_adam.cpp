@@ -1,6 +1,6 @@
 // Adam/AdamW over one chunk's host-resident state in a single pass: reads the low-precision
 // gradient, updates the fp32 master, exp_avg and exp_avg_sq, and writes the rounded parameter
-// copy that goes back to the GPU -- in place over the gradient, element by element (bf16, fp16 or fp32). It can also
+// copy that goes back to the GPU -- in place over the gradient, element by element. It can also
 // copy the gradient aside in the same pass (`kept`), and take back or retake a step from that copy
 // (`adam_revise_`), which is how ZeRO-Cache updates during backward before the clip factor is known
 // (zero_cache/revision.py explains the scheme).
@@ -62,12 +62,10 @@ inline float adam_element(float p, float g, float& m, float& v, const Hyper& h) 
   return p - h.step_size * m_new / (std::sqrt(v_new) * h.inv_sqrt_bc2 + h.eps);
 }
 
-// Element access by storage type: bf16 travels as its 16 bits, fp16 as at::Half (F16C conversions).
+// Element access by storage type: bf16 travels as its 16 bits.
 inline float load(const uint16_t x) { return bf16_to_float(x); }
-inline float load(const at::Half x) { return static_cast<float>(x); }
 inline float load(const float x) { return x; }
 inline void store(uint16_t& x, float f) { x = float_to_bf16(f); }
-inline void store(at::Half& x, float f) { x = at::Half(f); }
 inline void store(float& x, float f) { x = f; }
 
 // One step; g_out holds the gradient and receives the rounded weight; with Keep, the gradient is
@@ -122,12 +120,6 @@ void revise_into(torch::Tensor out, float* p, const G* grad, float* m, float* v,
                 : revise<false>(p, grad, o, m, v, n, undo, redo, first_step);
       break;
     }
-    case torch::kHalf: {
-      at::Half* o = out.data_ptr<at::Half>();
-      decoupled ? revise<true>(p, grad, o, m, v, n, undo, redo, first_step)
-                : revise<false>(p, grad, o, m, v, n, undo, redo, first_step);
-      break;
-    }
     case torch::kFloat32: {
       float* o = out.data_ptr<float>();
       decoupled ? revise<true>(p, grad, o, m, v, n, undo, redo, first_step)
@@ -135,7 +127,7 @@ void revise_into(torch::Tensor out, float* p, const G* grad, float* m, float* v,
       break;
     }
     default:
-      TORCH_CHECK(false, "out must be bf16, fp16 or fp32, got ", out.scalar_type());
+      TORCH_CHECK(false, "out must be bf16 or fp32, got ", out.scalar_type());
   }
 }
 
@@ -152,9 +144,8 @@ void check_states(const torch::Tensor& master, const torch::Tensor& exp_avg, con
 void check_like(const torch::Tensor& t, const torch::Tensor& master, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.numel() == master.numel(), name,
               " must be a contiguous CPU tensor shaped like master");
-  TORCH_CHECK(t.scalar_type() == torch::kBFloat16 || t.scalar_type() == torch::kHalf ||
-                  t.scalar_type() == torch::kFloat32,
-              name, " must be bf16, fp16 or fp32, got ", t.scalar_type());
+  TORCH_CHECK(t.scalar_type() == torch::kBFloat16 || t.scalar_type() == torch::kFloat32, name,
+              " must be bf16 or fp32, got ", t.scalar_type());
 }
 
 Hyper make_hyper(int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
@@ -195,14 +186,6 @@ void fused_adam_(torch::Tensor master, torch::Tensor grad_and_out, torch::Tensor
     } else {
       keep ? step<false, true>(p, g, k, m, v, n, h) : step<false, false>(p, g, k, m, v, n, h);
     }
-  } else if (grad_and_out.scalar_type() == torch::kHalf) {
-    at::Half* g = grad_and_out.data_ptr<at::Half>();
-    at::Half* k = keep ? kept->data_ptr<at::Half>() : nullptr;
-    if (decoupled) {
-      keep ? step<true, true>(p, g, k, m, v, n, h) : step<true, false>(p, g, k, m, v, n, h);
-    } else {
-      keep ? step<false, true>(p, g, k, m, v, n, h) : step<false, false>(p, g, k, m, v, n, h);
-    }
   } else {
     float* g = grad_and_out.data_ptr<float>();
     float* k = keep ? kept->data_ptr<float>() : nullptr;
@@ -234,8 +217,6 @@ void adam_revise_(torch::Tensor master, torch::Tensor grad, torch::Tensor out, t
   if (grad.scalar_type() == torch::kBFloat16) {
     const auto* g = reinterpret_cast<const uint16_t*>(grad.data_ptr<at::BFloat16>());
     revise_into(out, p, g, m, v, n, undo_ptr, redo_ptr, step_count == 1, decoupled);
-  } else if (grad.scalar_type() == torch::kHalf) {
-    revise_into(out, p, grad.data_ptr<at::Half>(), m, v, n, undo_ptr, redo_ptr, step_count == 1, decoupled);
   } else {
     revise_into(out, p, grad.data_ptr<float>(), m, v, n, undo_ptr, redo_ptr, step_count == 1, decoupled);
   }

@@ -118,7 +118,9 @@ def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: tor
                       grad_bytes_per_element=grad_bytes_per_element(accumulation_steps),
                       device_budget_bytes=device_budget, host_budget_bytes=host_budget, trace=trace,
                       nonmodel_peak_bytes=nonmodel_peak_bytes, prefetch_depth=config.prefetch_depth,
-                      staging_buffers=STAGING_BUFFERS, nvme_budget_bytes=nvme_budget, swap_buffers=SWAP_BUFFERS,
+                      # (accumulating: a second pool stages the micro-batch gradients, see HostUpdater.gradient_pool)
+                      staging_buffers=STAGING_BUFFERS * (2 if accumulation_steps > 1 else 1),
+                      nvme_budget_bytes=nvme_budget, swap_buffers=SWAP_BUFFERS,
                       kept_bytes_per_element=param_bytes if in_backward and accumulation_steps == 1 else 0)
 
 

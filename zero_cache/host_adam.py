@@ -21,7 +21,7 @@ from zero_cache.native import load_csrc
 
 logger = logging.getLogger(__name__)
 
-_FUSED = (torch.bfloat16, torch.float16, torch.float32)
+_FUSED = (torch.bfloat16, torch.float32)
 """Gradient / weight dtypes the csrc kernel reads and writes."""
 
 
@@ -53,7 +53,7 @@ class HostAdam:
             self._ds = _load_deepspeed_cpu_adam(decoupled)
         self.name = "deepspeed cpu_adam" if self._ds is not None else "torch fused CPU Adam"
         if self._native is not None:
-            self.name = f"csrc fused_host_adam (bf16/fp16/fp32 gradients; {self.name} otherwise)"
+            self.name = f"csrc fused_host_adam (bf16/fp32 gradients; {self.name} otherwise)"
         logger.info("ZeRO-Cache host optimizer: %s", self.name)
 
     def fuses(self, dtype: torch.dtype) -> bool:

@@ -144,6 +144,11 @@ class HostUpdater:
         self.host_adam = host_adam
         host, numel = store.tiers[HOST], store.layout.chunk_numel
         self.pool = BufferPool(STAGING_BUFFERS, lambda: host.allocate(numel, store.compute_dtype))
+        """The worker's transfers: gradients fetched, weights sent back."""
+        self.gradient_pool = BufferPool(STAGING_BUFFERS, lambda: host.allocate(numel, store.compute_dtype))
+        """Micro-batch gradients staged by the training thread for the accumulators (allocated only when used).
+        Apart from ``pool``: an update during backward that needs a buffer must not wait for gradient jobs that
+        hold them and run only after it (a deadlock once the training thread has staged them all)."""
         self.param_ready: dict[int, torch.cuda.Event | None] = {}
         """Chunk -> completion event of its latest host->device param copy (popped by the waiter)."""
         self.busy_s = 0.0

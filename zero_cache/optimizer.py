@@ -275,7 +275,7 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
         At the window's last micro-step the worker also takes the slot's squared norm, so the
         global norm at ``step()`` is a sum of partials computed while backward was still running.
         """
-        buffer = self.host.pool.acquire()
+        buffer = self.host.gradient_pool.acquire()
         staged = buffer[:slot.numel]
         copied = self.transfers.copy(staged, grad.reshape(-1), "d2h", after=self.transfers.mark())
         accumulator = self.store.state_view(slot, "grad")
@@ -284,7 +284,7 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
         def accumulate() -> None:
             wait(copied)
             accumulator.copy_(staged) if first else accumulator.add_(staged)
-            self.host.pool.release(buffer)
+            self.host.gradient_pool.release(buffer)
             if boundary:
                 self._host_squares.append(float(torch.linalg.vector_norm(accumulator, dtype=torch.float32)) ** 2)
 

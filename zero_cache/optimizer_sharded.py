@@ -67,13 +67,13 @@ class ShardedGradients:
         if self.store.groups[chunk].tier == DEVICE:
             accumulator.copy_(reduced) if first else accumulator.add_(reduced)
             return None  # the bucket's next use is on the compute stream too, ordered after this add
-        buffer = self.host.pool.acquire()
+        buffer = self.host.gradient_pool.acquire()
         copied = self.transfers.copy(buffer, reduced, "d2h", after=self.transfers.mark())
 
         def accumulate() -> None:
             wait(copied)
             accumulator.copy_(buffer) if first else accumulator.add_(buffer)
-            self.host.pool.release(buffer)
+            self.host.gradient_pool.release(buffer)
 
         self.host.submit(accumulate)
         return copied

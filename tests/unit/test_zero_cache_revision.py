@@ -242,7 +242,7 @@ def native_adam():
 
 
 @pytest.mark.parametrize("decoupled", [True, False])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("step", [1, 6])
 def test_native_revision_redoes_and_takes_back_a_step_like_the_reference(native_adam, decoupled, dtype, step):
     """The one-pass kernel: a speculative step (factor 1, gradient kept in the same pass), then redone with the
@@ -272,3 +272,33 @@ def test_native_revision_redoes_and_takes_back_a_step_like_the_reference(native_
             scale = max(torch.linalg.vector_norm(expected[index]), torch.linalg.vector_norm(want[index]))
             error = (torch.linalg.vector_norm(got[index] - expected[index]) / scale).item()
             assert error < TOLERANCE, f"{'redo' if redo else 'undo'}: {field} off by {error:.1e}"
+
+
+def test_a_slow_update_during_the_last_micro_batch_does_not_wait_on_gradients_staged_behind_it():
+    """The training thread stages every micro-batch gradient through pinned buffers; an update during backward
+    that needs one too (for its new weights) must not wait for gradient jobs queued behind it (a deadlock)."""
+    import threading
+    import time
+
+    seed = torch.randint(0, 10_000, ()).item()
+    engine, optimizer = build(seed, accumulation=2)
+    assert host_chunks_kept(optimizer)
+    library_update = optimizer.host_adam.update
+
+    def slow_update(*args, **kwargs):  # the worker is still in CPU Adam while backward stages gradients
+        time.sleep(0.05)
+        library_update(*args, **kwargs)
+
+    optimizer.host_adam.update = slow_update
+    done = threading.Event()
+    batches = random_batches(seed, count=4, batch=4)
+
+    def train() -> None:
+        catcher = GradientCatcher(engine)
+        run_step(engine, optimizer, catcher, batches[:2], 1e-3)
+        run_step(engine, optimizer, catcher, batches[2:], 1e-3)
+        done.set()
+
+    threading.Thread(target=train, daemon=True).start()
+    assert done.wait(timeout=120), "training hung: an update waited for a buffer held by gradients queued behind it"
+    assert optimizer.counts["speculated_chunks"] > 0
