@@ -82,7 +82,7 @@ def main() -> None:
                                     "stage3_max_live_parameters": 0},
               "zero_cache": {"enabled": True, "chunk_size": CHUNK_NUMEL, "shard_params": shard_params,
                              "device_memory_budget": device_budget(model, world_size, args.accumulation, shard_params),
-                             "update_in_backward": not args.after_backward,
+                             "update_in_backward": False if args.after_backward else "auto",
                              "host_memory_budget": 64 * 2**20, "param_home": args.param_home}}
     if args.hosts_of:
         config["zero_cache"].update(hierarchical=True, ranks_per_host=args.hosts_of)
