@@ -36,7 +36,7 @@ import torch
 
 from zero_cache.chunks import STATE_FIELDS, ChunkStore, state_field
 from zero_cache.host_adam import HostAdam
-from zero_cache.jobs import GRADIENTS, UPDATES, JobQueue
+from zero_cache.jobs import GRADIENTS, JobQueue
 from zero_cache.layout import TensorSlot
 from zero_cache.planner import HOST, NVME
 from zero_cache.revision import APPLIED, DEFERRED, SpeculationWindow, revision_scales
