@@ -22,6 +22,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def native_adam():
+    """``csrc/fused_host_adam.cpp`` built for this machine; the test skips where no toolchain can build it."""
+    from zero_cache.native import load_csrc
+
+    module = load_csrc("fused_host_adam")
+    if module is None:
+        pytest.skip("no C++ toolchain to build csrc/fused_host_adam.cpp (the library kernel is used instead)")
+    return module
+
+
 # tests/helpers holds the shared reference code and the job scripts that tests start as processes.
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402

@@ -252,10 +252,11 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
     def _queue_speculative(self, chunk: int, squares: torch.Tensor | None) -> None:
         """Update ``chunk`` now with the clip factor taken as 1; ``step()`` revises it (``squares``: its squared
         gradient norm, copied from the device; None: the worker takes it from the accumulator)."""
+        factor = self._unscale_factor()
         if self._window is None:
-            self._window = SpeculationWindow(self.gradient_clipping, self._unscale_factor())
+            self._window = SpeculationWindow(self.gradient_clipping, factor)
         self._queued[chunk] = self._queue_host_update(chunk, frozenset(self._written), self._hypers(),
-                                                      step=self.step_count + 1, grad_factor=self._unscale_factor(),
+                                                      step=self.step_count + 1, grad_factor=factor,
                                                       squares=squares, window=self._window)
         self.counts["speculated_chunks"] += 1
 

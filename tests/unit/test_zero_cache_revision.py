@@ -106,15 +106,17 @@ def assert_states_close(got, want, what: str, before=None, tolerance: float = TO
             assert error <= tolerance, f"{what}: {name} {field} differs by {error:.1e} relative"
 
 
-def run_step(engine, optimizer, catcher, batches, factor: float) -> bool:
-    """One optimizer step over ``batches`` (its micro-batches) with the loss times ``factor``; whether it applied."""
+def run_step(engine, optimizer, catcher, batches, factor: float) -> tuple[bool, list[str]]:
+    """One optimizer step over ``batches`` (its micro-batches) with the loss times ``factor``: whether it applied,
+    and the outcome of each update made during its backward (APPLIED or DEFERRED)."""
+    outcomes = []
     for batch in batches:
         engine.backward(engine(**batch) * factor)
         if batch is batches[-1]:
             optimizer.host.drain()  # (lets the test read which speculative updates were applied or deferred)
-            run_step.outcomes = [update.outcome for update in optimizer._queued.values()]
+            outcomes = [update.outcome for update in optimizer._queued.values()]
         engine.step()
-    return not optimizer.overflow
+    return not optimizer.overflow, outcomes
 
 
 def host_chunks_kept(optimizer) -> set[int]:
@@ -135,10 +137,11 @@ def test_each_step_equals_the_reference_clipped_update_whether_or_not_it_clips(a
         factor = 1.0 if target is None else target / base_norm
         before = states(optimizer)
         window = batches[index * accumulation:(index + 1) * accumulation]
-        assert run_step(engine, optimizer, catcher, window, factor)
+        applied, outcomes = run_step(engine, optimizer, catcher, window, factor)
+        assert applied
         norm = optimizer.last_grad_norm
         base_norm = base_norm or norm / factor
-        seen.update((norm > 1.0, outcome) for outcome in run_step.outcomes)
+        seen.update((norm > 1.0, outcome) for outcome in outcomes)
         want = reference_step(before, catcher.take(), step=optimizer.step_count, clip=1.0, unscale=1.0)
         assert_states_close(states(optimizer), want, f"step {index + 1} (norm {norm:.3g})", before)
     # Both kinds of step, and in the clipped ones updates applied early (then redone) and deferred ones.
@@ -156,16 +159,17 @@ def test_fp16_overflow_is_skipped_with_the_scale_lowered_and_later_steps_exact()
     for index, overflow in enumerate([None, "everywhere", None, None, "first layer"]):
         before, scale = states(optimizer), optimizer.loss_scaler.scale
         hook = first_layer.register_hook(lambda grad: grad * math.inf) if overflow == "first layer" else None
-        applied = run_step(engine, optimizer, catcher, batches[index:index + 1], 1e6 if overflow == "everywhere" else 1e-3)
+        applied, outcomes = run_step(engine, optimizer, catcher, batches[index:index + 1],
+                                     1e6 if overflow == "everywhere" else 1e-3)
         grads = catcher.take()
         if hook is not None:
             hook.remove()
         if overflow:
             assert not applied and optimizer.loss_scaler.scale < scale, "an overflow skips and lowers the scale"
-            assert (APPLIED in run_step.outcomes) == (overflow == "first layer"), run_step.outcomes
+            assert (APPLIED in outcomes) == (overflow == "first layer"), outcomes
             assert_states_close(states(optimizer), before, f"skipped step {index + 1}", tolerance=UNDO_TOLERANCE)
         else:
-            assert applied and APPLIED in run_step.outcomes
+            assert applied and APPLIED in outcomes
             want = reference_step(before, grads, step=optimizer.step_count, clip=1.0, unscale=1 / scale)
             assert_states_close(states(optimizer), want, f"step {index + 1}", before, tolerance=UNDO_TOLERANCE)
     assert engine.skipped_steps == 2
@@ -181,19 +185,20 @@ def test_a_nan_mid_run_is_skipped_the_run_continues_and_its_checkpoint_resumes_e
     # A NaN in the first layer's gradient, which comes last in backward: the host chunks were updated already.
     first = next(p for n, p in engine.module.named_parameters() if n.startswith("blocks.0."))
     handle = first.register_hook(lambda grad: grad * float("nan"))
-    assert not run_step(engine, optimizer, catcher, batches[1:2], 1.0)
+    applied, outcomes = run_step(engine, optimizer, catcher, batches[1:2], 1.0)
+    assert not applied
     handle.remove()
-    assert APPLIED in run_step.outcomes
+    assert APPLIED in outcomes
     after = states(optimizer)
     assert_states_close(after, before, "the skipped step", tolerance=UNDO_TOLERANCE)
     for name, param in engine.module.named_parameters():  # (the restored masters, rounded: not a stepped weight)
         assert torch.equal(param, after[name][0].to(param.dtype).view(param.shape)), f"{name} was not restored"
     run_step(engine, optimizer, catcher, batches[2:3], 1.0)
     engine.save_checkpoint(str(tmp_path), tag="after_nan")
-    expected = [run_step(engine, optimizer, catcher, [b], 1.0) and optimizer.last_grad_norm for b in batches[3:]]
+    expected = [run_step(engine, optimizer, catcher, [b], 1.0)[0] and optimizer.last_grad_norm for b in batches[3:]]
     resumed, resumed_opt = build(seed, clip=0.0)
     resumed.load_checkpoint(str(tmp_path), tag="after_nan")
-    got = [run_step(resumed, resumed_opt, GradientCatcher(resumed), [b], 1.0) and resumed_opt.last_grad_norm
+    got = [run_step(resumed, resumed_opt, GradientCatcher(resumed), [b], 1.0)[0] and resumed_opt.last_grad_norm
            for b in batches[3:]]
     assert got == expected
     for name, value in optimizer.master_state_dict().items():
@@ -229,16 +234,6 @@ def test_removed_overlap_optimizer_step_key_says_why():
     with pytest.raises(angelptm.ConfigError, match="overlap_optimizer_step: removed.*update_in_backward"):
         angelptm.config.load_config({"train_micro_batch_size_per_gpu": 1,
                                      "zero_cache": {"enabled": True, "overlap_optimizer_step": True}})
-
-
-@pytest.fixture(scope="module")
-def native_adam():
-    from zero_cache.native import load_csrc
-
-    module = load_csrc("fused_host_adam")
-    if module is None:
-        pytest.skip("no C++ toolchain to build csrc/fused_host_adam.cpp (the library kernel is used instead)")
-    return module
 
 
 @pytest.mark.parametrize("decoupled", [True, False])

@@ -130,16 +130,6 @@ def test_a_dropped_engine_stops_its_worker_and_frees_its_memory():
     assert not thread.is_alive() and store() is None
 
 
-@pytest.fixture(scope="module")
-def native_adam():
-    from zero_cache.native import load_csrc
-
-    module = load_csrc("fused_host_adam")
-    if module is None:
-        pytest.skip("no C++ toolchain to build csrc/fused_host_adam.cpp (the library kernel is used instead)")
-    return module
-
-
 @pytest.mark.parametrize("decoupled", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_native_fused_adam_equals_torch_adam_then_rounding(native_adam, decoupled, dtype):
