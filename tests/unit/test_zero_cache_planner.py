@@ -211,7 +211,9 @@ def brute_force_cost(inp: PlanInputs) -> float:
 def test_gathered_plan_takes_the_cheapest_split_of_the_device(seed):
     rng = random.Random(seed * 7919 + random.randrange(10**6))
     trace = tuple(rng.sample(range(10), 10))
-    inp = streamed(device_budget_bytes=rng.randint(16_000, 200_000), trace=trace, min_live_groups=rng.randint(1, 4),
+    # From 20,000 bytes: 4 live groups, the buckets and the scratch need 18,002 (18,560 with the margin); a lower
+    # draw made an input that cannot fit, and the test failed on PlanError now and then.
+    inp = streamed(device_budget_bytes=rng.randint(20_000, 200_000), trace=trace, min_live_groups=rng.randint(1, 4),
                    live_groups=0)
     plan = make_plan(inp)
     assert plan.traffic.seconds == pytest.approx(brute_force_cost(inp))
