@@ -60,29 +60,54 @@ class HostAdam:
         """Whether :meth:`update_in_place` takes gradients of this dtype."""
         return self._native is not None and dtype in _FUSED
 
+    def lazy_ok(self, hypers: list[dict[str, Any]]) -> bool:
+        """Whether steps with these hyperparameters may leave their moments unstored (:mod:`zero_cache.revision`):
+        not with Adam's L2 decay, whose gradient reads the old weight, so its step cannot be taken back alone."""
+        return self.decoupled or all(hyper["weight_decay"] == 0 for hyper in hypers)
+
     def update_in_place(self, master: torch.Tensor, grad_and_param: torch.Tensor, exp_avg: torch.Tensor,
                         exp_avg_sq: torch.Tensor, *, step: int, lr: float, betas: tuple[float, float], eps: float,
-                        weight_decay: float, grad_scale: float, kept: torch.Tensor | None = None) -> None:
+                        weight_decay: float, grad_scale: float, kept: torch.Tensor | None = None,
+                        lazy: bool = False, fold_scale: float = 0.0) -> None:
         """One step over flat views; ``grad_and_param`` holds the gradient and receives the rounded new weight;
-        ``kept`` (same dtype) receives a copy of the gradient in the same pass."""
+        ``kept`` (same dtype) receives a copy of the gradient in the same pass, after the one it held is folded
+        into the moments with ``fold_scale`` (if > 0); ``lazy``: this step's moments are not stored."""
         self._native.fused_adam_(master, grad_and_param, exp_avg, exp_avg_sq, step, lr, betas[0], betas[1], eps,
-                                 weight_decay, grad_scale, self.decoupled, self.threads, kept)
+                                 weight_decay, grad_scale, self.decoupled, self.threads, kept, lazy, fold_scale)
+
+    def fold(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, kept: torch.Tensor, *, scale: float,
+             betas: tuple[float, float]) -> None:
+        """Store a lazy step's moments: fold its gradient (``kept`` times ``scale``) into them."""
+        if self._native is not None and kept.dtype in _FUSED:
+            self._native.adam_fold_(exp_avg, exp_avg_sq, kept, scale, betas[0], betas[1], self.threads)
+            return
+        grad = kept.float() * scale
+        exp_avg.lerp_(grad, 1 - betas[0])
+        exp_avg_sq.mul_(betas[1]).addcmul_(grad, grad, value=1 - betas[1])
+
+    def lazy_update(self, masters: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                    exp_avg_sqs: list[torch.Tensor], *, step: int, **hyper: Any) -> None:
+        """:meth:`update` without storing the moments (the library kernels step copies of them)."""
+        self.update(masters, grads, [m.clone() for m in exp_avgs], [v.clone() for v in exp_avg_sqs], step=step,
+                    **hyper)
 
     def revise(self, master: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, exp_avg: torch.Tensor,
                exp_avg_sq: torch.Tensor, *, step: int, hyper: dict[str, Any], undo_scale: float,
-               redo_scale: float) -> None:
-        """Take back the step made from ``grad * undo_scale`` (if > 0), then make it from ``grad * redo_scale``
-        (if > 0); the rounded weight goes to ``out``. See :mod:`zero_cache.revision`."""
+               redo_scale: float, undo_lazy: bool = False, redo_lazy: bool = False) -> None:
+        """Take back the step made from ``grad * undo_scale`` (if > 0; ``undo_lazy``: a lazy step), then make it
+        from ``grad * redo_scale`` (if > 0; ``redo_lazy``: storing no moments); the rounded weight goes to
+        ``out``. See :mod:`zero_cache.revision`."""
         if self._native is not None and grad.dtype in _FUSED and out.dtype in _FUSED:
             self._native.adam_revise_(master, grad, out, exp_avg, exp_avg_sq, step, hyper["lr"], hyper["betas"][0],
                                       hyper["betas"][1], hyper["eps"], hyper["weight_decay"], undo_scale, redo_scale,
-                                      self.decoupled, self.threads)
+                                      self.decoupled, self.threads, undo_lazy, redo_lazy)
             return
         if undo_scale > 0:
-            undo_adam_(master, grad.float() * undo_scale, exp_avg, exp_avg_sq, decoupled=self.decoupled, step=step,
-                       **hyper)
+            undo = undo_lazy_adam_ if undo_lazy else undo_adam_
+            undo(master, grad.float() * undo_scale, exp_avg, exp_avg_sq, decoupled=self.decoupled, step=step, **hyper)
         if redo_scale > 0:
-            self.update([master], [grad.float() * redo_scale], [exp_avg], [exp_avg_sq], step=step, **hyper)
+            redo = self.lazy_update if redo_lazy else self.update
+            redo([master], [grad.float() * redo_scale], [exp_avg], [exp_avg_sq], step=step, **hyper)
         out.copy_(master)
 
     def update(self, masters: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
@@ -99,10 +124,25 @@ class HostAdam:
                          betas=betas, eps=eps, weight_decay=weight_decay)
 
 
+def undo_lazy_adam_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+                    decoupled: bool, step: int, lr: float, betas: tuple[float, float], eps: float,
+                    weight_decay: float) -> None:
+    """Take back, in place, a lazy Adam step (one that stored no moments) that ``grad`` (fp32, already scaled)
+    made: its moments are recomputed and the weight line alone runs backwards. The moments are untouched, so
+    this is exact but for the rounding of the weight itself (an ulp of it)."""
+    beta1, beta2 = betas
+    exp_avg = exp_avg.lerp(grad, 1 - beta1)
+    exp_avg_sq = exp_avg_sq.mul(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** step)).add_(eps)
+    master.addcdiv_(exp_avg, denom, value=lr / (1 - beta1 ** step))
+    if decoupled:
+        master.div_(1 - lr * weight_decay)
+
+
 def undo_adam_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                decoupled: bool, step: int, lr: float, betas: tuple[float, float], eps: float,
                weight_decay: float) -> None:
-    """Take back, in place, the Adam step ``step`` that ``grad`` (fp32, already scaled) made: the inverse of
+    """Take back, in place, the eager Adam step ``step`` that ``grad`` (fp32, already scaled) made: the inverse of
     torch's fused Adam line by line (``csrc/fused_host_adam.cpp`` has the same in one pass).
 
     Exact up to fp32 rounding: each state comes back within about one ulp of the *stepped* value

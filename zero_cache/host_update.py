@@ -120,6 +120,8 @@ class ChunkUpdate:
     window may defer it (:mod:`zero_cache.revision`)."""
     outcome: str | None = None
     """A speculative update, once the worker has run it: APPLIED or DEFERRED."""
+    lazy: bool = False
+    """A speculative update applied without storing its moments (folded in later; :mod:`zero_cache.revision`)."""
     revises: ChunkUpdate | None = None
     """Set on the step's revision of a speculative update: redo it with ``grad_factor`` (or take it back
     when ``skip``) -- nothing to do when it was applied with that factor already."""
@@ -149,6 +151,8 @@ class HostUpdater:
         """Micro-batch gradients staged by the training thread for the accumulators (allocated only when used).
         Apart from ``pool``: an update during backward that needs a buffer must not wait for gradient jobs that
         hold them and run only after it (a deadlock once the training thread has staged them all)."""
+        self.unfolded: dict[int, ChunkUpdate] = {}
+        """Chunk -> the lazy update whose moments are still to be folded in from its kept gradient (the worker's)."""
         self.param_ready: dict[int, torch.cuda.Event | None] = {}
         """Chunk -> completion event of its latest host->device param copy (popped by the waiter)."""
         self.busy_s = 0.0
@@ -169,6 +173,28 @@ class HostUpdater:
     def submit(self, job: Callable[[], None]) -> None:
         """Run a gradient job (accumulation) on the worker, ahead of queued updates (:mod:`zero_cache.jobs`)."""
         self._jobs.put(job, GRADIENTS)
+
+    def settle_all(self) -> None:
+        """Queue the folding of every lazy update's moments, after the updates queued so far (before the states
+        are read or replaced: checkpoints, re-plans)."""
+        self._jobs.put(self._settle_all)
+
+    def _settle_all(self) -> None:
+        for chunk in list(self.unfolded):
+            self.settle(chunk)
+
+    def settle(self, chunk: int) -> None:
+        """On the worker: fold the moments of ``chunk``'s lazy update, if one is waiting, from its kept gradient
+        (before anything overwrites that gradient or reads the moments)."""
+        lazy = self.unfolded.pop(chunk, None)
+        if lazy is None:
+            return
+        kept = self._kept(chunk)
+        for index, slots in lazy.members.items():
+            for slot in slots:
+                self.host_adam.fold(self.store.state_view(slot, "exp_avg"), self.store.state_view(slot, "exp_avg_sq"),
+                                    kept[slot.offset:slot.offset + slot.numel], scale=lazy.grad_factor,
+                                    betas=lazy.hypers[index]["betas"])
 
     def drain(self, gradients_only: bool = False) -> None:
         """Block until every queued job (or every gradient job) has run; re-raise the first failure."""
@@ -242,12 +268,21 @@ class HostUpdater:
             return
         states = None if fetched.swap is None else self.store.states_in(fetched.swap)
         buffer = fetched.grads
+        if update.window is not None:
+            update.lazy = self.store.groups[chunk].tier == HOST and self.host_adam.lazy_ok(update.hypers)
         with self.transfers.timeline.on_thread(HOST_ADAM, f"chunk {chunk}"):  # its inputs have landed
             if update.revises is not None:
                 buffer = self._revise(update, states)
-            elif buffer is not None and not update.restore_only and self.host_adam.fuses(buffer.dtype):
+            elif update.restore_only:
+                buffer = self._round_masters(chunk, buffer, states)
+            elif buffer is not None and self.host_adam.fuses(buffer.dtype):
                 self._step_in_buffer(update, buffer, states)
+            elif buffer is None:  # the fp32 accumulator holds the gradient (and keeps it)
+                self.settle(chunk)
+                buffer = self._step_slots(chunk, update.members, update.hypers, update.step, self._kept(chunk),
+                                          states, redo_scale=update.grad_factor, redo_lazy=update.lazy)
             else:
+                self.settle(chunk)
                 buffer = self._step_then_round(update, buffer, states)
         if update.window is not None:
             update.outcome = APPLIED
@@ -275,6 +310,7 @@ class HostUpdater:
         return group.grad if self.store.grads_in_accumulators else group.kept
 
     def _defer(self, update: ChunkUpdate, fetched: Fetched) -> None:
+        self.settle(update.chunk)  # (the kept gradient is about to change)
         if fetched.grads is not None:
             self._kept(update.chunk).copy_(fetched.grads)
         fetched.release(self.pool, self.store.swap_buffers)
@@ -288,24 +324,35 @@ class HostUpdater:
         undo_scale, redo_scale = revision_scales(original, update)
         if not (undo_scale or redo_scale):
             if original.outcome == APPLIED:
+                if original.lazy:  # its moments are folded in before the kept gradient changes
+                    self.unfolded[update.chunk] = original
                 return None
             return self._round_masters(update.chunk, None, states)  # deferred, step skipped: weights unchanged
-        chunk = update.chunk
-        kept = self._kept(chunk)
+        return self._step_slots(update.chunk, original.members, original.hypers, original.step,
+                                self._kept(update.chunk), states, undo_scale=undo_scale, redo_scale=redo_scale,
+                                undo_lazy=original.lazy)
+
+    def _step_slots(self, chunk: int, members: dict[int, list[TensorSlot]], hypers: list[dict[str, Any]], step: int,
+                    grad: torch.Tensor, states: torch.Tensor | None, *, undo_scale: float = 0.0,
+                    redo_scale: float = 0.0, undo_lazy: bool = False, redo_lazy: bool = False) -> torch.Tensor:
+        """Step ``members`` from ``grad`` (a chunk-sized gradient that stays as it is: kept, or an accumulator),
+        taking back a step first with ``undo_scale`` (:meth:`HostAdam.revise`); returns the buffer holding the
+        chunk's new weights."""
         out = self.store.param_chunks[chunk] if self._in_home(chunk) else self.pool.acquire()
-        revised = []
-        for index, slots in original.members.items():
+        stepped = []
+        for index, slots in members.items():
             for slot in slots:
                 master, exp_avg, exp_avg_sq = (self.store.state_view(slot, f, states) for f in STATE_FIELDS)
                 window = slice(slot.offset, slot.offset + slot.numel)
-                self.host_adam.revise(master, kept[window], out[window], exp_avg, exp_avg_sq, step=original.step,
-                                      hyper=original.hypers[index], undo_scale=undo_scale, redo_scale=redo_scale)
-                revised.append((slot.offset, slot.offset + slot.numel))
+                self.host_adam.revise(master, grad[window], out[window], exp_avg, exp_avg_sq, step=step,
+                                      hyper=hypers[index], undo_scale=undo_scale, redo_scale=redo_scale,
+                                      undo_lazy=undo_lazy, redo_lazy=redo_lazy)
+                stepped.append((slot.offset, slot.offset + slot.numel))
         # Everything else (slots without a gradient, and the padding, which collectives and norms read whole)
         # is the masters, rounded, as after any update: a staging buffer holds whatever it carried last.
         masters = self.store.groups[chunk].field("master") if states is None else state_field(states, "master")
         start = 0
-        for begin, end in sorted(revised) + [(out.numel(), out.numel())]:
+        for begin, end in sorted(stepped) + [(out.numel(), out.numel())]:
             if begin > start:
                 out[start:begin].copy_(masters[start:begin])
             start = max(start, end)
@@ -316,37 +363,46 @@ class HostUpdater:
         return self.store.home_of(chunk) == HOST
 
     def _step_in_buffer(self, update: ChunkUpdate, buffer: torch.Tensor, states: torch.Tensor | None) -> None:
-        """csrc kernel, one pass: the buffer's gradients become the new weights (a speculative update copies
-        them to the kept gradient on the way). Slots without a gradient are rewritten from their masters (a
-        reduction from a bucket left zeros there); padding is zero."""
-        stepped = set()
+        """csrc kernel, one pass: the buffer's gradients become the new weights. A speculative update copies them
+        to the kept gradient on the way, after folding in the moments of the chunk's lazy update from the step
+        before (which that gradient held) when it stepped the same slots. Slots without a gradient are rewritten
+        from their masters (a reduction from a bucket left zeros there); padding is zero."""
         kept = self._kept(update.chunk) if update.window is not None else None
+        fold = self.unfolded.pop(update.chunk, None) if kept is not None and self._folds_into(update) else None
+        self.settle(update.chunk)  # (one that cannot be folded in this pass)
+        stepped = set()
         for index, slots in update.members.items():
             for slot in slots:
                 master, exp_avg, exp_avg_sq = (self.store.state_view(slot, f, states) for f in STATE_FIELDS)
                 window = slice(slot.offset, slot.offset + slot.numel)
                 self.host_adam.update_in_place(master, buffer[window], exp_avg, exp_avg_sq, step=update.step,
                                                grad_scale=update.grad_factor, **update.hypers[index],
-                                               kept=None if kept is None else kept[window])
+                                               kept=None if kept is None else kept[window], lazy=update.lazy,
+                                               fold_scale=0.0 if fold is None else fold.grad_factor)
                 stepped.add(slot.name)
         for slot in self.store.slots_of(update.chunk):
             if slot.name not in stepped:
                 buffer[slot.offset:slot.offset + slot.numel].copy_(self.store.state_view(slot, "master", states))
 
-    def _step_then_round(self, update: ChunkUpdate, buffer: torch.Tensor | None,
-                         states: torch.Tensor | None) -> torch.Tensor:
-        """Library kernel on an fp32 gradient, then the masters rounded into a staging buffer (returned)."""
-        group = self.store.groups[update.chunk]
-        if not update.restore_only:
-            source = group.grad if buffer is None else buffer
-            # A speculative update's gradient must outlive it: the accumulator is not scaled in place,
-            # and a staged gradient is kept before the buffer receives the weights.
-            grads = fp32_gradient(source, self.store.scratch[HOST], update.grad_factor,
-                                  in_place=update.window is None)
-            if update.window is not None and buffer is not None:
-                self._kept(update.chunk).copy_(buffer)
-            for index, slots in update.members.items():
-                adam_step(self.store, slots, grads, update.hypers[index], update.step, self.host_adam.update, states)
+    def _folds_into(self, update: ChunkUpdate) -> bool:
+        """Whether the chunk's lazy update from the step before can be folded in ``update``'s pass: the same slots
+        with the same betas (the kernel folds with the step's own)."""
+        lazy = self.unfolded.get(update.chunk)
+        return (lazy is not None and lazy.members.keys() == update.members.keys()
+                and all([s.name for s in lazy.members[i]] == [s.name for s in slots]
+                        and lazy.hypers[i]["betas"] == update.hypers[i]["betas"]
+                        for i, slots in update.members.items()))
+
+    def _step_then_round(self, update: ChunkUpdate, buffer: torch.Tensor, states: torch.Tensor | None) -> torch.Tensor:
+        """Library kernel on a staged gradient of another dtype (fp16) made fp32, then the masters rounded into
+        the buffer (returned). A speculative update's gradient is kept first; a lazy one steps copies of the
+        moments."""
+        grads = fp32_gradient(buffer, self.store.scratch[HOST], update.grad_factor, in_place=update.window is None)
+        if update.window is not None:
+            self._kept(update.chunk).copy_(buffer)
+        kernel = self.host_adam.lazy_update if update.lazy else self.host_adam.update
+        for index, slots in update.members.items():
+            adam_step(self.store, slots, grads, update.hypers[index], update.step, kernel, states)
         return self._round_masters(update.chunk, buffer, states)
 
     def _round_masters(self, chunk: int, buffer: torch.Tensor | None, states: torch.Tensor | None) -> torch.Tensor:

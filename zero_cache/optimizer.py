@@ -284,6 +284,8 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
 
         def accumulate() -> None:
             wait(copied)
+            if first:
+                self.host.settle(slot.chunk)  # a lazy update of the last step still reads the accumulator
             accumulator.copy_(staged) if first else accumulator.add_(staged)
             self.host.gradient_pool.release(buffer)
             if boundary:
@@ -477,7 +479,9 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
             torch.cuda.current_stream(self.device).wait_event(ready)
 
     def finish_pending(self) -> None:
-        """Block until every host update and copy has landed (before checkpoints and re-planning)."""
+        """Block until every host update and copy has landed, and every moment is stored (before checkpoints and
+        re-planning)."""
+        self.host.settle_all()
         self.host.drain()
         self.store.flush()
         for chunk in list(self._pending):

@@ -6,10 +6,10 @@ ended: the clip factor ``min(1, max_norm / ||g||)`` over the global norm, and wh
 is inf/NaN (the step is then skipped). So each step goes:
 
 1. **Speculate.** During backward a host chunk whose gradient is complete is updated with the factor
-   known then: 1 / loss scale (and 1 / ranks when sharded), clip factor 1. In the same pass the
-   update copies its gradient into the chunk's *kept gradient* (pinned, one param chunk's bytes,
-   planned by :mod:`zero_cache.planner`; with accumulating micro-batches the fp32 accumulator is
-   kept anyway).
+   known then: 1 / loss scale (and 1 / ranks when sharded), clip factor 1. The update is *lazy*: it
+   stores the new weight (master and the copy sent to the device) but not the new moments, and copies
+   its gradient into the chunk's *kept gradient* (pinned, one param chunk's bytes, planned by
+   :mod:`zero_cache.planner`; with accumulating micro-batches the fp32 accumulator is kept anyway).
 2. **Defer.** The worker sums the squared norms of this step's chunks as it goes (:class:`SpeculationWindow`).
    Once the partial norm already exceeds ``max_norm``, or a chunk's gradient is non-finite, the step
    will be clipped or skipped, so the chunks after it are *deferred*: their gradient is kept, nothing
@@ -21,30 +21,37 @@ is inf/NaN (the step is then skipped). So each step goes:
    the step              applied chunk                          deferred chunk
    ====================  =====================================  ===========================
    not clipped           stands (nothing to do: the usual case)  stepped from the kept gradient
-   clipped               taken back, redone with the true        stepped with the true factor
-                         factor (one fused pass)
-   skipped (inf/NaN)     taken back                             weights rewritten from masters
+   clipped               weight taken back, step redone with     stepped with the true factor
+                         the true factor (one fused pass)
+   skipped (inf/NaN)     weight taken back                      weights rewritten from masters
    ====================  =====================================  ===========================
 
-4. **Predict.** After a clipped step the next is expected to clip too, and its host chunks wait for the
+4. **Fold.** An applied step that stands still owes its moments. They are folded in from the kept
+   gradient at the chunk's next update, in the same pass (``csrc/fused_host_adam.cpp``: 2 more bytes
+   read per element), or by a pass of their own just before the kept gradient is overwritten (a
+   deferral, the next window's first accumulation) or the states are read (``finish_pending``:
+   checkpoints, re-plans). The fold runs the step's own moment lines on the same scaled gradient,
+   so with the csrc kernel a lazy step folded later leaves the very bits an update after backward
+   leaves (the library kernels' fold agrees with their step to rounding).
+5. **Predict.** After a clipped step the next is expected to clip too, and its host chunks wait for the
    step (every speculation would be redone); after an unclipped step speculation resumes.
 
-*Exactness.* Adam's step is invertible given its gradient: run its lines backwards
-(``csrc/fused_host_adam.cpp``'s ``adam_revise_``, :func:`zero_cache.host_adam.undo_adam_`). Each state
-comes back within about one fp32 ulp of its *stepped* value (at step 1 the moments come back to exactly
-zero). A redone step matched the reference clipped step to 1e-6 per tensor in the tests, at norms up to
-3x the threshold. Two limits, both from that ulp being relative to the stepped value: a spike far above
-the threshold (10x) on a chunk that was applied leaves its exp_avg_sq about 2e-6 off; and where an
-element's gradient jumped by orders of magnitude since the step before (typical of the first steps), the
-ulp is a large part of its old exp_avg_sq, which Adam turns into an lr-sized change of that weight: up
-to ~2e-5 of a tensor after a step taken back. Exact in every case would be to leave the moments
-unstepped until the norm is known and fold the kept gradient into them at the chunk's next update (the
-masters alone are revised then, to within an ulp); that is not built.
+*Exactness.* Taking a lazy step back touches only the weight: its moments are recomputed from the
+stored ones and the kept gradient, and the weight line of Adam runs backwards
+(``w = (w' + lr/bc1 * m' / (sqrt(v')/sqrt(bc2) + eps)) / (1 - lr*wd)``), which returns the master
+within a few ulps of its terms; the moments were never changed. So a clipped step redone, a skipped
+step and ``zero_grad()`` after backward all match the reference (``clip_grad_norm_`` + AdamW) to 1e-6
+per tensor whatever the spike, and an unclipped step is bit for bit an update after backward
+(``tests/unit/test_zero_cache_revision.py``). Two cases stay *eager* (the moments stored at once and
+run backwards when taken back, which returns each within an ulp of its stepped value, so a gradient
+that jumps by orders of magnitude leaves up to ~1e-5 of a tensor): Adam with L2 decay, whose gradient
+reads the old weight, so its weight line cannot be inverted alone; and an NVMe-resident group, whose
+states are on disk between steps (folding there would cost a disk round trip).
 
 *Cost.* The kept gradient: 2 bytes per parameter of a host chunk (bf16), after the optimizer states
-in the host budget; a chunk that gets none is updated after backward. The fused pass writes 2 more
-bytes per element (30 instead of 28). A clipped step runs one revision pass (about one Adam step)
-per speculated chunk after backward; a disk group's states are read and written once more.
+in the host budget; a chunk that gets none is updated after backward. A lazy pass that folds the step
+before moves 32 bytes per element instead of 28. A clipped step runs one revision pass (about one
+Adam step) per speculated chunk after backward; a disk group's states are read and written once more.
 """
 
 from __future__ import annotations
