@@ -23,6 +23,12 @@ logger = logging.getLogger(__name__)
 
 _FUSED = (torch.bfloat16, torch.float32)
 """Gradient / weight dtypes the csrc kernel reads and writes."""
+PIECE = 1 << 21
+"""Elements per piece where the library path works through scratch buffers (2 x 8 MiB: in cache)."""
+
+
+def _pieces(numel: int) -> list[slice]:
+    return [slice(start, min(start + PIECE, numel)) for start in range(0, numel, PIECE)]
 
 
 def torch_fused_adam(masters: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
@@ -47,6 +53,7 @@ class HostAdam:
         self.decoupled = decoupled
         self._ds = None
         self._native = load_csrc("fused_host_adam") if try_native else None
+        self._buffers: list[torch.Tensor] = []  # (see _scratch)
         # Every core but one: the training thread must keep launching GPU kernels meanwhile.
         self.threads = max(1, len(os.sched_getaffinity(0)) - 1)
         if try_deepspeed:
@@ -81,15 +88,25 @@ class HostAdam:
         if self._native is not None and kept.dtype in _FUSED:
             self._native.adam_fold_(exp_avg, exp_avg_sq, kept, scale, betas[0], betas[1], self.threads)
             return
-        grad = kept.float() * scale
-        exp_avg.lerp_(grad, 1 - betas[0])
-        exp_avg_sq.mul_(betas[1]).addcmul_(grad, grad, value=1 - betas[1])
+        for piece in _pieces(kept.numel()):
+            grad = self._scratch(0, piece).copy_(kept[piece]).mul_(scale)
+            exp_avg[piece].lerp_(grad, 1 - betas[0])
+            exp_avg_sq[piece].mul_(betas[1]).addcmul_(grad, grad, value=1 - betas[1])
 
     def lazy_update(self, masters: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                     exp_avg_sqs: list[torch.Tensor], *, step: int, **hyper: Any) -> None:
-        """:meth:`update` without storing the moments (the library kernels step copies of them)."""
-        self.update(masters, grads, [m.clone() for m in exp_avgs], [v.clone() for v in exp_avg_sqs], step=step,
-                    **hyper)
+        """:meth:`update` without storing the moments: the library kernels step copies of them, a piece at a time
+        through two small buffers that stay in cache (whole copies cost page faults on every call)."""
+        for master, grad, exp_avg, exp_avg_sq in zip(masters, grads, exp_avgs, exp_avg_sqs):
+            for piece in _pieces(master.numel()):
+                self.update([master[piece]], [grad[piece]], [self._scratch(0, piece).copy_(exp_avg[piece])],
+                            [self._scratch(1, piece).copy_(exp_avg_sq[piece])], step=step, **hyper)
+
+    def _scratch(self, index: int, piece: slice) -> torch.Tensor:
+        """One of two fp32 buffers of :data:`PIECE` elements, cut to ``piece``'s length."""
+        if not self._buffers:
+            self._buffers = [torch.empty(PIECE, dtype=torch.float32) for _ in range(2)]
+        return self._buffers[index][:piece.stop - piece.start]
 
     def revise(self, master: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, exp_avg: torch.Tensor,
                exp_avg_sq: torch.Tensor, *, step: int, hyper: dict[str, Any], undo_scale: float,

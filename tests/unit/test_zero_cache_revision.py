@@ -336,6 +336,30 @@ def test_native_lazy_step_folded_later_is_the_eager_step_and_taken_back_restores
         assert ulps <= 4, f"the master is off by {ulps:.1f} ulp of its terms"
 
 
+def test_library_lazy_step_in_pieces_then_folded_is_the_library_step(monkeypatch):
+    """The library kernels' lazy step works through two small buffers, piece by piece (here 1,000 elements):
+    the weight it stores, and the moments folded in later, are those of the plain step (fp16 gradient)."""
+    from zero_cache import host_adam
+    from zero_cache.host_adam import HostAdam
+
+    monkeypatch.setattr(host_adam, "PIECE", 1000)
+    generator = torch.Generator().manual_seed(torch.randint(0, 10_000, ()).item())
+    numel = 4_321
+    before = [torch.randn(numel, generator=generator), torch.randn(numel, generator=generator) * 1e-2,
+              torch.rand(numel, generator=generator) * 1e-4]
+    kept = (torch.randn(numel, generator=generator) * 1e-2).half()
+    hyper = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    adam = HostAdam(True, try_deepspeed=False)
+    lazy, eager = [t.clone() for t in before], [t.clone() for t in before]
+    adam.lazy_update([lazy[0]], [kept.float() * 0.5], [lazy[1]], [lazy[2]], step=3, **hyper)
+    assert torch.equal(lazy[1], before[1]) and torch.equal(lazy[2], before[2]), "a lazy step stores no moments"
+    adam.update([eager[0]], [kept.float() * 0.5], [eager[1]], [eager[2]], step=3, **hyper)
+    assert torch.equal(lazy[0], eager[0])
+    adam.fold(lazy[1], lazy[2], kept, scale=0.5, betas=BETAS)
+    torch.testing.assert_close(lazy[1], eager[1], rtol=1e-6, atol=0)
+    torch.testing.assert_close(lazy[2], eager[2], rtol=1e-6, atol=0)
+
+
 def test_a_slow_update_during_the_last_micro_batch_does_not_wait_on_gradients_staged_behind_it():
     """The training thread stages every micro-batch gradient through pinned buffers; an update during backward
     that needs one too (for its new weights) must not wait for gradient jobs queued behind it (a deadlock)."""
