@@ -17,7 +17,7 @@ run clip_13p7b 300 "${step[@]}" --sizes 13.7b --modes zero_cache zero_cache_clip
 # 125 GiB: "host tier needs 125.44 GiB but its budget is 111.48 GiB"; 6.9B with a 60 GB device budget puts
 # about half of the optimizer groups on the host instead. Params resident: streamed params accumulate through
 # gradient buckets, updated after backward, at about 14 s a step here: a separate matter.)
-run accumulate_6p9b 300 "${step[@]}" --steps 8 --sizes 6.9b --micro 2 --accumulation 4 --device-budget 60GB \
+run accumulate_6p9b 420 "${step[@]}" --steps 6 --sizes 6.9b --micro 2 --accumulation 4 --device-budget 60GB \
     --param-home device --modes zero_cache zero_cache_clip --anchor zero_cache
 # fp16 with dynamic loss scaling against bf16, 6.9B under a 60 GB device budget (host chunks update in backward).
 run fp16_6p9b 240 "${step[@]}" --sizes 6.9b --device-budget 60GB --modes zero_cache zero_cache_fp16 \
