@@ -80,6 +80,7 @@ inline float adam_element(float p, float g, float& m, float& v, const Hyper& h) 
 // Element access by storage type: bf16 travels as its 16 bits.
 inline float load(const uint16_t x) { return bf16_to_float(x); }
 inline float load(const float x) { return x; }
+inline float load(const at::Half x) { return static_cast<float>(x); }
 inline void store(uint16_t& x, float f) { x = float_to_bf16(f); }
 inline void store(float& x, float f) { x = f; }
 
@@ -273,10 +274,18 @@ void fused_adam_(torch::Tensor master, torch::Tensor grad_and_out, torch::Tensor
   }
 }
 
-// Fold a lazy step's gradient (`kept` times `scale`) into the moments: what that step left unstored.
+// Fold a lazy step's gradient (`kept` times `scale`) into the moments: what that step left unstored. Also
+// for fp16 gradients, which the library kernels step (one pass here against four of torch's).
 void adam_fold_(torch::Tensor exp_avg, torch::Tensor exp_avg_sq, torch::Tensor kept, double scale, double beta1,
                 double beta2, int64_t threads) {
   check_states(exp_avg, exp_avg, exp_avg_sq);
+  if (kept.scalar_type() == torch::kHalf) {
+    TORCH_CHECK(kept.device().is_cpu() && kept.is_contiguous() && kept.numel() == exp_avg.numel(),
+                "kept must be a contiguous CPU tensor shaped like exp_avg");
+    const Hyper f = make_hyper(1, 0.0, beta1, beta2, 0.0, 0.0, scale, threads);
+    fold(kept.data_ptr<at::Half>(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(), kept.numel(), f);
+    return;
+  }
   check_like(kept, exp_avg, "kept");
   const Hyper f = make_hyper(1, 0.0, beta1, beta2, 0.0, 0.0, scale, threads);
   float* m = exp_avg.data_ptr<float>();

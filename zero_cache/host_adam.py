@@ -85,7 +85,7 @@ class HostAdam:
     def fold(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, kept: torch.Tensor, *, scale: float,
              betas: tuple[float, float]) -> None:
         """Store a lazy step's moments: fold its gradient (``kept`` times ``scale``) into them."""
-        if self._native is not None and kept.dtype in _FUSED:
+        if self._native is not None and kept.dtype in (*_FUSED, torch.float16):
             self._native.adam_fold_(exp_avg, exp_avg_sq, kept, scale, betas[0], betas[1], self.threads)
             return
         for piece in _pieces(kept.numel()):

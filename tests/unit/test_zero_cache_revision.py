@@ -336,9 +336,11 @@ def test_native_lazy_step_folded_later_is_the_eager_step_and_taken_back_restores
         assert ulps <= 4, f"the master is off by {ulps:.1f} ulp of its terms"
 
 
-def test_library_lazy_step_in_pieces_then_folded_is_the_library_step(monkeypatch):
+@pytest.mark.parametrize("native", [False, True])
+def test_library_lazy_step_in_pieces_then_folded_is_the_library_step(monkeypatch, request, native):
     """The library kernels' lazy step works through two small buffers, piece by piece (here 1,000 elements):
-    the weight it stores, and the moments folded in later, are those of the plain step (fp16 gradient)."""
+    the weight it stores, and the moments folded in later (by torch, or the csrc fold), are those of the plain
+    step (fp16 gradient)."""
     from zero_cache import host_adam
     from zero_cache.host_adam import HostAdam
 
@@ -349,15 +351,17 @@ def test_library_lazy_step_in_pieces_then_folded_is_the_library_step(monkeypatch
               torch.rand(numel, generator=generator) * 1e-4]
     kept = (torch.randn(numel, generator=generator) * 1e-2).half()
     hyper = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
-    adam = HostAdam(True, try_deepspeed=False)
+    if native:
+        request.getfixturevalue("native_adam")
+    adam = HostAdam(True, try_deepspeed=False, try_native=native)
     lazy, eager = [t.clone() for t in before], [t.clone() for t in before]
     adam.lazy_update([lazy[0]], [kept.float() * 0.5], [lazy[1]], [lazy[2]], step=3, **hyper)
     assert torch.equal(lazy[1], before[1]) and torch.equal(lazy[2], before[2]), "a lazy step stores no moments"
     adam.update([eager[0]], [kept.float() * 0.5], [eager[1]], [eager[2]], step=3, **hyper)
     assert torch.equal(lazy[0], eager[0])
     adam.fold(lazy[1], lazy[2], kept, scale=0.5, betas=BETAS)
-    torch.testing.assert_close(lazy[1], eager[1], rtol=1e-6, atol=0)
-    torch.testing.assert_close(lazy[2], eager[2], rtol=1e-6, atol=0)
+    for got, want in zip(lazy[1:], eager[1:]):  # (the csrc fold and torch's kernel round apart: per tensor, as above)
+        assert (torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want)).item() <= TOLERANCE
 
 
 def test_a_slow_update_during_the_last_micro_batch_does_not_wait_on_gradients_staged_behind_it():
