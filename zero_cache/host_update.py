@@ -269,7 +269,8 @@ class HostUpdater:
         states = None if fetched.swap is None else self.store.states_in(fetched.swap)
         buffer = fetched.grads
         if update.window is not None:
-            update.lazy = self.store.groups[chunk].tier == HOST and self.host_adam.lazy_ok(update.hypers)
+            dtype = torch.float32 if self.store.grads_in_accumulators else self.store.compute_dtype
+            update.lazy = self.store.groups[chunk].tier == HOST and self.host_adam.lazy_ok(update.hypers, dtype)
         with self.transfers.timeline.on_thread(HOST_ADAM, f"chunk {chunk}"):  # its inputs have landed
             if update.revises is not None:
                 buffer = self._revise(update, states)

@@ -42,11 +42,14 @@ stored ones and the kept gradient, and the weight line of Adam runs backwards
 within a few ulps of its terms; the moments were never changed. So a clipped step redone, a skipped
 step and ``zero_grad()`` after backward all match the reference (``clip_grad_norm_`` + AdamW) to 1e-6
 per tensor whatever the spike, and an unclipped step is bit for bit an update after backward
-(``tests/unit/test_zero_cache_revision.py``). Two cases stay *eager* (the moments stored at once and
+(``tests/unit/test_zero_cache_revision.py``). Three cases stay *eager* (the moments stored at once and
 run backwards when taken back, which returns each within an ulp of its stepped value, so a gradient
 that jumps by orders of magnitude leaves up to ~1e-5 of a tensor): Adam with L2 decay, whose gradient
-reads the old weight, so its weight line cannot be inverted alone; and an NVMe-resident group, whose
-states are on disk between steps (folding there would cost a disk round trip).
+reads the old weight, so its weight line cannot be inverted alone; an NVMe-resident group, whose
+states are on disk between steps (folding there would cost a disk round trip); and fp16 gradients on
+DeepSpeed's cpu_adam, where stepping copies of the moments cost more than the step itself
+(:meth:`zero_cache.host_adam.HostAdam.lazy_ok`). The usual fp16 overflow still defers every chunk
+before any is applied, which is exact.
 
 *Cost.* The kept gradient: 2 bytes per parameter of a host chunk (bf16), after the optimizer states
 in the host budget; a chunk that gets none is updated after backward. A lazy pass that folds the step
