@@ -229,8 +229,7 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
                  "params_sharded": optimizer.params_sharded,
                  "param_homes_device_host": [optimizer.store.param_home.count(t) for t in ("device", "host")],
                  "planned_device_gib": optimizer.store.tiers["device"].budget_bytes / 2**30,
-                 **{name: report[f"zero_cache_{name}"] for name in optimizer.counts},
-                 "skipped_steps": engine.skipped_steps}
+                 **{name: report[f"zero_cache_{name}"] for name in optimizer.counts}}
         print("zero_cache: " + ", ".join(f"{name} {extra[name]}" for name in optimizer.counts)
               + f" in {steps} steps", file=sys.stderr)
         gathered = optimizer.exchange.gathered if optimizer.exchange is not None else None

@@ -16,7 +16,6 @@ from torch import nn
 
 from zero_cache.chunks import SWAP_BUFFERS, ChunkStore
 from zero_cache.config import ZeroCacheConfig
-from zero_cache.units import AUTO
 from zero_cache.exchange import GRADIENT_BUCKETS
 from zero_cache.hardware import Hardware, tier_budgets
 from zero_cache.host_update import STAGING_BUFFERS
@@ -29,7 +28,7 @@ from zero_cache.shard_params import (candidate_plans, choose_shard_params, choos
                                      register_saving_hooks, wanted_placement)
 from zero_cache.sharding import Sharding
 from zero_cache.tiers import auto_device_budget, auto_host_budget, build_tiers
-from zero_cache.units import parse_budget
+from zero_cache.units import AUTO, parse_budget
 
 logger = logging.getLogger(__name__)
 

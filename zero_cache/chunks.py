@@ -139,7 +139,7 @@ class ChunkStore:
             if tier == REMOTE:
                 continue
             if chunk in plan.kept_gradients:
-                self.groups[chunk].kept = tiers[HOST].allocate(layout.chunk_numel, compute_dtype, zero=False)
+                self.groups[chunk].kept = self._allocate_kept()
             with self.open_states(chunk, write_back=True, fresh=True) as states:
                 # Masters start from the compute-dtype weights, as a mixed-precision loop's would.
                 state_field(states, "master").copy_(self.param_chunks[chunk])
@@ -166,6 +166,10 @@ class ChunkStore:
             return OptimizerGroup(tier=tier, states=None, grad=grad, swap_offset=self.tiers[NVME].allocate_slot())
         return OptimizerGroup(tier=tier, states=self.tiers[tier].allocate(len(STATE_FIELDS) * numel, torch.float32),
                               grad=grad)
+
+    def _allocate_kept(self) -> torch.Tensor:
+        """A kept gradient (:attr:`OptimizerGroup.kept`): one param chunk in the compute dtype, on the host."""
+        return self.tiers[HOST].allocate(self.layout.chunk_numel, self.compute_dtype, zero=False)
 
     def _free_group(self, group: OptimizerGroup) -> None:
         if group.tier == REMOTE:
@@ -294,6 +298,5 @@ class ChunkStore:
             self._free_group(old)
         for chunk in plan.kept_gradients:
             if self.groups[chunk].kept is None:
-                self.groups[chunk].kept = self.tiers[HOST].allocate(self.layout.chunk_numel, self.compute_dtype,
-                                                                    zero=False)
+                self.groups[chunk].kept = self._allocate_kept()
         return len(moves) + len(homes)

@@ -93,9 +93,8 @@ class HostAdam:
             self._native.adam_fold_(exp_avg, exp_avg_sq, kept, scale, betas[0], betas[1], self.threads)
             return
         for piece in _pieces(kept.numel()):
-            grad = self._scratch(0, piece).copy_(kept[piece]).mul_(scale)
-            exp_avg[piece].lerp_(grad, 1 - betas[0])
-            exp_avg_sq[piece].mul_(betas[1]).addcmul_(grad, grad, value=1 - betas[1])
+            step_moments_(exp_avg[piece], exp_avg_sq[piece], self._scratch(0, piece).copy_(kept[piece]).mul_(scale),
+                          betas)
 
     def lazy_update(self, masters: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                     exp_avg_sqs: list[torch.Tensor], *, step: int, **hyper: Any) -> None:
@@ -145,17 +144,23 @@ class HostAdam:
                          betas=betas, eps=eps, weight_decay=weight_decay)
 
 
+def step_moments_(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
+                  betas: tuple[float, float]) -> None:
+    """Adam's moment lines, in place, on a scaled fp32 gradient (as torch's fused Adam writes them)."""
+    exp_avg.lerp_(grad, 1 - betas[0])
+    exp_avg_sq.mul_(betas[1]).addcmul_(grad, grad, value=1 - betas[1])
+
+
 def undo_lazy_adam_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                     decoupled: bool, step: int, lr: float, betas: tuple[float, float], eps: float,
                     weight_decay: float) -> None:
     """Take back, in place, a lazy Adam step (one that stored no moments) that ``grad`` (fp32, already scaled)
     made: its moments are recomputed and the weight line alone runs backwards. The moments are untouched, so
     this is exact but for the rounding of the weight itself (an ulp of it)."""
-    beta1, beta2 = betas
-    exp_avg = exp_avg.lerp(grad, 1 - beta1)
-    exp_avg_sq = exp_avg_sq.mul(beta2).addcmul_(grad, grad, value=1 - beta2)
-    denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** step)).add_(eps)
-    master.addcdiv_(exp_avg, denom, value=lr / (1 - beta1 ** step))
+    exp_avg, exp_avg_sq = exp_avg.clone(), exp_avg_sq.clone()
+    step_moments_(exp_avg, exp_avg_sq, grad, betas)
+    denom = (exp_avg_sq.sqrt() / math.sqrt(1 - betas[1] ** step)).add_(eps)
+    master.addcdiv_(exp_avg, denom, value=lr / (1 - betas[0] ** step))
     if decoupled:
         master.div_(1 - lr * weight_decay)
 

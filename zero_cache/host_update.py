@@ -269,8 +269,8 @@ class HostUpdater:
         states = None if fetched.swap is None else self.store.states_in(fetched.swap)
         buffer = fetched.grads
         if update.window is not None:
-            dtype = torch.float32 if self.store.grads_in_accumulators else self.store.compute_dtype
-            update.lazy = self.store.groups[chunk].tier == HOST and self.host_adam.lazy_ok(update.hypers, dtype)
+            update.lazy = (self.store.groups[chunk].tier == HOST
+                           and self.host_adam.lazy_ok(update.hypers, self._kept(chunk).dtype))
         with self.transfers.timeline.on_thread(HOST_ADAM, f"chunk {chunk}"):  # its inputs have landed
             if update.revises is not None:
                 buffer = self._revise(update, states)
@@ -389,10 +389,8 @@ class HostUpdater:
         """Whether the chunk's lazy update from the step before can be folded in ``update``'s pass: the same slots
         with the same betas (the kernel folds with the step's own)."""
         lazy = self.unfolded.get(update.chunk)
-        return (lazy is not None and lazy.members.keys() == update.members.keys()
-                and all([s.name for s in lazy.members[i]] == [s.name for s in slots]
-                        and lazy.hypers[i]["betas"] == update.hypers[i]["betas"]
-                        for i, slots in update.members.items()))
+        return (lazy is not None and lazy.members == update.members
+                and all(lazy.hypers[i]["betas"] == update.hypers[i]["betas"] for i in update.members))
 
     def _step_then_round(self, update: ChunkUpdate, buffer: torch.Tensor, states: torch.Tensor | None) -> torch.Tensor:
         """Library kernel on a staged gradient of another dtype (fp16) made fp32, then the masters rounded into
