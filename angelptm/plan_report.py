@@ -133,7 +133,9 @@ def _tier_table(plan: Plan, budgets: zero_cache.TierBudgets, device: torch.devic
         params = {DEVICE: "all resident", HOST: "-", NVME: "-"}
     budget = {DEVICE: budgets.device_bytes, HOST: budgets.host_bytes, NVME: budgets.nvme_bytes}
     planned = {DEVICE: plan.device_bytes, HOST: plan.host_bytes, NVME: plan.nvme_bytes}
-    update = {DEVICE: "GPU Adam" if device.type == "cuda" else "device Adam", HOST: "host Adam",
+    gpu_adam = "GPU Adam" if device.type == "cuda" else "device Adam"
+    stepped = len(plan.device_stepped)
+    update = {DEVICE: gpu_adam, HOST: "host Adam" + (f"; {stepped} by {gpu_adam} after backward" if stepped else ""),
               NVME: "host Adam via disk"}
     rows = [("tier", "budget/rank", "planned", "param chunks", f"optimizer groups (this rank owns {owned})")]
     for tier in (DEVICE, HOST, NVME):

@@ -95,7 +95,8 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
             build_on_host: bool = False, param_home: str = "auto", trace_dir: str | None = None,
             accumulation: int = 1) -> dict:
     """Train ``steps`` steps in this process and return timings. Modes zero_cache_clip and zero_cache_fp16 are
-    zero_cache with gradient_clipping 1.0, and with fp16 (dynamic loss scaling) instead of bf16."""
+    zero_cache with gradient_clipping 1.0, and with fp16 (dynamic loss scaling) instead of bf16;
+    zero_cache_host_adam is zero_cache with every host group updated by the host's Adam (device_steps 0)."""
     import torch
 
     cap_memory(memory_cap)
@@ -111,7 +112,8 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
                          "zero_cache": {"enabled": True, "device_memory_budget": device_budget,
                                         "host_memory_budget": host_budget, "nvme_path": nvme_path,
                                         "param_home": param_home,
-                                        "shard_params": True if mode == "zero_cache_shard" else "auto"}}
+                                        "shard_params": True if mode == "zero_cache_shard" else "auto",
+                                        "device_steps": 0 if mode == "zero_cache_host_adam" else "auto"}}
     construction = None
     if build_on_host and mode.startswith("zero_cache"):
         import angelptm
@@ -229,6 +231,7 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
                  "params_sharded": optimizer.params_sharded,
                  "param_homes_device_host": [optimizer.store.param_home.count(t) for t in ("device", "host")],
                  "planned_device_gib": optimizer.store.tiers["device"].budget_bytes / 2**30,
+                 "device_stepped_groups": len(optimizer.device_stepped),
                  **{name: report[f"zero_cache_{name}"] for name in optimizer.counts}}
         print("zero_cache: " + ", ".join(f"{name} {extra[name]}" for name in optimizer.counts)
               + f" in {steps} steps", file=sys.stderr)

@@ -13,10 +13,11 @@ cap=(--memory-cap 22GB --build-on-host)  # the cap binds every mode; zero_cache'
 step=(python3 bench/engine_step.py --steps 8)
 
 run gpu_tests 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_zero_cache_streamed_cuda.py
-run infinity_2p7b 300 "${step[@]}" "${cap[@]}" --sizes 2.7b --modes zero_cache deepspeed_infinity \
-    --anchor deepspeed_infinity
-run infinity_4p4b 420 "${step[@]}" "${cap[@]}" --sizes 4.4b --modes zero_cache deepspeed_infinity \
-    --anchor deepspeed_infinity
+# zero_cache_host_adam: the same with every host group on the host's Adam (zero_cache.device_steps 0).
+run infinity_2p7b 360 "${step[@]}" "${cap[@]}" --sizes 2.7b --modes zero_cache zero_cache_host_adam \
+    deepspeed_infinity --anchor deepspeed_infinity
+run infinity_4p4b 480 "${step[@]}" "${cap[@]}" --sizes 4.4b --modes zero_cache zero_cache_host_adam \
+    deepspeed_infinity --anchor deepspeed_infinity
 run streamed_6p9b 300 "${step[@]}" "${cap[@]}" --sizes 6.9b --modes zero_cache --anchor zero_cache
 run largest_8p5b 540 "${step[@]}" "${cap[@]}" --sizes 8.5b --modes zero_cache --anchor zero_cache
 run largest_nvme_10b 420 "${step[@]}" "${cap[@]}" --sizes 10b --modes zero_cache --anchor zero_cache \

@@ -94,10 +94,11 @@ def resolve_update_in_backward(config: ZeroCacheConfig, *, accumulation_steps: i
 def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: torch.dtype, device_budget: int,
                 host_budget: int, accumulation_steps: int, trace: tuple[int, ...] = (),
                 nonmodel_peak_bytes: int = 0, nvme_budget: int = 0, sharding: Sharding = Sharding(),
-                shard_params: bool = False, in_backward: bool = False) -> PlanInputs:
+                shard_params: bool = False, in_backward: bool = False, gpu: bool = False) -> PlanInputs:
     """What the planner needs; ``shard_params``: params are gathered on use (sharded over the ranks, or, on one
     rank, streamed from homes on the host); ``in_backward``: host chunks update during backward (one
-    micro-batch per step: each wants a kept gradient)."""
+    micro-batch per step: each wants a kept gradient); ``gpu``: the device is a GPU (host groups may be
+    stepped there)."""
     param_bytes = torch.empty((), dtype=compute_dtype).element_size()
     buckets = GRADIENT_BUCKETS if shard_params or (sharding.sharded and accumulation_steps > 1) else 0
     live = min_live = 0
@@ -120,7 +121,8 @@ def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: tor
                       # (accumulating: a second pool stages the micro-batch gradients, see HostUpdater.gradient_pool)
                       staging_buffers=STAGING_BUFFERS * (2 if accumulation_steps > 1 else 1),
                       nvme_budget_bytes=nvme_budget, swap_buffers=SWAP_BUFFERS,
-                      kept_bytes_per_element=param_bytes if in_backward and accumulation_steps == 1 else 0)
+                      kept_bytes_per_element=param_bytes if in_backward and accumulation_steps == 1 else 0,
+                      device_steps=(None if gpu else 0) if config.device_steps == AUTO else config.device_steps)
 
 
 def _rank() -> int:
@@ -155,7 +157,8 @@ class WarmupTracer:
         inputs = plan_inputs(self.layout, self.config, self.compute_dtype, device_tier.budget_bytes,
                              host_tier.budget_bytes, self.accumulation_steps, tuple(self.trace), nonmodel,
                              nvme_budget=nvme_tier.budget_bytes if nvme_tier is not None else 0,
-                             sharding=store.sharding, shard_params=store.shard_params, in_backward=self.in_backward)
+                             sharding=store.sharding, shard_params=store.shard_params, in_backward=self.in_backward,
+                             gpu=device_tier.device.type == "cuda")
         try:
             plan = make_plan(inputs)
         except PlanError as err:  # the running plan works; a worse estimate must not stop the run
@@ -165,6 +168,7 @@ class WarmupTracer:
             return None
         optimizer.finish_pending()
         moved = store.apply_plan(plan)
+        optimizer.device_stepped = frozenset(plan.device_stepped)
         if optimizer.exchange is not None and optimizer.exchange.gathered is not None:
             optimizer.exchange.gathered.resize(plan.cache_slots)
         logger.info("ZeRO-Cache re-plan after warm-up (non-model peak %d MiB): %s; %d groups moved",
@@ -203,7 +207,8 @@ def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, 
     def plan_for(sharding: Sharding, shard_params: bool) -> Plan:
         return make_plan(plan_inputs(layout, config, compute_dtype, budgets.device_bytes, budgets.host_bytes,
                                      accumulation_steps, nonmodel_peak_bytes=reserve, nvme_budget=budgets.nvme_bytes,
-                                     sharding=sharding, shard_params=shard_params, in_backward=in_backward))
+                                     sharding=sharding, shard_params=shard_params, in_backward=in_backward,
+                                     gpu=device.type == "cuda"))
 
     if world_size == 1:
         return layout, choose_streaming(config, functools.partial(plan_for, Sharding()))[1]
@@ -260,7 +265,8 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     def inputs_for(shard_params: bool) -> PlanInputs:
         return plan_inputs(layout, config, compute_dtype, device_tier.budget_bytes, host_tier.budget_bytes,
                            accumulation_steps, nonmodel_peak_bytes=reserve, nvme_budget=disk_budget,
-                           sharding=sharding, shard_params=shard_params, in_backward=in_backward)
+                           sharding=sharding, shard_params=shard_params, in_backward=in_backward,
+                           gpu=device.type == "cuda")
 
     shard_params, plan = choose_shard_params(config, sharding, lambda shard: make_plan(inputs_for(shard)),
                                              gather_objects(sharding))
@@ -280,7 +286,7 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
                                                   else config.native_host_adam),
                                 overlap_comm=config.overlap_comm,
                                 gather_ahead=gather_ahead_groups(config, layout, sharding),
-                                max_live_groups=plan.cache_slots)
+                                max_live_groups=plan.cache_slots, device_stepped=plan.device_stepped)
     tracer = WarmupTracer(layout, config, compute_dtype, accumulation_steps, in_backward)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # the warm-up measures the non-model peak from here

@@ -83,6 +83,13 @@ class ZeroCacheConfig:
     GPU, where the host update runs beside GPU work and its speed sets the step time. A failed build
     is logged and falls back to the library kernel."""
 
+    device_steps: int | str = AUTO
+    """Host-held optimizer groups stepped on the GPU after backward, instead of by the host's Adam: their fp32
+    states are copied in, stepped by the GPU's fused Adam and copied back, piece by piece through the device's
+    update scratch (:mod:`zero_cache.device_steps`). Each costs 24-28 PCIe bytes per element and spares the
+    host's Adam a chunk. A number caps how many (0: none); "auto": as many as make the step cheapest by the
+    planner's estimate, on a GPU (none on a CPU-only run)."""
+
     overlap_comm: bool = True
     """Sharded over data-parallel ranks: reduce-scatter each chunk group from backward as soon as its
     gradients are complete, under the rest of backward (true), or every group at ``step()`` (false).
@@ -160,6 +167,10 @@ class ZeroCacheConfig:
             raise ValueError(f"zero_cache.ranks_per_host: must be >= 1 (or null), got {self.ranks_per_host}")
         if self.gather_ahead_elements < 0:
             raise ValueError(f"zero_cache.gather_ahead_elements: must be >= 0, got {self.gather_ahead_elements}")
+        if not (self.device_steps == AUTO or (isinstance(self.device_steps, int) and not isinstance(
+                self.device_steps, bool) and self.device_steps >= 0)):
+            raise ValueError(f"zero_cache.device_steps: expected a number of optimizer groups >= 0 or 'auto', "
+                             f"got {self.device_steps!r}")
         if self.prefetch_depth < 0:
             raise ValueError(f"zero_cache.prefetch_depth: must be >= 0, got {self.prefetch_depth}")
 

@@ -36,7 +36,7 @@ def torch_fused_adam(masters: list[torch.Tensor], grads: list[torch.Tensor], exp
                      betas: tuple[float, float], eps: float, weight_decay: float) -> None:
     """torch's fused multi-tensor Adam (CUDA and CPU, on the tensors' device): AdamW, or Adam with L2 decay."""
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    step_tensor = torch.tensor(float(step), device=masters[0].device)
+    step_tensor = torch.full((), float(step), device=masters[0].device)  # a fill kernel: no host copy
     kernel(masters, grads, exp_avgs, exp_avg_sqs, [], [step_tensor] * len(masters), lr=lr, beta1=betas[0],
            beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
 

@@ -72,8 +72,10 @@ class Transfers:
         return event
 
     def copy(self, destination: torch.Tensor, source: torch.Tensor, direction: str,
-             after: torch.cuda.Event | None = None) -> torch.cuda.Event | None:
-        """``destination.copy_(source)`` on the ``direction`` ("d2h" or "h2d") stream, after ``after``."""
+             after: torch.cuda.Event | None = None, stream: torch.cuda.Stream | None = None
+             ) -> torch.cuda.Event | None:
+        """``destination.copy_(source)`` on the ``direction`` ("d2h" or "h2d") stream (or ``stream``), after
+        ``after``."""
         num_bytes = source.numel() * source.element_size()
         self.traffic.add(direction, num_bytes)
         track = D2H if direction == "d2h" else H2D
@@ -82,7 +84,7 @@ class Transfers:
             with self.timeline.on_stream(track, name, None):
                 destination.copy_(source)
             return None
-        stream = self.d2h if direction == "d2h" else self.h2d
+        stream = stream or (self.d2h if direction == "d2h" else self.h2d)
         with torch.cuda.stream(stream):
             if after is not None:
                 stream.wait_event(after)
@@ -173,6 +175,11 @@ class HostUpdater:
     def submit(self, job: Callable[[], None]) -> None:
         """Run a gradient job (accumulation) on the worker, ahead of queued updates (:mod:`zero_cache.jobs`)."""
         self._jobs.put(job, GRADIENTS)
+
+    def in_forward_order(self) -> None:
+        """Re-sort the updates not yet started by chunk, the order the next forward waits for them in (a
+        revision stays after the update it revises; other jobs stay where they are)."""
+        self._jobs.reorder(lambda job: job.chunk if isinstance(job, ChunkUpdate) else None)
 
     def settle_all(self) -> None:
         """Queue the folding of every lazy update's moments, after the updates queued so far (before the states

@@ -7,13 +7,17 @@ the worker takes the oldest gradient job whenever there is one, and ``drain(GRAD
 that lane alone. No update depends on a gradient job queued after it: a chunk's accumulation is
 queued before its update, and the training thread waits for a chunk's update before it stages that
 chunk's next gradient (``ZeroCacheOptimizer.wait_for_chunk``).
+
+Updates of different chunks do not depend on each other, so the updates lane may be re-sorted
+(:meth:`JobQueue.reorder`): backward queues them last chunk first, the next forward wants them
+first chunk first.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
-from typing import Any
+from typing import Any, Callable
 
 GRADIENTS, UPDATES = "gradients", "updates"
 
@@ -49,6 +53,20 @@ class JobQueue:
         with self._changed:
             self._unfinished[self._lane_of.pop(id(job))] -= 1
             self._changed.notify_all()
+
+    def reorder(self, key: Callable[[Any], int | None], lane: str = UPDATES) -> None:
+        """Sort the jobs still waiting in ``lane`` by ``key``, stably; a job whose key is None is a barrier that
+        nothing crosses (the jobs before it stay before it)."""
+        with self._changed:
+            jobs, ordered, run = self._lanes[lane], [], []
+            for job in jobs:
+                if key(job) is None:
+                    ordered += sorted(run, key=key) + [job]
+                    run = []
+                else:
+                    run.append(job)
+            jobs.clear()
+            jobs.extend(ordered + sorted(run, key=key))
 
     def join(self, lane: str | None = None) -> None:
         """Block until every job of ``lane`` (None: of both) put so far has been marked done."""

@@ -51,13 +51,14 @@ import torch
 from torch import nn
 
 from zero_cache.chunks import ChunkStore
+from zero_cache.device_steps import DeviceSteps
 from zero_cache.exchange import ChunkExchange
 from zero_cache.host_adam import HostAdam, torch_fused_adam
 from zero_cache.host_update import ChunkUpdate, HostUpdater, Transfers, adam_step, fp32_gradient, wait
 from zero_cache.layout import TensorSlot
 from zero_cache.optimizer_sharded import ShardedGradients
 from zero_cache.optimizer_state import OptimizerCheckpoint
-from zero_cache.planner import DEVICE, NVME, OFF_DEVICE
+from zero_cache.planner import DEVICE, HOST, NVME, OFF_DEVICE
 from zero_cache.revision import SpeculationWindow
 
 
@@ -83,12 +84,13 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
         overlap_comm: sharded: reduce each group from backward (``ZeroCacheConfig.overlap_comm``).
         gather_ahead: sharded: groups gathered ahead of the forward (from ``ZeroCacheConfig.gather_ahead_elements``).
         max_live_groups: sharded params: groups gathered at once (from ``ZeroCacheConfig.max_live_elements``).
+        device_stepped: host-tier chunks stepped on the device after backward (``Plan.device_stepped``).
     """
 
     def __init__(self, store: ChunkStore, optimizer: torch.optim.Optimizer, names: dict[int, str], *,
                  decoupled_weight_decay: bool = True, loss_scaler: Any = None, gradient_clipping: float = 0.0,
                  update_in_backward: bool = False, native_host_adam: bool = False, overlap_comm: bool = True,
-                 gather_ahead: int = 1, max_live_groups: int = 0) -> None:
+                 gather_ahead: int = 1, max_live_groups: int = 0, device_stepped: tuple[int, ...] = ()) -> None:
         self.store = store
         self.optimizer = optimizer
         self.loss_scaler = loss_scaler
@@ -106,6 +108,10 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
         self.host_adam = HostAdam(decoupled_weight_decay, try_deepspeed=self.device.type == "cuda",
                                   try_native=native_host_adam)
         self.host = HostUpdater(store, self.transfers, self.host_adam)
+        self.device_steps = DeviceSteps(store, self.transfers, self._device_adam)
+        self.device_stepped = frozenset(device_stepped)
+        """Host-tier chunks updated by :attr:`device_steps` after backward instead of by the host worker (the plan's)."""
+        self._stepped_ready: dict[int, torch.cuda.Event | None] = {}  # chunk -> its device step's params in place
         self.timeline = self.transfers.timeline
         """The step's timeline (copies, host jobs, disk requests, waits); recording only while a step is traced."""
         if NVME in store.tiers:
@@ -140,8 +146,10 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
         self._queued: dict[int, ChunkUpdate] = {}  # host chunk -> its speculative update from this window's backward
         self._window: SpeculationWindow | None = None  # this window's speculation (see zero_cache.revision)
         self._speculating = update_in_backward  # whether this window updates during backward (the prediction)
-        self.counts = dict.fromkeys(("speculated_chunks", "revised_chunks", "clipped_steps", "skipped_steps"), 0)
-        """Since the last report: chunks updated during backward, of them revised at the step, steps clipped / skipped."""
+        self.counts = dict.fromkeys(("speculated_chunks", "revised_chunks", "device_stepped_chunks", "clipped_steps",
+                                     "skipped_steps"), 0)
+        """Since the last report: chunks updated during backward, of them revised at the step, host chunks stepped on
+        the device, steps clipped / skipped."""
         self._pending: dict[int, ChunkUpdate] = {}  # host chunk -> its latest queued update, until waited for
         self._boundary = True
         self._replanned = False
@@ -241,7 +249,7 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
     def _speculates(self, chunk: int) -> bool:
         """Whether ``chunk`` (its gradient complete) is updated now, during backward (:mod:`zero_cache.revision`)."""
         group = self.store.groups[chunk]
-        return (self._speculating and group.tier in OFF_DEVICE
+        return (self._speculating and group.tier in OFF_DEVICE and chunk not in self.device_stepped
                 and (group.kept is not None or self.store.grads_in_accumulators))
 
     def _unscale_factor(self) -> float:
@@ -276,6 +284,8 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
         At the window's last micro-step the worker also takes the slot's squared norm, so the
         global norm at ``step()`` is a sum of partials computed while backward was still running.
         """
+        if first:
+            self.device_steps.wait(slot.chunk)  # (a device step of the last window may still read the accumulator)
         buffer = self.host.gradient_pool.acquire()
         staged = buffer[:slot.numel]
         copied = self.transfers.copy(staged, grad.reshape(-1), "d2h", after=self.transfers.mark())
@@ -376,12 +386,16 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
             self.counts["clipped_steps"] += 1
         self.step_count += 1
         hypers = self._hypers()
+        self._update_device_chunks(written, hypers, grad_factor)
+        self.device_steps.begin()
         for chunk in self._chunks_in(OFF_DEVICE, written):
             if chunk in self._queued:
                 self._queue_revision(chunk, grad_factor=grad_factor)
+            elif self._steps_on_device(chunk):
+                self._step_on_device(chunk, written, hypers, grad_factor)
             else:
                 self._queue_host_update(chunk, written, hypers, step=self.step_count, grad_factor=grad_factor)
-        self._update_device_chunks(written, hypers, grad_factor)
+        self.host.in_forward_order()  # backward queued its updates last chunk first
         self._restore_unreached(written)
         self._mark_stale()
         self._speculating = self.update_in_backward and not clipped  # a clipped step predicts another
@@ -390,6 +404,24 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
             self._replanned = True
             self.after_first_step()
         return True
+
+    def _steps_on_device(self, chunk: int) -> bool:
+        """Whether ``chunk`` is stepped on the device now: the plan's choice, for a group whose states are all in
+        host memory (none left to fold in from a lazy update of the host's)."""
+        return (chunk in self.device_stepped and self.store.groups[chunk].tier == HOST
+                and chunk not in self.host.unfolded)
+
+    def _step_on_device(self, chunk: int, written: frozenset, hypers: list[dict[str, Any]], grad_factor: float) -> None:
+        """Queue ``chunk``'s update on :attr:`device_steps`; the next forward waits for its params alone."""
+        self.wait_for_chunk(chunk)  # a host job still on it (a restore) has run
+        home_on_host = self.store.home_of(chunk) == HOST
+        if self.exchange is not None and home_on_host and not self.store.grads_in_accumulators:
+            grads_ready = self.exchange.landed.get(self.sharding.group_of(chunk))  # its reduced slice, written home
+        else:
+            grads_ready = None  # on the device, ordered by begin(); or an accumulator the worker has filled
+        self._stepped_ready[chunk] = self.device_steps.step(chunk, self._step_members(chunk, written), hypers,
+                                                            self.step_count, grad_factor, grads_ready)
+        self.counts["device_stepped_chunks"] += 1
 
     def _grad_norm(self) -> float:
         """Global norm over the gradients written in this window (the one device sync of the step)."""
@@ -428,6 +460,7 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
     def _queue_host_update(self, chunk: int, written: frozenset, hypers: list[dict[str, Any]], *, step: int,
                            grad_factor: float, squares: torch.Tensor | None = None, restore_only: bool = False,
                            window: SpeculationWindow | None = None) -> ChunkUpdate:
+        self.device_steps.wait(chunk)  # the host takes the chunk back: its device step's copies have landed
         landed = self.exchange.landed.get(self.sharding.group_of(chunk)) if self.exchange is not None else None
         update = ChunkUpdate(chunk=chunk, members=self._step_members(chunk, written), hypers=hypers, step=step,
                              grad_factor=grad_factor, grads_written=self.transfers.mark(), grads_landed=landed,
@@ -438,6 +471,7 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
 
     def _update_device_chunks(self, written: frozenset, hypers: list[dict[str, Any]], grad_factor: float) -> None:
         """Fused Adam over each written device chunk, then its param chunk rewritten from the masters."""
+        self.device_steps.fence()  # (the scratch, which the last step's device steps used)
         for chunk in self._chunks_in(DEVICE, written):
             group = self.store.groups[chunk]
             source = group.grad if self.store.grads_in_accumulators else self.store.param_chunks[chunk]
@@ -464,6 +498,9 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
     # ------------------------------------------------------------------ waiting
     def wait_for_chunk(self, chunk: int) -> None:
         """Order the compute stream after ``chunk``'s latest host update (forward pre-hook, gradient hook)."""
+        stepped = self._stepped_ready.pop(chunk, None)
+        if stepped is not None:
+            torch.cuda.current_stream(self.device).wait_event(stepped)
         update = self._pending.pop(chunk, None)
         if update is None:
             return
@@ -481,6 +518,7 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
     def finish_pending(self) -> None:
         """Block until every host update and copy has landed, and every moment is stored (before checkpoints and
         re-planning)."""
+        self.device_steps.synchronize()
         self.host.settle_all()
         self.host.drain()
         self.store.flush()

@@ -67,6 +67,8 @@ class ShardedGradients:
         if self.store.groups[chunk].tier == DEVICE:
             accumulator.copy_(reduced) if first else accumulator.add_(reduced)
             return None  # the bucket's next use is on the compute stream too, ordered after this add
+        if first:
+            self.device_steps.wait(chunk)  # (a device step of the last window may still read the accumulator)
         buffer = self.host.gradient_pool.acquire()
         copied = self.transfers.copy(buffer, reduced, "d2h", after=self.transfers.mark())
 

@@ -31,7 +31,11 @@ The plan decides, in this order of value per device byte:
 6. with host memory left, a **kept gradient** (one param chunk's bytes) for as many host-updated
    chunks as it holds, again those used last in the forward: a chunk updated during backward keeps
    its gradient until the step knows the global norm, so the update can be taken back or redone
-   exactly (:mod:`zero_cache.revision`). A chunk without one is updated after backward instead.
+   exactly (:mod:`zero_cache.revision`). A chunk without one is updated after backward instead;
+7. of the host groups, those the next forward needs first may be **stepped on the device** after
+   backward (their states copied in and back out through the device's update scratch), as many as
+   lower the step's floor: the host's Adam is then left fewer groups while PCIe has room
+   (:func:`~zero_cache.step_cost.cheapest_device_steps`). They need no kept gradient.
 
 If something does not fit, :func:`make_plan` raises :class:`PlanError` with the shortfall per
 tier and what to change, before a single byte is allocated.
@@ -42,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from zero_cache.step_cost import StepTraffic, step_traffic
+from zero_cache.step_cost import HostChunk, StepTraffic, cheapest_device_steps, step_traffic, with_device_steps
 from zero_cache.units import format_bytes
 
 DEVICE, HOST, NVME = "device", "host", "nvme"
@@ -115,6 +119,9 @@ class PlanInputs:
     kept_bytes_per_element: int = 0
     """Host bytes per element of a kept gradient (host chunks updated during backward, one micro-batch per
     step: the compute dtype's size); 0 = none are wanted."""
+    device_steps: int | None = 0
+    """Host-held optimizer groups to step on the device after backward (:mod:`zero_cache.device_steps`): that
+    many at most, or None for the count with the cheapest step (:func:`~zero_cache.step_cost.cheapest_device_steps`)."""
 
     def __post_init__(self) -> None:
         if self.owned is not None and not all(0 <= c < self.num_chunks for c in self.owned):
@@ -183,6 +190,9 @@ class Plan:
     """What one step moves over PCIe and updates on the host under this plan (an estimate)."""
     kept_gradients: tuple[int, ...] = ()
     """Host-updated chunks that keep their gradient on the host (updated during backward, revisable)."""
+    device_stepped: tuple[int, ...] = ()
+    """Host-tier chunks whose optimizer group is stepped on the device after backward, not by the host's Adam
+    (those the next forward needs first)."""
 
     @property
     def streamed_groups(self) -> int:
@@ -198,6 +208,8 @@ class Plan:
                       f"device, {self.streamed_groups} streamed from the host; {self.cache_slots} groups live at once")
         disk = f", nvme {format_bytes(self.nvme_bytes)}" if self.nvme_bytes else ""
         kept = f" ({len(self.kept_gradients)} keep their gradient)" if self.kept_gradients else ""
+        if self.device_stepped:
+            kept += f" ({len(self.device_stepped)} stepped on the device)"
         owned = len(self.optimizer_tier) - self.optimizer_tier.count(REMOTE)
         return (f"params {params}; optimizer states of {owned} chunks: {counts[DEVICE]} on the "
                 f"device, {counts[HOST]} on the host, {counts[NVME]} on NVMe{kept}; device {format_bytes(self.device_bytes)}, "
@@ -311,7 +323,9 @@ def _finish(inputs: PlanInputs, *, resident_bytes: int, live: int, device_optim:
     """The plan, once the device's share is decided: the other owned groups go to the host, then NVMe.
 
     Device optimizer groups go to the chunks the next forward needs first: the host groups' CPU
-    Adam and their host->device copies then overlap the forward through those early layers.
+    Adam and their host->device copies then overlap the forward through those early layers. Of the
+    host groups, the first ones the forward needs are stepped on the device after backward, as many
+    as make the step cheapest (:mod:`zero_cache.device_steps`): the host's Adam has the rest.
     """
     owned = _owned_in_use_order(inputs)
     off_device = [c for c in owned if c not in set(device_optim)]
@@ -321,8 +335,15 @@ def _finish(inputs: PlanInputs, *, resident_bytes: int, live: int, device_optim:
                                    or any(not home or home[c // inputs.group_size] != HOST for c in off_device))
     num_host, num_nvme, host_bytes = _split_host_and_nvme(inputs, len(off_device),
                                                           inputs.scratch_bytes + host_params_bytes, staged)
+    on_host = off_device[:num_host]
+    candidates = [HostChunk(params_home_on_host=bool(home) and home[c // inputs.group_size] == HOST,
+                            accumulating=inputs.grad_bytes_per_element > 0) for c in on_host]
+    sizes = dict(chunk_numel=inputs.chunk_numel, param_bytes_per_element=inputs.param_bytes_per_element)
+    stepping = cheapest_device_steps(traffic, candidates, most=inputs.device_steps, **sizes)
+    traffic = with_device_steps(traffic, candidates[:stepping], **sizes)
+    keepers = off_device[stepping:]  # a chunk stepped on the device after backward keeps no gradient
     kept_chunk_bytes = inputs.chunk_numel * inputs.kept_bytes_per_element
-    num_kept = 0 if not kept_chunk_bytes else max(0, min(len(off_device),
+    num_kept = 0 if not kept_chunk_bytes else max(0, min(len(keepers),
                                                          (inputs.host_budget_bytes - host_bytes) // kept_chunk_bytes))
     host_bytes += num_kept * kept_chunk_bytes
     tiers = [REMOTE] * inputs.num_chunks
@@ -335,7 +356,8 @@ def _finish(inputs: PlanInputs, *, resident_bytes: int, live: int, device_optim:
     return Plan(params_resident=HOST not in home, cache_slots=live, optimizer_tier=tuple(tiers),
                 device_bytes=device_bytes, host_bytes=host_bytes, nvme_bytes=num_nvme * inputs.swap_slot_bytes,
                 params_sharded=inputs.param_chunks_held is not None, param_home=home, group_size=inputs.group_size,
-                traffic=traffic, kept_gradients=tuple(sorted(off_device[len(off_device) - num_kept:])))
+                traffic=traffic, kept_gradients=tuple(sorted(keepers[len(keepers) - num_kept:])),
+                device_stepped=tuple(on_host[:stepping]))
 
 
 def _split_host_and_nvme(inputs: PlanInputs, off_device: int, host_fixed: int, staged: bool

@@ -8,14 +8,21 @@ each way; DeepSpeedCPUAdam 4.3 G params/s on 16 cores): only their ratio matters
 and on that machine a chunk's CPU Adam costs about six one-way copies of its bf16 params, so a
 device byte is worth more as a resident param shard than as an eighth of an optimizer group
 only while the shard's copies stay cheaper than that.
+
+A host-held optimizer group can also be stepped on the device (:mod:`zero_cache.device_steps`): its
+states cross PCIe both ways instead of costing CPU Adam, so while the copies have room the host's
+share of the step shrinks; :func:`cheapest_device_steps` picks how many by the same floor.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Sequence
 
 from zero_cache.units import format_bytes
 
+STATE_BYTES_PER_ELEMENT = 12
+"""fp32 master, exp_avg and exp_avg_sq: what a host group stepped on the device moves each way."""
 PCIE_BYTES_PER_S = 51 * 2**30
 """Pinned host <-> device copies, each direction."""
 HOST_ADAM_ELEMENTS_PER_S = 4.3e9
@@ -31,7 +38,9 @@ class StepTraffic:
     d2h_bytes: int = 0
     """Gradients of host-updated chunks, to their staging buffer or their shard's home."""
     host_adam_elements: int = 0
-    """Elements of the chunks whose optimizer group is on the host or NVMe."""
+    """Elements of the chunks whose optimizer group is on the host or NVMe, less those stepped on the device."""
+    device_stepped: int = 0
+    """Host-held optimizer groups whose states are copied to the device and stepped there (after backward)."""
 
     @property
     def seconds(self) -> float:
@@ -40,8 +49,9 @@ class StepTraffic:
                    self.host_adam_elements / HOST_ADAM_ELEMENTS_PER_S)
 
     def describe(self) -> str:
+        stepped = f", {self.device_stepped} host groups stepped on the device" if self.device_stepped else ""
         return (f"H2D {format_bytes(self.h2d_bytes)}, D2H {format_bytes(self.d2h_bytes)}, host Adam over "
-                f"{_count(self.host_adam_elements)} elements (at least {self.seconds:.3f} s at "
+                f"{_count(self.host_adam_elements)} elements{stepped} (at least {self.seconds:.3f} s at "
                 f"{PCIE_BYTES_PER_S / 2**30:.0f} GiB/s and {HOST_ADAM_ELEMENTS_PER_S / 1e9:.1f} G elements/s)")
 
 
@@ -68,3 +78,47 @@ def step_traffic(*, chunk_numel: int, param_bytes_per_element: int, streamed_sha
         h2d_bytes=int((streamed_shards * gathers_per_step + host_updated_resident) * chunk_bytes),
         d2h_bytes=(owned_streamed + host_updated_resident) * chunk_bytes,
         host_adam_elements=host_updated * chunk_numel)
+
+
+@dataclass(frozen=True, slots=True)
+class HostChunk:
+    """What a host-updated chunk moves for its update, by where its params and gradients live."""
+
+    params_home_on_host: bool
+    """Its shard lives in pinned host memory (streamed params): the host updates it in place."""
+    accumulating: bool
+    """Its gradient is an fp32 accumulator on the host (micro-batches accumulate)."""
+
+
+def with_device_steps(traffic: StepTraffic, stepped: Sequence[HostChunk], *, chunk_numel: int,
+                      param_bytes_per_element: int) -> StepTraffic:
+    """``traffic`` with the chunks ``stepped`` updated on the device instead of by the host's Adam.
+
+    Such a chunk's states cross PCIe both ways (12 bytes per element each way), and its gradient comes in
+    when it is on the host (the fp32 accumulator, or the shard's home); its new params go out to a home on
+    the host, or are written on the device, where the host path would have sent its gradient out and its
+    params back in.
+    """
+    h2d = d2h = 0
+    for chunk in stepped:
+        grad_in = 4 if chunk.accumulating else (param_bytes_per_element if chunk.params_home_on_host else 0)
+        if chunk.params_home_on_host:  # the host would update it in place; from the device its params go home
+            h2d += STATE_BYTES_PER_ELEMENT + grad_in
+            d2h += STATE_BYTES_PER_ELEMENT + param_bytes_per_element
+        else:  # the host would take its gradient out and send its params back; the device writes them in place
+            h2d += STATE_BYTES_PER_ELEMENT + grad_in - param_bytes_per_element
+            d2h += STATE_BYTES_PER_ELEMENT - param_bytes_per_element
+    return replace(traffic, h2d_bytes=traffic.h2d_bytes + h2d * chunk_numel,
+                   d2h_bytes=traffic.d2h_bytes + d2h * chunk_numel,
+                   host_adam_elements=traffic.host_adam_elements - len(stepped) * chunk_numel,
+                   device_stepped=traffic.device_stepped + len(stepped))
+
+
+def cheapest_device_steps(traffic: StepTraffic, candidates: Sequence[HostChunk], *, chunk_numel: int,
+                          param_bytes_per_element: int, most: int | None = None) -> int:
+    """How many of ``candidates`` (host-updated chunks, the next forward's first first) to step on the device:
+    the count with the lowest floor, the fewest among equals; ``most`` caps it (a configured count)."""
+    limit = len(candidates) if most is None else min(most, len(candidates))
+    floors = [with_device_steps(traffic, candidates[:count], chunk_numel=chunk_numel,
+                                param_bytes_per_element=param_bytes_per_element).seconds for count in range(limit + 1)]
+    return limit if most is not None else min(range(limit + 1), key=lambda count: (floors[count], count))

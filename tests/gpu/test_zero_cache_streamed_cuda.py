@@ -21,11 +21,11 @@ def tiny_gpt(seed: int) -> torch.nn.Module:
                                    num_heads=4, tie_embeddings=True, activation_checkpointing=True))
 
 
-def config(*, clip: float, accumulation: int, prefetch_depth: int) -> dict:
+def config(*, clip: float, accumulation: int, prefetch_depth: int, device_steps: int = 0) -> dict:
     return ds_config(bf16={"enabled": True}, gradient_clipping=clip, gradient_accumulation_steps=accumulation,
                      zero_cache={"enabled": True, "chunk_size": CHUNK_NUMEL, "param_home": "host",
                                  "device_memory_budget": "1GiB", "host_memory_budget": "2GiB",
-                                 "prefetch_depth": prefetch_depth})
+                                 "prefetch_depth": prefetch_depth, "device_steps": device_steps})
 
 
 @pytest.mark.parametrize("accumulation, clip", [(1, 1.0), (2, 1.0), (1, 0.0)])
@@ -49,6 +49,30 @@ def test_streamed_params_on_cuda_track_the_reference_and_do_not_depend_on_the_pr
     assert optimizer.exchange.gathered.gathers > 2 * len(optimizer.store.shards)  # forward and again in backward
     expected, expected_masters = reference_loop(tiny_gpt(seed), batches, dtype=torch.bfloat16,
                                                 accumulation=accumulation, lr=3e-3, clip=clip, device="cuda")
+    assert expected[-1] < expected[0] - 0.3
+    assert losses == pytest.approx(expected, rel=2e-2)
+    assert_masters_close(masters, expected_masters, dict(tiny_gpt(seed).named_parameters()))
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_host_groups_stepped_on_the_gpu_track_the_reference_whatever_the_prefetch(accumulation):
+    """Every host group stepped on the GPU after backward (states in and out on their own streams, gradients read
+    from the shards' homes or the fp32 accumulators, params written home): two prefetch depths stay bitwise equal
+    (a copy racing the step would show), and both follow hand-written mixed precision."""
+    seed = torch.randint(0, 10_000, ()).item()
+    batches = random_batches(seed, count=10 * accumulation, batch=4)
+    runs = []
+    for depth in (1, 4):
+        engine, optimizer, _, _ = angelptm.initialize(model=tiny_gpt(seed), config=config(
+            clip=1.0, accumulation=accumulation, prefetch_depth=depth, device_steps=1000))
+        assert sorted(optimizer.device_stepped) == list(range(optimizer.store.layout.num_chunks))
+        runs.append((train_steps(engine, batches), optimizer.master_state_dict(), optimizer.report()))
+    (losses, masters, report), (deep_losses, deep_masters, _) = runs
+    assert report["zero_cache_device_stepped_chunks"] > 0 and report["zero_cache_speculated_chunks"] == 0
+    assert losses == deep_losses
+    assert all(torch.equal(masters[name], deep_masters[name]) for name in masters)
+    expected, expected_masters = reference_loop(tiny_gpt(seed), batches, dtype=torch.bfloat16,
+                                                accumulation=accumulation, lr=3e-3, clip=1.0, device="cuda")
     assert expected[-1] < expected[0] - 0.3
     assert losses == pytest.approx(expected, rel=2e-2)
     assert_masters_close(masters, expected_masters, dict(tiny_gpt(seed).named_parameters()))

@@ -83,7 +83,11 @@ def test_plan_table_for_named_hardware(capsys):
     device = next(line for line in lines if line.startswith("device "))
     assert "23.00 GiB" in device  # 24 GiB less the "auto" margin (3%, at least 1 GiB)
     assert "streamed in on use" in next(line for line in lines if line.startswith("host "))
-    assert "bound: host Adam" in out  # 7B's optimizer groups mostly on the host of one 24 GB card
+    # 7B's optimizer groups are on the host of one 24 GB card; the GPU's Adam takes some of them after backward,
+    # as many as lower the step's floor, which then lies between host Adam and PCIe
+    host = next(line for line in lines if line.startswith("host "))
+    assert "(host Adam; " in host and " by GPU Adam after backward)" in host, host
+    assert "bound: H2D" in out or "bound: D2H" in out or "bound: host Adam" in out
 
 
 def test_named_hardware_needs_device_and_host_memory(capsys):
