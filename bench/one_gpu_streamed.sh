@@ -12,7 +12,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-16}
 cap=(--memory-cap 22GB --build-on-host)  # the cap binds every mode; zero_cache's "auto" budget plans within it
 step=(python3 bench/engine_step.py --steps 8)
 
-run gpu_tests 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_zero_cache_streamed_cuda.py
+run gpu_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_zero_cache_streamed_cuda.py
 # zero_cache_host_adam: the same with every host group on the host's Adam (zero_cache.device_steps 0).
 run infinity_2p7b 360 "${step[@]}" "${cap[@]}" --sizes 2.7b --modes zero_cache zero_cache_host_adam \
     deepspeed_infinity --anchor deepspeed_infinity
@@ -20,6 +20,7 @@ run infinity_4p4b 480 "${step[@]}" "${cap[@]}" --sizes 4.4b --modes zero_cache z
     deepspeed_infinity --anchor deepspeed_infinity
 run streamed_6p9b 300 "${step[@]}" "${cap[@]}" --sizes 6.9b --modes zero_cache --anchor zero_cache
 run largest_8p5b 540 "${step[@]}" "${cap[@]}" --sizes 8.5b --modes zero_cache --anchor zero_cache
+mkdir -p /tmp/zero_cache_swap  # the NVMe tier's swap directory (the disk behind /tmp on the lent machines)
 run largest_nvme_10b 420 "${step[@]}" "${cap[@]}" --sizes 10b --modes zero_cache --anchor zero_cache \
     --nvme-path /tmp/zero_cache_swap
 # A picture of one 6.9B step under a 22 GB device budget (built on the GPU to save time; OUT/trace_6p9b/).
