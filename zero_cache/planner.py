@@ -46,7 +46,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from zero_cache.step_cost import HostChunk, StepTraffic, cheapest_device_steps, step_traffic, with_device_steps
+from zero_cache.step_cost import (STATE_BYTES_PER_ELEMENT, HostChunk, StepTraffic, cheapest_device_steps, step_traffic,
+                                  with_device_steps)
 from zero_cache.units import format_bytes
 
 DEVICE, HOST, NVME = "device", "host", "nvme"
@@ -58,8 +59,6 @@ SWAP_ALIGN_BYTES = 4096
 """Swap slots and bounce buffers are whole 4 KiB blocks (O_DIRECT)."""
 DEVICE_MARGIN_FRACTION = 0.03
 """Device budget kept free for allocator fragmentation and transients."""
-STATE_BYTES_PER_ELEMENT = 12
-"""fp32 master + exp_avg + exp_avg_sq (the gradient's bytes come on top, by its dtype)."""
 
 
 class PlanError(ValueError):
@@ -207,9 +206,9 @@ class Plan:
             params = (f"{kind}: {self.param_home.count(DEVICE)} of {len(self.param_home)} shards at home on the "
                       f"device, {self.streamed_groups} streamed from the host; {self.cache_slots} groups live at once")
         disk = f", nvme {format_bytes(self.nvme_bytes)}" if self.nvme_bytes else ""
-        kept = f" ({len(self.kept_gradients)} keep their gradient)" if self.kept_gradients else ""
-        if self.device_stepped:
-            kept += f" ({len(self.device_stepped)} stepped on the device)"
+        notes = [f"{len(self.kept_gradients)} keep their gradient"] if self.kept_gradients else []
+        notes += [f"{len(self.device_stepped)} stepped on the device"] if self.device_stepped else []
+        kept = f" ({', '.join(notes)})" if notes else ""
         owned = len(self.optimizer_tier) - self.optimizer_tier.count(REMOTE)
         return (f"params {params}; optimizer states of {owned} chunks: {counts[DEVICE]} on the "
                 f"device, {counts[HOST]} on the host, {counts[NVME]} on NVMe{kept}; device {format_bytes(self.device_bytes)}, "

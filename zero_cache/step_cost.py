@@ -22,7 +22,8 @@ from typing import Sequence
 from zero_cache.units import format_bytes
 
 STATE_BYTES_PER_ELEMENT = 12
-"""fp32 master, exp_avg and exp_avg_sq: what a host group stepped on the device moves each way."""
+"""fp32 master + exp_avg + exp_avg_sq (a gradient's bytes come on top, by its dtype): what an optimizer group
+holds per element, and what one stepped on the device moves each way."""
 PCIE_BYTES_PER_S = 51 * 2**30
 """Pinned host <-> device copies, each direction."""
 HOST_ADAM_ELEMENTS_PER_S = 4.3e9

@@ -67,6 +67,8 @@ def main() -> None:
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing (recompute in backward)")
     parser.add_argument("--untied", action="store_true", help="separate embedding and output weights")
     parser.add_argument("--param-home", default="auto", help="zero_cache.param_home (host: shards streamed from the host)")
+    parser.add_argument("--device-steps", default="auto", help="zero_cache.device_steps (a count: host groups stepped "
+                        "on the device after backward)")
     args = parser.parse_args()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -83,7 +85,8 @@ def main() -> None:
               "zero_cache": {"enabled": True, "chunk_size": CHUNK_NUMEL, "shard_params": shard_params,
                              "device_memory_budget": device_budget(model, world_size, args.accumulation, shard_params),
                              "update_in_backward": False if args.after_backward else "auto",
-                             "host_memory_budget": 64 * 2**20, "param_home": args.param_home}}
+                             "host_memory_budget": 64 * 2**20, "param_home": args.param_home,
+                             "device_steps": args.device_steps if args.device_steps == "auto" else int(args.device_steps)}}
     if args.hosts_of:
         config["zero_cache"].update(hierarchical=True, ranks_per_host=args.hosts_of)
     engine, optimizer, loader, _ = angelptm.initialize(model=model, training_data=RandomTokens(args.data_seed),
@@ -98,6 +101,9 @@ def main() -> None:
     assert optimizer.params_sharded == (shard_params or args.param_home == "host")  # one rank streams them too
     if args.param_home == "host":
         assert set(optimizer.store.param_home) == {"host"}, optimizer.store.param_home
+    if args.device_steps != "auto":  # every owned host group, or the count asked for
+        owned = sum(group.tier == "host" for group in optimizer.store.groups)
+        assert len(optimizer.device_stepped) == min(owned, int(args.device_steps)) > 0, optimizer.device_stepped
     assert optimizer.sharding.hierarchical == (bool(args.hosts_of) and world_size > 1)
     if args.load:
         path, _ = engine.load_checkpoint(args.load)
