@@ -142,7 +142,7 @@ class DeviceSteps:
             self._adam(states, grad32, start, end, members, hypers, step)
             out = landing if home_on_host else params[start:end]
             out.copy_(states[0])
-            stepped = self._mark(self.compute)
+            stepped = self.transfers.mark()  # (on the compute stream of this context)
         # out
         for device_state, host_state in zip(states, fields):
             done = self.transfers.copy(host_state[start:end], device_state, "d2h", after=stepped, stream=self.d2h)
@@ -165,13 +165,6 @@ class DeviceSteps:
                 master, exp_avg, exp_avg_sq, grad = views
                 self.adam(master, grad, exp_avg, exp_avg_sq, step=step, **hypers[group_index])
 
-    def _mark(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
-        if stream is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(stream)
-        return event
-
     # ------------------------------------------------------------------ waiting
     def wait(self, chunk: int) -> None:
         """Block until ``chunk``'s copies of host memory have landed (before the host touches its states, its
@@ -184,7 +177,7 @@ class DeviceSteps:
             torch.cuda.current_stream(self.store.tiers[DEVICE].device).wait_event(self._last_out)
 
     def synchronize(self) -> None:
-        """Block until everything queued here has landed."""
-        for chunk in list(self._copies):
-            self.wait(chunk)
+        """Block until everything queued here has landed (the copies out run in order: the last one is enough)."""
+        wait(self._last_out)
+        self._copies.clear()
 

@@ -414,13 +414,9 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
     def _step_on_device(self, chunk: int, written: frozenset, hypers: list[dict[str, Any]], grad_factor: float) -> None:
         """Queue ``chunk``'s update on :attr:`device_steps`; the next forward waits for its params alone."""
         self.wait_for_chunk(chunk)  # a host job still on it (a restore) has run
-        home_on_host = self.store.home_of(chunk) == HOST
-        if self.exchange is not None and home_on_host and not self.store.grads_in_accumulators:
-            grads_ready = self.exchange.landed.get(self.sharding.group_of(chunk))  # its reduced slice, written home
-        else:
-            grads_ready = None  # on the device, ordered by begin(); or an accumulator the worker has filled
+        # None unless written home by a copy: on the device it is ordered by begin(), an accumulator is filled
         self._stepped_ready[chunk] = self.device_steps.step(chunk, self._step_members(chunk, written), hypers,
-                                                            self.step_count, grad_factor, grads_ready)
+                                                            self.step_count, grad_factor, self._landed(chunk))
         self.counts["device_stepped_chunks"] += 1
 
     def _grad_norm(self) -> float:
@@ -461,13 +457,17 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
                            grad_factor: float, squares: torch.Tensor | None = None, restore_only: bool = False,
                            window: SpeculationWindow | None = None) -> ChunkUpdate:
         self.device_steps.wait(chunk)  # the host takes the chunk back: its device step's copies have landed
-        landed = self.exchange.landed.get(self.sharding.group_of(chunk)) if self.exchange is not None else None
         update = ChunkUpdate(chunk=chunk, members=self._step_members(chunk, written), hypers=hypers, step=step,
-                             grad_factor=grad_factor, grads_written=self.transfers.mark(), grads_landed=landed,
+                             grad_factor=grad_factor, grads_written=self.transfers.mark(),
+                             grads_landed=self._landed(chunk),
                              squares=squares, restore_only=restore_only, window=window)
         self._pending[chunk] = update
         self.host.submit_update(update)
         return update
+
+    def _landed(self, chunk: int) -> torch.cuda.Event | None:
+        """The device->host copy that wrote ``chunk``'s reduced gradients into its shard's home on the host, if any."""
+        return self.exchange.landed.get(self.sharding.group_of(chunk)) if self.exchange is not None else None
 
     def _update_device_chunks(self, written: frozenset, hypers: list[dict[str, Any]], grad_factor: float) -> None:
         """Fused Adam over each written device chunk, then its param chunk rewritten from the masters."""

@@ -118,8 +118,11 @@ def with_device_steps(traffic: StepTraffic, stepped: Sequence[HostChunk], *, chu
 def cheapest_device_steps(traffic: StepTraffic, candidates: Sequence[HostChunk], *, chunk_numel: int,
                           param_bytes_per_element: int, most: int | None = None) -> int:
     """How many of ``candidates`` (host-updated chunks, the next forward's first first) to step on the device:
-    the count with the lowest floor, the fewest among equals; ``most`` caps it (a configured count)."""
-    limit = len(candidates) if most is None else min(most, len(candidates))
+    the count with the lowest floor, the fewest among equals; a configured count ``most`` is taken as it is
+    (within the candidates)."""
+    if most is not None:
+        return min(most, len(candidates))
     floors = [with_device_steps(traffic, candidates[:count], chunk_numel=chunk_numel,
-                                param_bytes_per_element=param_bytes_per_element).seconds for count in range(limit + 1)]
-    return limit if most is not None else min(range(limit + 1), key=lambda count: (floors[count], count))
+                                param_bytes_per_element=param_bytes_per_element).seconds
+              for count in range(len(candidates) + 1)]
+    return min(range(len(floors)), key=lambda count: (floors[count], count))
