@@ -93,6 +93,8 @@ class ChunkStore:
         self.layout = layout
         self.tiers = tiers
         self.params = params
+        self.plan = plan
+        """The plan in force (the re-plan after warm-up replaces it): its placement and predicted step cost."""
         self.slots: list[TensorSlot] = list(layout.slots)
         self._slots_of_chunk: dict[int, list[int]] = {c: [] for c in range(layout.num_chunks)}
         for index, slot in enumerate(self.slots):
@@ -299,4 +301,5 @@ class ChunkStore:
         for chunk in plan.kept_gradients:
             if self.groups[chunk].kept is None:
                 self.groups[chunk].kept = self._allocate_kept()
+        self.plan = plan
         return len(moves) + len(homes)

@@ -345,25 +345,49 @@ def _zero_cache_section(parsed: edge.EdgeConfig) -> ZeroCacheConfig:
         section = dataclasses.replace(section, aio=dataclasses.replace(
             section.aio, block_size=aio.block_size, queue_depth=aio.queue_depth, thread_count=aio.intra_op_parallelism,
             single_submit=aio.single_submit, overlap_events=aio.overlap_events))
-    carried = {}  # DeepSpeed's ZeRO-3 knobs that mean the same for sharded chunks
-    if zero.overlap_comm is not None:
-        carried["overlap_comm"] = zero.overlap_comm
-    if "stage3_prefetch_bucket_size" in zero.model_fields_set:
-        carried["gather_ahead_elements"] = zero.stage3_prefetch_bucket_size
-    if "stage3_max_live_parameters" in zero.model_fields_set:
-        carried["max_live_elements"] = zero.stage3_max_live_parameters
-    section = dataclasses.replace(section, **carried)
+    section = dataclasses.replace(section, **_carried_tuning(zero, section))
     offloads = [o for o in (zero.offload_param, zero.offload_optimizer) if o is not None and o.device != "none"]
     if zero.offload_param is not None and zero.offload_param.device != "none" and section.param_home == "auto":
+        # A permission, not a placement: the plan may stream params from the host, and keeps on the device those
+        # that fit and pay (the plan's log line says which); zero_cache.param_home "host" forces them all there.
+        logger.info("zero_optimization.offload_param.device is %s: params may live in host memory; the plan keeps on "
+                    "the device those that fit and pay (set zero_cache.param_home to \"host\" to force every one "
+                    "there)", zero.offload_param.device)
         if zero.offload_param.device == "nvme":
             logger.warning("zero_optimization.offload_param.device is nvme: ZeRO-Cache keeps param homes in pinned "
                            "host memory (params on NVMe are not implemented); optimizer states still go to NVMe "
                            "where the host budget ends")
-        section = dataclasses.replace(section, param_home="host")
     if section.enabled or zero.stage != 3 or not offloads:
         return section
     nvme = next((o.nvme_path for o in offloads if o.device == "nvme"), None)
     return dataclasses.replace(section, enabled=True, nvme_path=section.nvme_path or nvme)
+
+
+TUNING_KEYS = {"stage3_prefetch_bucket_size": "gather_ahead_elements",
+               "stage3_max_live_parameters": "max_live_elements"}
+"""DeepSpeed's ZeRO-3 knobs that size the same things for sharded chunks -> the ``zero_cache`` field they set."""
+
+
+def _carried_tuning(zero: edge.ZeroSection, section: ZeroCacheConfig) -> dict[str, Any]:
+    """DeepSpeed's overlap and prefetch knobs, carried over to ``section``'s fields where the ``zero_cache`` section
+    leaves them at their defaults. A tuning value below ZeRO-Cache's default would only make the step slower
+    (fewer elements gathered ahead or live than the plan's own choice, which fits them in its budget anyway),
+    so it is raised to the default with a log line naming the ``zero_cache`` key that forces it."""
+    defaults = ZeroCacheConfig()
+    carried: dict[str, Any] = {}
+    if zero.overlap_comm is not None:
+        carried["overlap_comm"] = zero.overlap_comm
+    for key, field_name in TUNING_KEYS.items():
+        if key not in zero.model_fields_set or getattr(section, field_name) != getattr(defaults, field_name):
+            continue  # unset, or the zero_cache section sets the field itself
+        value, default = getattr(zero, key), getattr(defaults, field_name)
+        if value < default:
+            logger.info("zero_optimization.%s %s is below ZeRO-Cache's %s and would only slow the step; using %s "
+                        "(set zero_cache.%s to force a value)", key, f"{value:,}", f"{default:,}", f"{default:,}",
+                        field_name)
+            value = default
+        carried[field_name] = value
+    return carried
 
 
 def _monitor_dir(section: edge.MonitorSection) -> str | None:

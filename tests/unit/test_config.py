@@ -17,6 +17,7 @@ import torch
 from angelptm.config import EngineConfig, LossScaleConfig, load_config, resolve_batch_sizes
 from angelptm.errors import ConfigError
 from autopipe import AutoPipeConfig
+from zero_cache import ZeroCacheConfig
 from moe import MoEConfig
 from zero_cache import parse_budget, parse_bytes
 
@@ -670,8 +671,9 @@ def test_bubble_fraction_formula_random():
             assert cfg.bubble_fraction() < gpipe
 
 
-def test_deepspeed_overlap_and_prefetch_keys_steer_sharded_zero_cache():
-    prefetch = random.randint(1, 10**9)
+def test_deepspeed_overlap_and_prefetch_keys_steer_sharded_zero_cache(caplog):
+    defaults = ZeroCacheConfig()
+    prefetch = random.randint(defaults.gather_ahead_elements + 1, 10**10)
     base = {"train_micro_batch_size_per_gpu": 1, "zero_cache": {"enabled": True}}
     cfg = load_config({**base, "zero_optimization": {"stage": 3, "overlap_comm": False,
                                                      "stage3_prefetch_bucket_size": prefetch}})
@@ -681,9 +683,22 @@ def test_deepspeed_overlap_and_prefetch_keys_steer_sharded_zero_cache():
     plain = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"overlap_comm": False}})
     assert "zero_optimization.overlap_comm" in plain.accepted_not_acted
     assert load_config(base).zero_cache.overlap_comm is True
-    live = random.randint(0, 10**9)
+    live = random.randint(defaults.max_live_elements, 10**11)
     carried = load_config({**base, "zero_optimization": {"stage3_max_live_parameters": live}}).zero_cache
     assert carried.max_live_elements == live and carried.shard_params == "auto"
+    # Below the defaults they would only slow the step: raised to them, with the key that forces a value.
+    small_prefetch, small_live = random.randint(0, defaults.gather_ahead_elements - 1), random.randint(0, 10**6)
+    with caplog.at_level("INFO", logger="angelptm.config.loader"):
+        clamped = load_config({**base, "zero_optimization": {"stage3_prefetch_bucket_size": small_prefetch,
+                                                             "stage3_max_live_parameters": small_live}}).zero_cache
+    assert clamped.gather_ahead_elements == defaults.gather_ahead_elements
+    assert clamped.max_live_elements == defaults.max_live_elements
+    assert f"stage3_prefetch_bucket_size {small_prefetch:,} is below" in caplog.text
+    assert "set zero_cache.gather_ahead_elements to force a value" in caplog.text
+    assert "set zero_cache.max_live_elements to force a value" in caplog.text
+    forced = load_config({**base, "zero_cache": {"enabled": True, "gather_ahead_elements": small_prefetch + 1},
+                          "zero_optimization": {"stage3_prefetch_bucket_size": small_prefetch}}).zero_cache
+    assert forced.gather_ahead_elements == small_prefetch + 1  # the zero_cache section's own value wins
     with pytest.raises(ConfigError, match="shard_params: expected true, false or 'auto'"):
         load_config({**base, "zero_cache": {"enabled": True, "shard_params": "sometimes"}})
     with pytest.raises(ConfigError, match="gather_ahead_elements"):

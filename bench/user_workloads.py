@@ -1,0 +1,210 @@
+"""The users' workloads: their model, their DeepSpeed JSON, DeepSpeed and this engine in the same run.
+
+    python bench/user_workloads.py --models nngpt hf_llama --sizes 2.7b \
+        --configs bench/configs/zero_infinity.json bench/configs/zero_offload.json \
+        --engines deepspeed angelptm --memory-cap 22GB --steps 8
+
+Each (model, size, config, engine) runs in its own process, written the way a DeepSpeed user writes the
+script (:func:`train`): ``import deepspeed`` or ``import angelptm as deepspeed`` is the only difference. A
+ZeRO-3 config builds the model under ``deepspeed.zero.Init(config_dict_or_path=...)``, as DeepSpeed's docs
+and transformers do for large models. ``--set KEY=VALUE`` edits the config for one engine's runs only
+(``angelptm:zero_cache.device_steps=0``), to try the settings a user would otherwise have to find.
+
+Prints one JSON line per run and a table of s/step, tokens/s, model TFLOPS (6N + 12 L H S per token, recompute
+not counted), the ratio against the anchor engine on the same model, size and config, peak device memory and
+host RSS; for this engine also the plan's predicted step floor and what bounded it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import user_models  # noqa: E402  (bench/ is not a package)
+
+
+def edited_config(path: str, edits: list[str], engine: str) -> dict:
+    """The JSON at ``path`` with ``[ENGINE:]dotted.key=json_value`` edits for ``engine`` applied."""
+    config = json.loads(Path(path).read_text())
+    for edit in edits:
+        target, _, rest = edit.rpartition(":") if ":" in edit.split("=")[0] else ("", "", edit)
+        if target and target != engine:
+            continue
+        key, _, value = rest.partition("=")
+        *parents, leaf = key.split(".")
+        node = config
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        try:
+            node[leaf] = json.loads(value)
+        except json.JSONDecodeError:
+            node[leaf] = value
+    return config
+
+
+def cap_memory(cap: str | None) -> None:
+    """Stand in for a smaller GPU: this process may allocate ``cap`` bytes of it at most."""
+    import torch
+
+    if cap and torch.cuda.is_available():
+        from zero_cache.units import parse_bytes
+
+        torch.cuda.set_per_process_memory_fraction(parse_bytes(cap) / torch.cuda.get_device_properties(0).total_memory)
+
+
+def train(kind: str, size: str, config: dict, engine_name: str, steps: int, trace_dir: str | None = None) -> dict:
+    """A user's training script: build the model (under zero.Init for ZeRO-3), initialize, train ``steps`` steps
+    of random tokens; returns the timings."""
+    import torch
+
+    if engine_name == "deepspeed":
+        import deepspeed
+    else:
+        import angelptm as deepspeed
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    zero3 = (config.get("zero_optimization") or {}).get("stage") == 3
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    with torch.device("meta"):  # the parameter count, without building anything
+        num_params = sum(p.numel() for p in user_models.build(kind, size).parameters())
+    if zero3:
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            model = user_models.build(kind, size)
+    else:
+        model = user_models.build(kind, size).to(device)
+    built_s = time.perf_counter() - started
+    started = time.perf_counter()
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    init_s = time.perf_counter() - started
+    print(f"bench: {kind} {size} {engine_name} built in {built_s:.1f} s, initialized in {init_s:.1f} s",
+          file=sys.stderr, flush=True)
+    micro = config["train_micro_batch_size_per_gpu"]
+    seq = 64 if size == "tiny" else user_models.SEQ
+    vocab = 512 if size == "tiny" else user_models.VOCAB
+    generator = torch.Generator(device=device).manual_seed(1)
+    times, losses = [], []
+    for index in range(steps):
+        if trace_dir and index == 3 and hasattr(engine, "trace_next_step"):
+            engine.trace_next_step(Path(trace_dir) / f"{kind}-{size}")
+        ids = torch.randint(0, vocab, (micro, seq + 1), device=device, generator=generator)
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = user_models.loss_of(engine(input_ids=ids[:, :-1], labels=ids[:, 1:]))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())  # .item() syncs
+        times.append(time.perf_counter() - start)
+        print(f"bench: {kind} {size} {engine_name} step {index} {times[-1]:.3f} s loss {losses[-1]:.4f}",
+              file=sys.stderr, flush=True)
+    step_s = statistics.median(times[min(3, steps - 1):])
+    layers, hidden = user_models.shape_of(kind, size)
+    tokens = micro * seq
+    result = {"model": kind, "size": size, "engine": engine_name, "params": num_params, "step_s": step_s,
+              "tokens_per_s": tokens / step_s,
+              "tflops": tokens * user_models.flops_per_token(num_params, layers, hidden, seq) / step_s / 1e12,
+              "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+              # ru_maxrss: the process's peak resident set (KiB on Linux), pinned host memory included
+              "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+              "built_s": built_s, "init_s": init_s, "losses": [round(x, 4) for x in losses]}
+    plan = getattr(getattr(optimizer, "store", None), "plan", None)
+    if plan is not None:  # this engine: what its plan predicted the step would cost
+        result["plan"] = plan.summary()
+        result["predicted_floor_s"] = plan.traffic.seconds
+        report = optimizer.report()
+        result["per_step_ms"] = {k.removeprefix("zero_cache_").removesuffix("_s"): round(v / steps * 1e3)
+                                 for k, v in report.items() if k.endswith("_s")}
+    return result
+
+
+def run_child(command: list[str]) -> tuple[int, list[str], list[str]]:
+    """One run in its own process (its peak memory is its own); its notes are printed as they come."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tail: collections.deque[str] = collections.deque(maxlen=30)
+    for line in proc.stderr:
+        line = line.rstrip("\n")
+        if line.startswith(("bench:", "zero_cache", "angelptm")) or "ZeRO-Cache" in line:
+            print(line, flush=True)
+        elif "Warning" not in line:
+            tail.append(line)
+    results = [line for line in proc.stdout.read().splitlines() if line.startswith("RESULT ")]
+    return proc.wait(), results, list(tail)
+
+
+def table(results: list[dict], anchor: str) -> str:
+    lines = [f"| model | size | config | engine | params | s/step | tokens/s | TFLOPS | vs {anchor} | plan floor s "
+             "| peak GPU GiB | host RSS GiB |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        base = next((a for a in results if a["engine"] == anchor and
+                     (a["model"], a["size"], a["config"]) == (r["model"], r["size"], r["config"])), None)
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "n/a"
+        floor = f"{r['predicted_floor_s']:.3f}" if "predicted_floor_s" in r else ""
+        lines.append(f"| {r['model']} | {r['size']} | {r['config']} | {r['engine']} | {r['params'] / 1e9:.2f}B "
+                     f"| {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | {ratio} | {floor} "
+                     f"| {r['peak_gib']:.1f} | {r['host_rss_gib']:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["nngpt"], choices=user_models.MODELS)
+    parser.add_argument("--sizes", nargs="+", default=["2.7b"], choices=list(user_models.SHAPES))
+    parser.add_argument("--configs", nargs="+", default=[str(ROOT / "bench/configs/zero_infinity.json")])
+    parser.add_argument("--engines", nargs="+", default=["deepspeed", "angelptm"])
+    parser.add_argument("--anchor", default="deepspeed")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--memory-cap", help="torch.cuda.set_per_process_memory_fraction to this many bytes")
+    parser.add_argument("--set", dest="edits", action="append", default=[],
+                        help="[ENGINE:]dotted.key=JSON_VALUE edit of the config (repeatable)")
+    parser.add_argument("--trace", help="this engine: write a trace and PNG of step 3 under this directory")
+    parser.add_argument("--child", nargs=4, metavar=("MODEL", "SIZE", "CONFIG", "ENGINE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")  # the plan, re-plan, trace
+        kind, size, config_path, engine_name = args.child
+        cap_memory(args.memory_cap)
+        result = train(kind, size, edited_config(config_path, args.edits, engine_name), engine_name, args.steps,
+                       args.trace)
+        print("RESULT " + json.dumps({**result, "config": Path(config_path).stem}), flush=True)
+        sys.stderr.flush()
+        os._exit(0)  # skip the interpreter's teardown (DeepSpeed's and torch's threads)
+    # One process per run, as `deepspeed script.py` or torchrun would start it (DeepSpeed reads these).
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", "29511")):
+        os.environ.setdefault(key, value)
+    results = []
+    for kind, size, config_path, engine_name in itertools.product(args.models, args.sizes, args.configs, args.engines):
+        command = [sys.executable, __file__, "--child", kind, size, config_path, engine_name, "--steps", str(args.steps)]
+        command += ["--memory-cap", args.memory_cap] if args.memory_cap else []
+        command += [arg for edit in args.edits for arg in ("--set", edit)]
+        command += ["--trace", args.trace] if args.trace else []
+        returncode, lines, tail = run_child(command)
+        if returncode or not lines:
+            print(f"{kind} {size} {Path(config_path).stem} {engine_name}: failed (exit {returncode})\n"
+                  + "\n".join(tail), flush=True)
+            continue
+        results.append(json.loads(lines[-1].removeprefix("RESULT ")))
+        print(json.dumps(results[-1]), flush=True)
+    print("\n" + table(results, args.anchor))
+
+
+if __name__ == "__main__":
+    main()
