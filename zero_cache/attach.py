@@ -22,12 +22,15 @@ from zero_cache.host_update import STAGING_BUFFERS
 from zero_cache.layout import ChunkLayout, pack, search_chunk_size
 from zero_cache.optimizer import ZeroCacheOptimizer
 from zero_cache.nvme import NvmeTier, nvme_budget
-from zero_cache.planner import DEVICE, DEVICE_MARGIN_FRACTION, HOST, NVME, Plan, PlanError, PlanInputs, make_plan
+from zero_cache.planner import (DEVICE, DEVICE_MARGIN_FRACTION, HOST, NVME, Plan, PlanError, PlanInputs, make_plan,
+                                with_device_step_count)
 from zero_cache.shard_params import (candidate_plans, choose_shard_params, choose_streaming, decide_shard_params,
                                      device_groups, gather_ahead_groups, gather_objects, max_live_groups,
                                      register_saving_hooks, wanted_placement)
 from zero_cache.sharding import Sharding
-from zero_cache.tiers import auto_device_budget, auto_host_budget, build_tiers
+from zero_cache.tiers import (auto_device_budget, auto_host_budget, build_tiers, fragmentation_bytes,
+                              use_expandable_segments)
+from zero_cache.tuning import DeviceStepTuner
 from zero_cache.units import AUTO, parse_budget
 
 logger = logging.getLogger(__name__)
@@ -125,6 +128,15 @@ def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: tor
                       device_steps=(None if gpu else 0) if config.device_steps == AUTO else config.device_steps)
 
 
+PREDICTION_TOLERANCE = 0.10
+"""A measured step this far above the plan's floor is logged with what bounds it instead."""
+
+
+def tunes_on(device: torch.device) -> bool:
+    """Whether "auto" device steps are tuned by measured step time on ``device``: on a GPU, where they exist."""
+    return device.type == "cuda"
+
+
 def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
@@ -133,12 +145,17 @@ class WarmupTracer:
     """Records chunk order in the first forward and re-plans after the first step."""
 
     def __init__(self, layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: torch.dtype,
-                 accumulation_steps: int, in_backward: bool) -> None:
+                 accumulation_steps: int, in_backward: bool, device: torch.device) -> None:
         self.layout, self.config, self.compute_dtype = layout, config, compute_dtype
         self.accumulation_steps = accumulation_steps
         self.in_backward = in_backward
         self.trace: list[int] = []
         self.recording = True
+        self.tune_device_steps = config.device_steps == AUTO and tunes_on(device)
+        """Choose the device-step count by measured step time after the re-plan (:mod:`zero_cache.tuning`)."""
+        self.tuner: DeviceStepTuner | None = None
+        self.inputs: PlanInputs | None = None
+        """The inputs of the plan in force (the re-plan's)."""
 
     def record(self, chunks: list[int]) -> None:
         if self.recording:
@@ -152,8 +169,10 @@ class WarmupTracer:
         nvme_tier = store.tiers.get(NVME)
         nonmodel = 0
         if device_tier.device.type == "cuda":
-            # Against the tier's own peak: gathered groups (sharded params) come and go within a step.
+            # Against the tier's own peak: gathered groups (sharded params) come and go within a step. What the
+            # allocator held unallocated at its peak (fragmentation) is room the plan cannot count on either.
             nonmodel = max(0, torch.cuda.max_memory_allocated(device_tier.device) - device_tier.peak_bytes)
+            nonmodel += fragmentation_bytes(device_tier.device)
         inputs = plan_inputs(self.layout, self.config, self.compute_dtype, device_tier.budget_bytes,
                              host_tier.budget_bytes, self.accumulation_steps, tuple(self.trace), nonmodel,
                              nvme_budget=nvme_tier.budget_bytes if nvme_tier is not None else 0,
@@ -166,14 +185,43 @@ class WarmupTracer:
             # this frame's optimizer (and its pinned memory and swap file) alive for as long as the record.
             logger.warning("ZeRO-Cache re-plan after warm-up failed, keeping the current placement: %s", str(err))
             return None
-        optimizer.finish_pending()
-        moved = store.apply_plan(plan)
-        optimizer.device_stepped = frozenset(plan.device_stepped)
+        moved = self._apply(optimizer, plan)
         if optimizer.exchange is not None and optimizer.exchange.gathered is not None:
             optimizer.exchange.gathered.resize(plan.cache_slots)
         logger.info("ZeRO-Cache re-plan after warm-up (non-model peak %d MiB): %s; %d groups moved",
                     nonmodel // 2**20, plan.summary(), moved)
+        self.inputs = inputs
+        host_groups = plan.optimizer_tier.count(HOST)
+        if self.tune_device_steps and host_groups:
+            self.tuner = DeviceStepTuner(len(plan.device_stepped), host_groups)
+            optimizer.after_step = functools.partial(self._tune_step, optimizer)
         return plan
+
+    @staticmethod
+    def _apply(optimizer: ZeroCacheOptimizer, plan: Plan) -> int:
+        """Put ``plan`` in force between steps; returns the shards and groups moved."""
+        optimizer.finish_pending()
+        moved = optimizer.store.apply_plan(plan)
+        optimizer.device_stepped = frozenset(plan.device_stepped)
+        return moved
+
+    def _tune_step(self, optimizer: ZeroCacheOptimizer, step_seconds: float) -> None:
+        """A step measured under the tuner's count: switch to the next count to try, or settle on the fastest."""
+        count = self.tuner.observe(step_seconds)
+        if count is not None:
+            self._apply(optimizer, with_device_step_count(self.inputs, optimizer.store.plan, count))
+        if not self.tuner.done:
+            return
+        optimizer.after_step = None
+        plan, measured = optimizer.store.plan, self.tuner.measured[self.tuner.best]
+        floor = plan.traffic.seconds
+        logger.info("ZeRO-Cache host groups stepped on the device, by measured step time: %s", self.tuner.summary())
+        if measured > (1 + PREDICTION_TOLERANCE) * floor:
+            # The floor counts each stream as if it overlapped compute; what it leaves out is compute itself and
+            # the copies that cannot overlap it (a device step's, after backward, overlap the forward alone).
+            logger.info("ZeRO-Cache: the step runs at %.3f s, %.0f%% above the plan's floor of %.3f s (%s): compute "
+                        "and the copies it cannot hide bound it, not the tiers", measured,
+                        100 * (measured / floor - 1) if floor else float("inf"), floor, plan.traffic.bound)
 
 
 def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, *, compute_dtype: torch.dtype,
@@ -243,6 +291,8 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     """
     in_backward = resolve_update_in_backward(config, accumulation_steps=accumulation_steps,
                                              world_size=sharding.world_size)
+    if device.type == "cuda":
+        logger.info("ZeRO-Cache: the CUDA allocator's expandable segments %s", use_expandable_segments(device))
     ordered = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     in_optimizer = {id(p) for p in ordered}
     params = [(name, p) for name, p in module.named_parameters() if id(p) in in_optimizer]
@@ -287,7 +337,7 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
                                 overlap_comm=config.overlap_comm,
                                 gather_ahead=gather_ahead_groups(config, layout, sharding),
                                 max_live_groups=plan.cache_slots, device_stepped=plan.device_stepped)
-    tracer = WarmupTracer(layout, config, compute_dtype, accumulation_steps, in_backward)
+    tracer = WarmupTracer(layout, config, compute_dtype, accumulation_steps, in_backward, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # the warm-up measures the non-model peak from here
     if shard_params:

@@ -157,6 +157,11 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
         """Seconds the training thread waited for host gradient accumulation / for host chunk updates."""
         self.after_first_step: Any = None
         """Called once after the first applied step (the warm-up re-plan)."""
+        self.after_step: Any = None
+        """Called after each later applied step with its measured seconds (the device-step count's tuning)."""
+        self.clock = time.perf_counter
+        """What step times are read from (a fake one in tests)."""
+        self._synced_at: float | None = None  # when the last step's norm reached the host
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         for param, (_, slot) in zip(params, self.members):
             param.register_post_accumulate_grad_hook(self._make_grad_hook(slot))
@@ -369,6 +374,10 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
             self._reduce_gradients()
             scale *= self.sharding.world_size  # the owners hold the sum of W ranks' gradients: step on the mean
         norm = self._grad_norm() / scale
+        # The norm is the step's one sync with the device: from one to the next is a whole step as it runs.
+        now = self.clock()
+        step_seconds = None if self._synced_at is None else now - self._synced_at
+        self._synced_at = now
         self.overflow = not math.isfinite(norm)  # a non-finite gradient skips the step in any precision
         if self.loss_scaler is not None:
             self.loss_scaler.update(self.overflow)
@@ -403,6 +412,8 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
         if not self._replanned and self.after_first_step is not None:
             self._replanned = True
             self.after_first_step()
+        elif self.after_step is not None and step_seconds is not None:
+            self.after_step(step_seconds)
         return True
 
     def _steps_on_device(self, chunk: int) -> bool:

@@ -43,7 +43,7 @@ tier and what to change, before a single byte is allocated.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from zero_cache.step_cost import (STATE_BYTES_PER_ELEMENT, HostChunk, StepTraffic, cheapest_device_steps, step_traffic,
@@ -335,16 +335,8 @@ def _finish(inputs: PlanInputs, *, resident_bytes: int, live: int, device_optim:
     num_host, num_nvme, host_bytes = _split_host_and_nvme(inputs, len(off_device),
                                                           inputs.scratch_bytes + host_params_bytes, staged)
     on_host = off_device[:num_host]
-    candidates = [HostChunk(params_home_on_host=bool(home) and home[c // inputs.group_size] == HOST,
-                            accumulating=inputs.grad_bytes_per_element > 0) for c in on_host]
-    sizes = dict(chunk_numel=inputs.chunk_numel, param_bytes_per_element=inputs.param_bytes_per_element)
-    stepping = cheapest_device_steps(traffic, candidates, most=inputs.device_steps, **sizes)
-    traffic = with_device_steps(traffic, candidates[:stepping], **sizes)
-    keepers = off_device[stepping:]  # a chunk stepped on the device after backward keeps no gradient
-    kept_chunk_bytes = inputs.chunk_numel * inputs.kept_bytes_per_element
-    num_kept = 0 if not kept_chunk_bytes else max(0, min(len(keepers),
-                                                         (inputs.host_budget_bytes - host_bytes) // kept_chunk_bytes))
-    host_bytes += num_kept * kept_chunk_bytes
+    traffic, stepped, kept, host_bytes = _device_steps_and_kept(inputs, traffic, off_device, on_host, home, host_bytes,
+                                                                inputs.device_steps)
     tiers = [REMOTE] * inputs.num_chunks
     for chunk in device_optim:
         tiers[chunk] = DEVICE
@@ -355,8 +347,51 @@ def _finish(inputs: PlanInputs, *, resident_bytes: int, live: int, device_optim:
     return Plan(params_resident=HOST not in home, cache_slots=live, optimizer_tier=tuple(tiers),
                 device_bytes=device_bytes, host_bytes=host_bytes, nvme_bytes=num_nvme * inputs.swap_slot_bytes,
                 params_sharded=inputs.param_chunks_held is not None, param_home=home, group_size=inputs.group_size,
-                traffic=traffic, kept_gradients=tuple(sorted(keepers[len(keepers) - num_kept:])),
-                device_stepped=tuple(on_host[:stepping]))
+                traffic=traffic, kept_gradients=kept, device_stepped=stepped)
+
+
+def _device_steps_and_kept(inputs: PlanInputs, traffic: StepTraffic, off_device: list[int], on_host: list[int],
+                           home: tuple[str, ...], host_bytes: int, count: int | None
+                           ) -> tuple[StepTraffic, tuple[int, ...], tuple[int, ...], int]:
+    """Of the host groups ``on_host`` (use order), the first ``count`` stepped on the device (None: the cheapest
+    count), and the kept gradients the host has room for among the other ``off_device`` groups, those used last.
+
+    Returns:
+        The traffic with those device steps, the device-stepped chunks, the chunks keeping their gradient, and
+        the host bytes with the kept gradients.
+    """
+    candidates = [HostChunk(params_home_on_host=bool(home) and home[c // inputs.group_size] == HOST,
+                            accumulating=inputs.grad_bytes_per_element > 0) for c in on_host]
+    sizes = dict(chunk_numel=inputs.chunk_numel, param_bytes_per_element=inputs.param_bytes_per_element)
+    stepping = cheapest_device_steps(traffic, candidates, most=count, **sizes)
+    traffic = with_device_steps(traffic, candidates[:stepping], **sizes)
+    keepers = off_device[stepping:]  # a chunk stepped on the device after backward keeps no gradient
+    kept_chunk_bytes = inputs.chunk_numel * inputs.kept_bytes_per_element
+    num_kept = 0 if not kept_chunk_bytes else max(0, min(len(keepers),
+                                                         (inputs.host_budget_bytes - host_bytes) // kept_chunk_bytes))
+    kept = tuple(sorted(keepers[len(keepers) - num_kept:]))
+    return traffic, tuple(on_host[:stepping]), kept, host_bytes + num_kept * kept_chunk_bytes
+
+
+def with_device_step_count(inputs: PlanInputs, plan: Plan, count: int) -> Plan:
+    """``plan``'s placement with ``count`` of its host groups (those the next forward needs first) stepped on the
+    device, and the kept gradients that leaves room for: what the runtime's measured choice of the count applies
+    (:mod:`zero_cache.tuning`) without moving a shard or an optimizer group.
+
+    Args:
+        inputs: the inputs ``plan`` was made from.
+        plan: the plan in force.
+        count: host groups to step on the device (at most the host groups there are).
+    """
+    owned = _owned_in_use_order(inputs)
+    device_optim = [c for c in owned if plan.optimizer_tier[c] == DEVICE]
+    off_device = [c for c in owned if plan.optimizer_tier[c] != DEVICE]
+    on_host = [c for c in off_device if plan.optimizer_tier[c] == HOST]
+    traffic = _traffic(inputs, plan.param_home, owned, len(device_optim), device_optim)
+    without_kept = plan.host_bytes - len(plan.kept_gradients) * inputs.chunk_numel * inputs.kept_bytes_per_element
+    traffic, stepped, kept, host_bytes = _device_steps_and_kept(inputs, traffic, off_device, on_host, plan.param_home,
+                                                                without_kept, min(count, len(on_host)))
+    return replace(plan, traffic=traffic, device_stepped=stepped, kept_gradients=kept, host_bytes=host_bytes)
 
 
 def _split_host_and_nvme(inputs: PlanInputs, off_device: int, host_fixed: int, staged: bool

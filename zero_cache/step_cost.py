@@ -49,6 +49,13 @@ class StepTraffic:
         return max(self.h2d_bytes / PCIE_BYTES_PER_S, self.d2h_bytes / PCIE_BYTES_PER_S,
                    self.host_adam_elements / HOST_ADAM_ELEMENTS_PER_S)
 
+    @property
+    def bound(self) -> str:
+        """The stream whose floor is :attr:`seconds`: "H2D", "D2H" or "host Adam"."""
+        floors = {"H2D": self.h2d_bytes / PCIE_BYTES_PER_S, "D2H": self.d2h_bytes / PCIE_BYTES_PER_S,
+                  "host Adam": self.host_adam_elements / HOST_ADAM_ELEMENTS_PER_S}
+        return max(floors, key=floors.__getitem__)
+
     def describe(self) -> str:
         stepped = f", {self.device_stepped} host groups stepped on the device" if self.device_stepped else ""
         return (f"H2D {format_bytes(self.h2d_bytes)}, D2H {format_bytes(self.d2h_bytes)}, host Adam over "

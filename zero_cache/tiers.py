@@ -8,6 +8,7 @@ counters but hands out slots of a swap file instead of tensors.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections import deque
@@ -210,3 +211,40 @@ def build_tiers(device: torch.device, device_budget: int | None, host_budget: in
     host_tier = Tier("host", torch.device("cpu"), host_budget if host_budget is not None
                      else auto_host_budget(device, ranks_per_host), pin_memory=device.type == "cuda")
     return device_tier, host_tier
+
+
+ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+"""Where a user sets the CUDA caching allocator's options (torch reads either)."""
+
+
+def use_expandable_segments(device: torch.device) -> str:
+    """Turn on the CUDA allocator's expandable segments, unless the environment already decides; returns what was done.
+
+    Under a tight device budget the caching allocator's fixed-size segments fragment: a 22 GB cap lost 1.39-1.42
+    GiB to memory "reserved by PyTorch but unallocated" and an allocation the plan had room for failed
+    (BENCHMARKS.md, the 10B and 6.9B runs). Expandable segments map one growing segment per stream instead, so
+    what is freed can be reused whatever its size. Segments made before this call stay as they were, and the
+    warm-up's re-plan adds what the allocator still holds unallocated at its peak to the non-model reserve
+    (:func:`fragmentation_bytes`).
+    """
+    if device.type != "cuda":
+        return "not a CUDA device"
+    settings = " ".join(os.environ.get(name, "") for name in ALLOC_CONF_VARIABLES)
+    if "expandable_segments" in settings:
+        return f"left as the environment sets it ({settings.strip()})"
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    try:
+        if setter is not None:
+            setter("expandable_segments:True")
+        else:  # torch < 2.9
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    except (RuntimeError, AttributeError) as err:  # an allocator that has no such option (a custom one)
+        return f"unavailable ({err}); the re-plan keeps the allocator's measured slack as a margin instead"
+    return "turned on"
+
+
+def fragmentation_bytes(device: torch.device) -> int:
+    """Device bytes the allocator held without handing them out, at its peak since the last reset (0 off CUDA)."""
+    if device.type != "cuda":
+        return 0
+    return max(0, torch.cuda.max_memory_reserved(device) - torch.cuda.max_memory_allocated(device))
