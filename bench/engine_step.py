@@ -203,16 +203,20 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
     print(f"bench: {size} {mode} initialized in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     generator = torch.Generator(device="cuda").manual_seed(1)
     times, losses = [], []
+    # Timed from one step's loss reaching the host to the next step's: the work a step queues after its loss
+    # (device steps' copies, host updates, optimizer kernels) lands in the next step's time. (Until 2026-11-25
+    # each step was timed from a synchronize before it, which left that work out: see BENCHMARKS.md.)
+    torch.cuda.synchronize()
+    last = time.perf_counter()
     for index in range(steps):
         if trace_dir and index == TRACED_STEP and mode in ("angelptm", "zero_cache", "zero_cache_shard"):
             engine.trace_next_step(Path(trace_dir) / f"{size}-{mode}")
         ids = torch.randint(0, 50304, (accumulation, micro, 1025), device="cuda", generator=generator)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
         for window in ids:  # (engine modes: step() after every micro-batch, the optimizer at the last)
             loss = step({"input_ids": window[:, :-1], "labels": window[:, 1:]})
-        losses.append(loss.item())  # .item() syncs
-        times.append(time.perf_counter() - start)
+        losses.append(loss.item())  # .item() waits for this step's loss
+        times.append(time.perf_counter() - last)
+        last += times[-1]
         print(f"bench: {size} {mode} step {index} {times[-1]:.2f} s loss {losses[-1]:.3f}", file=sys.stderr, flush=True)
     step_s = statistics.median(times[3:])
     extra = {}

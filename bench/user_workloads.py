@@ -41,7 +41,7 @@ def edited_config(path: str, edits: list[str], engine: str) -> dict:
     """The JSON at ``path`` with ``[ENGINE:]dotted.key=json_value`` edits for ``engine`` applied."""
     config = json.loads(Path(path).read_text())
     for edit in edits:
-        target, _, rest = edit.rpartition(":") if ":" in edit.split("=")[0] else ("", "", edit)
+        target, _, rest = edit.partition(":") if ":" in edit.split("=")[0] else ("", "", edit)
         if target and target != engine:
             continue
         key, _, value = rest.partition("=")
@@ -71,6 +71,8 @@ def train(kind: str, size: str, config: dict, engine_name: str, steps: int, trac
     of random tokens; returns the timings."""
     import torch
 
+    if engine_name == "torch":
+        return train_plain(kind, size, config, steps)
     if engine_name == "deepspeed":
         import deepspeed
     else:
@@ -99,21 +101,25 @@ def train(kind: str, size: str, config: dict, engine_name: str, steps: int, trac
     vocab = 512 if size == "tiny" else user_models.VOCAB
     generator = torch.Generator(device=device).manual_seed(1)
     times, losses = [], []
+    # A step is timed from one loss reaching the host to the next: what a step queues after its loss (device
+    # steps' copies, host updates, the optimizer's kernels) lands in the next one. A synchronize before each step
+    # would leave that work out of every step's time.
+    if cuda:
+        torch.cuda.synchronize()
+    last = time.perf_counter()
     for index in range(steps):
-        if trace_dir and index == 3 and hasattr(engine, "trace_next_step"):
+        if trace_dir and index == max(3, steps - 7) and hasattr(engine, "trace_next_step"):  # before the timed steps
             engine.trace_next_step(Path(trace_dir) / f"{kind}-{size}")
         ids = torch.randint(0, vocab, (micro, seq + 1), device=device, generator=generator)
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
         loss = user_models.loss_of(engine(input_ids=ids[:, :-1], labels=ids[:, 1:]))
         engine.backward(loss)
         engine.step()
-        losses.append(loss.item())  # .item() syncs
-        times.append(time.perf_counter() - start)
+        losses.append(loss.item())  # .item() waits for this step's loss
+        times.append(time.perf_counter() - last)
+        last += times[-1]
         print(f"bench: {kind} {size} {engine_name} step {index} {times[-1]:.3f} s loss {losses[-1]:.4f}",
               file=sys.stderr, flush=True)
-    step_s = statistics.median(times[min(3, steps - 1):])
+    step_s = statistics.median(times[-max(1, min(5, steps - 3)):])  # the last steps, past warm-up and tuning
     layers, hidden = user_models.shape_of(kind, size)
     tokens = micro * seq
     result = {"model": kind, "size": size, "engine": engine_name, "params": num_params, "step_s": step_s,
@@ -131,6 +137,42 @@ def train(kind: str, size: str, config: dict, engine_name: str, steps: int, trac
         result["per_step_ms"] = {k.removeprefix("zero_cache_").removesuffix("_s"): round(v / steps * 1e3)
                                  for k, v in report.items() if k.endswith("_s")}
     return result
+
+
+def train_plain(kind: str, size: str, config: dict, steps: int) -> dict:
+    """The protocol's plain-torch anchor: bf16 weights stepped by torch's fused AdamW on the GPU, no fp32 masters."""
+    import torch
+
+    torch.manual_seed(0)
+    model = user_models.build(kind, size).cuda().bfloat16()
+    num_params = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    micro = config["train_micro_batch_size_per_gpu"]
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    times, losses = [], []
+    torch.cuda.synchronize()
+    last = time.perf_counter()  # timed from loss to loss, as train() does
+    for index in range(steps):
+        ids = torch.randint(0, user_models.VOCAB, (micro, user_models.SEQ + 1), device="cuda", generator=generator)
+        loss = user_models.loss_of(model(input_ids=ids[:, :-1], labels=ids[:, 1:]))
+        loss.backward()
+        if config.get("gradient_clipping"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config["gradient_clipping"])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        times.append(time.perf_counter() - last)
+        last += times[-1]
+        print(f"bench: {kind} {size} torch step {index} {times[-1]:.3f} s loss {losses[-1]:.4f}", file=sys.stderr,
+              flush=True)
+    step_s = statistics.median(times[-max(1, min(5, steps - 3)):])
+    layers, hidden = user_models.shape_of(kind, size)
+    tokens = micro * user_models.SEQ
+    return {"model": kind, "size": size, "engine": "torch", "params": num_params, "step_s": step_s,
+            "tokens_per_s": tokens / step_s,
+            "tflops": tokens * user_models.flops_per_token(num_params, layers, hidden) / step_s / 1e12,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "losses": losses}
 
 
 def run_child(command: list[str]) -> tuple[int, list[str], list[str]]:
@@ -169,6 +211,8 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=["deepspeed", "angelptm"])
     parser.add_argument("--anchor", default="deepspeed")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--tuning-steps", type=int, default=16,
+                        help="steps added to this engine's runs for its device-step tuning (the median is of the last 5)")
     parser.add_argument("--memory-cap", help="torch.cuda.set_per_process_memory_fraction to this many bytes")
     parser.add_argument("--set", dest="edits", action="append", default=[],
                         help="[ENGINE:]dotted.key=JSON_VALUE edit of the config (repeatable)")
@@ -192,10 +236,12 @@ def main() -> None:
         os.environ.setdefault(key, value)
     results = []
     for kind, size, config_path, engine_name in itertools.product(args.models, args.sizes, args.configs, args.engines):
-        command = [sys.executable, __file__, "--child", kind, size, config_path, engine_name, "--steps", str(args.steps)]
+        # This engine settles its device-step count by measuring (zero_cache.tuning): time it after that.
+        steps = args.steps + (args.tuning_steps if engine_name == "angelptm" else 0)
+        command = [sys.executable, __file__, "--child", kind, size, config_path, engine_name, "--steps", str(steps)]
         command += ["--memory-cap", args.memory_cap] if args.memory_cap else []
         command += [arg for edit in args.edits for arg in ("--set", edit)]
-        command += ["--trace", args.trace] if args.trace else []
+        command += ["--trace", str(Path(args.trace) / Path(config_path).stem)] if args.trace else []
         returncode, lines, tail = run_child(command)
         if returncode or not lines:
             print(f"{kind} {size} {Path(config_path).stem} {engine_name}: failed (exit {returncode})\n"
