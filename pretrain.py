@@ -30,6 +30,7 @@ from angelptm.config import EngineConfig, load_config, read_config_source
 from angelptm.data import TokenDataset, prepare_default_dataset, repeat_batches
 from angelptm.distributed import DistContext, init_distributed, launcher_world_size
 from angelptm.errors import CheckpointError, ConfigError
+from angelptm.fit_check import check_config_fits
 from angelptm.liveness import EXIT_CODE as LOST_RANK_EXIT, RankLostError
 from angelptm.models import build_model
 from angelptm.monitor import ThroughputMeter, format_memory, format_tiers, memory_snapshot
@@ -206,6 +207,8 @@ def _train(cfg: EngineConfig, ctx: DistContext, allow_unsafe_pickle: bool, trace
     if not cfg.train.resume:
         refuse_fresh_start_over_a_run(cfg.train.save_dir, ctx)
     torch.manual_seed(cfg.seed if cfg.seed is not None else 0)  # model init is reproducible either way
+    if not cfg.autopipe.enabled:  # fits or explains before a byte of the model exists (the plan of --plan)
+        check_config_fits(cfg, world_size=ctx.world_size, ranks_per_host=ctx.local_world_size, device=ctx.device)
     dataset = build_dataset(cfg, ctx)
     if cfg.autopipe.enabled:  # pipeline parallelism: angelptm/pipeline.py builds the stages and their optimizer
         if ctx.is_main:

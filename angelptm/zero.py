@@ -33,7 +33,9 @@ from typing import Any
 import torch
 
 from angelptm.config import load_config
+from angelptm.distributed import launcher_world_size
 from angelptm.errors import ConfigError
+from angelptm.fit_check import BuildWatch
 from angelptm.init_on_device import RandomFillsOnDevice
 
 REMOTE_DEVICES = (None, "none", "cuda", "cpu", "nvme")
@@ -73,6 +75,10 @@ class Init:
         self.fills = RandomFillsOnDevice(torch.device("cuda", torch.cuda.current_device())) \
             if on_host and torch.cuda.is_available() else None
         """Draws the random fills of large host params on the GPU while active (None: they stay on the CPU)."""
+        self.watch = BuildWatch(parsed, launcher_world_size()) if parsed is not None and parsed.zero_cache.enabled \
+            else None
+        """Plans the parameters built so far as they grow, and stops a build that cannot fit
+        (``angelptm.fit_check``): the model is not known before it is built, so no twin can be planned first."""
         self._saved_dtype: torch.dtype | None = None
         self._device_context: Any = None
 
@@ -84,10 +90,14 @@ class Init:
             self._device_context.__enter__()
             if self.fills is not None:
                 self.fills.__enter__()
+            if self.watch is not None:
+                self.watch.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self.enabled:
+            if self.watch is not None:
+                self.watch.__exit__(*exc)
             if self.fills is not None:
                 self.fills.__exit__(*exc)
             self._device_context.__exit__(*exc)
