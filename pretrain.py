@@ -29,7 +29,7 @@ from angelptm.api import report_precision
 from angelptm.config import EngineConfig, load_config, read_config_source
 from angelptm.data import TokenDataset, prepare_default_dataset, repeat_batches
 from angelptm.distributed import DistContext, init_distributed, launcher_world_size
-from angelptm.errors import CheckpointError, ConfigError
+from angelptm.errors import CheckpointError, ConfigError, DataError
 from angelptm.fit_check import check_config_fits
 from angelptm.liveness import EXIT_CODE as LOST_RANK_EXIT, RankLostError
 from angelptm.models import build_model
@@ -127,10 +127,13 @@ def build_dataset(cfg: EngineConfig, ctx: DistContext) -> TokenDataset:
             prepare_default_dataset(cfg.data.cache_dir)
         ctx.barrier()
         prefix = prepare_default_dataset(cfg.data.cache_dir)  # finds rank 0's copy valid and reuses it
-    dataset = TokenDataset(prefix, cfg.data.seq_len or cfg.model.max_seq_len)
-    if dataset.vocab_size is not None and dataset.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"data: the dataset's vocabulary has {dataset.vocab_size} tokens but model.vocab_size is "
-                          f"{cfg.model.vocab_size}; raise model.vocab_size to at least {dataset.vocab_size}")
+    try:  # its header and every id are checked here, before a step can read a bad one
+        dataset = TokenDataset(prefix, cfg.data.seq_len or cfg.model.max_seq_len)
+    except DataError:
+        raise
+    except (OSError, ValueError) as err:  # missing, truncated or foreign files: one line, not a traceback
+        raise DataError(f"data.path {str(prefix)!r}: {err}") from None
+    dataset.check_vocabulary(cfg.model.vocab_size)
     return dataset
 
 
@@ -315,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.plan:
             return print_plan(read_config(args), plan_request(args))
         loss = train(read_config(args), allow_unsafe_pickle=args.allow_unsafe_pickle, trace_dir=args.trace)
-    except (ConfigError, CheckpointError) as err:
+    except (ConfigError, CheckpointError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except RankLostError as err:

@@ -7,3 +7,7 @@ class ConfigError(ValueError):
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read; the message names the path and the cause."""
+
+
+class DataError(ValueError):
+    """A token dataset cannot be used as it is; the message names the file, the offset and the fix."""
