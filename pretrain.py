@@ -34,6 +34,7 @@ from angelptm.fit_check import check_config_fits
 from angelptm.liveness import EXIT_CODE as LOST_RANK_EXIT, RankLostError
 from angelptm.models import build_model
 from angelptm.monitor import ThroughputMeter, format_memory, format_tiers, memory_snapshot
+from angelptm.oom import StepOutOfMemoryError
 from angelptm.plan_report import DEFAULT_TFLOPS, PlanRequest, named_hardware, plan_report
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.json"
@@ -318,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.plan:
             return print_plan(read_config(args), plan_request(args))
         loss = train(read_config(args), allow_unsafe_pickle=args.allow_unsafe_pickle, trace_dir=args.trace)
-    except (ConfigError, CheckpointError, DataError) as err:
+    except (ConfigError, CheckpointError, DataError, StepOutOfMemoryError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except RankLostError as err:
