@@ -26,6 +26,7 @@ from tqdm import tqdm
 import angelptm
 from angelptm import pipeline
 from angelptm.api import report_precision
+from angelptm.checkpoint_pickle import OPT_IN_HELP
 from angelptm.config import EngineConfig, load_config, read_config_source
 from angelptm.data import TokenDataset, prepare_default_dataset, repeat_batches
 from angelptm.distributed import DistContext, init_distributed, launcher_world_size
@@ -48,8 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--save-dir", help="override train.save_dir")
     parser.add_argument("--no-resume", action="store_true", help="start fresh even if save_dir has a checkpoint")
     parser.add_argument("--allow-unsafe-pickle", action="store_true",
-                        help="resume from a checkpoint of the previous format by full unpickling, which can run "
-                             "code from its files: only for checkpoints whose origin you trust")
+                        help=OPT_IN_HELP)
     parser.add_argument("--plan", action="store_true",
                         help="print where ZeRO-Cache would place the model states (or the shortfall) and exit")
     parser.add_argument("--ranks", type=int,
