@@ -32,7 +32,7 @@ from angelptm.data import TokenDataset, prepare_default_dataset, repeat_batches
 from angelptm.distributed import DistContext, init_distributed, launcher_world_size
 from angelptm.errors import CheckpointError, ConfigError, DataError
 from angelptm.fit_check import check_config_fits
-from angelptm.liveness import EXIT_CODE as LOST_RANK_EXIT, RankLostError
+from angelptm.job_errors import comms_timeout, one_line
 from angelptm.models import build_model
 from angelptm.monitor import ThroughputMeter, format_memory, format_tiers, memory_snapshot
 from angelptm.oom import StepOutOfMemoryError
@@ -201,7 +201,11 @@ def train(raw: dict, *, allow_unsafe_pickle: bool = False, trace_dir: Path | Non
     try:
         return _train(cfg, ctx, allow_unsafe_pickle, trace_dir)
     except RuntimeError as err:  # gloo names a socket, not a rank: ask the heartbeat who is gone
-        lost = ctx.watchdog.explain(err) if ctx.watchdog is not None and not isinstance(err, CheckpointError) else None
+        if isinstance(err, (CheckpointError, StepOutOfMemoryError)):
+            raise
+        lost = ctx.watchdog.explain(err) if ctx.watchdog is not None else None
+        if lost is None:
+            lost = comms_timeout(err, ctx.rank, ctx.world_size, cfg.comms.timeout_s)
         if lost is None:
             raise
         raise lost from err
@@ -306,7 +310,13 @@ def print_plan(raw: dict, request: PlanRequest = PlanRequest()) -> int:
     prints a table of tiers, bytes, groups and the step's bound (``angelptm.plan_report``). Returns 0 when
     it fits, 2 when it does not (the message names the tier and the shortfall)."""
     device_type = "cuda" if request.hardware is not None or torch.cuda.is_available() else "cpu"
-    text, fits = plan_report(load_config(raw, world_size=request.ranks, device_type=device_type), request)
+    cfg = load_config(raw, world_size=request.ranks, device_type=device_type)
+    try:
+        text, fits = plan_report(cfg, request)
+    except ConfigError:
+        raise
+    except ValueError as err:  # the layout refused the config (e.g. a chunk_size below the largest parameter)
+        raise ConfigError(str(err)) from None
     print(text)
     return 0 if fits else 2
 
@@ -319,12 +329,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.plan:
             return print_plan(read_config(args), plan_request(args))
         loss = train(read_config(args), allow_unsafe_pickle=args.allow_unsafe_pickle, trace_dir=args.trace)
-    except (ConfigError, CheckpointError, DataError, StepOutOfMemoryError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except RankLostError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return LOST_RANK_EXIT
+    except Exception as err:  # what the user can act on is one line; anything else is a bug, with its traceback
+        line = one_line(err)
+        if line is None:
+            raise
+        print(line[0], file=sys.stderr)
+        return line[1]
     finally:
         main_rank = _leave_process_group()
     if main_rank:

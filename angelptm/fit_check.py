@@ -80,6 +80,8 @@ def check_shapes_fit(shapes: list[tuple[str, tuple[int, ...]]], cfg: EngineConfi
         raise ConfigError(f"{what} does not fit, refused before building or moving it: {err}") from None
     except zero_cache.NvmeSetupError as err:
         raise ConfigError(f"cannot use the NVMe tier: {err}") from None
+    except ValueError as err:  # the layout refused the config (e.g. a chunk_size below the largest parameter)
+        raise ConfigError(str(err)) from None
 
 
 def _with_resident_budgets(config: zero_cache.ZeroCacheConfig, device: torch.device, ranks_per_host: int,
