@@ -5,7 +5,8 @@ memory and was killed by the machine's OOM killer after 122 s) and only then pla
 that ``attach`` would make is asked of :func:`zero_cache.dry_run` from the parameters' shapes alone:
 
 * :func:`check_config_fits`: from a meta-device twin of the config's GPT, before ``pretrain.py`` builds it
-  (the same plan as ``pretrain.py --plan``, nothing allocated);
+  (the same plan as ``pretrain.py --plan``, nothing allocated), and the build's own bytes against the host's
+  available memory;
 * :class:`BuildWatch`: inside ``angelptm.zero.Init``, where the model is not known until it is built, the
   parameters built so far are planned each time their bytes double; a model whose first part does not
   fit cannot fit whole, so the build stops after at most one more parameter than the plan allowed.
@@ -21,6 +22,7 @@ import dataclasses
 import os
 from typing import Any
 
+import psutil
 import torch
 from torch import nn
 
@@ -28,6 +30,8 @@ import zero_cache
 from angelptm.config import EngineConfig
 from angelptm.errors import ConfigError
 
+BUILD_SHARE_OF_AVAILABLE = 0.9
+"""``pretrain.py`` refuses a model whose build takes more than this share of the host's available memory."""
 FIRST_CHECK_BYTES = 64 << 20
 """:class:`BuildWatch` plans the first time this many parameter bytes exist, then at every doubling."""
 
@@ -36,24 +40,38 @@ def check_config_fits(cfg: EngineConfig, *, world_size: int = 1, ranks_per_host:
                       device: torch.device | None = None) -> None:
     """Plan the config's GPT from a meta-device twin; refuse before anything is built if it does not fit.
 
+    Also refuses a model whose build alone (every parameter in host memory, in the default dtype) exceeds the
+    host's available memory, with or without ZeRO-Cache.
+
     Args:
-        cfg: the loaded config; nothing is checked unless ``zero_cache`` is enabled.
+        cfg: the loaded config; the plan is made when ``zero_cache`` is enabled.
         world_size, ranks_per_host: the data-parallel ranks (every rank is planned) and how many share a host.
         device: the compute device (default: CUDA if present, else CPU).
 
     Raises:
         ConfigError: the model states do not fit (the plan's shortfall per tier), or the NVMe tier is unusable.
     """
-    if not cfg.zero_cache.enabled:
-        return
     from angelptm.models import build_model  # the model package is heavier than this module needs at import
 
     with torch.device("meta"):
         model = build_model(cfg.model, moe=cfg.moe)
-    shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters() if p.requires_grad]
-    check_shapes_fit(shapes, cfg, world_size=world_size, ranks_per_host=ranks_per_host, device=device,
-                     what=f"model {cfg.model.flavour} of {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M "
-                          "parameters")
+    what = f"model {cfg.model.flavour} of {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters"
+    if cfg.zero_cache.enabled:  # first: its budgets are what the user set, and its message says what to change
+        shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters() if p.requires_grad]
+        check_shapes_fit(shapes, cfg, world_size=world_size, ranks_per_host=ranks_per_host, device=device, what=what)
+    _check_build_fits(model, what)
+
+
+def _check_build_fits(twin: nn.Module, what: str) -> None:
+    """The build itself: ``build_model`` materialises every parameter and buffer in host memory, in the default
+    dtype, before ``initialize`` casts and places them; more than the host has available wakes the OOM killer."""
+    build_bytes = sum(t.numel() * t.element_size() for t in (*twin.parameters(), *twin.buffers()))
+    available = psutil.virtual_memory().available
+    if build_bytes > available * BUILD_SHARE_OF_AVAILABLE:
+        raise ConfigError(f"{what} is built in host memory first ({zero_cache.format_bytes(build_bytes)} in "
+                          f"{str(torch.get_default_dtype()).removeprefix('torch.')}, before it is cast), but this "
+                          f"machine has {zero_cache.format_bytes(available)} available: the OOM killer would end the "
+                          "run. Use a smaller model (model.*) or a machine with more memory")
 
 
 def check_shapes_fit(shapes: list[tuple[str, tuple[int, ...]]], cfg: EngineConfig, *, world_size: int = 1,

@@ -76,6 +76,20 @@ def test_a_model_that_fits_passes_the_check(tmp_path):
     fit_check.check_config_fits(cfg, device=torch.device("cpu"))  # raises if it does not fit
 
 
+def test_a_model_whose_build_exceeds_the_hosts_memory_is_refused_without_zero_cache(monkeypatch):
+    class Memory:
+        available = 3 << 30  # a 3 GiB machine: the 9.7B GPT's fp32 build takes 37 GiB
+
+    monkeypatch.setattr(fit_check.psutil, "virtual_memory", lambda: Memory)
+    cfg = load_config(config({"enabled": False}, GPT_9B7), device_type="cpu")
+    with pytest.raises(ConfigError, match=r"llama of 98\d\d\.\d M parameters is built in host memory first "
+                                          r"\(36\.\d\d GiB in float32, before it is cast\), but this machine has "
+                                          r"3\.00 GiB available"):
+        fit_check.check_config_fits(cfg, device=torch.device("cpu"))
+    Memory.available = 64 << 30
+    fit_check.check_config_fits(cfg, device=torch.device("cpu"))  # no ZeRO-Cache: no plan to ask
+
+
 class Stack(nn.Module):
     """``layers`` Linear(256, 256) layers (256 KiB each in fp32); counts how many were built."""
 
