@@ -121,10 +121,10 @@ def _check_fits(model: nn.Module, client: Any, model_parameters: list | None, cf
     resident: dict[str, int] = {}
     for _, p in params:
         resident[p.device.type] = resident.get(p.device.type, 0) + p.numel() * p.element_size()
+    numel = sum(p.numel() for _, p in params)
     check_shapes_fit([(name, tuple(p.shape)) for name, p in params], cfg, world_size=ctx.world_size,
                      ranks_per_host=cfg.zero_cache.ranks_per_host or ctx.local_world_size, device=ctx.device,
-                     resident_bytes=resident,
-                     what=f"{type(model).__name__} of {sum(p.numel() for _, p in params) / 1e6:.1f} M trainable parameters")
+                     resident_bytes=resident, what=f"{type(model).__name__} of {numel / 1e6:.1f} M trainable params")
 
 
 def _pick_config(args: Any, config: Any, config_params: Any) -> Any:

@@ -245,7 +245,7 @@ class EngineCheckpoints:
             try:
                 self.module.load_state_dict(state, strict=strict)
             except RuntimeError as err:  # torch lists every mismatch in a multi-line traceback
-                if not any(what in str(err) for what in ("size mismatch", "Missing key", "Unexpected key")):
+                if not any(kind in str(err) for kind in ("size mismatch", "Missing key", "Unexpected key")):
                     raise
                 raise CheckpointError(f"{path}: the saved weights do not fit this model: "
                                       + " ".join(str(err).split())[:600]) from None

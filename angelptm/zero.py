@@ -22,6 +22,11 @@ GPU an 8.2B GPT builds in 15.4 s on the H100 machine (0.94B: 45.1 s with CPU fil
 then come from the GPU's generator (``torch.manual_seed`` seeds it too: the same seed gives the same
 weights) rather than the CPU's. Without a GPU nothing changes: the fills run on the CPU.
 
+With ZeRO-Cache enabled in the config, the build is planned as it goes (``angelptm.fit_check.BuildWatch``):
+the parameters built so far are planned each time their bytes double, and a build whose first part already
+does not fit the tier budgets stops with the planner's "short by" message instead of growing until the
+machine's OOM killer ends it.
+
 (Materialising each parameter straight into its chunk, without the transient compute-dtype copy, needs
 the chunk layout before the model exists, and is not built.)
 """

@@ -131,7 +131,7 @@ def test_initialize_refuses_before_casting_or_moving_the_model():
     before = {name: (p.data_ptr(), p.dtype) for name, p in model.named_parameters()}
     ds = config({"enabled": True, "device_memory_budget": "128KiB", "host_memory_budget": "256KiB"})
     ds["bf16"] = {"enabled": True}
-    with pytest.raises(ConfigError, match=r"Stack of 0\.5 M trainable parameters does not fit.*short by"):
+    with pytest.raises(ConfigError, match=r"Stack of 0\.5 M trainable params does not fit.*short by"):
         angelptm.initialize(model=model, config=ds)
     # Not cast to bf16 (initialize casts before attaching), not copied into a chunk: the refusal came first.
     assert {name: (p.data_ptr(), p.dtype) for name, p in model.named_parameters()} == before
