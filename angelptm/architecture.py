@@ -30,15 +30,20 @@ def describe(module: nn.Module) -> dict[str, Any] | None:
     from angelptm.models import GPT  # a sibling package; imported here to keep this module's import light
 
     if isinstance(module, GPT):
-        return {"library": ANGELPTM_GPT, "class_name": type(module).__name__,
-                "config_json": json.dumps(dataclasses.asdict(module.config), sort_keys=True),
-                "moe_enabled": module.moe_config is not None}
+        return gpt_record(module.config, moe_enabled=module.moe_config is not None, class_name=type(module).__name__)
     config = getattr(module, "config", None)
     # Duck-typed so that saving a checkpoint never imports transformers.
     if config is not None and callable(getattr(config, "to_json_string", None)) and _is_pretrained_model(module):
         return {"library": TRANSFORMERS, "class_name": type(module).__name__,
                 "config_json": config.to_json_string(use_diff=False), "moe_enabled": False}
     return None
+
+
+def gpt_record(config: Any, *, moe_enabled: bool = False, class_name: str = "GPT") -> dict[str, Any]:
+    """The record :func:`describe` makes of our GPT, from its ``ModelConfig`` alone (AutoPipe saves stages, not the
+    model)."""
+    return {"library": ANGELPTM_GPT, "class_name": class_name,
+            "config_json": json.dumps(dataclasses.asdict(config), sort_keys=True), "moe_enabled": moe_enabled}
 
 
 def _is_pretrained_model(module: nn.Module) -> bool:

@@ -103,3 +103,24 @@ def test_pretrain_refuses_to_resume_with_other_heads(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: ") and "num_heads: saved 4, now 2" in err and "--save-dir" in err
     assert (Path(config["train"]["save_dir"]) / "latest").read_text() == "global_step1"
+
+
+def test_an_autopipe_resume_with_other_heads_is_refused_before_profiling(tmp_path):
+    from angelptm import checkpoint, pipeline
+    from angelptm.config import load_config
+    from angelptm.distributed import DistContext
+    from autopipe.runtime import PipelineLayout
+
+    ctx = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), group=None)
+    saved = load_config({"train_batch_size": 2, "model": dict(BASE), "train": {"save_dir": str(tmp_path)}},
+                        device_type="cpu")
+    meta = {"format": "autopipe", "world_size": 1, "op_starts": [0], "step": 1,
+            "architecture": __import__("angelptm").architecture.gpt_record(saved.model)}
+    checkpoint.save(tmp_path, "global_step1", ctx, shared={checkpoint.MODEL_FILE: meta}, per_rank={})
+    layout = PipelineLayout(world_size=1, num_stages=1)
+    assert pipeline.saved_split(saved, ctx, layout) == [0]
+    changed = load_config({"train_batch_size": 2, "model": {**BASE, "num_heads": 2},
+                           "train": {"save_dir": str(tmp_path)}}, device_type="cpu")
+    with pytest.raises(CheckpointError, match=r"num_heads: saved 4, now 2; num_kv_heads: saved 4, now 2\. "
+                                              r".*--save-dir"):
+        pipeline.saved_split(changed, ctx, layout)
