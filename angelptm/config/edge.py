@@ -316,5 +316,8 @@ def _annotations(schema: type) -> dict[str, Any]:
             if info.alias:
                 keys[info.alias] = info.annotation
         return keys
-    hints = typing.get_type_hints(schema)
+    try:
+        hints = typing.get_type_hints(schema)
+    except Exception:  # an annotation that does not resolve at run time: leave that section to pydantic's checks
+        return {}
     return {field.name: hints.get(field.name, Any) for field in dataclasses.fields(schema)}
