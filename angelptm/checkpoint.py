@@ -132,7 +132,7 @@ def save(save_dir: str | os.PathLike, tag: str, ctx: DistContext, *, shared: dic
         if ctx.is_main:  # every rank has stopped writing (the gather): the partial files must not fill the disk
             shutil.rmtree(tmp, ignore_errors=True)
         if error is not None:
-            raise _explained(error, root, tag, payload=(files, per_rank))
+            raise _explained(error, root, tag, payload=(files, per_rank) if ctx.is_main else None)
         raise CheckpointError(f"another rank failed while writing checkpoint {final}; the previous checkpoint "
                               "is untouched")
     error = None
@@ -153,6 +153,7 @@ def save(save_dir: str | os.PathLike, tag: str, ctx: DistContext, *, shared: dic
 
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+"""``errno`` values of a full disk (out of space, or out of this user's quota)."""
 
 
 def _explained(error: BaseException, root: Path, tag: str, payload: Any) -> BaseException:

@@ -7,16 +7,15 @@ the setting or action that helps. Anything else is a bug and keeps its traceback
 
 from __future__ import annotations
 
-import errno
 from zero_cache.tiers import TierFullError
 
+from angelptm.checkpoint import DISK_FULL
 from angelptm.errors import CheckpointError, ConfigError, DataError
 from angelptm.liveness import EXIT_CODE as LOST_RANK_EXIT, RankLostError
 from angelptm.oom import StepOutOfMemoryError
 
 BAD_INPUT_EXIT = 2
 """Exit status of a job stopped by its input or its machine's limits (argparse's status for bad arguments)."""
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class CommsTimeoutError(RuntimeError):
