@@ -26,13 +26,16 @@ from tqdm import tqdm
 import angelptm
 from angelptm import pipeline
 from angelptm.api import report_precision
+from angelptm.checkpoint_pickle import OPT_IN_HELP
 from angelptm.config import EngineConfig, load_config, read_config_source
 from angelptm.data import TokenDataset, prepare_default_dataset, repeat_batches
 from angelptm.distributed import DistContext, init_distributed, launcher_world_size
-from angelptm.errors import CheckpointError, ConfigError
-from angelptm.liveness import EXIT_CODE as LOST_RANK_EXIT, RankLostError
+from angelptm.errors import CheckpointError, ConfigError, DataError
+from angelptm.fit_check import check_config_fits
+from angelptm.job_errors import comms_timeout, one_line
 from angelptm.models import build_model
 from angelptm.monitor import ThroughputMeter, format_memory, format_tiers, memory_snapshot
+from angelptm.oom import StepOutOfMemoryError
 from angelptm.plan_report import DEFAULT_TFLOPS, PlanRequest, named_hardware, plan_report
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.json"
@@ -46,8 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--save-dir", help="override train.save_dir")
     parser.add_argument("--no-resume", action="store_true", help="start fresh even if save_dir has a checkpoint")
     parser.add_argument("--allow-unsafe-pickle", action="store_true",
-                        help="resume from a checkpoint of the previous format by full unpickling, which can run "
-                             "code from its files: only for checkpoints whose origin you trust")
+                        help=OPT_IN_HELP)
     parser.add_argument("--plan", action="store_true",
                         help="print where ZeRO-Cache would place the model states (or the shortfall) and exit")
     parser.add_argument("--ranks", type=int,
@@ -126,10 +128,13 @@ def build_dataset(cfg: EngineConfig, ctx: DistContext) -> TokenDataset:
             prepare_default_dataset(cfg.data.cache_dir)
         ctx.barrier()
         prefix = prepare_default_dataset(cfg.data.cache_dir)  # finds rank 0's copy valid and reuses it
-    dataset = TokenDataset(prefix, cfg.data.seq_len or cfg.model.max_seq_len)
-    if dataset.vocab_size is not None and dataset.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"data: the dataset's vocabulary has {dataset.vocab_size} tokens but model.vocab_size is "
-                          f"{cfg.model.vocab_size}; raise model.vocab_size to at least {dataset.vocab_size}")
+    try:  # its header and every id are checked here, before a step can read a bad one
+        dataset = TokenDataset(prefix, cfg.data.seq_len or cfg.model.max_seq_len)
+    except DataError:
+        raise
+    except (OSError, ValueError) as err:  # missing, truncated or foreign files: one line, not a traceback
+        raise DataError(f"data.path {str(prefix)!r}: {err}") from None
+    dataset.check_vocabulary(cfg.model.vocab_size)
     return dataset
 
 
@@ -196,7 +201,11 @@ def train(raw: dict, *, allow_unsafe_pickle: bool = False, trace_dir: Path | Non
     try:
         return _train(cfg, ctx, allow_unsafe_pickle, trace_dir)
     except RuntimeError as err:  # gloo names a socket, not a rank: ask the heartbeat who is gone
-        lost = ctx.watchdog.explain(err) if ctx.watchdog is not None and not isinstance(err, CheckpointError) else None
+        if isinstance(err, (CheckpointError, StepOutOfMemoryError)):
+            raise
+        lost = ctx.watchdog.explain(err) if ctx.watchdog is not None else None
+        if lost is None:
+            lost = comms_timeout(err, ctx.rank, ctx.world_size, cfg.comms.timeout_s)
         if lost is None:
             raise
         raise lost from err
@@ -206,6 +215,8 @@ def _train(cfg: EngineConfig, ctx: DistContext, allow_unsafe_pickle: bool, trace
     if not cfg.train.resume:
         refuse_fresh_start_over_a_run(cfg.train.save_dir, ctx)
     torch.manual_seed(cfg.seed if cfg.seed is not None else 0)  # model init is reproducible either way
+    if not cfg.autopipe.enabled:  # fits or explains before a byte of the model exists (the plan of --plan)
+        check_config_fits(cfg, world_size=ctx.world_size, ranks_per_host=ctx.local_world_size, device=ctx.device)
     dataset = build_dataset(cfg, ctx)
     if cfg.autopipe.enabled:  # pipeline parallelism: angelptm/pipeline.py builds the stages and their optimizer
         if ctx.is_main:
@@ -299,7 +310,13 @@ def print_plan(raw: dict, request: PlanRequest = PlanRequest()) -> int:
     prints a table of tiers, bytes, groups and the step's bound (``angelptm.plan_report``). Returns 0 when
     it fits, 2 when it does not (the message names the tier and the shortfall)."""
     device_type = "cuda" if request.hardware is not None or torch.cuda.is_available() else "cpu"
-    text, fits = plan_report(load_config(raw, world_size=request.ranks, device_type=device_type), request)
+    cfg = load_config(raw, world_size=request.ranks, device_type=device_type)
+    try:
+        text, fits = plan_report(cfg, request)
+    except ConfigError:
+        raise
+    except ValueError as err:  # the layout refused the config (e.g. a chunk_size below the largest parameter)
+        raise ConfigError(str(err)) from None
     print(text)
     return 0 if fits else 2
 
@@ -312,12 +329,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.plan:
             return print_plan(read_config(args), plan_request(args))
         loss = train(read_config(args), allow_unsafe_pickle=args.allow_unsafe_pickle, trace_dir=args.trace)
-    except (ConfigError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except RankLostError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return LOST_RANK_EXIT
+    except Exception as err:  # what the user can act on is one line; anything else is a bug, with its traceback
+        line = one_line(err)
+        if line is None:
+            raise
+        print(line[0], file=sys.stderr)
+        return line[1]
     finally:
         main_rank = _leave_process_group()
     if main_rank:

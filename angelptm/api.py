@@ -20,6 +20,7 @@ from angelptm.distributed import DistContext, init_distributed, launcher_world_s
 from angelptm.engine import Engine
 from angelptm.errors import ConfigError
 from angelptm.expert_parallel import ExpertParallel, setup_expert_parallel
+from angelptm.fit_check import check_shapes_fit
 from angelptm.loss_scaler import LossScaler
 from angelptm.mixed_precision import MixedPrecisionOptimizer
 from angelptm.pipe.module import PipelineModule
@@ -78,6 +79,10 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     _report_ignored(cfg, ctx)
     if cfg.seed is not None:
         _seed_everything(cfg.seed)
+    if model_parameters is not None:  # read twice: for the plan below and for the optimizer
+        model_parameters = list(model_parameters)
+    if cfg.zero_cache.enabled:  # fits or explains before the model is cast, moved or broadcast
+        _check_fits(model, optimizer, model_parameters, cfg, ctx)
     _place_module(model, ctx.device, cfg.precision.dtype, keep_trainable=cfg.zero_cache.enabled)
     try:
         experts = setup_expert_parallel(model, ctx.rank, ctx.world_size)
@@ -97,6 +102,29 @@ def initialize(args: Any = None, model: nn.Module | None = None,
                                      pin_memory=ctx.device.type == "cuda")
     engine = Engine(model, cfg, ctx, wrapped, scheduler, loader, experts=experts)
     return engine, wrapped, loader, scheduler
+
+
+def _check_fits(model: nn.Module, client: Any, model_parameters: list | None, cfg: EngineConfig,
+                ctx: DistContext) -> None:
+    """Plan ZeRO-Cache for the parameters the optimizer will hold, from their shapes, before touching them
+    (``attach`` plans again, the final word, once they are cast; this one refuses before the first byte moves)."""
+    if client is None and cfg.optimizer is None:
+        return  # no optimizer: nothing goes into ZeRO-Cache
+    if isinstance(client, torch.optim.Optimizer):
+        chosen = [p for group in client.param_groups for p in group["params"]]
+    elif model_parameters is not None:
+        chosen = [p for item in model_parameters for p in (item["params"] if isinstance(item, dict) else [item])]
+    else:
+        chosen = list(model.parameters())
+    ids = {id(p) for p in chosen if isinstance(p, torch.Tensor) and p.requires_grad}
+    params = [(name, p) for name, p in model.named_parameters() if id(p) in ids and not p.is_meta]
+    resident: dict[str, int] = {}
+    for _, p in params:
+        resident[p.device.type] = resident.get(p.device.type, 0) + p.numel() * p.element_size()
+    numel = sum(p.numel() for _, p in params)
+    check_shapes_fit([(name, tuple(p.shape)) for name, p in params], cfg, world_size=ctx.world_size,
+                     ranks_per_host=cfg.zero_cache.ranks_per_host or ctx.local_world_size, device=ctx.device,
+                     resident_bytes=resident, what=f"{type(model).__name__} of {numel / 1e6:.1f} M trainable params")
 
 
 def _pick_config(args: Any, config: Any, config_params: Any) -> Any:

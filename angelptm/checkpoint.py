@@ -20,6 +20,7 @@ without running code from them (``angelptm.checkpoint_pickle``).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import random
@@ -33,7 +34,8 @@ import torch.distributed  # noqa: F401  (all_gather of the save outcome)
 
 from angelptm import checkpoint_manifest as manifest, checkpoint_pickle
 from angelptm.distributed import DistContext
-from angelptm.errors import CheckpointError
+from angelptm.errors import CheckpointError, DiskFullError
+from zero_cache.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +118,7 @@ def save(save_dir: str | os.PathLike, tag: str, ctx: DistContext, *, shared: dic
     ctx.barrier()
     error: BaseException | None = None
     records: list[manifest.FileRecord] = []
+    files: dict[str, Any] | None = None
     try:
         if ctx.is_main:
             files = shared() if callable(shared) else shared
@@ -126,8 +129,10 @@ def save(save_dir: str | os.PathLike, tag: str, ctx: DistContext, *, shared: dic
         error = err
     every_rank = _gather_records(ctx, None if error is not None else records)
     if any(part is None for part in every_rank):
+        if ctx.is_main:  # every rank has stopped writing (the gather): the partial files must not fill the disk
+            shutil.rmtree(tmp, ignore_errors=True)
         if error is not None:
-            raise error
+            raise _explained(error, root, tag, payload=(files, per_rank) if ctx.is_main else None)
         raise CheckpointError(f"another rank failed while writing checkpoint {final}; the previous checkpoint "
                               "is untouched")
     error = None
@@ -137,12 +142,67 @@ def save(save_dir: str | os.PathLike, tag: str, ctx: DistContext, *, shared: dic
                       [record for part in every_rank for record in part])
         except Exception as err:  # the other ranks wait below: tell them, or they would hang there
             error = err
+            shutil.rmtree(tmp, ignore_errors=True)  # not renamed in: the partial must not fill the disk
+            (root / f".{LATEST}.tmp").unlink(missing_ok=True)
     if failed_ranks(ctx, error is None):  # only rank 0 can have failed here
         if error is not None:
-            raise error
+            raise _explained(error, root, tag, payload=None)
         raise CheckpointError(f"rank 0 failed to finish checkpoint {final} (its log says why); the previous "
                               "checkpoint is untouched")
     return final
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+"""``errno`` values of a full disk (out of space, or out of this user's quota)."""
+
+
+def _explained(error: BaseException, root: Path, tag: str, payload: Any) -> BaseException:
+    """A full disk as one line (room needed, room free, what is kept, the fix); any other error as it is."""
+    if not isinstance(error, OSError) or error.errno not in DISK_FULL:
+        return error
+    previous = _latest_complete(root)
+    if previous is not None:
+        need = f"the last one, {previous.name}, takes {format_bytes(_dir_bytes(previous))}"
+        kept = f"{previous.name} is kept and stays `latest`"
+    else:
+        tensor_bytes = _tensor_bytes(payload)
+        need = (f"this one holds {format_bytes(tensor_bytes)} of tensors" if tensor_bytes
+                else "about the size of the model's weights and optimizer states")
+        kept = "there was no earlier checkpoint"
+    try:
+        free = format_bytes(shutil.disk_usage(root).free)
+    except OSError:
+        free = "unknown"
+    message = (f"no space left on the disk of {root} while writing {error.filename or 'checkpoint ' + tag} "
+               f"({os.strerror(error.errno)}): a checkpoint needs room for all its files ({need}); {free} is free "
+               f"there now. The partial .tmp-{tag} was removed and {kept}. Free space under {root}, point the "
+               f"checkpoints at a larger disk, or keep fewer of them (pretrain.py: train.keep_last)")
+    exc = DiskFullError(message, error.errno, error.filename)
+    exc.__cause__ = error
+    return exc
+
+
+def _latest_complete(root: Path) -> Path | None:
+    try:
+        tag = (root / LATEST).read_text().strip()
+    except OSError:
+        return None
+    return root / tag if tag and (root / tag).is_dir() else None
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(item.stat().st_size for item in path.rglob("*") if item.is_file())
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors inside nested dicts, lists and tuples."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(value) for value in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(value) for value in obj)
+    return 0
 
 
 def _finalize(root: Path, tmp: Path, final: Path, old: Path, latest_tag: str | None,

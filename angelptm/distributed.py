@@ -113,6 +113,8 @@ def init_distributed(*, dist_init_required: bool | None = None, timeout_s: float
         logger.info("joined process group: backend %s, rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
         if lost_rank_after_s > 0 and size > 1:
             watchdog = RankWatchdog(store, rank, size, lost_rank_after_s)
+        # Created here, with comms.timeout_s: a later initialize() in this process joins it and keeps this heartbeat.
+        _HEARTBEATS[id(dist.distributed_c10d._get_default_store())] = watchdog
     elif lost_rank_after_s > 0 and dist.is_initialized() and dist.get_world_size() > 1:
         watchdog = _watch_existing_group(lost_rank_after_s)  # e.g. deepspeed.init_distributed() ran first
     if world_size > 1 and not dist.is_initialized():
@@ -125,16 +127,18 @@ def init_distributed(*, dist_init_required: bool | None = None, timeout_s: float
     return DistContext(rank=0, world_size=1, local_rank=local_rank, device=device, group=None)
 
 
-_HEARTBEATS: dict[int, RankWatchdog] = {}
-"""The heartbeat of each process group created before ``initialize()`` (by ``init_distributed()``, a launcher
-library, or accelerate), keyed by its store: a process beats once however many engines it builds."""
+_HEARTBEATS: dict[int, RankWatchdog | None] = {}
+"""The heartbeat of each process group, keyed by its store: a process beats once however many engines it builds.
+Groups this module created are entered when created (None: without a heartbeat), so joining one again neither
+starts a second heartbeat nor claims that comms.timeout_s did not apply to it."""
 
 
 def _watch_existing_group(lost_rank_after_s: float) -> RankWatchdog | None:
     """A heartbeat on the default group's store; its collective timeout was set by whoever created it."""
     store = dist.distributed_c10d._get_default_store()
-    if id(store) not in _HEARTBEATS:
-        logger.info("the process group was created before initialize(): comms.timeout_s does not apply to it "
-                    "(pass timeout= where it is created); comms.lost_rank_after_s does")
+    if _HEARTBEATS.get(id(store)) is None:  # created elsewhere, or here without a heartbeat (lost_rank_after_s 0)
+        if id(store) not in _HEARTBEATS:
+            logger.info("the process group was created before initialize(): comms.timeout_s does not apply to it "
+                        "(pass timeout= where it is created); comms.lost_rank_after_s does")
         _HEARTBEATS[id(store)] = RankWatchdog(store, dist.get_rank(), dist.get_world_size(), lost_rank_after_s)
     return _HEARTBEATS[id(store)]

@@ -24,6 +24,7 @@ from angelptm.engine_compat import DeepSpeedEngineMethods
 from angelptm.expert_parallel import ExpertParallel
 from angelptm.mixed_precision import MixedPrecisionOptimizer
 from angelptm.monitor import MetricsSink
+from angelptm.oom import explained_oom
 from angelptm.step_trace import StepTracer
 from zero_cache.timeline import Timeline
 
@@ -154,7 +155,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
         cast = self.compute_dtype if self.config.precision.cast_inputs else None
         args = _to_device(args, self.device, cast)
         kwargs = _to_device(kwargs, self.device, cast)
-        with self._tracer.phase("forward"):
+        with self._tracer.phase("forward"), explained_oom(self, "forward"):
             output = self.module(*args, **kwargs)
         self._tracer.forward_ended()
         self._timings["forward"] += self._clock() - start
@@ -186,7 +187,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
         if scale_wrt_gas:
             loss = loss / self.gradient_accumulation_steps()
         scaled = loss.float() * self.loss_scale
-        with self._tracer.phase("backward"):
+        with self._tracer.phase("backward"), explained_oom(self, "backward"):
             scaled.backward(retain_graph=retain_graph)
         if self.monitor is not None and self.monitor.enabled:
             detached = loss.detach().float() * (self.gradient_accumulation_steps() if scale_wrt_gas else 1)
@@ -212,7 +213,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
             return
         start = self._clock()
         scale_before = self.loss_scale
-        with self._tracer.phase("optimizer step"):
+        with self._tracer.phase("optimizer step"), explained_oom(self, "optimizer step"):
             self._step_applied = self.optimizer.step()
         self._tracer.step_ended()
         if self._step_applied:

@@ -173,6 +173,7 @@ class EngineCheckpoints:
             raise CheckpointError(f"{path} was saved with moe.ep_size={saved_ep} and this run has {ep_size}: its experts "
                                   "are split differently. Resume with the same ep_size, or export it with `python -m "
                                   "angelptm.export` and load the weights into the model built with ep_size 1")
+        self._check_architecture(path, model_states.get("architecture"), load_module_only=load_module_only)
         has_optimizer_file = (path / checkpoint.OPTIM_FILE).is_file()
         module_weights = self._load_module_state(path, model_states, strict=load_module_strict,
                                                  has_optimizer_file=has_optimizer_file)
@@ -200,6 +201,28 @@ class EngineCheckpoints:
         self._restore_rank_state(path, model_states["world_size"], allow_unsafe_pickle=unsafe)
         return str(path), model_states["client_state"]
 
+    def _check_architecture(self, path: Path, saved: dict | None, *, load_module_only: bool) -> None:
+        """Refuse to resume a checkpoint into a model whose recorded architecture differs, before loading anything.
+
+        A changed ``num_heads`` loads without a size mismatch and computes other logits; a changed size dies in
+        torch's traceback. With ``load_module_only`` (take the weights into a new model on purpose) it is a warning,
+        and the weights' shapes must still match.
+        """
+        changed = architecture.differences(saved, architecture.describe(self.module))
+        if not changed:
+            return
+        keys = "; ".join(changed)
+        if load_module_only:
+            logger.warning("%s was saved from another architecture (%s); loading its weights only, as asked", path,
+                           keys)
+            return
+        raise CheckpointError(
+            f"{path} was saved from another model architecture: {keys}. Resuming would load its weights and "
+            "optimizer states into a different model. Either set the model back to the recorded values, start a "
+            "new run in another directory (pretrain.py --save-dir NEW_DIR; --no-resume alone refuses a directory "
+            "that holds a run), or take only its weights with load_checkpoint(..., load_module_only=True) where "
+            "their shapes still match")
+
     def _sharded_weight_keys(self, aliases: dict[str, str]) -> set[str]:
         """State-dict keys of the weights this run keeps only as ZeRO-Cache shards (none when params are replicated)."""
         if not getattr(self.optimizer, "params_sharded", False):
@@ -219,7 +242,13 @@ class EngineCheckpoints:
         aliases = self._param_aliases()
         held, in_masters = self._sharded_weight_keys(aliases), model_states.get("weights_in_masters", False)
         if not held and not in_masters:
-            self.module.load_state_dict(state, strict=strict)
+            try:
+                self.module.load_state_dict(state, strict=strict)
+            except RuntimeError as err:  # torch lists every mismatch in a multi-line traceback
+                if not any(kind in str(err) for kind in ("size mismatch", "Missing key", "Unexpected key")):
+                    raise
+                raise CheckpointError(f"{path}: the saved weights do not fit this model: "
+                                      + " ".join(str(err).split())[:600]) from None
             return {}
         if in_masters and (self.optimizer is None or not has_optimizer_file):
             raise CheckpointError(f"{path} was saved with ZeRO-Cache's params sharded: its weights are the fp32 masters "

@@ -26,6 +26,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from angelptm import checkpoint
+from angelptm.checkpoint_pickle import OPT_IN_HELP
 from angelptm.errors import CheckpointError
 
 
@@ -144,8 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --hf: largest safetensors file, e.g. 5GB or bytes (default 5GB)")
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in 'latest')")
     parser.add_argument("--allow-unsafe-pickle", action="store_true",
-                        help="load a checkpoint of the previous format by full unpickling, which can run code "
-                             "from the files: only for checkpoints whose origin you trust")
+                        help=OPT_IN_HELP)
     args = parser.parse_args(argv)
     if (args.output is None) == (args.hf is None):
         parser.error("give either OUTPUT.safetensors or --hf DIR")

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from angelptm import checkpoint
+from angelptm import architecture, checkpoint
 from angelptm.config import EngineConfig, load_config, read_config_source
 from angelptm.data import TokenDataset, repeat_batches
 from angelptm.data.loader import ResumableDataLoader
@@ -133,6 +133,11 @@ def saved_split(cfg: EngineConfig, ctx: DistContext, layout: PipelineLayout) -> 
     if not isinstance(meta, dict) or meta.get("format") != "autopipe":
         raise CheckpointError(f"{path} is not an AutoPipe checkpoint; resume it without autopipe, or pass --save-dir "
                               "with another directory")
+    changed = architecture.differences(meta.get("architecture"), architecture.gpt_record(cfg.model))
+    if changed:
+        raise CheckpointError(f"{path} was saved from another model architecture: {'; '.join(changed)}. Set the model "
+                              "back to the recorded values, or start a new run in another directory (--save-dir "
+                              "NEW_DIR)")
     op_starts = list(meta["op_starts"])
     if meta.get("world_size") != ctx.world_size or len(op_starts) != layout.num_chunks:
         raise CheckpointError(f"{path} was saved by {meta.get('world_size')} ranks in {len(op_starts)} pipeline "
@@ -244,7 +249,8 @@ def train_step(cfg: EngineConfig, runner: PipelineRunner, optimizer: MixedPrecis
 def save(cfg: EngineConfig, ctx: DistContext, step: int, runner: PipelineRunner, optimizer, scheduler,
          loader: ResumableDataLoader) -> None:
     """Each rank writes its chunks' weights and optimizer state; rank 0 writes the layout."""
-    meta = {"format": "autopipe", "world_size": ctx.world_size, "op_starts": runner.op_starts, "step": step}
+    meta = {"format": "autopipe", "world_size": ctx.world_size, "op_starts": runner.op_starts, "step": step,
+            "architecture": architecture.gpt_record(cfg.model)}
     per_rank = {"meta": meta, "module": {name: p.detach().cpu() for name, p in runner.named_parameters()},
                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict() if scheduler else None,
                 "loader": loader.state_dict(), "rng": checkpoint.capture_rng_state()}

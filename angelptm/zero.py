@@ -22,6 +22,11 @@ GPU an 8.2B GPT builds in 15.4 s on the H100 machine (0.94B: 45.1 s with CPU fil
 then come from the GPU's generator (``torch.manual_seed`` seeds it too: the same seed gives the same
 weights) rather than the CPU's. Without a GPU nothing changes: the fills run on the CPU.
 
+With ZeRO-Cache enabled in the config, the build is planned as it goes (``angelptm.fit_check.BuildWatch``):
+the parameters built so far are planned each time their bytes double, and a build whose first part already
+does not fit the tier budgets stops with the planner's "short by" message instead of growing until the
+machine's OOM killer ends it.
+
 (Materialising each parameter straight into its chunk, without the transient compute-dtype copy, needs
 the chunk layout before the model exists, and is not built.)
 """
@@ -33,7 +38,9 @@ from typing import Any
 import torch
 
 from angelptm.config import load_config
+from angelptm.distributed import launcher_world_size
 from angelptm.errors import ConfigError
+from angelptm.fit_check import BuildWatch
 from angelptm.init_on_device import RandomFillsOnDevice
 
 REMOTE_DEVICES = (None, "none", "cuda", "cpu", "nvme")
@@ -75,6 +82,10 @@ class Init:
         self.fills = RandomFillsOnDevice(torch.device("cuda", torch.cuda.current_device())) \
             if on_host and torch.cuda.is_available() else None
         """Draws the random fills of large host params on the GPU while active (None: they stay on the CPU)."""
+        self.watch = BuildWatch(parsed, launcher_world_size()) if parsed is not None and parsed.zero_cache.enabled \
+            else None
+        """Plans the parameters built so far as they grow, and stops a build that cannot fit
+        (``angelptm.fit_check``): the model is not known before it is built, so no twin can be planned first."""
         self._saved_dtype: torch.dtype | None = None
         self._device_context: Any = None
 
@@ -86,10 +97,14 @@ class Init:
             self._device_context.__enter__()
             if self.fills is not None:
                 self.fills.__enter__()
+            if self.watch is not None:
+                self.watch.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self.enabled:
+            if self.watch is not None:
+                self.watch.__exit__(*exc)
             if self.fills is not None:
                 self.fills.__exit__(*exc)
             self._device_context.__exit__(*exc)

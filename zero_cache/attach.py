@@ -123,7 +123,8 @@ def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: tor
                       nonmodel_peak_bytes=nonmodel_peak_bytes, prefetch_depth=config.prefetch_depth,
                       # (accumulating: a second pool stages the micro-batch gradients, see HostUpdater.gradient_pool)
                       staging_buffers=STAGING_BUFFERS * (2 if accumulation_steps > 1 else 1),
-                      nvme_budget_bytes=nvme_budget, swap_buffers=SWAP_BUFFERS,
+                      nvme_budget_bytes=nvme_budget, nvme_path_set=config.nvme_path is not None,
+                      swap_buffers=SWAP_BUFFERS,
                       kept_bytes_per_element=param_bytes if in_backward and accumulation_steps == 1 else 0,
                       device_steps=(None if gpu else 0) if config.device_steps == AUTO else config.device_steps)
 

@@ -59,6 +59,10 @@ def align_up(num_bytes: int) -> int:
 def check_directory(path: str) -> Path:
     """The swap directory, after checking it exists and is writable (NvmeSetupError says what to do)."""
     directory = Path(path).expanduser()
+    if directory.exists() and not directory.is_dir():
+        raise NvmeSetupError(f"zero_cache.nvme_path: {str(directory)!r} is a file, not a directory; set nvme_path to "
+                             "a directory on the NVMe drive (the swap file is created inside it), or to null for no "
+                             "disk tier")
     if not directory.is_dir():
         raise NvmeSetupError(f"zero_cache.nvme_path: {str(directory)!r} is not an existing directory; create it on "
                              f"the NVMe drive (mkdir -p {directory}) or set nvme_path to null for no disk tier")

@@ -93,6 +93,8 @@ class PlanInputs:
     """Pinned param-chunk-sized transfer buffers on the host (when any optimizer group is there)."""
     nvme_budget_bytes: int = 0
     """Bytes the NVMe tier may take; 0 = no NVMe tier."""
+    nvme_path_set: bool = False
+    """``zero_cache.nvme_path`` is set (its budget may still be 0: a disk too small for "auto"'s margin)."""
     swap_buffers: int = 3
     """Pinned bounce buffers of one swap slot each (when any optimizer group is on NVMe)."""
     owned: tuple[int, ...] | None = None
@@ -439,10 +441,22 @@ def _shortfall_message(tier: str, need: int, have: int, inputs: PlanInputs, deta
              f"{inputs.num_chunks} chunks: {format_bytes(held * inputs.param_chunk_bytes + owned * inputs.optimizer_chunk_bytes)})")
     return (f"model states do not fit: the {tier} tier needs {format_bytes(need)} but its budget is "
             f"{format_bytes(have)} (short by {format_bytes(need - have)}); {detail}. All model states together "
-            f"take {format_bytes(total)}{share}. Raise zero_cache.{tier}_memory_budget, "
-            + ("give the NVMe tier more room (free disk space under zero_cache.nvme_path)" if inputs.nvme_budget_bytes
-               else "add an NVMe tier (zero_cache.nvme_path)")
-            + ", shrink the micro-batch or enable activation checkpointing, or use more GPUs.")
+            f"take {format_bytes(total)}{share}. "
+            + ", ".join([f"Raise zero_cache.{tier}_memory_budget", *_nvme_advice(inputs, tier, need - have),
+                         "shrink the micro-batch or enable activation checkpointing", "or use more GPUs."]))
+
+
+def _nvme_advice(inputs: PlanInputs, tier: str, short_bytes: int) -> list[str]:
+    """What the disk tier can do about a shortfall: add one; or, with one set, how much more room it needs (an
+    "auto" budget is the disk's free space less a margin of at least 1 GiB, so a small disk gives 0 B)."""
+    if not (inputs.nvme_path_set or inputs.nvme_budget_bytes):
+        return ["add an NVMe tier (zero_cache.nvme_path)"]
+    if tier == DEVICE:  # the disk holds optimizer groups only: it cannot relieve the device
+        return []
+    return [f"give the NVMe tier room: it is set, but its disk is too small by at least {format_bytes(short_bytes)} "
+            f"(the tier's budget is {format_bytes(inputs.nvme_budget_bytes)}, and an \"auto\" budget leaves at least "
+            "1 GiB of the disk free): free disk space under zero_cache.nvme_path, raise zero_cache.nvme_memory_budget "
+            "if it was set lower, or point nvme_path at a larger disk"]
 
 
 def belady_misses(trace: Sequence[int], capacity: int) -> tuple[int, list[tuple[int, int | None]]]:

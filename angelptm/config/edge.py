@@ -7,6 +7,10 @@ typed dataclasses in ``angelptm.config.typed`` once.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import types
+import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -123,6 +127,13 @@ class OffloadSection(Section):
 
 class ZeroSection(Section):
     stage: Literal[0, 1, 2, 3] = 0
+
+    @field_validator("stage", mode="before")
+    @classmethod
+    def _numeric_string_stage(cls, value: Any) -> Any:
+        """``"2"`` is stage 2, as DeepSpeed's ``ZeroStageEnum`` reads it (a boolean is refused before this)."""
+        return int(value) if isinstance(value, str) and value.strip().isdigit() else value
+
     contiguous_gradients: bool = True
     reduce_scatter: bool = True
     reduce_bucket_size: int = 500_000_000
@@ -225,3 +236,88 @@ class EdgeConfig(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     comms: CommsConfig = Field(default_factory=CommsConfig)
+
+
+# Types at the edge. Like DeepSpeed's pydantic models, the edge reads numeric strings ("4", "1.0", "1e-3") as
+# numbers; unlike pydantic's lax mode it refuses JSON's true/false where a number is due (true used to become a
+# micro-batch of 1) and NaN/Infinity, which Python's json module reads but no setting can mean.
+
+
+def type_problems(raw: dict[str, Any]) -> list[str]:
+    """Booleans given for numbers and non-finite numbers in a raw config, each as ``"key.path: what to write"``."""
+    return _walk(raw, EdgeConfig, "")
+
+
+def _walk(data: Any, schema: type, prefix: str) -> list[str]:
+    if not isinstance(data, dict):
+        return []
+    annotations = _annotations(schema)
+    problems = []
+    for key, value in data.items():
+        annotation = annotations.get(key)
+        if annotation is None:
+            continue  # unknown keys are reported before this walk
+        path = f"{prefix}{key}"
+        if schema is SchedulerSection and key == "params" and data.get("type") in SCHEDULER_PARAMS:
+            problems += _walk(value, SCHEDULER_PARAMS[data["type"]], f"{path}.")
+        else:
+            problems += _check_value(value, annotation, path)
+    return problems
+
+
+def _check_value(value: Any, annotation: Any, path: str) -> list[str]:
+    members = _members(annotation)
+    if isinstance(value, dict):
+        nested = next((m for m in members if isinstance(m, type) and (issubclass(m, BaseModel)
+                                                                      or dataclasses.is_dataclass(m))), None)
+        return _walk(value, nested, f"{path}.") if nested is not None else []
+    if isinstance(value, list):
+        items = [arg for m in members if typing.get_origin(m) in (list, tuple) for arg in typing.get_args(m)]
+        items = [item for item in items if item is not Ellipsis]
+        if not items:
+            return []
+        return [problem for i, item in enumerate(value) for problem in _check_value(item, typing.Union[tuple(items)],
+                                                                                    f"{path}[{i}]")]
+    numeric = any(m in (int, float) or _int_literal(m) for m in members)
+    expected = "a number or a string" if str in members else "a number"
+    if isinstance(value, bool) and numeric and not _admits_bool(members):
+        return [f"{path}: expected {expected}, got {str(value).lower()}; write the number (a JSON boolean is not "
+                "read as 1 or 0 here)"]
+    if isinstance(value, float) and not math.isfinite(value) and numeric:
+        name = "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+        return [f"{path}: {name} is not a usable value; expected a finite number"]
+    return []
+
+
+def _int_literal(member: Any) -> bool:
+    """``Literal[0, 1, 2, 3]`` (ZeRO's stage): numbers, where true would be taken for 1."""
+    return typing.get_origin(member) is Literal and any(type(arg) is int for arg in typing.get_args(member))
+
+
+def _admits_bool(members: tuple[Any, ...]) -> bool:
+    return any(m is bool or m is Any or (typing.get_origin(m) is Literal and any(isinstance(a, bool)
+                                                                                 for a in typing.get_args(m)))
+               for m in members)
+
+
+def _members(annotation: Any) -> tuple[Any, ...]:
+    """The members of a union (``X | Y``, ``Optional[X]``), or the annotation alone."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return tuple(m for arg in typing.get_args(annotation) for m in _members(arg))
+    return (annotation,)
+
+
+def _annotations(schema: type) -> dict[str, Any]:
+    """Key (and alias) -> resolved annotation of a pydantic model's or a dataclass's fields."""
+    if issubclass(schema, BaseModel):
+        keys: dict[str, Any] = {}
+        for name, info in schema.model_fields.items():
+            keys[name] = info.annotation
+            if info.alias:
+                keys[info.alias] = info.annotation
+        return keys
+    try:
+        hints = typing.get_type_hints(schema)
+    except Exception:  # an annotation that does not resolve at run time: leave that section to pydantic's checks
+        return {}
+    return {field.name: hints.get(field.name, Any) for field in dataclasses.fields(schema)}

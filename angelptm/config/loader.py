@@ -45,7 +45,7 @@ def load_config(config: str | os.PathLike | dict | None, *, world_size: int = 1,
             lists every problem found, each with its key path.
     """
     raw = read_config_source(config)
-    problems = _unknown_key_problems(raw, edge.EdgeConfig, "")
+    problems = _unknown_key_problems(raw, edge.EdgeConfig, "") or edge.type_problems(raw)
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
     ignored = {key: raw.pop(key) for key in list(raw) if key in edge.ACCEPTED_NOT_ACTED}

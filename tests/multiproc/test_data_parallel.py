@@ -34,7 +34,9 @@ def test_a_rank_failing_mid_save_stops_every_rank_and_keeps_the_last_checkpoint(
     job = Path(__file__).resolve().parents[1] / "helpers" / "save_fail_job.py"
     run_ok(torchrun(2, job, "--save-dir", str(tmp_path / "ckpt"), "--out-prefix", str(tmp_path / "outcome"),
                     "--failing", failing))
-    assert (tmp_path / f"outcome.{failed_rank}").read_text().startswith("OSError")
+    # The disk-full error (an OSError) as one line with the room needed; the partial .tmp-bad is gone.
+    assert (tmp_path / f"outcome.{failed_rank}").read_text().startswith("DiskFullError: no space left on the disk of")
+    assert not any(p.name.startswith(".tmp-") for p in (tmp_path / "ckpt").iterdir())
     assert (tmp_path / f"outcome.{1 - failed_rank}").read_text().startswith(message)
     assert (tmp_path / "ckpt" / "latest").read_text() == "good"
     assert not (tmp_path / "ckpt" / "bad").exists()

@@ -262,8 +262,9 @@ def test_bad_paths_and_a_too_small_disk_budget_stop_before_training(tmp_path):
         angelptm.initialize(model=six_layer_llama(seed), config=config)
     a_file = tmp_path / "file"
     a_file.write_text("")
-    with pytest.raises(ValueError, match="not an existing directory"):
+    with pytest.raises(ValueError, match="is a file, not a directory; set nvme_path to a directory") as refused:
         check_directory(str(a_file))
+    assert "mkdir" not in str(refused.value)  # it used to advise `mkdir -p` of the file
 
 
 class FullDisk:
