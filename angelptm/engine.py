@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -186,7 +187,10 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
         if scale_wrt_gas:
             loss = loss / self.gradient_accumulation_steps()
         scaled = loss.float() * self.loss_scale
-        with self._tracer.phase("backward"):
+        # The optimizer takes gradients out of .grad only inside the engine's backward: one of a backward
+        # outside stays in .grad, where the script's zero_grad() reaches it, as under DeepSpeed.
+        taking = self.optimizer.accumulating() if self.optimizer is not None else nullcontext()
+        with self._tracer.phase("backward"), taking:
             scaled.backward(retain_graph=retain_graph)
         if self.monitor is not None and self.monitor.enabled:
             detached = loss.detach().float() * (self.gradient_accumulation_steps() if scale_wrt_gas else 1)

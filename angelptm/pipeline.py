@@ -191,6 +191,7 @@ def reduce_and_clip(runner: PipelineRunner, optimizer: MixedPrecisionOptimizer, 
     Returns:
         The global gradient norm before clipping (non-finite: the caller skips the step on every rank).
     """
+    optimizer.collect_gradients()
     flat = optimizer.flat_grad
     if runner.layout.num_replicas > 1:
         flat.mul_(1.0 / runner.layout.num_replicas)
@@ -230,7 +231,8 @@ def train_step(cfg: EngineConfig, runner: PipelineRunner, optimizer: MixedPrecis
     loss_sum = None
     for _ in range(cfg.batch.gradient_accumulation_steps // cfg.autopipe.num_microbatches):
         batch = next(batches)
-        loss = runner.step({"input_ids": batch["input_ids"]}, batch[TARGET])
+        with optimizer.accumulating():
+            loss = runner.step({"input_ids": batch["input_ids"]}, batch[TARGET])
         if loss is not None:
             loss_sum = loss if loss_sum is None else loss_sum + loss
     norm = reduce_and_clip(runner, optimizer, cfg.gradient_clipping)

@@ -233,7 +233,8 @@ class PipelineEngine(PipelineCheckpoints, Engine):
             raise PipelineError("train_batch() cannot be called with torch.no_grad(); use eval_batch()")
         flush = self._next_flush(data_iter)
         runner = self.runner or self.build_runner(self._example(flush))
-        loss = runner.step(*self._runner_arguments(flush), backward=True)
+        with self.optimizer.accumulating():
+            loss = runner.step(*self._runner_arguments(flush), backward=True)
         norm = pipeline.reduce_and_clip(runner, self.optimizer, self.config.gradient_clipping)
         self._step_applied = math.isfinite(norm)
         if self._step_applied:
