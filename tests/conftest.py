@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-# A config that names no precision computes in bf16 on a CPU with bf16 units (angelptm.config.precision).
+# A config with bf16.enabled "auto" computes in bf16 on a CPU with bf16 units (angelptm.config.precision).
 # The suite pins the answer to "no units" so its fp32 references hold on any CI CPU; set here, at import,
 # so the jobs tests start as processes inherit it. tests/unit/test_precision_rule.py passes its own answers.
 os.environ.setdefault("ANGELPTM_CPU_BF16", "0")
