@@ -45,6 +45,11 @@ def load_config(config: str | os.PathLike | dict | None, *, world_size: int = 1,
             lists every problem found, each with its key path.
     """
     raw = read_config_source(config)
+    try:
+        for warning in edge.upgrade_deprecated_keys(raw):
+            logger.warning("%s", warning)
+    except ValueError as err:
+        raise ConfigError(f"invalid config:\n  {err}") from None
     problems = _unknown_key_problems(raw, edge.EdgeConfig, "")
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
