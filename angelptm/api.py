@@ -20,6 +20,7 @@ from angelptm.distributed import DistContext, init_distributed, launcher_world_s
 from angelptm.engine import Engine
 from angelptm.errors import ConfigError
 from angelptm.expert_parallel import ExpertParallel, setup_expert_parallel
+from angelptm.log_output import show_logs_in_plain_script
 from angelptm.loss_scaler import LossScaler
 from angelptm.mixed_precision import MixedPrecisionOptimizer
 from angelptm.pipe.module import PipelineModule
@@ -58,6 +59,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     Returns:
         ``(engine, optimizer, training_dataloader, lr_scheduler)``; items not requested are None.
     """
+    show_logs_in_plain_script()  # the dtype, steps_per_print and pipeline loss lines, as DeepSpeed shows them
     if model is None:
         raise ConfigError("angelptm.initialize: model= is required")
     if mpu is not None or mesh_param is not None:

@@ -253,7 +253,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
         return time.perf_counter()
 
     def _print_progress(self) -> None:
-        line = f"step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}"
+        line = f"step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, mom={self.get_mom()}"
         if self.config.monitor.wall_clock_breakdown:
             line += " | " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self._timings.items())
             self._timings = dict.fromkeys(self._timings, 0.0)

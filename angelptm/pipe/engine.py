@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -104,6 +105,7 @@ class PipelineEngine(PipelineCheckpoints, Engine):
         self.runner: PipelineRunner | None = None
         self.data_iterator: Iterator | None = None
         self.agg_train_loss: torch.Tensor | None = None
+        self._printed_at_s = time.perf_counter()  # when the last steps_per_print line was printed
 
     # ------------------------------------------------------------------ DeepSpeed's pipeline accessors
     @property
@@ -251,8 +253,16 @@ class PipelineEngine(PipelineCheckpoints, Engine):
         self.global_samples += self.train_batch_size()
         self.agg_train_loss = self._pipe_scalar(loss)
         if self.ctx.is_main and self.global_steps % self.config.monitor.steps_per_print == 0:
-            logger.info("steps: %d loss: %.4f lr: %s", self.global_steps, self.agg_train_loss.item(), self.get_lr())
+            self._print_progress()
         return self.agg_train_loss
+
+    def _print_progress(self) -> None:
+        """DeepSpeed's pipeline line (its ``train_batch`` prints it on rank 0): loss, mean step time, samples/s."""
+        now = time.perf_counter()
+        iter_time_s = (now - self._printed_at_s) / self.config.monitor.steps_per_print
+        self._printed_at_s = now
+        logger.info("steps: %d loss: %.4f iter time (s): %.3f samples/sec: %.3f", self.global_steps,
+                    self.agg_train_loss.item(), iter_time_s, self.train_batch_size() / max(iter_time_s, 1e-9))
 
     def eval_batch(self, data_iter: Iterator, return_logits: bool = False, compute_loss: bool = True,
                    reduce_output: str | None = "avg", bcast_loss: bool = True,
