@@ -238,8 +238,11 @@ def upgrade_deprecated_keys(raw: dict[str, Any]) -> list[str]:
             raise ValueError(f"{key.path} (deprecated) and {section_name}.{key.new_key}, which replaces it, are both "
                              f"set; keep {section_name}.{key.new_key} only")
         new_value = key.new_value(value)
-        if new_value is not None:
-            section[key.new_key] = new_value
+        if new_value is None:
+            warnings.append(f"{key.path} is deprecated: {json.dumps(value)} means no {section_name}.{key.new_key} "
+                            f"(as DeepSpeed reads it); delete the key")
+            continue
+        section[key.new_key] = new_value
         warnings.append(f"{key.path} is deprecated: read as {section_name}.{key.new_key} = {json.dumps(new_value)}. "
                         f"Write that instead")
     return warnings
