@@ -30,9 +30,10 @@ each part is reduced over its own group in large calls (see ``angelptm.expert_pa
 
 from __future__ import annotations
 
-import logging
 import contextlib
+import logging
 import math
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -120,8 +121,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                     param.grad = view
             return adopt
 
+        # Weak: a tensor's hooks are invisible to the garbage collector; a strong reference would keep this
+        # optimizer (masters, states) alive as long as the module.
+        owner = weakref.ref(self)
+
         def accumulate(param: torch.nn.Parameter) -> None:
-            if self._engine_backward:  # outside it the gradient stays where the script can clear it
+            optimizer = owner()
+            if optimizer is not None and optimizer._engine_backward:  # outside, it stays where zero_grad() reaches
                 view.add_(param.grad)  # upcasts to fp32; the low-precision gradient is freed right away
                 param.grad = None
 
