@@ -20,7 +20,7 @@ from angelptm.distributed import DistContext, init_distributed, launcher_world_s
 from angelptm.engine import Engine
 from angelptm.errors import ConfigError
 from angelptm.expert_parallel import ExpertParallel, setup_expert_parallel
-from angelptm.log_output import show_logs_in_plain_script
+from angelptm.log_output import set_log_level, show_logs_in_plain_script
 from angelptm.loss_scaler import LossScaler
 from angelptm.mixed_precision import MixedPrecisionOptimizer
 from angelptm.pipe.module import PipelineModule
@@ -112,6 +112,9 @@ def _pick_config(args: Any, config: Any, config_params: Any) -> Any:
 
 
 def _report_ignored(cfg: EngineConfig, ctx: DistContext) -> None:
+    """Apply the config's ``log_level``; on rank 0, log the compute dtype and the keys that have no effect."""
+    if cfg.monitor.log_level is not None:
+        set_log_level(cfg.monitor.log_level)
     if not ctx.is_main:
         return
     report_precision(cfg)

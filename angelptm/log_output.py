@@ -41,6 +41,12 @@ def _another_handler_takes(logger: logging.Logger | None, handler: logging.Handl
     return False
 
 
+def set_log_level(level: str) -> None:
+    """The config's ``log_level`` (DeepSpeed's key): the level of every angelptm log line, as DeepSpeed's engine
+    sets its logger's."""
+    logging.getLogger(PACKAGE_LOGGER).setLevel(level.upper())
+
+
 def show_logs_in_plain_script() -> None:
     """Show angelptm's INFO lines on stdout when the application has configured no logging (idempotent).
 

@@ -284,6 +284,8 @@ class EdgeConfig(Section):
     aio: AioSection = Field(default_factory=AioSection)
     steps_per_print: int = 10
     wall_clock_breakdown: bool = False
+    log_level: Literal["debug", "info", "warning", "error", "critical"] | None = None
+    """DeepSpeed's: the level of its logger (here the ``angelptm`` logger's), set at initialize()."""
     tensorboard: MonitorSection = Field(default_factory=MonitorSection)
     csv_monitor: MonitorSection = Field(default_factory=MonitorSection)
     wandb: WandbSection = Field(default_factory=WandbSection)

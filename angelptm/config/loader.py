@@ -308,6 +308,7 @@ def _to_typed(parsed: edge.EdgeConfig, scheduler: typed.SchedulerConfig | None, 
         wall_clock_breakdown=parsed.wall_clock_breakdown,
         tensorboard_dir=_monitor_dir(parsed.tensorboard),
         csv_dir=_monitor_dir(parsed.csv_monitor),
+        log_level=parsed.log_level,
     )
     if parsed.wandb.enabled:
         ignored = ignored + ("wandb",)

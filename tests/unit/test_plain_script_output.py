@@ -26,11 +26,12 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def outputs() -> dict[str, str]:
     running = {}
-    for mode in ("none", "warning", "info"):
+    for mode, extra in (("none", []), ("warning", []), ("info", []), ("config", ["--config-log-level", "warning"])):
         env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(_free_port())}
-        running[mode] = subprocess.Popen([sys.executable, str(JOB), "--logging", mode], env=env, text=True,
-                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        logging_mode = "none" if mode == "config" else mode
+        running[mode] = subprocess.Popen([sys.executable, str(JOB), "--logging", logging_mode, *extra], env=env,
+                                         text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     done = {}
     for mode, process in running.items():
         stdout, stderr = process.communicate(timeout=300)
@@ -59,3 +60,10 @@ def test_a_script_that_configured_logging_decides(outputs):
     info = outputs["info"]
     assert info.count("step=2, skipped=0") == 1 and info.count("steps: 2 loss") == 1  # its handler alone prints
     assert "INFO:angelptm.engine:step=2" in info  # in the application's format, not ours
+
+
+def test_the_config_log_level_quiets_the_info_lines_as_deepspeeds_does(outputs):
+    """DeepSpeed's ``"log_level": "warning"`` in the config: no INFO lines, even in a plain script."""
+    quiet = outputs["config"]
+    assert "step=" not in quiet and "steps: 1 loss" not in quiet and "compute dtype" not in quiet
+    assert _losses(quiet) == pytest.approx(_losses(outputs["none"]))  # the same training, quieter
