@@ -79,3 +79,29 @@ def test_deprecated_key_beside_its_replacement_is_refused_as_deepspeed_does(depr
     with pytest.raises(ConfigError, match=f"zero_optimization.{deprecated} .deprecated. and "
                                           f"zero_optimization.{next(iter(replacing))}"):
         load_config(config, device_type="cpu")
+
+
+def test_deepspeedexamples_cifar_config_loads_as_deepspeed_reads_it():
+    """training/cifar/cifar10_deepspeed.py's get_ds_config(), verbatim for --dtype fp32 --stage 0: it stopped at
+    "zero_optimization.cpu_offload: unknown key"."""
+    config = {
+        "train_batch_size": 16, "steps_per_print": 2000,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.8, 0.999], "eps": 1e-8,
+                                                 "weight_decay": 3e-7}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.001,
+                                                     "warmup_num_steps": 1000}},
+        "gradient_clipping": 1.0, "prescale_gradients": False,
+        "bf16": {"enabled": False},
+        "fp16": {"enabled": False, "fp16_master_weights_and_grads": False, "loss_scale": 0, "loss_scale_window": 500,
+                 "hysteresis": 2, "min_loss_scale": 1, "initial_scale_power": 15},
+        "wall_clock_breakdown": False,
+        "zero_optimization": {"stage": 0, "allgather_partitions": True, "reduce_scatter": True,
+                              "allgather_bucket_size": 50000000, "reduce_bucket_size": 50000000, "overlap_comm": True,
+                              "contiguous_gradients": True, "cpu_offload": False},
+    }
+    theirs = zero_config.get_zero_config(copy.deepcopy(config))
+    ours = load_config(config, device_type="cpu")
+    assert (ours.zero.stage, ours.zero.offload_optimizer_device) == (int(theirs.stage),
+                                                                     _ds_device(theirs.offload_optimizer))
+    assert ours.zero.reduce_bucket_size == theirs.reduce_bucket_size == 50_000_000
+    assert str(ours.precision.dtype) == "torch.float32" and ours.gradient_clipping == 1.0
