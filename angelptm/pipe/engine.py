@@ -105,7 +105,7 @@ class PipelineEngine(PipelineCheckpoints, Engine):
         self.runner: PipelineRunner | None = None
         self.data_iterator: Iterator | None = None
         self.agg_train_loss: torch.Tensor | None = None
-        self._printed_at_s = time.perf_counter()  # when the last steps_per_print line was printed
+        self._train_batch_s = 0.0  # seconds in train_batch() since the last steps_per_print line (DeepSpeed's timer)
 
     # ------------------------------------------------------------------ DeepSpeed's pipeline accessors
     @property
@@ -233,6 +233,7 @@ class PipelineEngine(PipelineCheckpoints, Engine):
         """
         if not torch.is_grad_enabled():
             raise PipelineError("train_batch() cannot be called with torch.no_grad(); use eval_batch()")
+        started_s = time.perf_counter()
         flush = self._next_flush(data_iter)
         runner = self.runner or self.build_runner(self._example(flush))
         with self.optimizer.accumulating():
@@ -252,15 +253,16 @@ class PipelineEngine(PipelineCheckpoints, Engine):
         self.micro_steps += self.micro_batches
         self.global_samples += self.train_batch_size()
         self.agg_train_loss = self._pipe_scalar(loss)
-        if self.ctx.is_main and self.global_steps % self.config.monitor.steps_per_print == 0:
-            self._print_progress()
+        self._train_batch_s += time.perf_counter() - started_s
+        if self.global_steps % self.config.monitor.steps_per_print == 0:
+            if self.ctx.is_main:
+                self._print_progress()
+            self._train_batch_s = 0.0
         return self.agg_train_loss
 
     def _print_progress(self) -> None:
         """DeepSpeed's pipeline line (its ``train_batch`` prints it on rank 0): loss, mean step time, samples/s."""
-        now = time.perf_counter()
-        iter_time_s = (now - self._printed_at_s) / self.config.monitor.steps_per_print
-        self._printed_at_s = now
+        iter_time_s = self._train_batch_s / self.config.monitor.steps_per_print
         logger.info("steps: %d loss: %.4f iter time (s): %.3f samples/sec: %.3f", self.global_steps,
                     self.agg_train_loss.item(), iter_time_s, self.train_batch_size() / max(iter_time_s, 1e-9))
 
