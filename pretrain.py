@@ -188,8 +188,8 @@ class StopRequest:
                        signal.Signals(signum).name)
 
 
-def train(raw: dict, *, allow_unsafe_pickle: bool = False, trace_dir: Path | None = None) -> float:
-    """Run the configured training; returns the last logged loss.
+def train(raw: dict, *, allow_unsafe_pickle: bool = False, trace_dir: Path | None = None) -> float | None:
+    """Run the configured training; returns the last logged loss (None: the run had already finished).
 
     ``allow_unsafe_pickle``: resume from a previous-format checkpoint (see ``angelptm.checkpoint_pickle``).
 
@@ -211,7 +211,8 @@ def train(raw: dict, *, allow_unsafe_pickle: bool = False, trace_dir: Path | Non
         raise lost from err
 
 
-def _train(cfg: EngineConfig, ctx: DistContext, allow_unsafe_pickle: bool, trace_dir: Path | None) -> float:
+def _train(cfg: EngineConfig, ctx: DistContext, allow_unsafe_pickle: bool, trace_dir: Path | None
+           ) -> float | None:
     if not cfg.train.resume:
         refuse_fresh_start_over_a_run(cfg.train.save_dir, ctx)
     torch.manual_seed(cfg.seed if cfg.seed is not None else 0)  # model init is reproducible either way
@@ -225,18 +226,23 @@ def _train(cfg: EngineConfig, ctx: DistContext, allow_unsafe_pickle: bool, trace
         if trace_dir is not None:
             raise ConfigError("--trace pictures one engine's step; the AutoPipe pipeline has no tracer yet "
                               "(drop --trace, or trace the model without autopipe)")
-        return pipeline.train(cfg, ctx, dataset, stop_requested=lambda: stop.requested,
+        loss = pipeline.train(cfg, ctx, dataset, stop_requested=lambda: stop.requested,
                               after_save=lambda: prune_checkpoints(cfg.train.save_dir, cfg.train.keep_last),
                               allow_unsafe_pickle=allow_unsafe_pickle)
+        if loss is None:
+            say_nothing_to_train(cfg, ctx)
+        return loss
     model = build_model(cfg.model, moe=cfg.moe)
     weight_decay = cfg.optimizer.weight_decay if cfg.optimizer else 0.0
     engine, _, loader, _ = angelptm.initialize(model=model, model_parameters=model.param_groups(weight_decay),
                                                training_data=dataset, config=cfg)
     save_dir = cfg.train.save_dir
-    if cfg.train.resume:
+    if cfg.train.resume and ctx.any_rank((Path(save_dir) / "latest").is_file()):
         path, _ = engine.load_checkpoint(save_dir, allow_unsafe_pickle=allow_unsafe_pickle)
         if path and ctx.is_main:
             logger.info("resumed from %s at step %d", path, engine.global_steps)
+    elif ctx.is_main:  # the first run of a save_dir: nothing is wrong, so no warning
+        logger.info("no checkpoint in %s yet: starting fresh", save_dir)
     if ctx.is_main:
         logger.info("model: %s flavour, %.2fM parameters; %d ranks x micro-batch %d x %d accumulation = %d "
                     "sequences of %d tokens per step; device %s, dtype %s", cfg.model.flavour,
@@ -247,8 +253,15 @@ def _train(cfg: EngineConfig, ctx: DistContext, allow_unsafe_pickle: bool, trace
 
 
 def run_loop(engine: angelptm.Engine, cfg: EngineConfig, ctx: DistContext, loader, seq_len: int,
-             trace_dir: Path | None = None) -> float:
-    """Train to ``cfg.train.steps``; with ``trace_dir``, trace the step after this run's first (warm-up) step."""
+             trace_dir: Path | None = None) -> float | None:
+    """Train to ``cfg.train.steps``; with ``trace_dir``, trace the step after this run's first (warm-up) step.
+
+    Returns:
+        The last logged loss; None when the run had already reached ``train.steps`` (a finished run, again).
+    """
+    if engine.global_steps >= cfg.train.steps:
+        say_nothing_to_train(cfg, ctx)
+        return None
     batches = repeat_batches(loader)
     first_step = engine.global_steps
     meter = ThroughputMeter(engine.module.flops_per_token(seq_len), ctx.device)
@@ -280,6 +293,14 @@ def run_loop(engine: angelptm.Engine, cfg: EngineConfig, ctx: DistContext, loade
     if stop.requested:
         logger.warning("stopped at step %d; run the same command again to continue", engine.global_steps)
     return last_loss
+
+
+def say_nothing_to_train(cfg: EngineConfig, ctx: DistContext) -> None:
+    """A finished run started again: say so and how to go on, rather than report a loss of nan."""
+    if ctx.is_main:
+        logger.info("nothing to train: the run in %s is already at its last step (train.steps %d). To train "
+                    "further, raise train.steps (e.g. --steps %d); for a new run, pass another --save-dir",
+                    cfg.train.save_dir, cfg.train.steps, 2 * cfg.train.steps)
 
 
 def save(engine: angelptm.Engine, cfg: EngineConfig, ctx: DistContext) -> None:
@@ -337,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         return line[1]
     finally:
         main_rank = _leave_process_group()
-    if main_rank:
+    if main_rank and loss is not None:  # None: a finished run, run again (said where it was found)
         logger.info("done: final loss %.4f", loss)
     return 0
 

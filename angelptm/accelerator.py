@@ -79,10 +79,19 @@ class Accelerator:
         return tensor.is_pinned() if self._name == "cuda" else False
 
     def is_bf16_supported(self) -> bool:
+        """CUDA: torch's answer. CPU: True, DeepSpeed's CPU accelerator's answer (torch computes bf16 on any CPU,
+        emulated where it has no bf16 units: ``angelptm.cpu_bf16`` tells which)."""
         return self._module.is_bf16_supported() if self._name == "cuda" else True
 
     def is_fp16_supported(self) -> bool:
-        return True  # DeepSpeed's CPU accelerator says so too
+        """Asks the device, as DeepSpeed's accelerators do: a GPU of compute capability 7 or more; a CPU whose
+        oneDNN has fp16 kernels (AVX512-FP16 / AMX-FP16; False on an AVX2 AMD EPYC, say)."""
+        if self._name == "cuda":
+            return torch.cuda.get_device_capability()[0] >= 7
+        try:
+            return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+        except (AttributeError, RuntimeError):  # a torch built without oneDNN
+            return False
 
     def supported_dtypes(self) -> list[torch.dtype]:
         dtypes = [torch.float32]

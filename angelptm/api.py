@@ -21,6 +21,7 @@ from angelptm.engine import Engine
 from angelptm.errors import ConfigError
 from angelptm.expert_parallel import ExpertParallel, setup_expert_parallel
 from angelptm.fit_check import check_shapes_fit
+from angelptm.log_output import set_log_level, show_logs_in_plain_script
 from angelptm.loss_scaler import LossScaler
 from angelptm.mixed_precision import MixedPrecisionOptimizer
 from angelptm.pipe.module import PipelineModule
@@ -59,6 +60,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     Returns:
         ``(engine, optimizer, training_dataloader, lr_scheduler)``; items not requested are None.
     """
+    show_logs_in_plain_script()  # the dtype, steps_per_print and pipeline loss lines, as DeepSpeed shows them
     if model is None:
         raise ConfigError("angelptm.initialize: model= is required")
     if mpu is not None or mesh_param is not None:
@@ -138,6 +140,9 @@ def _pick_config(args: Any, config: Any, config_params: Any) -> Any:
 
 
 def _report_ignored(cfg: EngineConfig, ctx: DistContext) -> None:
+    """Apply the config's ``log_level``; on rank 0, log the compute dtype and the keys that have no effect."""
+    if cfg.monitor.log_level is not None:
+        set_log_level(cfg.monitor.log_level)
     if not ctx.is_main:
         return
     report_precision(cfg)

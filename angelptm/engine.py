@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -187,7 +188,10 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
         if scale_wrt_gas:
             loss = loss / self.gradient_accumulation_steps()
         scaled = loss.float() * self.loss_scale
-        with self._tracer.phase("backward"), explained_oom(self, "backward"):
+        # The optimizer takes gradients out of .grad only inside the engine's backward: one of a backward
+        # outside stays in .grad, where the script's zero_grad() reaches it, as under DeepSpeed.
+        taking = self.optimizer.accumulating() if self.optimizer is not None else nullcontext()
+        with self._tracer.phase("backward"), explained_oom(self, "backward"), taking:
             scaled.backward(retain_graph=retain_graph)
         if self.monitor is not None and self.monitor.enabled:
             detached = loss.detach().float() * (self.gradient_accumulation_steps() if scale_wrt_gas else 1)
@@ -250,7 +254,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
         return time.perf_counter()
 
     def _print_progress(self) -> None:
-        line = f"step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}"
+        line = f"step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, mom={self.get_mom()}"
         if self.config.monitor.wall_clock_breakdown:
             line += " | " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self._timings.items())
             self._timings = dict.fromkeys(self._timings, 0.0)

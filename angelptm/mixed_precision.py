@@ -4,10 +4,22 @@ The non-ZeRO-Cache path keeps one full replica of the model states per rank:
 
 * the module's parameters in the compute dtype (what forward and backward read),
 * an fp32 master copy of each (what the optimizer updates; the parameter itself in fp32 runs),
-* one flat fp32 gradient buffer. A post-accumulate-grad hook adds each parameter's
-  low-precision gradient into its slice as soon as autograd finishes it and frees the original,
-  so accumulation over micro-batches happens in fp32, and the data-parallel all-reduce is a few
-  large bucketed calls on one contiguous tensor.
+* one flat fp32 gradient buffer, so accumulation over micro-batches happens in fp32 and the
+  data-parallel all-reduce is a few large bucketed calls on one contiguous tensor.
+
+What the script does to ``.grad`` counts, as under DeepSpeed (stage 0), where ``step()`` applies what
+autograd left in ``.grad`` (issue 28: a GAN's generator loss runs backward through its discriminator,
+then ``netD.zero_grad()`` must drop it):
+
+* fp32 parameters (the parameter is its own master): ``.grad`` *is* the parameter's slice of the buffer.
+  A post-accumulate-grad hook adopts a fresh gradient into the slice; later backwards add in place. A
+  script's ``zero_grad()`` (to None or to zeros, on the module or on any optimizer) clears the slice:
+  :meth:`collect_gradients` treats a ``.grad`` of None as cleared.
+* low-precision parameters: the hook folds the gradient into the fp32 slice and frees it only inside the
+  engine's own backward (:meth:`accumulating`). A backward outside the engine leaves its gradient in
+  ``.grad``, where the script's ``zero_grad()`` reaches it; one still there at ``step()`` is folded in, as
+  DeepSpeed's step includes it. (What was folded in an earlier micro-batch of the same accumulation window
+  is not cleared by a module's ``zero_grad()`` in between; DeepSpeed's ZeRO-1/2 keep it too.)
 
 ``step()`` then: all-reduce (mean) -> unscale -> overflow check (fp16) -> clip -> optimizer step
 on the masters -> copy masters back into the compute-dtype parameters.
@@ -18,9 +30,11 @@ each part is reduced over its own group in large calls (see ``angelptm.expert_pa
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from typing import Any
+import weakref
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -93,18 +107,58 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             start = offsets[is_expert]
             self.grad_views.append(self.flat_grad[start:start + param.numel()].view_as(param))
             offsets[is_expert] += param.numel()
+        self._engine_backward = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
         self.overflow = False
         self.last_grad_norm: float | None = None
 
     def _make_hook(self, index: int):
         view = self.grad_views[index]
+        if self.params[index] is self.masters[index]:
+            def adopt(param: torch.nn.Parameter) -> None:
+                if param.grad is not view:  # a fresh gradient (.grad was None): it replaces the slice
+                    view.copy_(param.grad)
+                    param.grad = view
+            return adopt
+
+        # Weak: a tensor's hooks are invisible to the garbage collector; a strong reference would keep this
+        # optimizer (masters, states) alive as long as the module.
+        owner = weakref.ref(self)
 
         def accumulate(param: torch.nn.Parameter) -> None:
-            view.add_(param.grad)  # upcasts to fp32; the low-precision gradient is freed right away
-            param.grad = None
+            optimizer = owner()
+            if optimizer is not None and optimizer._engine_backward:  # outside, it stays where zero_grad() reaches
+                view.add_(param.grad)  # upcasts to fp32; the low-precision gradient is freed right away
+                param.grad = None
 
         return accumulate
+
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """The engine's own backward runs inside: low-precision gradients go to the fp32 buffer as they come."""
+        self._engine_backward = True
+        try:
+            yield
+        finally:
+            self._engine_backward = False
+
+    def collect_gradients(self) -> None:
+        """Make the flat buffer hold what ``.grad`` holds now (called before the buffer is reduced or read).
+
+        An fp32 parameter whose ``.grad`` the script set to None has an empty slice; one the script replaced
+        is copied in. A low-precision parameter's ``.grad`` left by a backward outside the engine is folded in.
+        """
+        with torch.no_grad():
+            for param, master, view in zip(self.params, self.masters, self.grad_views):
+                if param is master:
+                    if param.grad is None:
+                        view.zero_()
+                    elif param.grad is not view:
+                        view.copy_(param.grad)
+                        param.grad = view
+                elif param.grad is not None:
+                    view.add_(param.grad)
+                    param.grad = None
 
     # The torch.optim.Optimizer surface that schedulers and scripts touch.
     @property
@@ -126,7 +180,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                                   "train to angelptm.initialize")
 
     def prepare_backward(self, boundary: bool) -> None:
-        """Nothing to prepare: gradients always accumulate into the flat fp32 buffer."""
+        """Nothing to prepare: gradients accumulate into the flat fp32 buffer (see :meth:`accumulating`)."""
 
     def finish_pending(self) -> None:
         """Nothing runs in the background: the module's weights are current after every step."""
@@ -143,6 +197,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         Returns:
             True if the update was applied, False if it was skipped for an fp16 overflow.
         """
+        self.collect_gradients()
         self._all_reduce_mean()
         scale = self.loss_scaler.scale if self.loss_scaler else 1.0
         if scale != 1.0:

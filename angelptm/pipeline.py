@@ -196,6 +196,7 @@ def reduce_and_clip(runner: PipelineRunner, optimizer: MixedPrecisionOptimizer, 
     Returns:
         The global gradient norm before clipping (non-finite: the caller skips the step on every rank).
     """
+    optimizer.collect_gradients()
     flat = optimizer.flat_grad
     if runner.layout.num_replicas > 1:
         flat.mul_(1.0 / runner.layout.num_replicas)
@@ -235,7 +236,8 @@ def train_step(cfg: EngineConfig, runner: PipelineRunner, optimizer: MixedPrecis
     loss_sum = None
     for _ in range(cfg.batch.gradient_accumulation_steps // cfg.autopipe.num_microbatches):
         batch = next(batches)
-        loss = runner.step({"input_ids": batch["input_ids"]}, batch[TARGET])
+        with optimizer.accumulating():
+            loss = runner.step({"input_ids": batch["input_ids"]}, batch[TARGET])
         if loss is not None:
             loss_sum = loss if loss_sum is None else loss_sum + loss
     norm = reduce_and_clip(runner, optimizer, cfg.gradient_clipping)
@@ -283,7 +285,7 @@ def resume(cfg: EngineConfig, ctx: DistContext, runner: PipelineRunner, optimize
 
 
 def train(cfg: EngineConfig, ctx: DistContext, dataset: TokenDataset, *, stop_requested: Callable[[], bool],
-          after_save: Callable[[], None], allow_unsafe_pickle: bool = False) -> float:
+          after_save: Callable[[], None], allow_unsafe_pickle: bool = False) -> float | None:
     """Train the configured GPT as an AutoPipe pipeline.
 
     Args:
@@ -295,7 +297,7 @@ def train(cfg: EngineConfig, ctx: DistContext, dataset: TokenDataset, *, stop_re
         allow_unsafe_pickle: resume from a checkpoint of the previous format (see :func:`resume`).
 
     Returns:
-        The last logged loss.
+        The last logged loss; None when the checkpoint resumed from had already reached ``train.steps``.
     """
     layout = check_config(cfg, ctx)
     runner, flops_per_token = build_runner(cfg, ctx, layout, dataset)
@@ -335,7 +337,9 @@ def profile_target(config_path: str | None, device: torch.device) -> tuple[torch
 
 
 def run_loop(cfg: EngineConfig, ctx: DistContext, runner: PipelineRunner, optimizer, scheduler, loader, step: int,
-             flops_per_token: float, seq_len: int, stop_requested, after_save) -> float:
+             flops_per_token: float, seq_len: int, stop_requested, after_save) -> float | None:
+    if step >= cfg.train.steps:  # a finished run, started again: nothing to train, nothing to save
+        return None
     batches = repeat_batches(loader)
     meter = ThroughputMeter(flops_per_token, ctx.device)
     progress = tqdm(total=cfg.train.steps, initial=step, desc="train", unit="step", disable=not ctx.is_main,

@@ -2,15 +2,39 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
 import torch
 
-# A config that names no precision computes in bf16 on a CPU with bf16 units (angelptm.config.precision).
+# A config with bf16.enabled "auto" computes in bf16 on a CPU with bf16 units (angelptm.config.precision).
 # The suite pins the answer to "no units" so its fp32 references hold on any CI CPU; set here, at import,
 # so the jobs tests start as processes inherit it. tests/unit/test_precision_rule.py passes its own answers.
 os.environ.setdefault("ANGELPTM_CPU_BF16", "0")
+
+
+class _TerminalLines(logging.Handler):
+    """Writes a record on the terminal as it happens: pytest holds logs back until a test fails, and a native
+    op's first build (zero_cache.native) is a minute or two with nothing else to show."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        super().__init__(logging.INFO)
+        self.config = config
+
+    def emit(self, record: logging.LogRecord) -> None:
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        capture = self.config.pluginmanager.get_plugin("capturemanager")
+        if reporter is None or capture is None:
+            return
+        with capture.global_and_fixture_disabled():  # as pytest's live logging writes past the capture
+            reporter.write_line(f"[{record.name}] {record.getMessage()}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    native = logging.getLogger("zero_cache.native")
+    native.setLevel(logging.INFO)
+    native.addHandler(_TerminalLines(config))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

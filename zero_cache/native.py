@@ -34,9 +34,23 @@ def load_csrc(name: str) -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
+        if not _built(f"angelptm_{name}"):  # a minute or two of silence otherwise (issue 28)
+            logger.info("ZeRO-Cache native %s: compiling %s for this machine (first use only, about a minute; "
+                        "cached afterwards)", name, source.name)
         return load(name=f"angelptm_{name}", sources=[str(source)], verbose=False, **_FLAGS[name])
     except Exception as err:  # no compiler or ninja, or a toolchain error: the library path still works
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
         logger.warning("ZeRO-Cache native %s did not build (%s: %s); using the library path",
                        name, type(err).__name__, first_line)
         return None
+
+
+def _built(extension: str) -> bool:
+    """Whether torch's extension cache already holds a build of ``extension`` (then loading it takes a moment;
+    ninja still rebuilds it if the source changed)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory  # private, hence the guard
+
+        return any(Path(_get_build_directory(extension, verbose=False)).glob(f"{extension}*.so"))
+    except Exception:  # noqa: BLE001 (a torch without it: say we are building, which is at worst early)
+        return False

@@ -41,11 +41,12 @@ gather copies the new weights in, so no host->device copy follows the update.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -162,8 +163,9 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
         self.clock = time.perf_counter
         """What step times are read from (a fake one in tests)."""
         self._synced_at: float | None = None  # when the last step's norm reached the host
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-        for param, (_, slot) in zip(params, self.members):
+        self._params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        self._engine_backward = False  # gradients are taken only inside the engine's backward (accumulating())
+        for param, (_, slot) in zip(self._params, self.members):
             param.register_post_accumulate_grad_hook(self._make_grad_hook(slot))
         self._reset_window()
 
@@ -205,10 +207,34 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
 
         def hook(param: nn.Parameter) -> None:
             owner = optimizer()
-            if owner is not None:
+            if owner is not None and owner._engine_backward:
                 owner._take_gradient(slot, param)
 
         return hook
+
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """The engine's backward runs inside; gradients go into ZeRO-Cache as autograd finishes them.
+
+        A backward outside (a GAN's generator loss through its discriminator) leaves its gradients in
+        ``.grad``, where the script's ``zero_grad()`` clears them; one still there when the next engine
+        backward runs is summed into it by autograd and taken with it, as DeepSpeed's step includes it.
+        """
+        self._engine_backward = True
+        try:
+            yield
+        finally:
+            self._engine_backward = False
+
+    def _refuse_stray_gradients(self) -> None:
+        """A gradient left in ``.grad`` by a backward after the window's last engine backward cannot join a
+        window whose gradients already overwrote their parameters: say so rather than drop it silently."""
+        stray = [name for name, param in zip(self.names, self._params) if param.grad is not None]
+        if stray:
+            raise RuntimeError(f"{', '.join(stray[:4])}{' ...' if len(stray) > 4 else ''} hold a gradient from a "
+                               f"backward outside engine.backward() run after this step's engine.backward(); "
+                               f"ZeRO-Cache takes gradients only in engine.backward(). Clear it (module.zero_grad()) "
+                               f"or run that backward before engine.backward()")
 
     def _take_gradient(self, slot: TensorSlot, param: nn.Parameter) -> None:
         """Move ``param``'s gradient out of autograd into ZeRO-Cache (post-accumulate-grad hook)."""
@@ -369,6 +395,7 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
     def step(self) -> bool:
         """Apply the accumulated gradients; False if skipped for non-finite gradients (e.g. fp16 overflow)."""
         self.host.raise_if_failed()
+        self._refuse_stray_gradients()
         scale = self.loss_scaler.scale if self.loss_scaler else 1.0
         if self.exchange is not None:
             self._reduce_gradients()

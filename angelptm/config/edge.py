@@ -8,10 +8,12 @@ typed dataclasses in ``angelptm.config.typed`` once.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import types
 import typing
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -148,9 +150,7 @@ class ZeroSection(Section):
     stage3_max_reuse_distance: int = 1_000_000_000
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_param_persistence_threshold: int = 100_000
-    stage3_gather_16bit_weights_on_model_save: bool = Field(
-        default=False, alias="stage3_gather_fp16_weights_on_model_save"
-    )
+    stage3_gather_16bit_weights_on_model_save: bool = False
     elastic_checkpoint: bool = False
     ignore_unused_parameters: bool = True
     load_from_fp32_weights: bool = True
@@ -184,6 +184,79 @@ class WandbSection(Section):
     group: str | None = None
     team: str | None = None
     project: str = "deepspeed"
+
+
+@dataclass(frozen=True, slots=True)
+class DeprecatedKey:
+    """A key DeepSpeed 0.19's config models still accept (``deprecated=True``), and the key that replaced it."""
+
+    path: str
+    """Where it is written, e.g. "zero_optimization.cpu_offload"."""
+    new_key: str
+    """The key to write instead, in the same section."""
+    new_value: Callable[[Any], Any] | None
+    """The deprecated value -> the new key's value, as DeepSpeed's ``new_param_fn``; None where DeepSpeed sets
+    nothing (``set_new_param=False``: the value is dropped). A result of None leaves the new key unset."""
+
+
+DEPRECATED_KEYS = (
+    # deepspeed/runtime/zero/config.py, DeepSpeedZeroConfig: cpu_offload_param, cpu_offload_use_pin_memory,
+    # cpu_offload and stage3_gather_fp16_weights_on_model_save are its deprecated fields.
+    DeprecatedKey("zero_optimization.cpu_offload", "offload_optimizer",
+                  lambda on: {"device": "cpu"} if on else None),
+    DeprecatedKey("zero_optimization.cpu_offload_param", "offload_param",
+                  lambda on: {"device": "cpu"} if on else None),
+    DeprecatedKey("zero_optimization.cpu_offload_use_pin_memory", "offload_param.pin_memory or "
+                  "offload_optimizer.pin_memory", None),
+    DeprecatedKey("zero_optimization.stage3_gather_fp16_weights_on_model_save",
+                  "stage3_gather_16bit_weights_on_model_save", lambda on: on),
+)
+"""DeepSpeed's deprecated config keys: read with DeepSpeed's meaning, with a warning naming the new key."""
+
+
+def upgrade_deprecated_keys(raw: dict[str, Any]) -> list[str]:
+    """Rewrite DeepSpeed's deprecated keys in ``raw`` (in place) as DeepSpeed 0.19 reads them.
+
+    Also the pre-0.3 form ``"zero_optimization": true/false`` (stage 1 with the top-level ``allgather_size`` as
+    its bucket, or stage 0), which DeepSpeed's ``get_zero_config`` still reads.
+
+    Returns:
+        One warning per deprecated key found, naming the key to write instead.
+
+    Raises:
+        ValueError: a deprecated key and the key replacing it are both set (DeepSpeed refuses that too).
+    """
+    warnings = []
+    if isinstance(raw.get("zero_optimization"), bool):
+        stage = 1 if raw["zero_optimization"] else 0
+        section: dict[str, Any] = {"stage": stage}
+        if stage:
+            section["allgather_bucket_size"] = int(raw.pop("allgather_size", 500_000_000))
+        raw["zero_optimization"] = section
+        warnings.append(f"\"zero_optimization\": {str(bool(stage)).lower()} is DeepSpeed's deprecated form; read as "
+                        f"{json.dumps(section)}. Write the section instead")
+    for key in DEPRECATED_KEYS:
+        section_name, name = key.path.split(".")
+        section = raw.get(section_name)
+        if not isinstance(section, dict) or name not in section:
+            continue
+        value = section.pop(name)
+        if key.new_value is None:
+            warnings.append(f"{key.path} is deprecated (DeepSpeed ignores its value too): set {section_name}."
+                            f"{key.new_key} instead")
+            continue
+        if key.new_key in section:
+            raise ValueError(f"{key.path} (deprecated) and {section_name}.{key.new_key}, which replaces it, are both "
+                             f"set; keep {section_name}.{key.new_key} only")
+        new_value = key.new_value(value)
+        if new_value is None:
+            warnings.append(f"{key.path} is deprecated: {json.dumps(value)} means no {section_name}.{key.new_key} "
+                            f"(as DeepSpeed reads it); delete the key")
+            continue
+        section[key.new_key] = new_value
+        warnings.append(f"{key.path} is deprecated: read as {section_name}.{key.new_key} = {json.dumps(new_value)}. "
+                        f"Write that instead")
+    return warnings
 
 
 # DeepSpeed keys we accept so that configs load unchanged, but do not act on (yet). Setting one
@@ -222,6 +295,8 @@ class EdgeConfig(Section):
     aio: AioSection = Field(default_factory=AioSection)
     steps_per_print: int = 10
     wall_clock_breakdown: bool = False
+    log_level: Literal["debug", "info", "warning", "error", "critical"] | None = None
+    """DeepSpeed's: the level of its logger (here the ``angelptm`` logger's), set at initialize()."""
     tensorboard: MonitorSection = Field(default_factory=MonitorSection)
     csv_monitor: MonitorSection = Field(default_factory=MonitorSection)
     wandb: WandbSection = Field(default_factory=WandbSection)

@@ -45,6 +45,11 @@ def load_config(config: str | os.PathLike | dict | None, *, world_size: int = 1,
             lists every problem found, each with its key path.
     """
     raw = read_config_source(config)
+    try:
+        for warning in edge.upgrade_deprecated_keys(raw):
+            logger.warning("%s", warning)
+    except ValueError as err:
+        raise ConfigError(f"invalid config:\n  {err}") from None
     problems = _unknown_key_problems(raw, edge.EdgeConfig, "") or edge.type_problems(raw)
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
@@ -303,6 +308,7 @@ def _to_typed(parsed: edge.EdgeConfig, scheduler: typed.SchedulerConfig | None, 
         wall_clock_breakdown=parsed.wall_clock_breakdown,
         tensorboard_dir=_monitor_dir(parsed.tensorboard),
         csv_dir=_monitor_dir(parsed.csv_monitor),
+        log_level=parsed.log_level,
     )
     if parsed.wandb.enabled:
         ignored = ignored + ("wandb",)

@@ -6,9 +6,10 @@ The rule (README "Config reference"):
   units bf16 is kept as asked, with a warning giving the slowdown measured there.
 * ``bf16.enabled: "auto"`` (the shipped default job) -> bf16 where the device computes it natively (a
   CUDA GPU with bf16, a CPU with AVX512-BF16 / AMX / ARM BF16), else fp32.
-* no precision in the config (neither ``bf16`` nor ``fp16`` enabled) -> on a CPU the same as "auto"; on
-  CUDA fp32, DeepSpeed's own default, so a DeepSpeed config without a precision section trains as it
-  did under DeepSpeed. ``"bf16": {"enabled": false}`` is an explicit fp32 on any device.
+* no precision in the config (neither a ``bf16`` nor an ``fp16`` section) -> fp32 on every device,
+  DeepSpeed's own default, so a DeepSpeed script trains as it did under DeepSpeed: its fp32 inputs meet
+  fp32 weights, and its losses are DeepSpeed's from the first step (issue 28). ``"bf16": {"enabled":
+  false}`` is the same fp32, said explicitly.
 
 Why the CPU case matters: without bf16 units a bf16 matmul is emulated, 15x slower than fp32 on a
 2-core AVX2 EPYC (issue 18), which turned the two-minute default job into 55 minutes.
@@ -43,7 +44,7 @@ def choose_dtype(*, bf16: bool | Literal["auto"] | None, fp16: bool, device_type
 
     Args:
         bf16: ``bf16.enabled`` as written; None when the config names no precision (neither a ``bf16`` nor
-            an ``fp16`` section).
+            an ``fp16`` section): fp32.
         fp16: ``fp16.enabled``.
         device_type: "cuda" or "cpu", the device the run computes on.
         cpu, cuda_bf16: the hardware questions, asked only when the rule needs them (tests pass fakes).
@@ -62,10 +63,11 @@ def choose_dtype(*, bf16: bool | Literal["auto"] | None, fp16: bool, device_type
         return DtypeChoice(torch.bfloat16, "bf16.enabled is true")
     if bf16 is False:
         return DtypeChoice(torch.float32, "the config turns bf16 and fp16 off")
-    asked = 'bf16.enabled is "auto"' if bf16 == BF16_AUTO else "the config names no precision"
+    if bf16 is None:
+        return DtypeChoice(torch.float32, 'the config names no precision: fp32, as DeepSpeed ("bf16": {"enabled": '
+                                          '"auto"} picks bf16 where the device computes it natively)')
+    asked = 'bf16.enabled is "auto"'
     if device_type == "cuda":
-        if bf16 != BF16_AUTO:
-            return DtypeChoice(torch.float32, f"{asked}: fp32 on the GPU, as DeepSpeed")
         if cuda_bf16():
             planned = "" if torch.cuda.is_available() else " (assumed of a GPU planned for, not on this machine)"
             return DtypeChoice(torch.bfloat16, f"{asked} and this GPU computes bf16{planned}")

@@ -129,6 +129,9 @@ class MonitorConfig:
     """Write TensorBoard events here (None = off)."""
     csv_dir: str | None = None
     """Write a CSV of metrics here (None = off)."""
+    log_level: str | None = None
+    """DeepSpeed's ``log_level`` ("debug" ... "critical"): the ``angelptm`` logger's level, set at ``initialize()``
+    (None = INFO in a script that configured no logging, else the application's choice)."""
 
     def __post_init__(self) -> None:
         if self.steps_per_print < 1:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -104,6 +105,7 @@ class PipelineEngine(PipelineCheckpoints, Engine):
         self.runner: PipelineRunner | None = None
         self.data_iterator: Iterator | None = None
         self.agg_train_loss: torch.Tensor | None = None
+        self._train_batch_s = 0.0  # seconds in train_batch() since the last steps_per_print line (DeepSpeed's timer)
 
     # ------------------------------------------------------------------ DeepSpeed's pipeline accessors
     @property
@@ -231,9 +233,11 @@ class PipelineEngine(PipelineCheckpoints, Engine):
         """
         if not torch.is_grad_enabled():
             raise PipelineError("train_batch() cannot be called with torch.no_grad(); use eval_batch()")
+        started_s = time.perf_counter()
         flush = self._next_flush(data_iter)
         runner = self.runner or self.build_runner(self._example(flush))
-        loss = runner.step(*self._runner_arguments(flush), backward=True)
+        with self.optimizer.accumulating():
+            loss = runner.step(*self._runner_arguments(flush), backward=True)
         norm = pipeline.reduce_and_clip(runner, self.optimizer, self.config.gradient_clipping)
         self._step_applied = math.isfinite(norm)
         if self._step_applied:
@@ -249,9 +253,18 @@ class PipelineEngine(PipelineCheckpoints, Engine):
         self.micro_steps += self.micro_batches
         self.global_samples += self.train_batch_size()
         self.agg_train_loss = self._pipe_scalar(loss)
-        if self.ctx.is_main and self.global_steps % self.config.monitor.steps_per_print == 0:
-            logger.info("steps: %d loss: %.4f lr: %s", self.global_steps, self.agg_train_loss.item(), self.get_lr())
+        self._train_batch_s += time.perf_counter() - started_s
+        if self.global_steps % self.config.monitor.steps_per_print == 0:
+            if self.ctx.is_main:
+                self._print_progress()
+            self._train_batch_s = 0.0
         return self.agg_train_loss
+
+    def _print_progress(self) -> None:
+        """DeepSpeed's pipeline line (its ``train_batch`` prints it on rank 0): loss, mean step time, samples/s."""
+        iter_time_s = self._train_batch_s / self.config.monitor.steps_per_print
+        logger.info("steps: %d loss: %.4f iter time (s): %.3f samples/sec: %.3f", self.global_steps,
+                    self.agg_train_loss.item(), iter_time_s, self.train_batch_size() / max(iter_time_s, 1e-9))
 
     def eval_batch(self, data_iter: Iterator, return_logits: bool = False, compute_loss: bool = True,
                    reduce_output: str | None = "avg", bcast_loss: bool = True,

@@ -65,9 +65,12 @@ def test_accelerator_answers_like_deepspeeds_cpu_accelerator(monkeypatch) -> Non
 
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     ours, theirs = angelptm.accelerator.get_accelerator(), CPU_Accelerator()
-    for method in ("device_name", "current_device_name", "is_available", "is_bf16_supported",
-                   "is_fp16_supported", "is_synchronized_device"):
+    for method in ("device_name", "current_device_name", "is_available", "is_synchronized_device"):
         assert getattr(ours, method)() == getattr(theirs, method)(), method
+    # Both ask this CPU (DeepSpeed's fp16 answer is None rather than False where oneDNN has no fp16 kernels).
+    for method in ("is_bf16_supported", "is_fp16_supported"):
+        assert getattr(ours, method)() is bool(getattr(theirs, method)()), method
+    assert ours.supported_dtypes() == theirs.supported_dtypes()
     assert ours.communication_backend_name() == "gloo"  # DeepSpeed's says "ccl" when oneCCL is installed
     ours.manual_seed(5)
     first = torch.rand(3)
@@ -77,6 +80,18 @@ def test_accelerator_answers_like_deepspeeds_cpu_accelerator(monkeypatch) -> Non
     assert ours.on_accelerator(tensor) and ours.pin_memory(tensor) is tensor
     with pytest.raises(NotImplementedError, match="op builders"):
         ours.create_op_builder("CPUAdamBuilder")
+
+
+@pytest.mark.parametrize("cpu_has_fp16", [True, False])
+def test_accelerator_asks_the_cpu_for_fp16_as_deepspeeds_does(monkeypatch, cpu_has_fp16: bool) -> None:
+    """Both answers on any CPU: an AVX2 AMD EPYC's (oneDNN without fp16 kernels) and a Sapphire Rapids'."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: cpu_has_fp16)
+    ours, theirs = angelptm.accelerator.Accelerator("cpu"), CPU_Accelerator()
+    assert ours.is_fp16_supported() is cpu_has_fp16 is bool(theirs.is_fp16_supported())
+    assert (torch.float16 in ours.supported_dtypes()) is cpu_has_fp16
+    assert ours.supported_dtypes() == theirs.supported_dtypes()
 
 
 def test_checkpointing_gives_plain_gradients_and_refuses_what_it_cannot_do() -> None:

@@ -1,4 +1,5 @@
-"""The compute dtype by device (issue 18): bf16 on a CPU only where it has bf16 units, unless asked for.
+"""The compute dtype by device (issue 18): bf16 on a CPU only where it has bf16 units, unless asked for; a config
+naming no precision is fp32 on every device, as in DeepSpeed (issue 28).
 
 The CPU's answer is faked (the suite pins ANGELPTM_CPU_BF16=0 in conftest; these tests set their own).
 """
@@ -50,9 +51,9 @@ def test_cpuinfo_parsing(tmp_path):
 
 
 @pytest.mark.parametrize("bf16, device, cpu, cuda, dtype", [
-    (None, "cpu", EMULATED, False, torch.float32),      # the issue's AVX2 EPYC: fp32
-    (None, "cpu", NATIVE, False, torch.bfloat16),       # AMX: bf16
-    (None, "cuda", NATIVE, True, torch.float32),        # DeepSpeed's default on a GPU, unchanged
+    (None, "cpu", EMULATED, False, torch.float32),      # no precision: DeepSpeed's fp32 on every device
+    (None, "cpu", NATIVE, True, torch.float32),         # even with AMX (issue 28: fp32 inputs, DeepSpeed's losses)
+    (None, "cuda", NATIVE, True, torch.float32),
     ("auto", "cpu", EMULATED, True, torch.float32),
     ("auto", "cpu", NATIVE, False, torch.bfloat16),
     ("auto", "cuda", EMULATED, True, torch.bfloat16),   # the default job keeps bf16 on a GPU
@@ -76,12 +77,13 @@ def test_fp16_needs_no_hardware_question():
 
 def test_loader_applies_the_rule(monkeypatch):
     monkeypatch.setenv("ANGELPTM_CPU_BF16", "1")
-    assert load_config(BASE, device_type="cpu").precision.dtype == torch.bfloat16
+    cfg = load_config(BASE, device_type="cpu")
+    assert cfg.precision.dtype == torch.float32 and "names no precision" in cfg.precision.reason
     assert load_config({**BASE, "fp16": {"enabled": False}}, device_type="cpu").precision.dtype == torch.float32
     assert load_config({**BASE, "bfloat16": {"enabled": "auto"}}, device_type="cpu").precision.dtype == torch.bfloat16
     assert load_config(BASE, device_type="cuda").precision.dtype == torch.float32
     monkeypatch.setenv("ANGELPTM_CPU_BF16", "0")
-    cfg = load_config(BASE, device_type="cpu")
+    cfg = load_config({**BASE, "bf16": {"enabled": "auto"}}, device_type="cpu")
     assert cfg.precision.dtype == torch.float32 and "no bf16 units" in cfg.precision.reason
     # bf16 "auto" defers to an explicit fp16.
     assert load_config({**BASE, "bf16": {"enabled": "auto"}, "fp16": {"enabled": True}},
@@ -93,7 +95,7 @@ def test_initialize_logs_the_choice_and_warns_with_the_measured_slowdown(monkeyp
     monkeypatch.setattr("angelptm.cpu_bf16.bf16_slowdown_once", lambda: 15.0)
     model = torch.nn.Linear(4, 4)
     with caplog.at_level(logging.INFO, logger="angelptm.api"):
-        engine, *_ = angelptm.initialize(model=model, config=BASE)
+        engine, *_ = angelptm.initialize(model=model, config={**BASE, "bf16": {"enabled": "auto"}})
     assert engine.module.weight.dtype == torch.float32
     assert any("compute dtype float32" in r.message and "no bf16 units" in r.message for r in caplog.records)
     caplog.clear()

@@ -25,6 +25,7 @@ def pretrain(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 def test_default_job_trains_then_resumes(tmp_path):
     first = pretrain(tmp_path, "--steps", "20")
     assert first.returncode == 0, first.stderr[-3000:]
+    assert "starting fresh" in first.stderr and "WARNING" not in first.stderr  # a first run is not a problem
     logged = [(int(s), float(l)) for s, l in LOSS.findall(first.stderr + first.stdout)]
     assert [s for s, _ in logged] == [10, 20]
     assert logged[-1][1] < logged[0][1], "the loss should fall over the first 20 steps"
@@ -36,6 +37,11 @@ def test_default_job_trains_then_resumes(tmp_path):
     assert "resumed from" in second.stderr
     assert [int(s) for s, _ in LOSS.findall(second.stdout)] == [30]
     assert (save_dir / "latest").read_text() == "global_step30"
+    again = pretrain(tmp_path, "--steps", "30")  # the finished run, run again: how to go on, not "loss nan"
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already at its last step (train.steps 30)" in again.stderr and "--steps 60" in again.stderr
+    assert "nan" not in again.stderr and not LOSS.findall(again.stdout)
+    assert sorted(p.name for p in save_dir.iterdir() if p.name.startswith("global_step"))[-1] == "global_step30"
 
 
 def test_interrupt_saves_and_exits(tmp_path):
