@@ -13,6 +13,7 @@ from torch import nn
 
 import zero_cache
 
+from angelptm import gathered_params
 from angelptm.config import EngineConfig, load_config
 from angelptm.cpu_bf16 import slow_bf16_warning
 from angelptm.data.loader import ResumableDataLoader
@@ -96,6 +97,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
                                      num_workers=cfg.data.num_workers, collate_fn=collate_fn,
                                      pin_memory=ctx.device.type == "cuda")
     engine = Engine(model, cfg, ctx, wrapped, scheduler, loader, experts=experts)
+    gathered_params.register(engine)  # zero.GatheredParameters finds the engine that owns a parameter
     return engine, wrapped, loader, scheduler
 
 

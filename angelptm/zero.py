@@ -92,3 +92,59 @@ class Init:
                 self.fills.__exit__(*exc)
             self._device_context.__exit__(*exc)
             torch.set_default_dtype(self._saved_dtype)
+
+
+class GatheredParameters:
+    """Context manager compatible with ``deepspeed.zero.GatheredParameters``: whole weights inside, edits kept.
+
+    Inside the block each parameter is a whole tensor in the compute dtype. Before ``initialize()``
+    parameters are whole already; after it they are rebound to copies of the engine's fp32 masters, and
+    on exit the edits of ``modifier_rank`` reach the masters and the engine's compute copies (ZeRO-Cache
+    chunks included), so the next forward and the next step use them (``angelptm.gathered_params``).
+
+    Args:
+        params: one parameter or an iterable of them (None entries are skipped, as in DeepSpeed).
+        modifier_rank: the rank (in the owning engine's group) whose edits are kept; every rank takes its
+            values. None: read-only, edits are dropped.
+        fwd_module: DeepSpeed's registration of external parameters for a forward run inside the block;
+            accepted and unused (a forward inside the block is not supported: the engine rebinds its
+            parameters as it runs).
+        enabled: False makes the context a no-op.
+
+    Every rank must enter the context when several ranks train (the values are broadcast, and sharded
+    masters gathered).
+    """
+
+    def __init__(self, params: Any, modifier_rank: int | None = None, fwd_module: Any = None,
+                 enabled: bool = True) -> None:
+        from angelptm import gathered_params
+
+        self._helpers = gathered_params
+        self.params = gathered_params.as_param_list(params) if enabled else []
+        self.modifier_rank = modifier_rank
+        self._edits: list[gathered_params.EngineEdit] = []
+        self._loose: list[torch.nn.Parameter] = []
+        """Parameters no engine owns yet (before initialize): whole already."""
+
+    def __enter__(self) -> "GatheredParameters":
+        by_engine: dict[int, tuple[Any, list]] = {}
+        for param in self.params:
+            ref = self._helpers.OWNERS.get(param)
+            engine = ref() if ref is not None else None
+            if engine is None:
+                self._loose.append(param)
+            else:
+                by_engine.setdefault(id(engine), (engine, []))[1].append(param)
+        for engine, params in by_engine.values():
+            edit = self._helpers.EngineEdit(engine, params)
+            edit.enter()
+            self._edits.append(edit)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        modifier = self.modifier_rank if exc[0] is None else None  # a block that raised keeps nothing
+        for edit in self._edits:
+            edit.exit(modifier)
+        if self._loose and modifier is not None and torch.distributed.is_initialized():
+            group = torch.distributed.group.WORLD
+            self._helpers.broadcast_values(self._loose, self.modifier_rank, group)
