@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from angelptm.config import load_config
+from angelptm.distributed import launcher_world_size
 from angelptm.errors import ConfigError
 from angelptm.init_on_device import RandomFillsOnDevice
 
@@ -63,7 +64,8 @@ class Init:
         if remote_device not in REMOTE_DEVICES:
             raise ConfigError(f"zero.Init(remote_device={remote_device!r}): expected one of {list(REMOTE_DEVICES)}")
         source = config_dict_or_path if config_dict_or_path is not None else config
-        parsed = load_config(source) if source is not None else None
+        # The launcher's world size: a config's batch triple counts every rank.
+        parsed = load_config(source, world_size=launcher_world_size()) if source is not None else None
         self.dtype = dtype or (parsed.precision.dtype if parsed is not None else torch.float32)
         on_host = remote_device in ("cpu", "nvme") or (
             parsed is not None and parsed.zero_cache.enabled and parsed.zero_cache.param_home == "host")
