@@ -3,7 +3,9 @@
 Writing protocol (rank 0 coordinates, every rank writes its own RNG/data-position file):
 
 1. write every file into ``save_dir/.tmp-<tag>/`` and fsync each one, hashing it on the way out; rank 0
-   gathers every rank's file records and writes ``manifest.json`` (``angelptm.checkpoint_manifest``);
+   gathers every rank's file records and writes ``manifest.json`` (``angelptm.checkpoint_manifest``).
+   Ranks given different ``save_dir``s each write into their own: there the lowest such rank creates the
+   temporary directory and does steps 1-3 for the files written into it;
 2. rename the temporary directory to ``save_dir/<tag>`` (an existing tag is first moved aside
    to ``.old-<tag>`` and removed only after the new one is in place);
 3. fsync ``save_dir``, then replace ``latest`` atomically (write, fsync, ``os.replace``).
@@ -92,7 +94,7 @@ def save(save_dir: str | os.PathLike, tag: str, ctx: DistContext, *, shared: dic
     """Write one checkpoint atomically.
 
     Args:
-        save_dir: the checkpoint root (shared by all ranks).
+        save_dir: the checkpoint root (shared by the ranks, or different ones: see the module docstring).
         tag: sub-directory name, e.g. ``global_step100``.
         ctx: this rank's place in the world.
         shared: file name -> object, written by rank 0 only (a callable is evaluated there only).
@@ -106,15 +108,22 @@ def save(save_dir: str | os.PathLike, tag: str, ctx: DistContext, *, shared: dic
         raise CheckpointError(f"checkpoint tag {tag!r} must be a plain, non-hidden directory name")
     root = Path(save_dir)
     tmp, final, old = root / f".tmp-{tag}", root / tag, root / f".old-{tag}"
-    if ctx.is_main:
+    # Ranks may name different directories (HelloDeepSpeed's per-rank timestamps): the lowest rank writing
+    # into a directory prepares and publishes it, with the files its ranks wrote, as DeepSpeed has each rank
+    # create what it writes.
+    sharing = _ranks_sharing_directory(ctx, root)
+    error: BaseException | None = None
+    if sharing[0] == ctx.rank:
         try:
             root.mkdir(parents=True, exist_ok=True)
+            _remove_leftovers(root)
+            tmp.mkdir()
         except OSError as err:
-            raise CheckpointError(f"cannot create checkpoint directory {root}: {err}") from None
-        _remove_leftovers(root)
-        tmp.mkdir()
-    ctx.barrier()
-    error: BaseException | None = None
+            error = CheckpointError(f"cannot create checkpoint directory {tmp}: {err}")
+    failed = failed_ranks(ctx, error is None)  # doubles as the barrier before writing
+    if failed:
+        raise error or CheckpointError(f"rank(s) {failed} could not create their checkpoint directories; the "
+                                       "previous checkpoint is untouched")
     records: list[manifest.FileRecord] = []
     try:
         if ctx.is_main:
@@ -131,18 +140,32 @@ def save(save_dir: str | os.PathLike, tag: str, ctx: DistContext, *, shared: dic
         raise CheckpointError(f"another rank failed while writing checkpoint {final}; the previous checkpoint "
                               "is untouched")
     error = None
-    if ctx.is_main:
+    if sharing[0] == ctx.rank:
         try:
             _finalize(root, tmp, final, old, tag if save_latest else None,
-                      [record for part in every_rank for record in part])
+                      [record for rank in sharing for record in every_rank[rank]])
         except Exception as err:  # the other ranks wait below: tell them, or they would hang there
             error = err
-    if failed_ranks(ctx, error is None):  # only rank 0 can have failed here
+    failed = failed_ranks(ctx, error is None)  # only the ranks publishing a directory can have failed here
+    if failed:
         if error is not None:
             raise error
-        raise CheckpointError(f"rank 0 failed to finish checkpoint {final} (its log says why); the previous "
+        raise CheckpointError(f"rank(s) {failed} failed to finish checkpoint {tag} (their logs say why); the previous "
                               "checkpoint is untouched")
     return final
+
+
+def _ranks_sharing_directory(ctx: DistContext, root: Path) -> list[int]:
+    """The ranks (ascending) whose checkpoint root is this rank's (a collective with several ranks)."""
+    if ctx.group is None:
+        return [ctx.rank]
+    roots: list[Any] = [None] * ctx.world_size
+    torch.distributed.all_gather_object(roots, os.path.abspath(root), group=ctx.group)
+    if ctx.is_main and len(set(roots)) > 1:
+        logger.info("the ranks save checkpoint files into %d directories; each holds what its ranks wrote, with "
+                    "its own manifest and latest (load from a directory that holds every rank's files)",
+                    len(set(roots)))
+    return [rank for rank, other in enumerate(roots) if other == roots[ctx.rank]]
 
 
 def _finalize(root: Path, tmp: Path, final: Path, old: Path, latest_tag: str | None,
