@@ -13,11 +13,10 @@ import pytest
 import torch
 
 import angelptm
-from reference import random_batches, tiny_gpt, train_steps, ds_config
+from gathered_params_job import BETAS, CHUNK_NUMEL, LR, WEIGHT_DECAY, edit, torch_step
+from reference import ds_config, random_batches, tiny_gpt, train_steps
 from zero_cache.layout import pack
 
-CHUNK_NUMEL = 8192
-LR, BETAS, WEIGHT_DECAY = 3e-3, (0.9, 0.95), 0.1
 
 
 def chunk_bytes(model: torch.nn.Module, bytes_per_element: int) -> int:
@@ -36,23 +35,6 @@ def engine_config(kind: str, model: torch.nn.Module) -> dict:
         zero_cache.update(param_home="host", device_memory_budget="auto")
     config["zero_cache"] = zero_cache
     return config
-
-
-def edit(weights: dict[str, torch.Tensor], seed: int) -> None:
-    """One row of the embedding replaced, part of an MLP weight scaled (in place, as transformers does)."""
-    generator = torch.Generator().manual_seed(seed)
-    embedding = next(name for name in weights if "emb" in name and weights[name].dim() == 2)
-    mlp = next(name for name in weights if name.endswith("weight") and weights[name].dim() == 2 and name != embedding)
-    weights[embedding][5].copy_(torch.randn(weights[embedding].shape[1], generator=generator))
-    weights[mlp][:3].mul_(0.5)
-
-
-def torch_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict) -> float:
-    loss = model(**batch)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.item()
 
 
 @pytest.mark.parametrize("kind", ["replicated", "zero_cache", "streamed"])
@@ -135,3 +117,4 @@ def test_before_initialize_the_context_leaves_whole_weights_as_they_are():
     assert torch.equal(layer.weight.detach(), torch.full((4, 4), 0.5))
     with pytest.raises(TypeError, match="expected parameters"):
         angelptm.zero.GatheredParameters(["weight"])
+
