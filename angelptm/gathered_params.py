@@ -55,10 +55,6 @@ def as_param_list(params: Any) -> list[nn.Parameter]:
     return list(unique.values())
 
 
-def _group_of(engine: Any) -> Any:
-    return engine.ctx.group if engine is not None else (dist.group.WORLD if dist.is_initialized() else None)
-
-
 def broadcast_values(tensors: list[torch.Tensor], source: int, group: Any) -> None:
     """Every rank takes ``source``'s values (a global rank); host tensors travel through the device under NCCL."""
     if group is None or dist.get_world_size(group) == 1:
@@ -125,7 +121,7 @@ class EngineEdit:
         group = self.engine.ctx.group
         source = dist.get_global_rank(group, modifier_rank) if group is not None else modifier_rank
         broadcast_values(edited, source, group)
-        changed: dict[str, torch.Tensor] = {}
+        changed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (edited value, mask of changed elements)
         with torch.no_grad():
             for param, name, new, before in zip(self.params, self.names, edited, self._before):
                 if before is None:  # frozen: the module's own tensor is the engine's copy

@@ -26,8 +26,9 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    engine, *_ = angelptm.initialize(model=model, config={"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": False},
-                                                          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": False},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    engine, *_ = angelptm.initialize(model=model, config=config)
     generator = torch.Generator().manual_seed(100 + rank)
     save_dir = Path(args.base) / f"rank{rank}"  # not created by anyone beforehand
     for step in (1, 2):
