@@ -79,6 +79,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     _report_ignored(cfg, ctx)
     if cfg.seed is not None:
         _seed_everything(cfg.seed)
+    _refuse_deepspeed_partitioned(model)
     _place_module(model, ctx.device, cfg.precision.dtype, keep_trainable=cfg.zero_cache.enabled)
     try:
         experts = setup_expert_parallel(model, ctx.rank, ctx.world_size)
@@ -137,6 +138,22 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def _refuse_deepspeed_partitioned(model: nn.Module) -> None:
+    """Parameters that the real DeepSpeed's ``zero.Init`` partitioned hold an empty placeholder here, not weights.
+
+    Raises:
+        ConfigError: naming the parameters and the ways to build the model whole.
+    """
+    partitioned = [name for name, p in model.named_parameters() if hasattr(p, "ds_id")]
+    if partitioned:
+        raise ConfigError(
+            f"parameters {partitioned[:3]}{' ...' if len(partitioned) > 3 else ''} were partitioned by the real "
+            "DeepSpeed's zero.Init and hold no weights here. Build the model under angelptm.zero.Init (`import angelptm "
+            "as deepspeed`); with transformers, import angelptm.integrations.transformers before the model is built "
+            "(from_config / from_pretrained under a ZeRO-3 config then build on angelptm.zero), or build it before "
+            "creating TrainingArguments / HfDeepSpeedConfig")
 
 
 def _place_module(model: nn.Module, device: torch.device, dtype: torch.dtype, *, keep_trainable: bool,

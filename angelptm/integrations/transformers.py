@@ -184,11 +184,6 @@ def _resolved_config(plugin: Any, model: nn.Module, optimizer: Any, scheduler: A
     Raises:
         ConfigError: an ``"auto"`` that nothing here can resolve, named by its dotted key.
     """
-    if any(hasattr(p, "ds_id") for p in model.parameters()):
-        raise ConfigError("the model's parameters were partitioned by DeepSpeed's own zero.Init (a `with "
-                          "deepspeed.zero.Init()` of the real DeepSpeed); build it under angelptm.zero.Init, or let "
-                          "transformers build it (from_config / from_pretrained after a ZeRO-3 TrainingArguments "
-                          "builds on angelptm.zero once angelptm.integrations.transformers is imported)")
     micro = plugin.get_value("train_micro_batch_size_per_gpu")
     if micro == "auto":
         sizes = [obj.batch_size for obj in prepared if isinstance(obj, DataLoader) and obj.batch_size]

@@ -113,3 +113,13 @@ def test_the_model_is_built_with_the_trainers_precision_and_param_placement_not_
     assert init.dtype == torch.float32 and init.device == torch.device("cpu")
     assert construction_config({"zero_optimization": {"stage": 3}})["bf16"] == {"enabled": False}, \
         "no precision enabled means fp32, as DeepSpeed trains"
+
+
+def test_initialize_refuses_params_the_real_deepspeed_partitioned_naming_the_way_out():
+    import angelptm
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    model[0].weight.ds_id = 0  # what the real zero.Init leaves on a parameter it emptied (a fake of one)
+    with pytest.raises(angelptm.ConfigError, match=r"\['0.weight'\] were partitioned by the real DeepSpeed.*"
+                                                   r"import angelptm.integrations.transformers"):
+        angelptm.initialize(model=model, config={"train_batch_size": 1})
