@@ -88,7 +88,17 @@ class EngineEdit:
 
     def enter(self) -> None:
         """Rebind every trained parameter to a whole copy of its master in the compute dtype (a collective when
-        the masters are sharded)."""
+        the masters are sharded).
+
+        Raises:
+            ValueError: between ``backward()`` and ``step()`` under ZeRO-Cache, which keeps that window's
+                gradients where rewritten weights would go, and may have begun the update from them (host
+                chunks update during backward), so neither the weights before the step nor after it are whole.
+        """
+        if getattr(self.engine.optimizer, "gradients_pending", False):
+            raise ValueError("GatheredParameters between backward() and step() under zero_cache: this window's "
+                             "gradients are held where the weights would be rewritten, and host chunks may already be "
+                             "updating from them; enter the context after engine.step() or before the backward")
         names = [name for name, trained in zip(self.names, self.trained) if trained]
         masters = self._read_masters(names) if names else {}
         for param, name, trained in zip(self.params, self.names, self.trained):

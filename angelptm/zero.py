@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from angelptm import gathered_params
 from angelptm.config import load_config
 from angelptm.distributed import launcher_world_size
 from angelptm.errors import ConfigError
@@ -119,9 +120,6 @@ class GatheredParameters:
 
     def __init__(self, params: Any, modifier_rank: int | None = None, fwd_module: Any = None,
                  enabled: bool = True) -> None:
-        from angelptm import gathered_params
-
-        self._helpers = gathered_params
         self.params = gathered_params.as_param_list(params) if enabled else []
         self.modifier_rank = modifier_rank
         self._edits: list[gathered_params.EngineEdit] = []
@@ -131,16 +129,21 @@ class GatheredParameters:
     def __enter__(self) -> "GatheredParameters":
         by_engine: dict[int, tuple[Any, list]] = {}
         for param in self.params:
-            ref = self._helpers.OWNERS.get(param)
+            ref = gathered_params.OWNERS.get(param)
             engine = ref() if ref is not None else None
             if engine is None:
                 self._loose.append(param)
             else:
                 by_engine.setdefault(id(engine), (engine, []))[1].append(param)
-        for engine, params in by_engine.values():
-            edit = self._helpers.EngineEdit(engine, params)
-            edit.enter()
-            self._edits.append(edit)
+        try:
+            for engine, params in by_engine.values():
+                edit = gathered_params.EngineEdit(engine, params)
+                edit.enter()
+                self._edits.append(edit)
+        except BaseException:
+            for edit in self._edits:  # bind the parameters entered so far back to the engines' storage
+                edit.exit(None)
+            raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -149,4 +152,4 @@ class GatheredParameters:
             edit.exit(modifier)
         if self._loose and modifier is not None and torch.distributed.is_initialized():
             group = torch.distributed.group.WORLD
-            self._helpers.broadcast_values(self._loose, self.modifier_rank, group)
+            gathered_params.broadcast_values(self._loose, self.modifier_rank, group)

@@ -118,3 +118,21 @@ def test_before_initialize_the_context_leaves_whole_weights_as_they_are():
     with pytest.raises(TypeError, match="expected parameters"):
         angelptm.zero.GatheredParameters(["weight"])
 
+
+
+def test_between_backward_and_step_under_zero_cache_the_context_is_refused():
+    """ZeRO-Cache keeps the window's gradients where the weights would be rewritten, and host chunks may already
+    be updating from them: neither the weights before the step nor after it exist whole there."""
+    seed = torch.randint(0, 10_000, ()).item()
+    batch = random_batches(seed, count=1, batch=4)[0]
+    engine, optimizer, _, _ = angelptm.initialize(model=tiny_gpt(seed, "llama"),
+                                                  config=engine_config("zero_cache", tiny_gpt(seed, "llama")))
+    engine.backward(engine(**batch))
+    weight = engine.module.tok_emb.weight
+    for modifier in (None, 0):
+        with pytest.raises(ValueError, match=r"between backward\(\) and step\(\)"):
+            with angelptm.zero.GatheredParameters(weight, modifier_rank=modifier):
+                pass
+    engine.step()
+    with angelptm.zero.GatheredParameters(weight, modifier_rank=0):
+        torch.testing.assert_close(weight.detach(), optimizer.master_state_dict()["tok_emb.weight"])
