@@ -123,3 +123,28 @@ def test_initialize_refuses_params_the_real_deepspeed_partitioned_naming_the_way
     with pytest.raises(angelptm.ConfigError, match=r"\['0.weight'\] were partitioned by the real DeepSpeed.*"
                                                    r"import angelptm.integrations.transformers"):
         angelptm.initialize(model=model, config={"train_batch_size": 1})
+
+
+def test_only_transformers_own_zero3_calls_are_routed_to_angelptm():
+    """deepspeed.zero.Init with transformers' registered config (what from_config / from_pretrained pass) builds on
+    angelptm.zero; any other call, and GatheredParameters over DeepSpeed-partitioned params, reach DeepSpeed."""
+    import angelptm
+    from angelptm.integrations import transformers_zero3
+    from transformers.integrations import HfDeepSpeedConfig
+
+    calls = []
+
+    def deepspeeds(*args, **kwargs):  # stands in for DeepSpeed's own class
+        calls.append((args, kwargs))
+        return "deepspeed's"
+
+    init, gathered = transformers_zero3._routed_init(deepspeeds), transformers_zero3._routed_gathered(deepspeeds)
+    registered = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    routed = init(config_dict_or_path=registered.config)
+    assert not calls and hasattr(routed, "__enter__") and routed != "deepspeed's"
+    assert init(config_dict_or_path={"zero_optimization": {"stage": 3}}) == "deepspeed's"
+    plain, partitioned = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    partitioned.ds_id = 0
+    assert isinstance(gathered(plain, modifier_rank=0), angelptm.zero.GatheredParameters)
+    assert gathered([plain, partitioned], modifier_rank=0) == "deepspeed's" and len(calls) == 2
+    del registered
