@@ -1,5 +1,7 @@
 """``angelptm.zero``: the construction helpers a DeepSpeed ZeRO-3 script uses, under the same names.
 
+(``GatheredParameters``, at the end, reads or edits whole weights before and after ``initialize()``.)
+
 ``with deepspeed.zero.Init(...): model = Model()`` keeps working after ``import angelptm as
 deepspeed``. The context builds the model in the compute dtype (bf16/fp16 from the config, or
 ``dtype=``), so a large model never needs a full fp32 copy, and on the device that will hold its
