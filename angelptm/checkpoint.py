@@ -160,7 +160,7 @@ def _ranks_sharing_directory(ctx: DistContext, root: Path) -> list[int]:
     if ctx.group is None:
         return [ctx.rank]
     roots: list[Any] = [None] * ctx.world_size
-    torch.distributed.all_gather_object(roots, os.path.abspath(root), group=ctx.group)
+    torch.distributed.all_gather_object(roots, os.path.realpath(root), group=ctx.group)  # one name per directory
     if ctx.is_main and len(set(roots)) > 1:
         logger.info("the ranks save checkpoint files into %d directories; each holds what its ranks wrote, with "
                     "its own manifest and latest (load from a directory that holds every rank's files)",
