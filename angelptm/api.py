@@ -13,6 +13,7 @@ from torch import nn
 
 import zero_cache
 
+from angelptm import gathered_params
 from angelptm.config import EngineConfig, load_config
 from angelptm.cpu_bf16 import slow_bf16_warning
 from angelptm.data.loader import ResumableDataLoader
@@ -81,6 +82,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     _report_ignored(cfg, ctx)
     if cfg.seed is not None:
         _seed_everything(cfg.seed)
+    _refuse_deepspeed_partitioned(model)
     if model_parameters is not None:  # read twice: for the plan below and for the optimizer
         model_parameters = list(model_parameters)
     if cfg.zero_cache.enabled:  # fits or explains before the model is cast, moved or broadcast
@@ -103,6 +105,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
                                      num_workers=cfg.data.num_workers, collate_fn=collate_fn,
                                      pin_memory=ctx.device.type == "cuda")
     engine = Engine(model, cfg, ctx, wrapped, scheduler, loader, experts=experts)
+    gathered_params.register(engine)  # zero.GatheredParameters finds the engine that owns a parameter
     return engine, wrapped, loader, scheduler
 
 
@@ -168,6 +171,22 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def _refuse_deepspeed_partitioned(model: nn.Module) -> None:
+    """Parameters that the real DeepSpeed's ``zero.Init`` partitioned hold an empty placeholder here, not weights.
+
+    Raises:
+        ConfigError: naming the parameters and the ways to build the model whole.
+    """
+    partitioned = [name for name, p in model.named_parameters() if hasattr(p, "ds_id")]
+    if partitioned:
+        raise ConfigError(
+            f"parameters {partitioned[:3]}{' ...' if len(partitioned) > 3 else ''} were partitioned by the real "
+            "DeepSpeed's zero.Init and hold no weights here. Build the model under angelptm.zero.Init (`import angelptm "
+            "as deepspeed`); with transformers, import angelptm.integrations.transformers before the model is built "
+            "(from_config / from_pretrained under a ZeRO-3 config then build on angelptm.zero), or build it before "
+            "creating TrainingArguments / HfDeepSpeedConfig")
 
 
 def _place_module(model: nn.Module, device: torch.device, dtype: torch.dtype, *, keep_trainable: bool,

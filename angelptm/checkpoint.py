@@ -3,7 +3,9 @@
 Writing protocol (rank 0 coordinates, every rank writes its own RNG/data-position file):
 
 1. write every file into ``save_dir/.tmp-<tag>/`` and fsync each one, hashing it on the way out; rank 0
-   gathers every rank's file records and writes ``manifest.json`` (``angelptm.checkpoint_manifest``);
+   gathers every rank's file records and writes ``manifest.json`` (``angelptm.checkpoint_manifest``).
+   Ranks given different ``save_dir``s each write into their own: there the lowest such rank creates the
+   temporary directory and does steps 1-3 for the files written into it;
 2. rename the temporary directory to ``save_dir/<tag>`` (an existing tag is first moved aside
    to ``.old-<tag>`` and removed only after the new one is in place);
 3. fsync ``save_dir``, then replace ``latest`` atomically (write, fsync, ``os.replace``).
@@ -94,7 +96,7 @@ def save(save_dir: str | os.PathLike, tag: str, ctx: DistContext, *, shared: dic
     """Write one checkpoint atomically.
 
     Args:
-        save_dir: the checkpoint root (shared by all ranks).
+        save_dir: the checkpoint root (shared by the ranks, or different ones: see the module docstring).
         tag: sub-directory name, e.g. ``global_step100``.
         ctx: this rank's place in the world.
         shared: file name -> object, written by rank 0 only (a callable is evaluated there only).
@@ -108,15 +110,22 @@ def save(save_dir: str | os.PathLike, tag: str, ctx: DistContext, *, shared: dic
         raise CheckpointError(f"checkpoint tag {tag!r} must be a plain, non-hidden directory name")
     root = Path(save_dir)
     tmp, final, old = root / f".tmp-{tag}", root / tag, root / f".old-{tag}"
-    if ctx.is_main:
+    # Ranks may name different directories (HelloDeepSpeed's per-rank timestamps): the lowest rank writing
+    # into a directory prepares and publishes it, with the files its ranks wrote, as DeepSpeed has each rank
+    # create what it writes.
+    sharing = _ranks_sharing_directory(ctx, root)
+    error: BaseException | None = None
+    if sharing[0] == ctx.rank:
         try:
             root.mkdir(parents=True, exist_ok=True)
+            _remove_leftovers(root)
+            tmp.mkdir()
         except OSError as err:
-            raise CheckpointError(f"cannot create checkpoint directory {root}: {err}") from None
-        _remove_leftovers(root)
-        tmp.mkdir()
-    ctx.barrier()
-    error: BaseException | None = None
+            error = CheckpointError(f"cannot create checkpoint directory {tmp}: {err}")
+    failed = failed_ranks(ctx, error is None)  # doubles as the barrier before writing
+    if failed:
+        raise error or CheckpointError(f"rank(s) {failed} could not create their checkpoint directories; the "
+                                       "previous checkpoint is untouched")
     records: list[manifest.FileRecord] = []
     files: dict[str, Any] | None = None
     try:
@@ -129,25 +138,26 @@ def save(save_dir: str | os.PathLike, tag: str, ctx: DistContext, *, shared: dic
         error = err
     every_rank = _gather_records(ctx, None if error is not None else records)
     if any(part is None for part in every_rank):
-        if ctx.is_main:  # every rank has stopped writing (the gather): the partial files must not fill the disk
+        if sharing[0] == ctx.rank:  # every rank has stopped writing (the gather): the partials must not fill the disk
             shutil.rmtree(tmp, ignore_errors=True)
         if error is not None:
             raise _explained(error, root, tag, payload=(files, per_rank) if ctx.is_main else None)
         raise CheckpointError(f"another rank failed while writing checkpoint {final}; the previous checkpoint "
                               "is untouched")
     error = None
-    if ctx.is_main:
+    if sharing[0] == ctx.rank:
         try:
             _finalize(root, tmp, final, old, tag if save_latest else None,
-                      [record for part in every_rank for record in part])
+                      [record for rank in sharing for record in every_rank[rank]])
         except Exception as err:  # the other ranks wait below: tell them, or they would hang there
             error = err
             shutil.rmtree(tmp, ignore_errors=True)  # not renamed in: the partial must not fill the disk
             (root / f".{LATEST}.tmp").unlink(missing_ok=True)
-    if failed_ranks(ctx, error is None):  # only rank 0 can have failed here
+    failed = failed_ranks(ctx, error is None)  # only the ranks publishing a directory can have failed here
+    if failed:
         if error is not None:
             raise _explained(error, root, tag, payload=None)
-        raise CheckpointError(f"rank 0 failed to finish checkpoint {final} (its log says why); the previous "
+        raise CheckpointError(f"rank(s) {failed} failed to finish checkpoint {tag} (their logs say why); the previous "
                               "checkpoint is untouched")
     return final
 
@@ -203,6 +213,19 @@ def _tensor_bytes(obj: Any) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(_tensor_bytes(value) for value in obj)
     return 0
+
+
+def _ranks_sharing_directory(ctx: DistContext, root: Path) -> list[int]:
+    """The ranks (ascending) whose checkpoint root is this rank's (a collective with several ranks)."""
+    if ctx.group is None:
+        return [ctx.rank]
+    roots: list[Any] = [None] * ctx.world_size
+    torch.distributed.all_gather_object(roots, os.path.realpath(root), group=ctx.group)  # one name per directory
+    if ctx.is_main and len(set(roots)) > 1:
+        logger.info("the ranks save checkpoint files into %d directories; each holds what its ranks wrote, with "
+                    "its own manifest and latest (load from a directory that holds every rank's files)",
+                    len(set(roots)))
+    return [rank for rank, other in enumerate(roots) if other == roots[ctx.rank]]
 
 
 def _finalize(root: Path, tmp: Path, final: Path, old: Path, latest_tag: str | None,

@@ -34,7 +34,7 @@ import contextlib
 import logging
 import math
 import weakref
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 
 import torch
 import torch.distributed as dist
@@ -267,6 +267,22 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 master.copy_(state[name])
                 if param is not master:
                     param.copy_(master)
+
+    def master_values(self, names: Collection[str]) -> dict[str, torch.Tensor]:
+        """fp32 masters (CPU copies) of the named parameters."""
+        wanted = set(names)
+        return {name: master.detach().cpu().clone() for name, master in zip(self.names, self.masters)
+                if name in wanted}
+
+    def set_master_values(self, values: dict[str, torch.Tensor], *, names: Collection[str] | None = None) -> None:
+        """Write the fp32 masters in ``values`` and the module's compute-dtype weights from them (``names``: the
+        signature of ZeRO-Cache's; every named parameter is in ``values`` here)."""
+        with torch.no_grad():
+            for name, param, master in zip(self.names, self.params, self.masters):
+                if name in values:
+                    master.copy_(values[name].view_as(master))
+                    if param is not master:
+                        param.copy_(master)
 
     def refresh_masters_from_params(self) -> None:
         """Set the masters from the module's (possibly lower-precision) weights, e.g. after a module-only load."""

@@ -1,5 +1,7 @@
 """``angelptm.zero``: the construction helpers a DeepSpeed ZeRO-3 script uses, under the same names.
 
+(``GatheredParameters``, at the end, reads or edits whole weights before and after ``initialize()``.)
+
 ``with deepspeed.zero.Init(...): model = Model()`` keeps working after ``import angelptm as
 deepspeed``. The context builds the model in the compute dtype (bf16/fp16 from the config, or
 ``dtype=``), so a large model never needs a full fp32 copy, and on the device that will hold its
@@ -37,6 +39,7 @@ from typing import Any
 
 import torch
 
+from angelptm import gathered_params
 from angelptm.config import load_config
 from angelptm.distributed import launcher_world_size
 from angelptm.errors import ConfigError
@@ -70,7 +73,8 @@ class Init:
         if remote_device not in REMOTE_DEVICES:
             raise ConfigError(f"zero.Init(remote_device={remote_device!r}): expected one of {list(REMOTE_DEVICES)}")
         source = config_dict_or_path if config_dict_or_path is not None else config
-        parsed = load_config(source) if source is not None else None
+        # The launcher's world size: a config's batch triple counts every rank.
+        parsed = load_config(source, world_size=launcher_world_size()) if source is not None else None
         self.dtype = dtype or (parsed.precision.dtype if parsed is not None else torch.float32)
         # Where the params may live off the device (offload_param permits it, param_home "host" forces it), the
         # model is built in host memory: initialize() then moves to the device what the plan keeps there.
@@ -109,3 +113,61 @@ class Init:
                 self.fills.__exit__(*exc)
             self._device_context.__exit__(*exc)
             torch.set_default_dtype(self._saved_dtype)
+
+
+class GatheredParameters:
+    """Context manager compatible with ``deepspeed.zero.GatheredParameters``: whole weights inside, edits kept.
+
+    Inside the block each parameter is a whole tensor in the compute dtype. Before ``initialize()``
+    parameters are whole already; after it they are rebound to copies of the engine's fp32 masters, and
+    on exit the edits of ``modifier_rank`` reach the masters and the engine's compute copies (ZeRO-Cache
+    chunks included), so the next forward and the next step use them (``angelptm.gathered_params``).
+
+    Args:
+        params: one parameter or an iterable of them (None entries are skipped, as in DeepSpeed).
+        modifier_rank: the rank (in the owning engine's group) whose edits are kept; every rank takes its
+            values. None: read-only, edits are dropped.
+        fwd_module: DeepSpeed's registration of external parameters for a forward run inside the block;
+            accepted and unused (a forward inside the block is not supported: the engine rebinds its
+            parameters as it runs).
+        enabled: False makes the context a no-op.
+
+    Every rank must enter the context when several ranks train (the values are broadcast, and sharded
+    masters gathered).
+    """
+
+    def __init__(self, params: Any, modifier_rank: int | None = None, fwd_module: Any = None,
+                 enabled: bool = True) -> None:
+        self.params = gathered_params.as_param_list(params) if enabled else []
+        self.modifier_rank = modifier_rank
+        self._edits: list[gathered_params.EngineEdit] = []
+        self._loose: list[torch.nn.Parameter] = []
+        """Parameters no engine owns yet (before initialize): whole already."""
+
+    def __enter__(self) -> "GatheredParameters":
+        by_engine: dict[int, tuple[Any, list]] = {}
+        for param in self.params:
+            ref = gathered_params.OWNERS.get(param)
+            engine = ref() if ref is not None else None
+            if engine is None:
+                self._loose.append(param)
+            else:
+                by_engine.setdefault(id(engine), (engine, []))[1].append(param)
+        try:
+            for engine, params in by_engine.values():
+                edit = gathered_params.EngineEdit(engine, params)
+                edit.enter()
+                self._edits.append(edit)
+        except BaseException:
+            for edit in self._edits:  # bind the parameters entered so far back to the engines' storage
+                edit.exit(None)
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        modifier = self.modifier_rank if exc[0] is None else None  # a block that raised keeps nothing
+        for edit in self._edits:
+            edit.exit(modifier)
+        if self._loose and modifier is not None and torch.distributed.is_initialized():
+            group = torch.distributed.group.WORLD
+            gathered_params.broadcast_values(self._loose, self.modifier_rank, group)

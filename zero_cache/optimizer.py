@@ -189,6 +189,11 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
         return {"step": self.step_count}
 
     @property
+    def gradients_pending(self) -> bool:
+        """A backward of this window wrote gradients that no step has taken yet (in param chunks, or accumulators)."""
+        return bool(self._written)
+
+    @property
     def params_sharded(self) -> bool:
         """Each rank stores only its shards of the params: the weights are whole only in the fp32 masters."""
         return self.store.shard_params

@@ -9,7 +9,7 @@ it owns at load time, at any world size.
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, Collection
 
 import torch
 
@@ -22,15 +22,17 @@ class OptimizerCheckpoint:
     ``members``, ``names``, ``step_count``, ``loss_scaler``, ``finish_pending`` and ``_restore_params``
     it uses."""
 
-    def _chunk_states(self, *, write_back: bool = False):
+    def _chunk_states(self, *, write_back: bool = False, names: Collection[str] | None = None):
         """(slots, states) per chunk; the states are in memory while the caller holds them (NVMe: read, and
-        written back with ``write_back``). Synchronous, one chunk at a time."""
+        written back with ``write_back``). Synchronous, one chunk at a time. ``names``: only the chunks
+        holding these parameters, and only their slots."""
         self.finish_pending()
         for chunk, members in sorted(self._members_of_chunk.items()):
-            if self.store.groups[chunk].tier == REMOTE:
+            slots = [slot for _, slot in members if names is None or slot.name in names]
+            if not slots or self.store.groups[chunk].tier == REMOTE:
                 continue
             with self.store.open_states(chunk, write_back=write_back) as states:
-                yield [slot for _, slot in members], states
+                yield slots, states
 
     def _read_fields(self, fields: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
         """{field: {parameter name: a CPU copy}} for the optimizer fields in ``fields``."""
@@ -65,6 +67,23 @@ class OptimizerCheckpoint:
                 for slot in slots:
                     self.store.state_view(slot, "master", states).copy_(state[slot.name].reshape(-1))
             self._restore_params(frozenset(self.names))
+        self.finish_pending()
+
+    def master_values(self, names: Collection[str]) -> dict[str, torch.Tensor]:
+        """fp32 masters (shaped CPU copies) of the named parameters this rank owns; reads only their chunks."""
+        wanted = set(names)
+        return {slot.name: self.store.state_view(slot, "master", states).detach().cpu().clone().view(slot.shape)
+                for slots, states in self._chunk_states(names=wanted) for slot in slots}
+
+    def set_master_values(self, values: dict[str, torch.Tensor], *, names: Collection[str] | None = None) -> None:
+        """Write the fp32 masters of the owned parameters in ``values``, then rewrite the compute copies of
+        ``names`` (default: those in ``values``; sharded, the other ranks' come back from their owners) from
+        their masters. Every rank calls it when the params are sharded."""
+        with torch.no_grad():
+            for slots, states in self._chunk_states(write_back=True, names=set(values)):
+                for slot in slots:
+                    self.store.state_view(slot, "master", states).copy_(values[slot.name].reshape(-1))
+            self._restore_params(frozenset(names if names is not None else values))
         self.finish_pending()
 
     def refresh_masters_from_params(self) -> None:

@@ -11,9 +11,16 @@ This subclass keeps all of that and changes the one place where DeepSpeed's engi
 ZeRO-Cache sections of the config work too. ``save_model()`` writes the engine's consolidated fp32
 weights with ``save_pretrained``.
 
+A ZeRO-3 config works as with DeepSpeed: models that transformers builds after the ``TrainingArguments``
+(``from_config``, ``from_pretrained``) are built under :class:`angelptm.zero.Init` and loaded whole into
+its parameters (in host memory when the config puts params there), and ``deepspeed.zero.GatheredParameters``
+is this package's for them (``angelptm.integrations.transformers_zero3``, installed by importing this module).
+``zero_cache`` values set to ``"auto"`` are left for the engine to resolve.
+
 Refused rather than run some other way: a ``TrainingArguments`` without ``deepspeed`` (that would be
 plain PyTorch training), DeepSpeed tensor/sequence parallelism, fp8, ``torch_compile``, and a model
-already partitioned by DeepSpeed's own ``zero.Init`` (``from_pretrained`` under a ZeRO-3 config).
+partitioned by DeepSpeed's own ``zero.Init`` outside transformers (a script's ``with deepspeed.zero.Init()``
+of the real DeepSpeed).
 """
 
 from __future__ import annotations
@@ -34,8 +41,11 @@ from torch.utils.data import DataLoader
 import angelptm
 import angelptm.comm
 from angelptm.errors import ConfigError
+from angelptm.integrations import transformers_zero3
 
 __all__ = ["Trainer"]
+
+transformers_zero3.install()  # transformers' ZeRO-3 model construction builds on angelptm.zero from here on
 
 
 class Trainer(transformers.Trainer):
@@ -174,10 +184,6 @@ def _resolved_config(plugin: Any, model: nn.Module, optimizer: Any, scheduler: A
     Raises:
         ConfigError: an ``"auto"`` that nothing here can resolve, named by its dotted key.
     """
-    if any(hasattr(p, "ds_id") for p in model.parameters()):
-        raise ConfigError("the model's parameters were partitioned by DeepSpeed's own zero.Init (from_pretrained "
-                          "under a ZeRO-3 TrainingArguments); build or load the model before creating "
-                          "TrainingArguments, or use a stage 0-2 config (ZeRO-Cache shards the states itself)")
     micro = plugin.get_value("train_micro_batch_size_per_gpu")
     if micro == "auto":
         sizes = [obj.batch_size for obj in prepared if isinstance(obj, DataLoader) and obj.batch_size]
@@ -197,9 +203,13 @@ def _resolved_config(plugin: Any, model: nn.Module, optimizer: Any, scheduler: A
                       max(1, scheduler.warmup_num_steps)})
         if scheduler.total_num_steps is not None:
             fills["scheduler.params.total_num_steps"] = scheduler.total_num_steps
+    # zero_cache's "auto" values are the engine's to resolve (chunk size, budgets, ...): fill them with
+    # themselves, or accelerate's pass over every "auto" in the config stops at the first one it cannot fill.
+    own = _auto_keys(plugin.deepspeed_config.get("zero_cache") or {}, "zero_cache.")
+    fills.update(dict.fromkeys(own, "auto"))
     plugin.deepspeed_config_process(must_match=False, **fills)
     config = copy.deepcopy(plugin.deepspeed_config)
-    unresolved = sorted(_auto_keys(config))
+    unresolved = sorted(set(_auto_keys(config)) - set(own))
     if unresolved:
         raise ConfigError(f"the DeepSpeed config still has \"auto\" for {', '.join(unresolved)}, which neither "
                           "TrainingArguments nor the model determine; set a value")
@@ -208,12 +218,7 @@ def _resolved_config(plugin: Any, model: nn.Module, optimizer: Any, scheduler: A
     config.pop("zero_allow_untested_optimizer", None)
     if config.get("steps_per_print") == float("inf"):  # accelerate's "never": the Trainer logs progress itself
         config["steps_per_print"] = 2**62
-    if "bfloat16" not in config and not any((config.get(section) or {}).get("enabled") is True
-                                            for section in ("fp16", "bf16")):
-        # DeepSpeed trains in fp32 when neither is enabled, and the Trainer casts inputs to match; say so
-        # explicitly, or the engine would pick its own default for the device.
-        config.setdefault("bf16", {})["enabled"] = False
-    return config
+    return transformers_zero3.fp32_unless_enabled(config)
 
 
 def _auto_keys(config: dict[str, Any], prefix: str = "") -> list[str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -20,15 +21,19 @@ import transformers
 STEPS, MICRO, ACCUMULATION, SEQ, VOCAB = 4, 2, 2, 16, 64
 
 
+def model_config(kind: str) -> transformers.PretrainedConfig:
+    if kind == "gpt2":  # dropout off: the backends draw no random numbers differently
+        return transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                                    bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
 def build_model(kind: str, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    if kind == "gpt2":  # dropout off: the backends draw no random numbers differently
-        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+    model_class = transformers.GPT2LMHeadModel if kind == "gpt2" else transformers.LlamaForCausalLM
+    return model_class(model_config(kind))
 
 
 def dataset() -> list[dict[str, torch.Tensor]]:
@@ -79,6 +84,45 @@ def run_cases(trainer_class: type, work: Path) -> dict:
     return results
 
 
+ZERO3_CASES = ("llama_stage3_from_config", "gpt2_stage3_from_config_resized", "llama_stage3_from_pretrained_offload")
+"""run_clm.py's order: TrainingArguments with a ZeRO-3 config first, then the model, which transformers builds
+under ``deepspeed.zero.Init`` (from_config, from_pretrained) and edits under ``GatheredParameters``
+(weight init, resize_token_embeddings)."""
+OFFLOAD_ZERO_CACHE = {"enabled": True, "chunk_size": "auto", "device_memory_budget": 80_000,
+                      "host_memory_budget": "auto"}
+"""angelptm's from_pretrained case: "auto" values through the Trainer, and a device budget smaller than the
+model's fp32 weights (90,752 bytes), so they can only train from homes in host memory."""
+
+
+def run_zero3_cases(trainer_class: type, work: Path, *, zero_cache: dict | None = None) -> tuple[dict, Any]:
+    """The ZERO3_CASES; returns their losses and the from_pretrained case's trainer."""
+    build_model("llama", 5).save_pretrained(work / "pretrained")  # while no ZeRO-3 config is registered
+    results = {}
+    args = arguments(work / "z3_llama", ds_config(3, own_optimizer=False))
+    torch.manual_seed(0)
+    trainer = trainer_class(model=transformers.AutoModelForCausalLM.from_config(model_config("llama")), args=args,
+                            train_dataset=dataset())
+    trainer.train()
+    results[ZERO3_CASES[0]] = losses(trainer)
+    args = arguments(work / "z3_gpt2", ds_config(3, own_optimizer=True))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(model_config("gpt2"))
+    model.resize_token_embeddings(VOCAB + 8)  # new rows: the mean and covariance of the old, under GatheredParameters
+    trainer = trainer_class(model=model, args=args, train_dataset=dataset())
+    trainer.train()
+    results[ZERO3_CASES[1]] = losses(trainer)
+    config = ds_config(3, own_optimizer=False)
+    config["zero_optimization"]["offload_param"] = {"device": "cpu"}  # ZeRO-Infinity's "too large for the GPU"
+    if zero_cache is not None:
+        config["zero_cache"] = zero_cache
+    args = arguments(work / "z3_pretrained", config)
+    model = transformers.AutoModelForCausalLM.from_pretrained(work / "pretrained")
+    trainer = trainer_class(model=model, args=args, train_dataset=dataset())
+    trainer.train()
+    results[ZERO3_CASES[2]] = losses(trainer)
+    return results, trainer
+
+
 def angelptm_checks(work: Path) -> dict:
     from angelptm import export
     from angelptm.integrations.transformers import Trainer
@@ -127,11 +171,21 @@ def main() -> None:
     backend, out, work = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     if backend == "deepspeed":
         results = run_cases(transformers.Trainer, work)
+        results.update(run_zero3_cases(transformers.Trainer, work)[0])
     else:
         from angelptm.integrations.transformers import Trainer
 
         results = run_cases(Trainer, work)
         results.update(angelptm_checks(work))
+        zero3, pretrained = run_zero3_cases(Trainer, work, zero_cache=OFFLOAD_ZERO_CACHE)
+        results.update(zero3)
+        store = pretrained.deepspeed.optimizer.store
+        device = store.tiers["device"]
+        results["from_pretrained_offload"] = {
+            "device_budget": device.budget_bytes, "device_peak": device.peak_bytes,
+            "weight_bytes": sum(p.numel() * 4 for p in pretrained.model.parameters()),
+            "param_homes": sorted(set(store.param_home)) if store.shard_params else [],
+            "optimizer_tiers": sorted({str(group.tier) for group in store.groups})}
     out.write_text(json.dumps(results))
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import angelptm
 from launch import run_ok, torchrun
 
 JOB = Path(__file__).resolve().parents[1] / "helpers" / "dp_job.py"
@@ -28,7 +29,7 @@ def test_two_ranks_equal_one_rank_with_double_batch(tmp_path):
 
 @pytest.mark.parametrize("failing, failed_rank, message", [
     ("rank-file", 1, "CheckpointError: another rank failed"),
-    ("finalize", 0, "CheckpointError: rank 0 failed to finish")])  # after every file was written: no hang either
+    ("finalize", 0, "CheckpointError: rank(s) [0] failed to finish")])  # after every file was written: no hang either
 def test_a_rank_failing_mid_save_stops_every_rank_and_keeps_the_last_checkpoint(tmp_path, failing, failed_rank,
                                                                                 message):
     job = Path(__file__).resolve().parents[1] / "helpers" / "save_fail_job.py"
@@ -45,3 +46,37 @@ def test_a_rank_failing_mid_save_stops_every_rank_and_keeps_the_last_checkpoint(
                                          "rank_00001_states.pt"]
     for name, entry in manifest["files"].items():
         assert (tmp_path / "ckpt" / "good" / name).stat().st_size == entry["size_bytes"]
+
+
+def test_ranks_saving_into_different_directories_each_create_and_publish_their_own(tmp_path):
+    """HelloDeepSpeed names its checkpoint directory by a per-rank timestamp, so ranks can disagree: each rank
+    must create what it writes, as with DeepSpeed. Each directory then holds its ranks' files under its own
+    manifest and ``latest``; rank 0's (the model and optimizer) loads back."""
+    from angelptm import checkpoint
+
+    run_ok(torchrun(2, Path(__file__).resolve().parents[1] / "helpers" / "per_rank_dirs_job.py",
+                    "--base", str(tmp_path)))
+    expected = {"rank0": ["manifest.json", "model_states.pt", "optim_states.pt", "rank_00000_states.pt"],
+                "rank1": ["manifest.json", "rank_00001_states.pt"]}
+    for directory, files in expected.items():
+        root = tmp_path / directory
+        assert sorted(p.name for p in root.iterdir()) == ["latest", "step1", "step2"]  # no temporary leftovers
+        assert (root / "latest").read_text() == "step2"
+        assert sorted(p.name for p in (root / "step2").iterdir()) == files
+        listed = json.loads((root / "step2" / "manifest.json").read_text())["files"]
+        assert sorted(listed) == files[1:]
+        assert all((root / "step2" / name).stat().st_size == entry["size_bytes"] for name, entry in listed.items())
+    assert checkpoint.resolve(tmp_path / "rank0", None) == tmp_path / "rank0" / "step2"  # it verifies
+    with pytest.raises(angelptm.CheckpointError, match="lists no model_states.pt"):  # rank 1's alone cannot load
+        checkpoint.resolve(tmp_path / "rank1", "step2")
+    torch.manual_seed(1)  # other initial weights: only a real load gives the saved ones
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    engine, *_ = angelptm.initialize(model=model, config={"train_micro_batch_size_per_gpu": 2,
+                                                          "bf16": {"enabled": False},
+                                                          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    engine.load_checkpoint(str(tmp_path / "rank0"))
+    saved = torch.load(tmp_path / "weights.pt")
+    loaded = engine.consolidated_state_dict()
+    assert saved["0.weight"].abs().max() > 0.05
+    for name, tensor in saved.items():
+        assert torch.equal(loaded[name], tensor), name

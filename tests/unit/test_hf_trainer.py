@@ -14,20 +14,24 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("deepspeed")
 
-from hf_trainer_job import CASES, STEPS  # noqa: E402  (tests/helpers, after the skips)
+from hf_trainer_job import CASES, OFFLOAD_ZERO_CACHE, STEPS, ZERO3_CASES  # noqa: E402  (tests/helpers, after the skips)
 
-JOB = Path(__file__).resolve().parents[1] / "helpers" / "hf_trainer_job.py"
+ROOT = Path(__file__).resolve().parents[2]
+JOB = ROOT / "tests" / "helpers" / "hf_trainer_job.py"
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("hf_trainer")
-    base = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    # PYTHONPATH: the jobs import the checkout under test, not whichever copy of angelptm is installed.
+    base = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     # Real DeepSpeed needs a launcher's environment even for one rank (else it tries MPI discovery).
     launcher = {"DS_ACCELERATOR": "cpu", "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1",
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000)}
@@ -45,7 +49,7 @@ def results(tmp_path_factory) -> dict[str, dict]:
     return out
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(CASES) + list(ZERO3_CASES))
 def test_losses_equal_trainer_with_deepspeed(results, case):
     ours, theirs = results["angelptm"][case], results["deepspeed"][case]
     assert len(ours) == len(theirs) == STEPS
@@ -78,3 +82,69 @@ def test_zero_cache_config_trains_and_tracks_the_plain_engine(results):
 def test_training_arguments_without_deepspeed_are_refused(results):
     message = results["angelptm"]["refusal"]
     assert message.startswith("ConfigError") and "TrainingArguments(deepspeed=" in message
+
+
+def test_from_pretrained_under_zero3_trains_from_host_homes_within_a_device_budget_below_the_weights(results):
+    """The "too large for one GPU" path: from_pretrained after a ZeRO-3 + offload_param TrainingArguments loads
+    the weights into whole host tensors (angelptm.zero.Init), and the engine trains them from homes in host
+    memory with a device tier that never held even the fp32 weights; losses equal DeepSpeed's (above), with
+    zero_cache "auto" values that went through the Trainer's own auto-filling."""
+    case = results["angelptm"]["from_pretrained_offload"]
+    assert case["device_budget"] == OFFLOAD_ZERO_CACHE["device_memory_budget"] < case["weight_bytes"]
+    assert 0 < case["device_peak"] <= case["device_budget"]
+    assert case["param_homes"] == ["host"] and case["optimizer_tiers"] == ["host"]
+
+
+def test_the_model_is_built_with_the_trainers_precision_and_param_placement_not_its_unresolved_autos():
+    from angelptm.integrations.transformers_zero3 import construction_config
+
+    hf_config = {"train_batch_size": "auto", "fp16": {"enabled": False}, "bf16": {"enabled": False},
+                 "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "reduce_bucket_size": "auto",
+                                       "stage3_prefetch_bucket_size": "auto"},
+                 "zero_cache": {"enabled": True, "chunk_size": "auto"}, "optimizer": {"params": {"lr": "auto"}}}
+    config = construction_config(hf_config)
+    assert config == {"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": False}, "bf16": {"enabled": False},
+                      "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
+                      "zero_cache": {"enabled": True, "chunk_size": "auto"}}
+    assert hf_config["zero_optimization"]["reduce_bucket_size"] == "auto", "the Trainer's dict is left as it was"
+    import angelptm
+
+    init = angelptm.zero.Init(config_dict_or_path=config)
+    assert init.dtype == torch.float32 and init.device == torch.device("cpu")
+    assert construction_config({"zero_optimization": {"stage": 3}})["bf16"] == {"enabled": False}, \
+        "no precision enabled means fp32, as DeepSpeed trains"
+
+
+def test_initialize_refuses_params_the_real_deepspeed_partitioned_naming_the_way_out():
+    import angelptm
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    model[0].weight.ds_id = 0  # what the real zero.Init leaves on a parameter it emptied (a fake of one)
+    with pytest.raises(angelptm.ConfigError, match=r"\['0.weight'\] were partitioned by the real DeepSpeed.*"
+                                                   r"import angelptm.integrations.transformers"):
+        angelptm.initialize(model=model, config={"train_batch_size": 1})
+
+
+def test_only_transformers_own_zero3_calls_are_routed_to_angelptm():
+    """deepspeed.zero.Init with transformers' registered config (what from_config / from_pretrained pass) builds on
+    angelptm.zero; any other call, and GatheredParameters over DeepSpeed-partitioned params, reach DeepSpeed."""
+    import angelptm
+    from angelptm.integrations import transformers_zero3
+    from transformers.integrations import HfDeepSpeedConfig
+
+    calls = []
+
+    def deepspeeds(*args, **kwargs):  # stands in for DeepSpeed's own class
+        calls.append((args, kwargs))
+        return "deepspeed's"
+
+    init, gathered = transformers_zero3._routed_init(deepspeeds), transformers_zero3._routed_gathered(deepspeeds)
+    registered = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    routed = init(config_dict_or_path=registered.config)
+    assert not calls and hasattr(routed, "__enter__") and routed != "deepspeed's"
+    assert init(config_dict_or_path={"zero_optimization": {"stage": 3}}) == "deepspeed's"
+    plain, partitioned = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    partitioned.ds_id = 0
+    assert isinstance(gathered(plain, modifier_rank=0), angelptm.zero.GatheredParameters)
+    assert gathered([plain, partitioned], modifier_rank=0) == "deepspeed's" and len(calls) == 2
+    del registered

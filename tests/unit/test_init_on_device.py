@@ -142,3 +142,13 @@ def test_on_a_gpu_the_device_holds_one_piece_at_most():
         nn.init.normal_(weight, std=0.02)
     assert mode.pieces_filled == 8 and torch.cuda.max_memory_allocated() - before <= 4 << 20
     assert weight.float().std().item() == pytest.approx(0.02, rel=0.03)
+
+
+def test_zero_init_reads_a_configs_batch_triple_with_the_launchers_world_size(monkeypatch):
+    """Under torchrun, train_batch_size counts every rank: zero.Init must resolve it as initialize() does."""
+    config = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert angelptm.zero.Init(config_dict_or_path=config).dtype == torch.float32
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(angelptm.ConfigError, match="inconsistent batch sizes"):
+        angelptm.zero.Init(config_dict_or_path=config)
