@@ -31,5 +31,6 @@ run full_2p7b 300 "${bench[@]}" --engines torch angelptm --anchor torch --models
 # Clipping on every step (random tokens: the norm is above 1 at every step) against none, the whole GPU.
 run clip_10b 560 "${bench[@]}" --engines angelptm --anchor angelptm --models nngpt --sizes 10b \
     --configs $c/zero_offload.json $c/zero_offload_noclip.json
+run gpu_user_model 400 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_user_model_cuda.py
 run gpu_tests 500 python3 -m pytest -q -p no:cacheprovider tests/gpu
 [ -d "$out/traces" ] && tar czf "$out/traces.tgz" -C "$out" traces && rm -rf "$out/traces"
