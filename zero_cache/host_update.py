@@ -120,6 +120,8 @@ class ChunkUpdate:
     window: SpeculationWindow | None = None
     """Set on an update made during backward, before the global norm is known: it keeps its gradient, and the
     window may defer it (:mod:`zero_cache.revision`)."""
+    position: int = -1
+    """A speculative update's place in ``window``: the order backward completed the window's chunks in."""
     outcome: str | None = None
     """A speculative update, once the worker has run it: APPLIED or DEFERRED."""
     lazy: bool = False
@@ -266,7 +268,7 @@ class HostUpdater:
         try:
             wait(fetched.grads_copied)
             wait(fetched.swap_read)
-            deferred = update.window is not None and not update.window.admits(self._square(update))
+            deferred = update.window is not None and not update.window.admits(update.position, self._square)
         except BaseException:
             fetched.release(self.pool, self.store.swap_buffers)
             raise

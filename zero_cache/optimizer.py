@@ -504,6 +504,8 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
                              grad_factor=grad_factor, grads_written=self.transfers.mark(),
                              grads_landed=self._landed(chunk),
                              squares=squares, restore_only=restore_only, window=window)
+        if window is not None:
+            update.position = window.join(update)
         self._pending[chunk] = update
         self.host.submit_update(update)
         return update

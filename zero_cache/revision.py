@@ -10,10 +10,13 @@ is inf/NaN (the step is then skipped). So each step goes:
    stores the new weight (master and the copy sent to the device) but not the new moments, and copies
    its gradient into the chunk's *kept gradient* (pinned, one param chunk's bytes, planned by
    :mod:`zero_cache.planner`; with accumulating micro-batches the fp32 accumulator is kept anyway).
-2. **Defer.** The worker sums the squared norms of this step's chunks as it goes (:class:`SpeculationWindow`).
-   Once the partial norm already exceeds ``max_norm``, or a chunk's gradient is non-finite, the step
-   will be clipped or skipped, so the chunks after it are *deferred*: their gradient is kept, nothing
-   is applied.
+2. **Defer.** The worker sums the squared norms of this step's chunks (:class:`SpeculationWindow`) in the
+   order backward completed them. Once the partial norm already exceeds ``max_norm``, or a chunk's
+   gradient is non-finite, the step will be clipped or skipped, so the chunks after it are *deferred*:
+   their gradient is kept, nothing is applied. The order is backward's, not the order the worker runs
+   the updates in: ``step()`` re-sorts those not yet started into forward order, and how many that is
+   depends on thread timing. An applied-then-revised chunk and a deferred one agree only to an ulp,
+   so an outcome that followed the worker's progress would make a run's bits differ from run to run.
 3. **Revise.** ``step()`` knows the global norm and queues one revision per speculated chunk, in
    forward order (what the next forward needs first):
 
@@ -60,7 +63,7 @@ Adam step) per speculated chunk after backward; a disk group's states are read a
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from zero_cache.host_update import ChunkUpdate
@@ -71,6 +74,11 @@ APPLIED, DEFERRED = "applied", "deferred"
 class SpeculationWindow:
     """One step's speculative updates: which of them the worker still applies (it alone calls :meth:`admits`).
 
+    An update's outcome is a function of the gradients alone: it is applied when the squared norms of the
+    window's chunks up to it, in the order they joined (backward's), sum to at most the limit. The worker may
+    run the updates in another order (they are re-sorted for the next forward), so reaching one it takes the
+    squared norms of those that joined before it, whether or not it has run them yet.
+
     Args:
         max_norm: the clip threshold (0 = no clipping: only a non-finite gradient defers).
         grad_factor: the factor the speculative updates use (1 / loss scale / ranks): the true norm is the
@@ -79,13 +87,27 @@ class SpeculationWindow:
 
     def __init__(self, max_norm: float, grad_factor: float) -> None:
         self.limit = (max_norm / grad_factor) ** 2 if max_norm > 0 else math.inf
-        self.partial = 0.0
-        """Summed squared norms of the chunks seen so far (a lower bound of the step's)."""
+        self._joined: list[Any] = []
+        """The updates in the order they joined; an entry is dropped (None) once its square is summed."""
+        self._partials: list[float] = []
+        """Summed squared norms of the joined updates up to each one (a prefix of :attr:`_joined`, the worker's)."""
 
-    def admits(self, square: float) -> bool:
-        """Add one chunk's squared gradient norm; whether its update may be applied now."""
-        self.partial += square if math.isfinite(square) else math.inf
-        return math.isfinite(self.partial) and self.partial <= self.limit
+    def join(self, update: Any) -> int:
+        """Training thread, before queueing ``update``: it is the window's next chunk; returns its position."""
+        self._joined.append(update)
+        return len(self._joined) - 1
+
+    def admits(self, position: int, square_of: Callable[[Any], float]) -> bool:
+        """Whether the update at ``position`` may be applied now; ``square_of(update)`` gives a joined update's
+        squared gradient norm (called once per update, in joining order, up to ``position``)."""
+        while len(self._partials) <= position:
+            index = len(self._partials)
+            square = square_of(self._joined[index])
+            self._joined[index] = None  # (the window holds no update it no longer needs)
+            previous = self._partials[-1] if self._partials else 0.0
+            self._partials.append(previous + square if math.isfinite(square) else math.inf)
+        partial = self._partials[position]
+        return math.isfinite(partial) and partial <= self.limit
 
 
 def revision_scales(original: "ChunkUpdate", revision: "ChunkUpdate") -> tuple[float, float]:

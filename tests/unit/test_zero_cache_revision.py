@@ -12,6 +12,7 @@ is then a large part of it, whoever computes it (torch's own foreach and fused A
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -245,12 +246,34 @@ def test_unclipped_steps_in_backward_equal_steps_after_it_bit_for_bit(native_ada
         assert torch.equal(exp_avg, runs[False][name][1]) and torch.equal(exp_avg_sq, runs[False][name][2]), name
 
 
+def admitted(window: SpeculationWindow, squares: list[float], order: list[int]) -> tuple[list[bool], list[float]]:
+    """The window's outcome per update (in joining order) when the worker reaches them in ``order``, and the squares
+    it took, in the order it took them."""
+    positions = [window.join(square) for square in squares]
+    taken = []
+    outcomes = {p: window.admits(p, lambda square: taken.append(square) or square) for p in order}
+    return [outcomes[p] for p in positions], taken
+
+
 def test_the_window_defers_once_the_partial_norm_passes_the_threshold_or_is_not_finite():
     window = SpeculationWindow(max_norm=1.0, grad_factor=0.5)  # summed squares up to (1 / 0.5)^2 = 4 are admitted
-    assert window.admits(3.0) and window.admits(1.0)
-    assert not window.admits(0.5) and not window.admits(0.0), "once past the threshold, every later chunk defers"
-    unclipped = SpeculationWindow(max_norm=0.0, grad_factor=1.0)
-    assert unclipped.admits(1e30) and not unclipped.admits(math.nan) and not unclipped.admits(1.0)
+    outcomes, _ = admitted(window, [3.0, 1.0, 0.5, 0.0], [0, 1, 2, 3])
+    assert outcomes == [True, True, False, False], "once past the threshold, every later chunk defers"
+    outcomes, _ = admitted(SpeculationWindow(max_norm=0.0, grad_factor=1.0), [1e30, math.nan, 1.0], [0, 1, 2])
+    assert outcomes == [True, False, False]
+
+
+@pytest.mark.parametrize("max_norm, squares, expected", [
+    (1.0, [1.5, 1.0, 2.0, 0.25, 0.0], [True, True, False, False, False]),
+    (0.0, [2.0, 1e30, math.inf, 0.5, 1.0], [True, True, False, False, False]),
+])
+def test_the_window_decides_in_backward_order_whichever_update_the_worker_reaches_first(max_norm, squares, expected):
+    """step() re-sorts the updates the worker has not started into forward order, and how many those are depends
+    on thread timing: an outcome depends on the squares of the chunks backward completed before it alone."""
+    for order in itertools.permutations(range(len(squares))):
+        outcomes, taken = admitted(SpeculationWindow(max_norm=max_norm, grad_factor=0.5), squares, list(order))
+        assert outcomes == expected, order
+        assert taken == squares, f"each square is taken once, in backward order ({order})"
 
 
 def test_removed_overlap_optimizer_step_key_says_why():
