@@ -25,6 +25,8 @@ run nngpt_4p4b 420 "${bench[@]}" "${cap[@]}" "${both[@]}" --models nngpt --sizes
 # The newest DeepSpeed offloads at the same size and cap (DeepSpeed only; compare with nngpt_2p7b's zero_offload).
 run ds_newest_2p7b 400 "${bench[@]}" "${cap[@]}" --engines deepspeed --models nngpt --sizes 2.7b \
     --configs $c/zero_superoffload.json $c/zero_zenflow.json
+run ours_offload_2p7b 150 "${bench[@]}" "${cap[@]}" --engines angelptm --anchor angelptm --models nngpt \
+    --sizes 2.7b --configs $c/zero_offload.json
 # The whole GPU: plain torch bf16 without fp32 masters against this engine with the ZeRO-Offload JSON.
 run full_2p7b 300 "${bench[@]}" --engines torch angelptm --anchor torch --models nngpt --sizes 2.7b \
     --configs $c/zero_offload.json
