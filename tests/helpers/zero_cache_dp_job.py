@@ -80,9 +80,11 @@ def main() -> None:
     config = {"train_micro_batch_size_per_gpu": args.global_batch // world_size, "gradient_accumulation_steps": args.accumulation,
               "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
               "gradient_clipping": args.clip, "steps_per_print": 100,
-              "zero_optimization": {"overlap_comm": not args.no_overlap, "stage3_prefetch_bucket_size": 2 * CHUNK_NUMEL,
-                                    "stage3_max_live_parameters": 0},
+              "zero_optimization": {"overlap_comm": not args.no_overlap},
+              # The fewest live groups, two chunks gathered ahead: evicted groups are gathered again. (DeepSpeed's
+              # stage3_* keys carry over only where they do not shrink ZeRO-Cache's defaults; these keys force it.)
               "zero_cache": {"enabled": True, "chunk_size": CHUNK_NUMEL, "shard_params": shard_params,
+                             "gather_ahead_elements": 2 * CHUNK_NUMEL, "max_live_elements": 0,
                              "device_memory_budget": device_budget(model, world_size, args.accumulation, shard_params),
                              "update_in_backward": False if args.after_backward else "auto",
                              "host_memory_budget": 64 * 2**20, "param_home": args.param_home,
