@@ -14,22 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-import angelptm
 from angelptm import checkpoint, checkpoint_manifest
 from angelptm.data import TokenWriter
 from angelptm.errors import CheckpointError, DiskFullError
-from angelptm.models import ModelConfig, build_model
 from reference import train_on_seeded_tokens as train_steps
+from test_checkpoint_faults import fp32_engine
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def fp32_engine(seed: int = 0):
-    torch.manual_seed(seed)
-    model = build_model(ModelConfig(vocab_size=64, max_seq_len=16, num_layers=1, hidden_size=32, num_heads=4))
-    engine, *_ = angelptm.initialize(model=model, config={
-        "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
-    return engine
 
 
 def fill_disk_after(monkeypatch, bytes_allowed: int, files_allowed: int = 0) -> None:
