@@ -166,6 +166,9 @@ def test_native_host_adam_trains_like_the_library_kernel(native_adam):
     assert native_losses == pytest.approx(library_losses, rel=1e-3)
     initial = dict(six_layer_llama(seed).named_parameters())
     for name, value in library_masters.items():
-        # Kernels agree to 1e-5 per step (above); bf16 weights turn that into rounding flips.
-        moved = (value - initial[name].detach()).abs().max().item()
-        assert (native_masters[name] - value).abs().max().item() < 0.05 * moved, name
+        # Kernels agree to 1e-5 per step (above); bf16 weights turn that into rounding flips, and Adam turns a
+        # flipped element's next gradient into a step of up to lr either way: so the error is measured over the
+        # tensor (a wrong kernel moves every element), not at its worst element (one flip reached 6% of the
+        # largest movement in 3 of 20 seeds).
+        moved = (value - initial[name].detach()).norm().item()
+        assert (native_masters[name] - value).norm().item() < 0.05 * moved, name
