@@ -156,8 +156,9 @@ def train_plain(kind: str, size: str, config: dict, steps: int) -> dict:
         ids = torch.randint(0, user_models.VOCAB, (micro, user_models.SEQ + 1), device="cuda", generator=generator)
         loss = user_models.loss_of(model(input_ids=ids[:, :-1], labels=ids[:, 1:]))
         loss.backward()
-        if config.get("gradient_clipping"):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config["gradient_clipping"])
+        clip = config.get("gradient_clipping", 1.0)  # left out: DeepSpeed's default, which both engines apply
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())

@@ -290,7 +290,9 @@ class EdgeConfig(Section):
     scheduler: SchedulerSection | None = None
     fp16: FP16Section = Field(default_factory=FP16Section)
     bf16: BF16Section = Field(default_factory=BF16Section, alias="bfloat16")
-    gradient_clipping: float = 0.0
+    gradient_clipping: float = 1.0
+    """Max global gradient norm; 0 turns clipping off. Left out, it is DeepSpeed 0.19's default
+    (``GRADIENT_CLIPPING_DEFAULT = 1.0``), so a DeepSpeed config without the key trains the same here."""
     zero_optimization: ZeroSection = Field(default_factory=ZeroSection)
     aio: AioSection = Field(default_factory=AioSection)
     steps_per_print: int = 10

@@ -47,7 +47,8 @@ def main() -> None:
     parser.add_argument("--out-prefix", required=True)
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
-    config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": False},
+    # gradient_clipping 0: torch_step, the reference, does not clip (left out, DeepSpeed's default 1.0 applies).
+    config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": False}, "gradient_clipping": 0.0,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS),
                                                                    "weight_decay": WEIGHT_DECAY}},
               "zero_cache": {"enabled": True, "chunk_size": CHUNK_NUMEL, "shard_params": True,

@@ -39,16 +39,35 @@ def _linear(seed: int) -> tuple[nn.Linear, torch.optim.SGD]:
     return net, torch.optim.SGD(net.parameters(), lr=0.1)
 
 
-def issue_example(deepspeed: ModuleType, seed: int, precision: dict) -> list[float]:
-    """The issue's example (its config plus DeepSpeed 0.19's default clipping, which angelptm does not default to)."""
-    net, opt = _linear(0)
-    eng = _engine(deepspeed, net, opt, {"train_batch_size": 1, "gradient_clipping": 1.0, **precision})
-    x = torch.ones(1, 4, dtype=next(net.parameters()).dtype)
-    (net(x).sum() * 100).backward()
-    net.zero_grad()
-    eng.backward(net(x).sum())
-    eng.step()
-    return net.weight.detach().float().flatten().tolist()
+def _issue_example(clipping: dict) -> Callable[[ModuleType, int, dict], list[float]]:
+    """The issue's example, its config as written (no gradient_clipping: DeepSpeed 0.19's default 1.0 applies)
+    plus ``clipping``; its gradient norm is sqrt(5), so the default clips it."""
+    def scenario(deepspeed: ModuleType, seed: int, precision: dict) -> list[float]:
+        net, opt = _linear(0)
+        eng = _engine(deepspeed, net, opt, {"train_batch_size": 1, **clipping, **precision})
+        x = torch.ones(1, 4, dtype=next(net.parameters()).dtype)
+        (net(x).sum() * 100).backward()
+        net.zero_grad()
+        eng.backward(net(x).sum())
+        eng.step()
+        return net.weight.detach().float().flatten().tolist()
+    return scenario
+
+
+def _random_inputs(clipping: dict) -> Callable[[ModuleType, int, dict], list[float]]:
+    """Two steps on fresh random inputs, large enough that the gradient norm passes 1, with the config leaving
+    gradient_clipping out (DeepSpeed's default) plus ``clipping``."""
+    def scenario(deepspeed: ModuleType, seed: int, precision: dict) -> list[float]:
+        net, opt = _linear(seed)
+        eng = _engine(deepspeed, net, opt, {"train_micro_batch_size_per_gpu": 2, **clipping, **precision})
+        generator = torch.Generator().manual_seed(seed + 1)
+        dtype = next(net.parameters()).dtype
+        for _ in range(2):
+            x = (torch.randn(2, 4, generator=generator) * 4 + 2).to(dtype)
+            eng.backward(eng(x).sum())
+            eng.step()
+        return [v for p in net.parameters() for v in p.detach().float().flatten().tolist()]
+    return scenario
 
 
 def _clearing(clear: Callable[[nn.Module, torch.optim.Optimizer], None] | None, *, outside_first: bool = True,
@@ -105,7 +124,10 @@ def gan(deepspeed: ModuleType, seed: int, precision: dict) -> list[float]:
 
 
 SCENARIOS: dict[str, Callable[[ModuleType, int, dict], list[float]]] = {
-    "issue_example": issue_example,
+    "issue_example": _issue_example({}),
+    "issue_example_unclipped": _issue_example({"gradient_clipping": 0.0}),
+    "random_inputs": _random_inputs({}),
+    "random_inputs_unclipped": _random_inputs({"gradient_clipping": 0.0}),
     "outside_kept": _clearing(None),
     "outside_after_kept": _clearing(None, outside_first=False),
     "module_zero_grad": _clearing(lambda net, opt: net.zero_grad()),

@@ -47,11 +47,14 @@ class RandomTokens(torch.utils.data.Dataset):
 
 
 def ds_config(**overrides) -> dict:
+    """The tests' engine config, no clipping unless ``gradient_clipping`` is overridden; ``overrides`` replace keys."""
     config = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}},
         "steps_per_print": 1000,
+        # Off, as reference_loop's clip=0.0: a config without the key clips at 1.0 (DeepSpeed's default).
+        "gradient_clipping": 0.0,
     }
     config.update(overrides)
     return config

@@ -139,6 +139,13 @@ def test_fp16_defaults_match_deepspeed():
                                     consecutive_hysteresis=False, min_scale=1.0)
 
 
+def test_gradient_clipping_default_is_deepspeeds_and_a_written_zero_is_off():
+    """Left out, DeepSpeed 0.19 clips at GRADIENT_CLIPPING_DEFAULT (1.0): the same here (issue 28)."""
+    constants = pytest.importorskip("deepspeed.runtime.constants")
+    assert load({}).gradient_clipping == constants.GRADIENT_CLIPPING_DEFAULT == 1.0
+    assert load({"gradient_clipping": 0}).gradient_clipping == 0.0
+
+
 def test_fp16_static_loss_scale():
     scale = load({"fp16": {"enabled": True, "loss_scale": 128}}).precision.loss_scale
     assert scale.static_scale == 128.0

@@ -1,8 +1,9 @@
 """What a script does to ``.grad`` between backward calls has DeepSpeed's effect on ``engine.step()`` (issue 28).
 
-Every scenario of ``tests/helpers/grad_clear_job.py`` (the issue's example, zero_grad on the module or on the
-client optimizer, to None or to zeros, a backward outside the engine kept or cleared, DeepSpeedExamples'
-DCGAN loop) runs under real DeepSpeed 0.19 in a subprocess and under angelptm here; the weights must agree.
+Every scenario of ``tests/helpers/grad_clear_job.py`` (the issue's example, whose config leaves DeepSpeed's default
+clipping of 1.0 in force, zero_grad on the module or on the client optimizer, to None or to zeros, a backward
+outside the engine kept or cleared, DeepSpeedExamples' DCGAN loop) runs under real DeepSpeed 0.19 in a subprocess
+and under angelptm here; the weights must agree.
 The fp32 runs' configs name no precision: fp32 in DeepSpeed, and here even on a CPU with bf16 units.
 """
 
@@ -69,6 +70,17 @@ def test_the_cleared_gradient_is_what_made_the_difference(deepspeeds):
     assert (kept - cleared).abs().max() > 1.0
     # The issue's numbers: DeepSpeed 0.19 [-0.0485, 0.2235, -0.4562, -0.4127], angelptm before [-10.10, ...].
     assert deepspeeds["fp32/issue_example"] == pytest.approx([-0.0485, 0.2235, -0.4562, -0.4127], abs=1e-4)
+
+
+def test_a_config_without_gradient_clipping_clips_at_deepspeeds_default(deepspeeds, ours):
+    """DeepSpeed 0.19 clips at 1.0 when a config leaves gradient_clipping out (GRADIENT_CLIPPING_DEFAULT), and so
+    does angelptm; a written 0 turns clipping off in both. Both cases clip (gradient norms >= 2)."""
+    for name in ("issue_example", "random_inputs"):
+        default, off = f"fp32/{name}", f"fp32/{name}_unclipped"
+        assert (torch.tensor(deepspeeds[default]) - torch.tensor(deepspeeds[off])).abs().max() > 1e-2, name
+        for key in (default, off):
+            torch.testing.assert_close(torch.tensor(ours[key]), torch.tensor(deepspeeds[key]), rtol=1e-5, atol=1e-6,
+                                       msg=key)
 
 
 def test_fp32_grad_is_readable_between_backward_and_step():
