@@ -105,16 +105,13 @@ def check_shapes_fit(shapes: list[tuple[str, tuple[int, ...]]], cfg: EngineConfi
 def _with_resident_budgets(config: zero_cache.ZeroCacheConfig, device: torch.device, ranks_per_host: int,
                            resident: dict[str, int]) -> zero_cache.ZeroCacheConfig:
     """``config`` with its "auto" device (and, on a GPU, host) budgets measured now plus the resident bytes."""
-    on_device, on_host = resident.get(device.type, 0), resident.get("cpu", 0) if device.type == "cuda" else 0
+    on_device, on_host = resident.get(device.type, 0), resident.get("cpu", 0)
     if not on_device and not on_host:
         return config
-    budgets = zero_cache.tier_budgets(config, device, ranks_per_host)
-    changes: dict[str, Any] = {}
-    if config.device_budget_bytes is None:
-        changes["device_memory_budget"] = budgets.device_bytes + on_device
-    if config.host_budget_bytes is None and on_host:
-        changes["host_memory_budget"] = budgets.host_bytes + on_host
-    return dataclasses.replace(config, **changes) if changes else config
+    budgets = zero_cache.tier_budgets(config, device, ranks_per_host, moving_device_bytes=on_device,
+                                      moving_host_bytes=on_host)
+    return dataclasses.replace(config, device_memory_budget=budgets.device_bytes,
+                               host_memory_budget=budgets.host_bytes)
 
 
 def _env_int(name: str, default: int) -> int:

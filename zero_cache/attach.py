@@ -21,15 +21,14 @@ from zero_cache.hardware import Hardware, tier_budgets
 from zero_cache.host_update import STAGING_BUFFERS
 from zero_cache.layout import ChunkLayout, pack, search_chunk_size
 from zero_cache.optimizer import ZeroCacheOptimizer
-from zero_cache.nvme import NvmeTier, nvme_budget
+from zero_cache.nvme import NvmeTier
 from zero_cache.planner import (DEVICE, DEVICE_MARGIN_FRACTION, HOST, NVME, Plan, PlanError, PlanInputs, make_plan,
                                 with_device_step_count)
 from zero_cache.shard_params import (candidate_plans, choose_shard_params, choose_streaming, decide_shard_params,
                                      device_groups, gather_ahead_groups, gather_objects, max_live_groups,
                                      register_saving_hooks, wanted_placement)
 from zero_cache.sharding import Sharding
-from zero_cache.tiers import (auto_device_budget, auto_host_budget, build_tiers, fragmentation_bytes,
-                              use_expandable_segments)
+from zero_cache.tiers import build_tiers, fragmentation_bytes, use_expandable_segments
 from zero_cache.tuning import DeviceStepTuner
 from zero_cache.units import AUTO, parse_budget
 
@@ -297,16 +296,10 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     ordered = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     in_optimizer = {id(p) for p in ordered}
     params = [(name, p) for name, p in module.named_parameters() if id(p) in in_optimizer]
-    # "auto" budgets: free memory now, plus the parameters about to move into chunks (their current
-    # storage is released as each one is rebound to its chunk view or copied into its home). A model
-    # built on the host (zero.Init(remote_device="cpu")) would otherwise shrink the host tier by its own size.
-    device_budget, host_budget = config.device_budget_bytes, config.host_budget_bytes
-    if device_budget is None:
-        device_budget = auto_device_budget(device, sharding.ranks_per_host) + _bytes_on(params, device)
-    if host_budget is None and device.type == "cuda":
-        host_budget = auto_host_budget(device, sharding.ranks_per_host) + _bytes_on(params, torch.device("cpu"))
-    device_tier, host_tier = build_tiers(device, device_budget, host_budget, sharding.ranks_per_host)
-    swap_directory, disk_budget = nvme_budget(config, sharding.ranks_per_host)
+    budgets = tier_budgets(config, device, sharding.ranks_per_host, moving_device_bytes=_bytes_on(params, device),
+                           moving_host_bytes=_bytes_on(params, torch.device("cpu")))
+    device_tier, host_tier = build_tiers(device, budgets.device_bytes, budgets.host_bytes, sharding.ranks_per_host)
+    swap_directory, disk_budget = budgets.nvme_directory, budgets.nvme_bytes
     # Before the warm-up has measured activations, keep part of the device for them; the re-plan
     # after the first step replaces this guess with the measured peak (and moves groups back).
     reserve = warmup_reserve(config, device, device_tier.budget_bytes)

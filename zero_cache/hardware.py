@@ -53,20 +53,34 @@ class TierBudgets:
 
 
 def tier_budgets(config: ZeroCacheConfig, device: torch.device, ranks_per_host: int = 1,
-                 hardware: Hardware | None = None) -> TierBudgets:
+                 hardware: Hardware | None = None, *, moving_device_bytes: int = 0,
+                 moving_host_bytes: int = 0) -> TierBudgets:
     """One rank's budgets: the config's where it gives bytes, else "auto": measured here, or from ``hardware``.
+    The one place "auto" budgets are worked out (``attach``, ``dry_run``, ``pretrain.py --plan`` and the engine's
+    check before building all ask it).
 
     With ``hardware`` the disk tier is the one it describes (the config's ``nvme_path`` is not touched);
     its RAM and NVMe space are split between the ``ranks_per_host`` ranks, as "auto" splits the host's RAM.
+
+    Args:
+        moving_device_bytes, moving_host_bytes: bytes of the parameters stored on the device / in host memory now
+            that are about to move into the chunks. A budget measured now counts them as free: each one's storage
+            is released as it is copied into its chunk or its home, and a model built in host memory
+            (``zero.Init(remote_device="cpu")``) would otherwise shrink the host tier by its own size. (The host's
+            only where the device is a GPU: on a CPU-only run both tiers are the same memory.)
 
     Raises:
         NvmeSetupError: measuring here, and nvme_path is missing or not writable.
     """
     if hardware is None:
-        device_tier, host_tier = tiers.build_tiers(device, config.device_budget_bytes, config.host_budget_bytes,
-                                                   ranks_per_host)
+        device_budget, host_budget = config.device_budget_bytes, config.host_budget_bytes
+        if device_budget is None:
+            device_budget = tiers.auto_device_budget(device, ranks_per_host) + moving_device_bytes
+        if host_budget is None:
+            host_budget = tiers.auto_host_budget(device, ranks_per_host) + (
+                moving_host_bytes if device.type == "cuda" else 0)
         directory, disk = nvme.nvme_budget(config, ranks_per_host)
-        return TierBudgets(device_tier.budget_bytes, host_tier.budget_bytes, disk, directory)
+        return TierBudgets(device_budget, host_budget, disk, directory)
     device_budget, host_budget = config.device_budget_bytes, config.host_budget_bytes
     if device_budget is None:  # a fresh GPU's free memory is its total, less the CUDA context the margin covers
         device_budget = tiers.device_share(hardware.device_bytes)
