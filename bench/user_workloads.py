@@ -78,8 +78,7 @@ def train(kind: str, size: str, config: dict, engine_name: str, steps: int, trac
     else:
         import angelptm as deepspeed
 
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     zero3 = (config.get("zero_optimization") or {}).get("stage") == 3
     torch.manual_seed(0)
     started = time.perf_counter()
@@ -96,39 +95,18 @@ def train(kind: str, size: str, config: dict, engine_name: str, steps: int, trac
     init_s = time.perf_counter() - started
     print(f"bench: {kind} {size} {engine_name} built in {built_s:.1f} s, initialized in {init_s:.1f} s",
           file=sys.stderr, flush=True)
-    micro = config["train_micro_batch_size_per_gpu"]
-    seq = 64 if size == "tiny" else user_models.SEQ
-    vocab = 512 if size == "tiny" else user_models.VOCAB
-    generator = torch.Generator(device=device).manual_seed(1)
-    times, losses = [], []
-    # A step is timed from one loss reaching the host to the next: what a step queues after its loss (device
-    # steps' copies, host updates, the optimizer's kernels) lands in the next one. A synchronize before each step
-    # would leave that work out of every step's time.
-    if cuda:
-        torch.cuda.synchronize()
-    last = time.perf_counter()
-    for index in range(steps):
+
+    def step(ids: Any, index: int) -> Any:
         if trace_dir and index == max(3, steps - 7) and hasattr(engine, "trace_next_step"):  # before the timed steps
             engine.trace_next_step(Path(trace_dir) / f"{kind}-{size}")
-        ids = torch.randint(0, vocab, (micro, seq + 1), device=device, generator=generator)
         loss = user_models.loss_of(engine(input_ids=ids[:, :-1], labels=ids[:, 1:]))
         engine.backward(loss)
         engine.step()
-        losses.append(loss.item())  # .item() waits for this step's loss
-        times.append(time.perf_counter() - last)
-        last += times[-1]
-        print(f"bench: {kind} {size} {engine_name} step {index} {times[-1]:.3f} s loss {losses[-1]:.4f}",
-              file=sys.stderr, flush=True)
-    step_s = statistics.median(times[-max(1, min(5, steps - 3)):])  # the last steps, past warm-up and tuning
-    layers, hidden = user_models.shape_of(kind, size)
-    tokens = micro * seq
-    result = {"model": kind, "size": size, "engine": engine_name, "params": num_params, "step_s": step_s,
-              "tokens_per_s": tokens / step_s,
-              "tflops": tokens * user_models.flops_per_token(num_params, layers, hidden, seq) / step_s / 1e12,
-              "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
-              # ru_maxrss: the process's peak resident set (KiB on Linux), pinned host memory included
-              "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-              "built_s": built_s, "init_s": init_s, "losses": [round(x, 4) for x in losses]}
+        return loss
+
+    times, losses = timed_steps(step, steps, config, size, device, f"{kind} {size} {engine_name}")
+    result = {**timings(kind, size, engine_name, num_params, times, losses, config),
+              "built_s": built_s, "init_s": init_s}
     plan = getattr(getattr(optimizer, "store", None), "plan", None)
     if plan is not None:  # this engine: what its plan predicted the step would cost
         result["plan"] = plan.summary()
@@ -147,33 +125,67 @@ def train_plain(kind: str, size: str, config: dict, steps: int) -> dict:
     model = user_models.build(kind, size).cuda().bfloat16()
     num_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    micro = config["train_micro_batch_size_per_gpu"]
-    generator = torch.Generator(device="cuda").manual_seed(1)
-    times, losses = [], []
-    torch.cuda.synchronize()
-    last = time.perf_counter()  # timed from loss to loss, as train() does
-    for index in range(steps):
-        ids = torch.randint(0, user_models.VOCAB, (micro, user_models.SEQ + 1), device="cuda", generator=generator)
+    clip = config.get("gradient_clipping", 1.0)  # left out: DeepSpeed's default, which both engines apply
+
+    def step(ids: Any, index: int) -> Any:
         loss = user_models.loss_of(model(input_ids=ids[:, :-1], labels=ids[:, 1:]))
         loss.backward()
-        clip = config.get("gradient_clipping", 1.0)  # left out: DeepSpeed's default, which both engines apply
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        return loss
+
+    times, losses = timed_steps(step, steps, config, size, torch.device("cuda"), f"{kind} {size} torch")
+    return timings(kind, size, "torch", num_params, times, losses, config)
+
+
+def timed_steps(step: Any, steps: int, config: dict, size: str, device: Any, label: str
+                ) -> tuple[list[float], list[float]]:
+    """Run ``step(ids, index)`` on ``steps`` batches of random tokens; returns each step's seconds and loss.
+
+    A step is timed from one loss reaching the host to the next: what a step queues after its loss (device steps'
+    copies, host updates, the optimizer's kernels) lands in the next one. A synchronize before each step would
+    leave that work out of every step's time.
+    """
+    import torch
+
+    micro, (seq, vocab) = config["train_micro_batch_size_per_gpu"], _tokens(size)
+    generator = torch.Generator(device=device).manual_seed(1)
+    times, losses = [], []
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    last = time.perf_counter()
+    for index in range(steps):
+        ids = torch.randint(0, vocab, (micro, seq + 1), device=device, generator=generator)
+        losses.append(step(ids, index).item())  # .item() waits for this step's loss
         times.append(time.perf_counter() - last)
         last += times[-1]
-        print(f"bench: {kind} {size} torch step {index} {times[-1]:.3f} s loss {losses[-1]:.4f}", file=sys.stderr,
-              flush=True)
-    step_s = statistics.median(times[-max(1, min(5, steps - 3)):])
+        print(f"bench: {label} step {index} {times[-1]:.3f} s loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
+    return times, losses
+
+
+def timings(kind: str, size: str, engine_name: str, num_params: int, times: list[float], losses: list[float],
+            config: dict) -> dict:
+    """The result line: the median of the last steps (past warm-up and tuning), throughput and memory peaks."""
+    import torch
+
+    step_s = statistics.median(times[-max(1, min(5, len(times) - 3)):])
     layers, hidden = user_models.shape_of(kind, size)
-    tokens = micro * user_models.SEQ
-    return {"model": kind, "size": size, "engine": "torch", "params": num_params, "step_s": step_s,
+    seq, _ = _tokens(size)
+    tokens = config["train_micro_batch_size_per_gpu"] * seq
+    return {"model": kind, "size": size, "engine": engine_name, "params": num_params, "step_s": step_s,
             "tokens_per_s": tokens / step_s,
-            "tflops": tokens * user_models.flops_per_token(num_params, layers, hidden) / step_s / 1e12,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "losses": losses}
+            "tflops": tokens * user_models.flops_per_token(num_params, layers, hidden, seq) / step_s / 1e12,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
+            # ru_maxrss: the process's peak resident set (KiB on Linux), pinned host memory included
+            "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "losses": [round(x, 4) for x in losses]}
+
+
+def _tokens(size: str) -> tuple[int, int]:
+    """(sequence length, vocabulary) of a size: the protocol's, or small ones for the CPU test of the harness."""
+    return (64, 512) if size == "tiny" else (user_models.SEQ, user_models.VOCAB)
 
 
 def run_child(command: list[str]) -> tuple[int, list[str], list[str]]:

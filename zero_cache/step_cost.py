@@ -44,16 +44,20 @@ class StepTraffic:
     """Host-held optimizer groups whose states are copied to the device and stepped there (after backward)."""
 
     @property
+    def floors(self) -> dict[str, float]:
+        """Seconds each stream needs for this traffic: "H2D", "D2H" and "host Adam"."""
+        return {"H2D": self.h2d_bytes / PCIE_BYTES_PER_S, "D2H": self.d2h_bytes / PCIE_BYTES_PER_S,
+                "host Adam": self.host_adam_elements / HOST_ADAM_ELEMENTS_PER_S}
+
+    @property
     def seconds(self) -> float:
         """The floor this traffic puts under the step: its slowest stream."""
-        return max(self.h2d_bytes / PCIE_BYTES_PER_S, self.d2h_bytes / PCIE_BYTES_PER_S,
-                   self.host_adam_elements / HOST_ADAM_ELEMENTS_PER_S)
+        return max(self.floors.values())
 
     @property
     def bound(self) -> str:
-        """The stream whose floor is :attr:`seconds`: "H2D", "D2H" or "host Adam"."""
-        floors = {"H2D": self.h2d_bytes / PCIE_BYTES_PER_S, "D2H": self.d2h_bytes / PCIE_BYTES_PER_S,
-                  "host Adam": self.host_adam_elements / HOST_ADAM_ELEMENTS_PER_S}
+        """The stream whose floor is :attr:`seconds`."""
+        floors = self.floors
         return max(floors, key=floors.__getitem__)
 
     def describe(self) -> str:

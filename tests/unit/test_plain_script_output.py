@@ -7,20 +7,16 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from launch import free_port  # tests/helpers
+
 JOB = Path(__file__).resolve().parents[1] / "helpers" / "plain_script_job.py"
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +24,7 @@ def outputs() -> dict[str, str]:
     running = {}
     for mode, extra in (("none", []), ("warning", []), ("info", []), ("config", ["--config-log-level", "warning"])):
         env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(_free_port())}
+               "MASTER_PORT": str(free_port())}
         logging_mode = "none" if mode == "config" else mode
         running[mode] = subprocess.Popen([sys.executable, str(JOB), "--logging", logging_mode, *extra], env=env,
                                          text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,16 +20,12 @@ import torch
 
 import angelptm
 from grad_clear_job import run_all  # tests/helpers
+from launch import free_port  # tests/helpers
 
 pytest.importorskip("deepspeed")
 
 JOB = Path(__file__).resolve().parents[1] / "helpers" / "grad_clear_job.py"
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +35,7 @@ def seed() -> int:
 
 @pytest.fixture(scope="module")
 def deepspeeds(seed) -> dict[str, list[float]]:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", "MASTER_PORT": str(_free_port())}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", "MASTER_PORT": str(free_port())}
     done = subprocess.run([sys.executable, str(JOB), "--backend", "deepspeed", "--seed", str(seed)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
