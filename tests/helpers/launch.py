@@ -9,10 +9,22 @@ import sys
 from pathlib import Path
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port no process listens on now, and one this process has not handed out before.
+
+    The kernel may give the same free port to two binds in a row once the first socket is closed, so jobs started
+    side by side (each reading its own ``free_port()`` before any of them listens) could collide without the record.
+    """
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def torchrun(nproc: int, script: str | Path, *args: str) -> list[str]:

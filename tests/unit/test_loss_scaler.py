@@ -6,7 +6,6 @@ import datetime
 import importlib
 import logging
 import random
-import socket
 
 import pytest
 import torch
@@ -14,15 +13,10 @@ import torch.distributed as tdist
 
 from angelptm.config import LossScaleConfig
 from angelptm.loss_scaler import LossScaler
+from launch import free_port  # tests/helpers
 
 ds_loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
 logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +33,7 @@ def ds_comm():
 
     created = False
     if not tdist.is_initialized():
-        tdist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}")
+        tdist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
         created = True
     previous = ds_comm_module.cdb
     with pytest.MonkeyPatch.context() as patch:
