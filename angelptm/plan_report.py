@@ -18,7 +18,6 @@ from angelptm.errors import ConfigError
 from angelptm.models import build_model
 from zero_cache.attach import warmup_reserve
 from zero_cache.planner import DEVICE, HOST, NVME, Plan
-from zero_cache.step_cost import HOST_ADAM_ELEMENTS_PER_S, PCIE_BYTES_PER_S
 
 DISK_READ_BYTES_PER_S = 1.1e9
 DISK_WRITE_BYTES_PER_S = 1.9e9
@@ -150,15 +149,16 @@ def _tier_table(plan: Plan, budgets: zero_cache.TierBudgets, device: torch.devic
 
 def _step_floors(plan: Plan, compute_s: float | None, tokens: int, tflops: float) -> list[str]:
     """Each stream's floor under the step (they overlap, so the largest bounds it) and which one that is."""
-    traffic = plan.traffic
+    traffic, rates = plan.traffic, plan.traffic.rates
+    stream_s = traffic.floors
     floors = [("compute", f"{tokens:,} tokens/rank at {tflops:.0f} model TFLOPS", compute_s)] if compute_s else []
     floors += [
-        ("H2D", f"{zero_cache.format_bytes(traffic.h2d_bytes)} at {PCIE_BYTES_PER_S / 2**30:.0f} GiB/s",
-         traffic.h2d_bytes / PCIE_BYTES_PER_S),
-        ("D2H", f"{zero_cache.format_bytes(traffic.d2h_bytes)} at {PCIE_BYTES_PER_S / 2**30:.0f} GiB/s",
-         traffic.d2h_bytes / PCIE_BYTES_PER_S),
-        ("host Adam", f"{_count(traffic.host_adam_elements)} elements at {HOST_ADAM_ELEMENTS_PER_S / 1e9:.1f} G/s",
-         traffic.host_adam_elements / HOST_ADAM_ELEMENTS_PER_S),
+        ("H2D", f"{zero_cache.format_bytes(traffic.h2d_bytes)} at {rates.h2d_bytes_per_s / 2**30:.0f} GiB/s",
+         stream_s["H2D"]),
+        ("D2H", f"{zero_cache.format_bytes(traffic.d2h_bytes)} at {rates.d2h_bytes_per_s / 2**30:.0f} GiB/s",
+         stream_s["D2H"]),
+        ("host Adam", f"{_count(traffic.host_adam_elements)} elements at "
+                      f"{rates.host_adam_elements_per_s / 1e9:.1f} G/s", stream_s["host Adam"]),
     ]
     if plan.nvme_bytes:
         floors.append(("NVMe", f"{zero_cache.format_bytes(plan.nvme_bytes)} read and written at "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -27,7 +28,9 @@ from zero_cache.planner import (DEVICE, DEVICE_MARGIN_FRACTION, HOST, NVME, Plan
 from zero_cache.shard_params import (candidate_plans, choose_shard_params, choose_streaming, decide_shard_params,
                                      device_groups, gather_ahead_groups, gather_objects, max_live_groups,
                                      register_saving_hooks, wanted_placement)
+from zero_cache.rates import measured_rates, with_host_adam
 from zero_cache.sharding import Sharding
+from zero_cache.step_cost import NOMINAL_RATES, Rates
 from zero_cache.tiers import build_tiers, fragmentation_bytes, use_expandable_segments
 from zero_cache.tuning import DeviceStepTuner
 from zero_cache.units import AUTO, parse_budget
@@ -96,11 +99,12 @@ def resolve_update_in_backward(config: ZeroCacheConfig, *, accumulation_steps: i
 def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: torch.dtype, device_budget: int,
                 host_budget: int, accumulation_steps: int, trace: tuple[int, ...] = (),
                 nonmodel_peak_bytes: int = 0, nvme_budget: int = 0, sharding: Sharding = Sharding(),
-                shard_params: bool = False, in_backward: bool = False, gpu: bool = False) -> PlanInputs:
+                shard_params: bool = False, in_backward: bool = False, gpu: bool = False,
+                rates: Rates = NOMINAL_RATES) -> PlanInputs:
     """What the planner needs; ``shard_params``: params are gathered on use (sharded over the ranks, or, on one
     rank, streamed from homes on the host); ``in_backward``: host chunks update during backward (one
     micro-batch per step: each wants a kept gradient); ``gpu``: the device is a GPU (host groups may be
-    stepped there)."""
+    stepped there); ``rates``: what placements are compared at."""
     param_bytes = torch.empty((), dtype=compute_dtype).element_size()
     buckets = GRADIENT_BUCKETS if shard_params or (sharding.sharded and accumulation_steps > 1) else 0
     live = min_live = 0
@@ -125,7 +129,8 @@ def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: tor
                       nvme_budget_bytes=nvme_budget, nvme_path_set=config.nvme_path is not None,
                       swap_buffers=SWAP_BUFFERS,
                       kept_bytes_per_element=param_bytes if in_backward and accumulation_steps == 1 else 0,
-                      device_steps=(None if gpu else 0) if config.device_steps == AUTO else config.device_steps)
+                      device_steps=(None if gpu else 0) if config.device_steps == AUTO else config.device_steps,
+                      rates=rates)
 
 
 PREDICTION_TOLERANCE = 0.10
@@ -156,6 +161,8 @@ class WarmupTracer:
         self.tuner: DeviceStepTuner | None = None
         self.inputs: PlanInputs | None = None
         """The inputs of the plan in force (the re-plan's)."""
+        self.rates = NOMINAL_RATES
+        """The rates plans are made at: measured on this machine from the warm-up step on (:mod:`zero_cache.rates`)."""
 
     def record(self, chunks: list[int]) -> None:
         if self.recording:
@@ -168,16 +175,18 @@ class WarmupTracer:
         device_tier, host_tier = store.tiers[DEVICE], store.tiers[HOST]
         nvme_tier = store.tiers.get(NVME)
         nonmodel = 0
+        optimizer.finish_pending()  # the warm-up's host updates are done, and timed
         if device_tier.device.type == "cuda":
             # Against the tier's own peak: gathered groups (sharded params) come and go within a step. What the
             # allocator held unallocated at its peak (fragmentation) is room the plan cannot count on either.
             nonmodel = max(0, torch.cuda.max_memory_allocated(device_tier.device) - device_tier.peak_bytes)
             nonmodel += fragmentation_bytes(device_tier.device)
+        self.rates = measured_rates(device_tier.device, optimizer.host.adam_work.take(), self.rates)  # (after the peak)
         inputs = plan_inputs(self.layout, self.config, self.compute_dtype, device_tier.budget_bytes,
                              host_tier.budget_bytes, self.accumulation_steps, tuple(self.trace), nonmodel,
                              nvme_budget=nvme_tier.budget_bytes if nvme_tier is not None else 0,
                              sharding=store.sharding, shard_params=store.shard_params, in_backward=self.in_backward,
-                             gpu=device_tier.device.type == "cuda")
+                             gpu=device_tier.device.type == "cuda", rates=self.rates)
         try:
             plan = make_plan(inputs)
         except PlanError as err:  # the running plan works; a worse estimate must not stop the run
@@ -188,8 +197,8 @@ class WarmupTracer:
         moved = self._apply(optimizer, plan)
         if optimizer.exchange is not None and optimizer.exchange.gathered is not None:
             optimizer.exchange.gathered.resize(plan.cache_slots)
-        logger.info("ZeRO-Cache re-plan after warm-up (non-model peak %d MiB): %s; %d groups moved",
-                    nonmodel // 2**20, plan.summary(), moved)
+        logger.info("ZeRO-Cache re-plan after warm-up (non-model peak %d MiB; %s): %s; %d groups moved",
+                    nonmodel // 2**20, self.rates.describe(), plan.summary(), moved)
         self.inputs = inputs
         host_groups = plan.optimizer_tier.count(HOST)
         if self.tune_device_steps and host_groups:
@@ -213,9 +222,16 @@ class WarmupTracer:
         if not self.tuner.done:
             return
         optimizer.after_step = None
-        plan, measured = optimizer.store.plan, self.tuner.measured[self.tuner.best]
-        floor = plan.traffic.seconds
         logger.info("ZeRO-Cache host groups stepped on the device, by measured step time: %s", self.tuner.summary())
+        # The warm-up timed the host's Adam over one step; the tuning steps time it over several, under every
+        # count: the plan's floor is worked out again at that rate (the same placement, nothing moves).
+        self.rates = with_host_adam(self.rates, optimizer.host.adam_work.take())
+        self.inputs = replace(self.inputs, rates=self.rates)
+        plan = with_device_step_count(self.inputs, optimizer.store.plan, self.tuner.best)
+        self._apply(optimizer, plan)
+        measured, floor = self.tuner.measured[self.tuner.best], plan.traffic.seconds
+        logger.info("ZeRO-Cache: the step runs at %.3f s against the plan's floor of %.3f s (%s; %s)", measured, floor,
+                    plan.traffic.bound, self.rates.describe())
         if measured > (1 + PREDICTION_TOLERANCE) * floor:
             # The floor counts each stream as if it overlapped compute; what it leaves out is compute itself and
             # the copies that cannot overlap it (a device step's, after backward, overlap the forward alone).

@@ -39,6 +39,7 @@ from zero_cache.host_adam import HostAdam
 from zero_cache.jobs import GRADIENTS, JobQueue
 from zero_cache.layout import TensorSlot
 from zero_cache.planner import HOST, NVME
+from zero_cache.rates import Throughput
 from zero_cache.revision import APPLIED, DEFERRED, SpeculationWindow, revision_scales
 from zero_cache.tiers import BufferPool, TrafficCounter, wait
 from zero_cache.timeline import D2H, H2D, HOST_ADAM, Timeline
@@ -160,6 +161,8 @@ class HostUpdater:
         self.param_ready: dict[int, torch.cuda.Event | None] = {}
         """Chunk -> completion event of its latest host->device param copy (popped by the waiter)."""
         self.busy_s = 0.0
+        self.adam_work = Throughput()
+        """Elements the host's Adam stepped and the seconds it took (the plan's measured rate)."""
         self.error: BaseException | None = None
         self._jobs = JobQueue()
         # The thread holds only a weak reference, so a dropped optimizer (and its pinned memory) is
@@ -280,6 +283,7 @@ class HostUpdater:
         if update.window is not None:
             update.lazy = (self.store.groups[chunk].tier == HOST
                            and self.host_adam.lazy_ok(update.hypers, self._kept(chunk).dtype))
+        started = time.perf_counter()
         with self.transfers.timeline.on_thread(HOST_ADAM, f"chunk {chunk}"):  # its inputs have landed
             if update.revises is not None:
                 buffer = self._revise(update, states)
@@ -294,6 +298,9 @@ class HostUpdater:
             else:
                 self.settle(chunk)
                 buffer = self._step_then_round(update, buffer, states)
+        # A chunk's elements count once a step, by its first pass; a revision's seconds add to that step's.
+        first_pass = update.revises is None and not update.restore_only
+        self.adam_work.add(self.store.layout.chunk_numel if first_pass else 0, time.perf_counter() - started)
         if update.window is not None:
             update.outcome = APPLIED
         if fetched.swap is not None:  # written behind: the buffer is reused once the write has landed

@@ -46,8 +46,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from zero_cache.step_cost import (STATE_BYTES_PER_ELEMENT, HostChunk, StepTraffic, cheapest_device_steps, step_traffic,
-                                  with_device_steps)
+from zero_cache.step_cost import (NOMINAL_RATES, STATE_BYTES_PER_ELEMENT, HostChunk, Rates, StepTraffic,
+                                  cheapest_device_steps, step_traffic, with_device_steps)
 from zero_cache.units import format_bytes
 
 DEVICE, HOST, NVME = "device", "host", "nvme"
@@ -123,6 +123,8 @@ class PlanInputs:
     device_steps: int | None = 0
     """Host-held optimizer groups to step on the device after backward (:mod:`zero_cache.device_steps`): that
     many at most, or None for the count with the cheapest step (:func:`~zero_cache.step_cost.cheapest_device_steps`)."""
+    rates: Rates = NOMINAL_RATES
+    """How fast PCIe and the host's Adam move the step's work: the placements are compared at these rates."""
 
     def __post_init__(self) -> None:
         if self.owned is not None and not all(0 <= c < self.num_chunks for c in self.owned):
@@ -316,7 +318,7 @@ def _traffic(inputs: PlanInputs, home: tuple[str, ...], owned: list[int], device
     return step_traffic(chunk_numel=inputs.chunk_numel, param_bytes_per_element=inputs.param_bytes_per_element,
                         streamed_shards=len(streamed), owned_streamed=owned_streamed,
                         host_updated_resident=len(host_updated) - owned_streamed, host_updated=len(host_updated),
-                        gathers_per_step=inputs.gathers_per_step)
+                        gathers_per_step=inputs.gathers_per_step, rates=inputs.rates)
 
 
 def _finish(inputs: PlanInputs, *, resident_bytes: int, live: int, device_optim: list[int], home: tuple[str, ...],

@@ -3,11 +3,12 @@
 The planner compares placements by this estimate. Transfers in both directions and the host's
 Adam run on their own streams and thread beside the GPU's compute, so each is a floor under the
 step time and the step is bound by the largest of them (or by compute, which no placement
-changes). The rates are the lent H200's, measured as DESIGN.md records (pinned copies 51 GiB/s
-each way; DeepSpeedCPUAdam 4.3 G params/s on 16 cores): only their ratio matters to the choice,
-and on that machine a chunk's CPU Adam costs about six one-way copies of its bf16 params, so a
+changes). The rates are :class:`Rates`: until the machine has been measured, the lent H200's as
+DESIGN.md records them (:data:`NOMINAL_RATES`: pinned copies 51 GiB/s each way, DeepSpeedCPUAdam 4.3 G
+params/s on 16 cores); after the warm-up step, this machine's (:mod:`zero_cache.rates`). Their ratio decides
+the placement: on the H200 a chunk's CPU Adam costs about six one-way copies of its bf16 params, so a
 device byte is worth more as a resident param shard than as an eighth of an optimizer group
-only while the shard's copies stay cheaper than that.
+only while the shard's copies stay cheaper than that; on the lent H100's host the Adam ran at 2.9 G/s.
 
 A host-held optimizer group can also be stepped on the device (:mod:`zero_cache.device_steps`): its
 states cross PCIe both ways instead of costing CPU Adam, so while the copies have room the host's
@@ -24,10 +25,29 @@ from zero_cache.units import format_bytes
 STATE_BYTES_PER_ELEMENT = 12
 """fp32 master + exp_avg + exp_avg_sq (a gradient's bytes come on top, by its dtype): what an optimizer group
 holds per element, and what one stepped on the device moves each way."""
-PCIE_BYTES_PER_S = 51 * 2**30
-"""Pinned host <-> device copies, each direction."""
-HOST_ADAM_ELEMENTS_PER_S = 4.3e9
-"""CPU Adam over fp32 masters and moments."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rates:
+    """How fast each of the step's streams moves its work."""
+
+    h2d_bytes_per_s: float
+    """Pinned host -> device copies."""
+    d2h_bytes_per_s: float
+    """Pinned device -> host copies."""
+    host_adam_elements_per_s: float
+    """CPU Adam over fp32 masters and moments (with its reads and writes of the chunk's gradient and params)."""
+    measured: bool = False
+    """Measured on this machine (else the nominal figures)."""
+
+    def describe(self) -> str:
+        return (f"H2D {self.h2d_bytes_per_s / 2**30:.0f} GiB/s, D2H {self.d2h_bytes_per_s / 2**30:.0f} GiB/s, "
+                f"host Adam {self.host_adam_elements_per_s / 1e9:.1f} G elements/s "
+                f"({'measured here' if self.measured else 'nominal: the lent H200'})")
+
+
+NOMINAL_RATES = Rates(h2d_bytes_per_s=51 * 2**30, d2h_bytes_per_s=51 * 2**30, host_adam_elements_per_s=4.3e9)
+"""The lent H200's, measured there (DESIGN.md): what a plan assumes before this machine is measured."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,12 +62,15 @@ class StepTraffic:
     """Elements of the chunks whose optimizer group is on the host or NVMe, less those stepped on the device."""
     device_stepped: int = 0
     """Host-held optimizer groups whose states are copied to the device and stepped there (after backward)."""
+    rates: Rates = NOMINAL_RATES
+    """What the floors are worked out at."""
 
     @property
     def floors(self) -> dict[str, float]:
         """Seconds each stream needs for this traffic: "H2D", "D2H" and "host Adam"."""
-        return {"H2D": self.h2d_bytes / PCIE_BYTES_PER_S, "D2H": self.d2h_bytes / PCIE_BYTES_PER_S,
-                "host Adam": self.host_adam_elements / HOST_ADAM_ELEMENTS_PER_S}
+        rates = self.rates
+        return {"H2D": self.h2d_bytes / rates.h2d_bytes_per_s, "D2H": self.d2h_bytes / rates.d2h_bytes_per_s,
+                "host Adam": self.host_adam_elements / rates.host_adam_elements_per_s}
 
     @property
     def seconds(self) -> float:
@@ -64,7 +87,7 @@ class StepTraffic:
         stepped = f", {self.device_stepped} host groups stepped on the device" if self.device_stepped else ""
         return (f"H2D {format_bytes(self.h2d_bytes)}, D2H {format_bytes(self.d2h_bytes)}, host Adam over "
                 f"{_count(self.host_adam_elements)} elements{stepped} (at least {self.seconds:.3f} s at "
-                f"{PCIE_BYTES_PER_S / 2**30:.0f} GiB/s and {HOST_ADAM_ELEMENTS_PER_S / 1e9:.1f} G elements/s)")
+                f"{self.rates.describe()})")
 
 
 def _count(elements: int) -> str:
@@ -73,7 +96,8 @@ def _count(elements: int) -> str:
 
 
 def step_traffic(*, chunk_numel: int, param_bytes_per_element: int, streamed_shards: int, owned_streamed: int,
-                 host_updated_resident: int, host_updated: int, gathers_per_step: float) -> StepTraffic:
+                 host_updated_resident: int, host_updated: int, gathers_per_step: float,
+                 rates: Rates = NOMINAL_RATES) -> StepTraffic:
     """The traffic of one placement.
 
     Args:
@@ -84,12 +108,13 @@ def step_traffic(*, chunk_numel: int, param_bytes_per_element: int, streamed_sha
             gradients go out to a staging buffer and their params come back in).
         host_updated: every chunk this rank updates on the host or from NVMe.
         gathers_per_step: times a streamed group is brought onto the device per step.
+        rates: what its floors are worked out at.
     """
     chunk_bytes = chunk_numel * param_bytes_per_element
     return StepTraffic(
         h2d_bytes=int((streamed_shards * gathers_per_step + host_updated_resident) * chunk_bytes),
         d2h_bytes=(owned_streamed + host_updated_resident) * chunk_bytes,
-        host_adam_elements=host_updated * chunk_numel)
+        host_adam_elements=host_updated * chunk_numel, rates=rates)
 
 
 @dataclass(frozen=True, slots=True)

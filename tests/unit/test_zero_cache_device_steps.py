@@ -21,7 +21,7 @@ from zero_cache.config import ZeroCacheConfig
 from zero_cache.device_steps import DeviceSteps
 from zero_cache.jobs import JobQueue
 from zero_cache.planner import HOST
-from zero_cache.step_cost import (PCIE_BYTES_PER_S, HostChunk, StepTraffic, cheapest_device_steps,
+from zero_cache.step_cost import (NOMINAL_RATES, HostChunk, StepTraffic, cheapest_device_steps,
                                   with_device_steps)
 
 
@@ -147,7 +147,7 @@ def test_the_count_balances_host_adam_against_pcie():
     assert floors[count] < 0.75 * floors[0], "the host's Adam bound the step; moving chunks off it must pay"
     # PCIe already the bound: none
     busy = StepTraffic(h2d_bytes=2 * 24 * N * 14, d2h_bytes=0, host_adam_elements=24 * N)
-    assert busy.h2d_bytes / PCIE_BYTES_PER_S > busy.seconds - 1e-9
+    assert busy.h2d_bytes / NOMINAL_RATES.h2d_bytes_per_s > busy.seconds - 1e-9
     assert cheapest_device_steps(busy, host_chunks, chunk_numel=N, param_bytes_per_element=2) == 0
     # a configured count is taken as it is, within the candidates
     assert cheapest_device_steps(busy, host_chunks, chunk_numel=N, param_bytes_per_element=2, most=3) == 3

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from zero_cache.layout import ALIGN_NUMEL, pack, search_chunk_size
-from zero_cache.step_cost import HOST_ADAM_ELEMENTS_PER_S, PCIE_BYTES_PER_S
+from zero_cache.step_cost import Rates
 from zero_cache.planner import (DEVICE, HOST, NVME, REMOTE, PlanError, PlanInputs, belady_misses, first_use_order,
                                 make_plan)
 from zero_cache.units import format_bytes
@@ -202,7 +202,9 @@ def brute_force_cost(inp: PlanInputs) -> float:
             host_chunks = inp.num_chunks - on_device
             h2d = (inp.num_chunks - resident) * 2 * inp.param_chunk_bytes + (resident - on_device) * inp.param_chunk_bytes
             d2h = host_chunks * inp.param_chunk_bytes
-            cost = max(h2d / PCIE_BYTES_PER_S, d2h / PCIE_BYTES_PER_S, host_chunks * inp.chunk_numel / HOST_ADAM_ELEMENTS_PER_S)
+            rates = inp.rates
+            cost = max(h2d / rates.h2d_bytes_per_s, d2h / rates.d2h_bytes_per_s,
+                       host_chunks * inp.chunk_numel / rates.host_adam_elements_per_s)
             best = cost if best is None else min(best, cost)
     return best
 
@@ -213,9 +215,13 @@ def test_gathered_plan_takes_the_cheapest_split_of_the_device(seed):
     trace = tuple(rng.sample(range(10), 10))
     # From 20,000 bytes: 4 live groups, the buckets and the scratch need 18,002 (18,560 with the margin); a lower
     # draw made an input that cannot fit, and the test failed on PlanError now and then.
+    # Machines differ: the bus each way and the host's Adam drawn apart, as measured rates may be.
+    rates = Rates(h2d_bytes_per_s=rng.uniform(5, 60) * 2**30, d2h_bytes_per_s=rng.uniform(5, 60) * 2**30,
+                  host_adam_elements_per_s=rng.uniform(0.5, 6) * 1e9, measured=True)
     inp = streamed(device_budget_bytes=rng.randint(20_000, 200_000), trace=trace, min_live_groups=rng.randint(1, 4),
-                   live_groups=0)
+                   live_groups=0, rates=rates)
     plan = make_plan(inp)
+    assert plan.traffic.rates == rates
     assert plan.traffic.seconds == pytest.approx(brute_force_cost(inp))
     # Shards stay home on the device for the groups used first; device Adam only where the shard is.
     resident = plan.param_home.count(DEVICE)

@@ -1,0 +1,96 @@
+"""The plan's rates: placements compared at this machine's measured rates (zero_cache.rates, zero_cache.step_cost)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import threading
+
+import pytest
+import torch
+
+import angelptm
+from reference import random_batches, train_steps
+from test_zero_cache_device_steps import tiny_llama
+from test_zero_cache_streamed import config
+from test_zero_cache_tuning import random_inputs
+from zero_cache.planner import HOST, make_plan
+from zero_cache.rates import MIN_MEASURED_ELEMENTS, Throughput, measured_rates, with_host_adam
+from zero_cache.step_cost import NOMINAL_RATES, Rates
+
+
+def random_rates(rng: random.Random) -> Rates:
+    return Rates(h2d_bytes_per_s=rng.uniform(5, 60) * 2**30, d2h_bytes_per_s=rng.uniform(5, 60) * 2**30,
+                 host_adam_elements_per_s=rng.uniform(0.5, 6) * 1e9, measured=True)
+
+
+def test_a_slower_host_adam_steps_at_least_as_many_groups_on_the_device():
+    """The host's Adam rate is what device steps trade PCIe bytes against: the slower it runs, the more groups
+    the cheapest plan moves off it, and its floor is the stream that bounds the step at those rates."""
+    rng = random.Random(random.randrange(10**6))
+    for _ in range(60):
+        inputs = random_inputs(trace=tuple(rng.sample(range(24), 24)))
+        inputs = dataclasses.replace(inputs, trace=tuple(c for c in inputs.trace if c < inputs.num_chunks))
+        rates = random_rates(rng)
+        slower = dataclasses.replace(rates, host_adam_elements_per_s=rates.host_adam_elements_per_s
+                                     * rng.uniform(0.2, 0.9))
+        fast, slow = (make_plan(dataclasses.replace(inputs, rates=r)) for r in (rates, slower))
+        assert len(slow.device_stepped) >= len(fast.device_stepped)
+        for plan, at in ((fast, rates), (slow, slower)):
+            traffic = plan.traffic
+            assert traffic.rates == at
+            assert traffic.seconds == pytest.approx(max(traffic.h2d_bytes / at.h2d_bytes_per_s,
+                                                        traffic.d2h_bytes / at.d2h_bytes_per_s,
+                                                        traffic.host_adam_elements / at.host_adam_elements_per_s))
+
+
+def test_the_host_adam_rate_is_taken_only_from_enough_work():
+    rates = Rates(h2d_bytes_per_s=10e9, d2h_bytes_per_s=11e9, host_adam_elements_per_s=3e9)
+    elements = random.randint(MIN_MEASURED_ELEMENTS, 10**10)
+    seconds = random.uniform(0.01, 5.0)
+    measured = with_host_adam(rates, (elements, seconds))
+    assert measured.host_adam_elements_per_s == pytest.approx(elements / seconds) and measured.measured
+    assert (measured.h2d_bytes_per_s, measured.d2h_bytes_per_s) == (10e9, 11e9)
+    assert with_host_adam(rates, (MIN_MEASURED_ELEMENTS - 1, seconds)) == rates  # too little to time
+    assert with_host_adam(rates, (elements, 0.0)) == rates
+    # No bus to probe on a CPU-only run: the rates stay what they were.
+    assert measured_rates(torch.device("cpu"), (elements, seconds), rates) == rates
+
+
+def test_throughput_adds_from_several_threads_and_starts_again_when_taken():
+    work = Throughput()
+    amounts = [(random.randint(1, 1000), random.uniform(0, 1)) for _ in range(400)]
+
+    def add(part):
+        for elements, seconds in part:
+            work.add(elements, seconds)
+
+    threads = [threading.Thread(target=add, args=(amounts[i::4],)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elements, seconds = work.take()
+    assert elements == sum(e for e, _ in amounts) and seconds == pytest.approx(sum(s for _, s in amounts))
+    assert work.take() == (0, 0.0)
+
+
+@pytest.mark.parametrize("update_in_backward", [False, True])
+def test_the_host_worker_times_the_elements_the_plan_counts(update_in_backward):
+    """The host's measured Adam work over a step is the plan's host Adam elements for it: every host group's
+    chunk once (a speculative update's revision adds seconds, not elements)."""
+    seed = random.randrange(10_000)
+    engine, optimizer, _, _ = angelptm.initialize(
+        model=tiny_llama(seed), config=config("host", device_steps=0, update_in_backward=update_in_backward))
+    batches = random_batches(seed, count=3, batch=2)
+    train_steps(engine, batches[:1])  # the warm-up: its work is taken by the re-plan
+    optimizer.finish_pending()
+    assert optimizer.host.adam_work.take() == (0, 0.0)
+    train_steps(engine, batches[1:])
+    optimizer.finish_pending()
+    elements, seconds = optimizer.host.adam_work.take()
+    plan = optimizer.store.plan
+    host_groups = plan.optimizer_tier.count(HOST)
+    assert host_groups >= 3 and seconds > 0
+    assert elements == 2 * plan.traffic.host_adam_elements == 2 * host_groups * optimizer.store.layout.chunk_numel
+    assert plan.traffic.rates == NOMINAL_RATES  # a CPU-only run plans at the nominal rates

@@ -1,0 +1,85 @@
+"""This machine's rates for the plan's cost model: PCIe copies timed by a probe, the host's Adam by its own work.
+
+A plan made before the first step compares placements at :data:`~zero_cache.step_cost.NOMINAL_RATES` (the
+lent H200's). Machines differ in the ratio that decides the placement: the lent H100's host ran the Adam at
+2.9 G elements/s against the H200's 4.3, so a plan made at the H200's rates stepped too many host groups on
+the device there and predicted a step 40% shorter than it ran. After the warm-up step the re-plan uses:
+
+- **copies**: a probe of :data:`PROBE_BYTES` each way between a pinned host buffer and the device, timed by
+  CUDA events, the fastest of :data:`PROBE_REPEATS` (the bus alone; the step's copies then run beside compute);
+- **host Adam**: the elements the host worker stepped over the seconds it spent in the update itself
+  (inputs landed, before the new params leave), so contention with the copies and the training thread is in it.
+
+On a CPU-only run there is no bus and the "device" shares the host's cores: the nominal rates stay.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import torch
+
+from zero_cache.step_cost import NOMINAL_RATES, Rates
+
+PROBE_BYTES = 64 * 2**20
+"""Bytes of one probe copy: enough to reach the bus's rate, little enough to fit beside any plan."""
+PROBE_REPEATS = 3
+MIN_MEASURED_ELEMENTS = 1 << 20
+"""Host Adam work below this many elements is too short to time; the rate it would give is not used."""
+
+
+class Throughput:
+    """Work done and the seconds it took, added by the thread that does it (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.elements, self.seconds = 0, 0.0
+
+    def add(self, elements: int, seconds: float) -> None:
+        with self._lock:
+            self.elements += elements
+            self.seconds += seconds
+
+    def take(self) -> tuple[int, float]:
+        """The work and seconds so far; starts again from zero."""
+        with self._lock:
+            taken = self.elements, self.seconds
+            self.elements, self.seconds = 0, 0.0
+        return taken
+
+
+def copy_rates(device: torch.device, nbytes: int = PROBE_BYTES) -> tuple[float, float]:
+    """(host->device, device->host) bytes per second of pinned copies to and from ``device`` (a GPU)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream(device)
+    best = {"h2d": float("inf"), "d2h": float("inf")}
+    with torch.cuda.stream(stream):
+        for _ in range(PROBE_REPEATS):
+            for way, (into, source) in (("h2d", (on_device, host)), ("d2h", (host, on_device))):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                into.copy_(source, non_blocking=True)
+                end.record(stream)
+                end.synchronize()
+                best[way] = min(best[way], start.elapsed_time(end) / 1e3)
+    del on_device
+    return nbytes / best["h2d"], nbytes / best["d2h"]
+
+
+def measured_rates(device: torch.device, host_adam: tuple[int, float], known: Rates = NOMINAL_RATES) -> Rates:
+    """``known`` with what this machine showed: the copy probe on a GPU, and the host Adam's ``(elements,
+    seconds)`` where it did enough work to time. Unchanged on a CPU-only run."""
+    if device.type != "cuda":
+        return known
+    h2d, d2h = copy_rates(device)
+    return with_host_adam(replace(known, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, measured=True), host_adam)
+
+
+def with_host_adam(rates: Rates, host_adam: tuple[int, float]) -> Rates:
+    """``rates`` with the host Adam's rate over ``(elements, seconds)`` where that is enough work to time."""
+    elements, seconds = host_adam
+    if elements < MIN_MEASURED_ELEMENTS or seconds <= 0:
+        return rates
+    return replace(rates, host_adam_elements_per_s=elements / seconds, measured=True)
