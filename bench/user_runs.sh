@@ -22,6 +22,10 @@ run llama_2p7b 300 "${bench[@]}" "${cap[@]}" "${both[@]}" --models hf_llama --si
 run gpt2_2p7b 300 "${bench[@]}" "${cap[@]}" "${both[@]}" --models hf_gpt2 --sizes 2.7b --configs $c/zero_infinity.json
 # The largest size DeepSpeed ZeRO-Infinity fits on this host, both engines.
 run nngpt_4p4b 420 "${bench[@]}" "${cap[@]}" "${both[@]}" --models nngpt --sizes 4.4b --configs $c/zero_infinity.json
+# The user's NVMe JSON (params offloaded to the host, optimizer states to the disk), both engines: DeepSpeed puts the
+# states on the disk; here offload_optimizer nvme permits the disk, and the plan keeps on the host what fits.
+run nvme_2p7b 420 python3 bench/user_workloads.py --steps 4 "${cap[@]}" "${both[@]}" --models nngpt --sizes 2.7b \
+    --configs $c/zero_nvme.json
 # The newest DeepSpeed offloads at the same size and cap (DeepSpeed only; compare with nngpt_2p7b's zero_offload).
 run ds_newest_2p7b 400 "${bench[@]}" "${cap[@]}" --engines deepspeed --models nngpt --sizes 2.7b \
     --configs $c/zero_superoffload.json $c/zero_zenflow.json
