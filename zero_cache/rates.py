@@ -3,12 +3,14 @@
 A plan made before the first step compares placements at :data:`~zero_cache.step_cost.NOMINAL_RATES` (the
 lent H200's). Machines differ in the ratio that decides the placement: the lent H100's host ran the Adam at
 2.9 G elements/s against the H200's 4.3, so a plan made at the H200's rates stepped too many host groups on
-the device there and predicted a step 40% shorter than it ran. After the warm-up step the re-plan uses:
+the device there and predicted a step 40% shorter than it ran. From the warm-up step on, plans use:
 
 - **copies**: a probe of :data:`PROBE_BYTES` each way between a pinned host buffer and the device, timed by
   CUDA events, the fastest of :data:`PROBE_REPEATS` (the bus alone; the step's copies then run beside compute);
 - **host Adam**: the elements the host worker stepped over the seconds it spent in the update itself
-  (inputs landed, before the new params leave), so contention with the copies and the training thread is in it.
+  (inputs landed, before the new params leave), so contention with the copies and the training thread is in it;
+  taken over the steps that tune the device-step count, not the warm-up (there, 2.7B on the lent H100 ran it
+  at 1.0 G elements/s, the steps after at 3.9: first touches of the states' pages).
 
 On a CPU-only run there is no bus and the "device" shares the host's cores: the nominal rates stay.
 """
@@ -68,13 +70,12 @@ def copy_rates(device: torch.device, nbytes: int = PROBE_BYTES) -> tuple[float, 
     return nbytes / best["h2d"], nbytes / best["d2h"]
 
 
-def measured_rates(device: torch.device, host_adam: tuple[int, float], known: Rates = NOMINAL_RATES) -> Rates:
-    """``known`` with what this machine showed: the copy probe on a GPU, and the host Adam's ``(elements,
-    seconds)`` where it did enough work to time. Unchanged on a CPU-only run."""
+def measured_copies(device: torch.device, known: Rates = NOMINAL_RATES) -> Rates:
+    """``known`` with the copy probe's rates on a GPU; unchanged on a CPU-only run (no bus)."""
     if device.type != "cuda":
         return known
     h2d, d2h = copy_rates(device)
-    return with_host_adam(replace(known, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, measured=True), host_adam)
+    return replace(known, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, measured=True)
 
 
 def with_host_adam(rates: Rates, host_adam: tuple[int, float]) -> Rates:

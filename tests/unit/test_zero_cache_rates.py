@@ -15,7 +15,7 @@ from test_zero_cache_device_steps import tiny_llama
 from test_zero_cache_streamed import config
 from test_zero_cache_tuning import random_inputs
 from zero_cache.planner import HOST, make_plan
-from zero_cache.rates import MIN_MEASURED_ELEMENTS, Throughput, measured_rates, with_host_adam
+from zero_cache.rates import MIN_MEASURED_ELEMENTS, Throughput, measured_copies, with_host_adam
 from zero_cache.step_cost import NOMINAL_RATES, Rates
 
 
@@ -54,7 +54,7 @@ def test_the_host_adam_rate_is_taken_only_from_enough_work():
     assert with_host_adam(rates, (MIN_MEASURED_ELEMENTS - 1, seconds)) == rates  # too little to time
     assert with_host_adam(rates, (elements, 0.0)) == rates
     # No bus to probe on a CPU-only run: the rates stay what they were.
-    assert measured_rates(torch.device("cpu"), (elements, seconds), rates) == rates
+    assert measured_copies(torch.device("cpu"), rates) == rates
 
 
 def test_throughput_adds_from_several_threads_and_starts_again_when_taken():
