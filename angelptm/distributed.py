@@ -6,9 +6,11 @@ Both launchers export RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT,
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -111,6 +113,7 @@ def init_distributed(*, dist_init_required: bool | None = None, timeout_s: float
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size, timeout=timeout,
                                 device_id=device if use_cuda else None)
         logger.info("joined process group: backend %s, rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
+        _destroy_at_clean_exit()  # (registered before the heartbeat's stop, so it runs after it)
         if lost_rank_after_s > 0 and size > 1:
             watchdog = RankWatchdog(store, rank, size, lost_rank_after_s)
         # Created here, with comms.timeout_s: a later initialize() in this process joins it and keeps this heartbeat.
@@ -142,3 +145,23 @@ def _watch_existing_group(lost_rank_after_s: float) -> RankWatchdog | None:
                         "(pass timeout= where it is created); comms.lost_rank_after_s does")
         _HEARTBEATS[id(store)] = RankWatchdog(store, dist.get_rank(), dist.get_world_size(), lost_rank_after_s)
     return _HEARTBEATS[id(store)]
+
+
+def _destroy_at_clean_exit() -> None:
+    """Destroy the default group when the process ends without an uncaught exception, as DeepSpeed's scripts
+    rarely do themselves. Left to interpreter teardown, gloo's worker threads can outlive the interpreter and abort
+    the process ("terminate called without an active exception", exit status -6) after its work succeeded. After a
+    crash the group is left alone: destroying it would wait for collectives the other ranks never join."""
+    crashed = []
+    previous_hook = sys.excepthook
+
+    def note_crash(*exc_info) -> None:
+        crashed.append(True)
+        previous_hook(*exc_info)
+
+    def destroy() -> None:
+        if not crashed and dist.is_initialized():
+            dist.destroy_process_group()
+
+    sys.excepthook = note_crash
+    atexit.register(destroy)
