@@ -11,12 +11,13 @@ The names a DeepSpeed script touches live where DeepSpeed has them: ``add_config
 (README: "DeepSpeed compatibility" lists each, and what is not supported).
 """
 
-from angelptm import accelerator, checkpointing, comm, moe, ops, pipe, runtime, utils, zero
-from angelptm.api import initialize
-from angelptm.arguments import add_config_arguments
+from angelptm import accelerator, comm, moe, ops, pipe, runtime, utils, zero
+from angelptm.runtime.activation_checkpointing import checkpointing
+from angelptm.engine.initialize import initialize
+from angelptm.launch.arguments import add_config_arguments
 from angelptm.comm import init_distributed
 from angelptm.config import EngineConfig, load_config
-from angelptm.engine import Engine
+from angelptm.engine.engine import Engine
 from angelptm.errors import CheckpointError, ConfigError
 from angelptm.pipe import PipelineModule
 from angelptm.pipe.engine import PipelineEngine

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
-from angelptm.distributed import init_distributed as _join_process_group
+from angelptm.launch.distributed import init_distributed as _join_process_group
 from angelptm.errors import ConfigError
 
 __all__ = ["ProcessGroup", "ReduceOp", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce",

@@ -17,8 +17,8 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from angelptm.data.config import DataConfig
-from angelptm.models import ModelConfig
+from angelptm.pretraining.data.config import DataConfig
+from angelptm.pretraining.models import ModelConfig
 from angelptm.config.typed import CommsConfig, TrainConfig
 from autopipe import AutoPipeConfig
 from moe import MoEConfig

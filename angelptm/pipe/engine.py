@@ -4,13 +4,13 @@ At the first batch (or at ``initialize`` when ``training_data`` is given) every 
 module with its loss (``autopipe.graph.trace``), each layer through a ``slots.<i>`` module, and cuts the
 op graph where the module's layer partition starts each stage (:func:`angelptm.pipe.partition.layer_op_starts`),
 or, for ``partition_method="autopipe"``, where AutoPipe's search over rank 0's op profile says
-(:func:`angelptm.pipeline.shared_profile` and :func:`angelptm.pipeline.plan`). The rank then runs its stage
+(:func:`angelptm.pretraining.pipeline_parallel.shared_profile` and :func:`angelptm.pretraining.pipeline_parallel.plan`). The rank then runs its stage
 with :class:`autopipe.runtime.PipelineRunner` (``torch.distributed.pipelining``; 1F1B, or GPipe when there
 are fewer micro-batches than stages).
 
 One ``train_batch`` = DeepSpeed's: ``gradient_accumulation_steps`` micro-batches through the pipeline, the
 gradients of their mean loss reduced over data-parallel replicas and tied stages and clipped by the global
-norm (:func:`angelptm.pipeline.reduce_and_clip`), one optimizer and scheduler step; it returns the mean loss
+norm (:func:`angelptm.pretraining.pipeline_parallel.reduce_and_clip`), one optimizer and scheduler step; it returns the mean loss
 on every rank.
 """
 
@@ -27,13 +27,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import default_collate
 
-from angelptm import pipeline
-from angelptm.api import _build_optimizer, _build_scheduler, _pick_config, _place_module, _report_ignored, \
+from angelptm.pretraining import pipeline_parallel as pipeline
+from angelptm.engine.initialize import _build_optimizer, _build_scheduler, _pick_config, _place_module, _report_ignored, \
     _seed_everything
 from angelptm.config import EngineConfig, load_config
-from angelptm.data.loader import ResumableDataLoader, repeat_batches
-from angelptm.distributed import init_distributed
-from angelptm.engine import Engine
+from angelptm.pretraining.data.loader import ResumableDataLoader, repeat_batches
+from angelptm.launch.distributed import init_distributed
+from angelptm.engine.engine import Engine
 from angelptm.errors import ConfigError
 from angelptm.pipe.checkpoint import PipelineCheckpoints
 from angelptm.pipe.module import PipelineError, PipelineModule

@@ -19,7 +19,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from angelptm import checkpointing, comm
+from angelptm import comm
+from angelptm.runtime.activation_checkpointing import checkpointing
 from angelptm.pipe.partition import partition_balanced, partition_uniform
 from angelptm.runtime.utils import set_random_seed
 

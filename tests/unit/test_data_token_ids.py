@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from angelptm.data import TokenDataset, TokenWriter, dataset as dataset_module
+from angelptm.pretraining.data import TokenDataset, TokenWriter, dataset as dataset_module
 from angelptm.errors import DataError
 
 ROOT = Path(__file__).resolve().parents[2]

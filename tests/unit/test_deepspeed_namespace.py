@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 import angelptm
-from angelptm import checkpointing, comm
+from angelptm import comm
+from angelptm.runtime.activation_checkpointing import checkpointing
 from angelptm.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from angelptm.pipe.partition import partition_balanced, partition_uniform
 from angelptm.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint, main as zero_to_fp32_main
@@ -268,7 +269,7 @@ def test_deepspeed_import_paths_resolve() -> None:
     from angelptm.runtime.lr_schedules import WarmupDecayLR
     import moe
 
-    assert MoE is moe.MoE and WarmupDecayLR is angelptm.schedulers.WarmupDecayLR
+    assert MoE is moe.MoE and WarmupDecayLR is angelptm.engine.schedulers.WarmupDecayLR
     with pytest.raises(ImportError, match="OneCycleLR"):
         from angelptm.runtime.lr_schedules import OneCycle  # noqa: F401
     with pytest.raises(ValueError, match="tensor parallelism"):

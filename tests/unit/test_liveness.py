@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 import angelptm
-from angelptm import liveness
+from angelptm.launch import liveness
 from angelptm.config import load_config
 
 

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from angelptm import schedulers as ours
+from angelptm.engine import schedulers as ours
 from angelptm.config import SchedulerConfig, load_config
 
 ds_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")

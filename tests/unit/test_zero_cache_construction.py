@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import angelptm
-from angelptm.api import _place_module
-from angelptm.models import ModelConfig, build_model
+from angelptm.engine.initialize import _place_module
+from angelptm.pretraining.models import ModelConfig, build_model
 from reference import SEQ, VOCAB, ds_config, random_batches, train_steps
 from zero_cache.planner import DEVICE, HOST
 

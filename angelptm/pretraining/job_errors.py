@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from zero_cache.tiers import TierFullError
 
-from angelptm.checkpoint import DISK_FULL
+from angelptm.checkpoints.files import DISK_FULL
 from angelptm.errors import CheckpointError, ConfigError, DataError
-from angelptm.liveness import EXIT_CODE as LOST_RANK_EXIT, RankLostError
-from angelptm.oom import StepOutOfMemoryError
+from angelptm.launch.liveness import EXIT_CODE as LOST_RANK_EXIT, RankLostError
+from angelptm.memory.oom import StepOutOfMemoryError
 
 BAD_INPUT_EXIT = 2
 """Exit status of a job stopped by its input or its machine's limits (argparse's status for bad arguments)."""

@@ -25,7 +25,7 @@ then ``netD.zero_grad()`` must drop it):
 on the masters -> copy masters back into the compute-dtype parameters.
 
 With expert parallelism the flat buffer holds the dense gradients first and the experts' last, so
-each part is reduced over its own group in large calls (see ``angelptm.expert_parallel``).
+each part is reduced over its own group in large calls (see ``angelptm.engine.expert_parallel``).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from typing import Any, Collection, Iterator
 import torch
 import torch.distributed as dist
 
-from angelptm.expert_parallel import ExpertParallel
-from angelptm.loss_scaler import LossScaler
+from angelptm.engine.expert_parallel import ExpertParallel
+from angelptm.engine.loss_scaler import LossScaler
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ records and writes the manifest into the temporary directory before the rename t
 checkpoint, so a checkpoint directory and its manifest appear together or not at all.
 
 Why CRC-32 (zlib): the manifest guards against damage (a truncated copy, a flipped bit), not against
-an attacker, who could rewrite the manifest too (``angelptm.checkpoint_pickle`` is what keeps a hostile file
+an attacker, who could rewrite the manifest too (``angelptm.checkpoints.safe_pickle`` is what keeps a hostile file
 from running code). zlib's CRC-32 is the fastest checksum in the standard library: 2.3 GB/s on one core
 of the 2-core CI machine, against 1.1-1.5 GB/s for SHA-256 (``bench/checkpoint_hash.py``). A large write
 is cut into pieces hashed by a thread pool while this thread writes the same bytes (zlib and the write

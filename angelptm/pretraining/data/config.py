@@ -11,7 +11,7 @@ class DataConfig:
 
     path: str | None = None
     """Prefix of a preprocessed dataset (``PREFIX.bin`` + ``PREFIX.idx``, made by
-    ``python -m angelptm.data.preprocess``); None tokenizes the shipped public-domain corpus once."""
+    ``python -m angelptm.pretraining.data.preprocess``); None tokenizes the shipped public-domain corpus once."""
 
     seq_len: int | None = None
     """Tokens per sample; None uses ``model.max_seq_len``."""

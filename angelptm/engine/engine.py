@@ -2,7 +2,7 @@
 
 The engine orchestrates; the work lives in the pieces it holds: :class:`MixedPrecisionOptimizer`
 (master weights, accumulation, all-reduce, clipping), the schedule, the loader, and
-``angelptm.checkpoint`` (atomic files). ZeRO-Cache will plug in as another model-states manager
+``angelptm.checkpoints.files`` (atomic files). ZeRO-Cache will plug in as another model-states manager
 behind the same calls.
 """
 
@@ -18,15 +18,15 @@ import torch
 from torch import nn
 
 from angelptm.config.typed import EngineConfig
-from angelptm.data.loader import ResumableDataLoader
-from angelptm.distributed import DistContext
-from angelptm.engine_checkpoint import EngineCheckpoints
-from angelptm.engine_compat import DeepSpeedEngineMethods
-from angelptm.expert_parallel import ExpertParallel
-from angelptm.mixed_precision import MixedPrecisionOptimizer
-from angelptm.monitor import MetricsSink
-from angelptm.oom import explained_oom
-from angelptm.step_trace import StepTracer
+from angelptm.pretraining.data.loader import ResumableDataLoader
+from angelptm.launch.distributed import DistContext
+from angelptm.checkpoints.engine_state import EngineCheckpoints
+from angelptm.engine.deepspeed_methods import DeepSpeedEngineMethods
+from angelptm.engine.expert_parallel import ExpertParallel
+from angelptm.engine.mixed_precision import MixedPrecisionOptimizer
+from angelptm.telemetry.monitor import MetricsSink
+from angelptm.memory.oom import explained_oom
+from angelptm.telemetry.step_trace import StepTracer
 from zero_cache.timeline import Timeline
 
 logger = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
 
     def trace_next_step(self, directory: str | Path) -> None:
         """Record the next step (its forward, backward and optimizer step, until the next forward has run) and
-        write a Chrome/Perfetto trace and a PNG of it under ``directory`` (see :mod:`angelptm.step_trace`)."""
+        write a Chrome/Perfetto trace and a PNG of it under ``directory`` (see :mod:`angelptm.telemetry.step_trace`)."""
         self._tracer.arm(directory, self.global_steps + 1)
 
     def finish_trace(self) -> list[Path]:

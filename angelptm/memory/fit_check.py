@@ -51,7 +51,7 @@ def check_config_fits(cfg: EngineConfig, *, world_size: int = 1, ranks_per_host:
     Raises:
         ConfigError: the model states do not fit (the plan's shortfall per tier), or the NVMe tier is unusable.
     """
-    from angelptm.models import build_model  # the model package is heavier than this module needs at import
+    from angelptm.pretraining.models import build_model  # the model package is heavier than this module needs at import
 
     with torch.device("meta"):
         model = build_model(cfg.model, moe=cfg.moe)

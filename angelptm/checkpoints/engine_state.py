@@ -1,6 +1,6 @@
 """The engine's checkpoints: save, load, consolidate and export its weights (a mixin of :class:`Engine`).
 
-Files and their atomic protocol are :mod:`angelptm.checkpoint`'s; this module decides what goes in
+Files and their atomic protocol are :mod:`angelptm.checkpoints.files`'s; this module decides what goes in
 them: the module's state (weights in the fp32 masters when ZeRO-Cache shards them), the optimizer and
 scheduler, the steps, every rank's RNG streams and data position, and expert-parallel slices.
 """
@@ -13,15 +13,16 @@ from typing import Any
 
 import torch
 
-from angelptm import architecture, checkpoint
+from angelptm.checkpoints import architecture
+from angelptm.checkpoints import files as checkpoint
 from angelptm.errors import CheckpointError
-from angelptm.expert_parallel import ExpertParallel
+from angelptm.engine.expert_parallel import ExpertParallel
 
-logger = logging.getLogger("angelptm.engine")
+logger = logging.getLogger("angelptm.engine.engine")
 
 
 class EngineCheckpoints:
-    """Checkpoint methods of :class:`~angelptm.engine.Engine` (they use its module, optimizer and counters)."""
+    """Checkpoint methods of :class:`~angelptm.engine.engine.Engine` (they use its module, optimizer and counters)."""
 
     @property
     def zero_cache_shards(self) -> int:
@@ -93,7 +94,7 @@ class EngineCheckpoints:
                 "ep_size": experts.ep_size if experts is not None else 1, "zero_cache_shards": shards,
                 "expert_state_keys": sorted(self._expert_state_names(experts)) if experts is not None else [],
                 "dtype": str(self.compute_dtype), "client_state": dict(client_state or {}),
-                # The architecture as JSON text, for `python -m angelptm.export --hf` (None: not a known kind).
+                # The architecture as JSON text, for `python -m angelptm.checkpoints.export --hf` (None: not a known kind).
                 "architecture": architecture.describe(self.module),
             }
             files = {checkpoint.MODEL_FILE: model_states}
@@ -172,7 +173,7 @@ class EngineCheckpoints:
         if saved_ep != ep_size:
             raise CheckpointError(f"{path} was saved with moe.ep_size={saved_ep} and this run has {ep_size}: its experts "
                                   "are split differently. Resume with the same ep_size, or export it with `python -m "
-                                  "angelptm.export` and load the weights into the model built with ep_size 1")
+                                  "angelptm.checkpoints.export` and load the weights into the model built with ep_size 1")
         self._check_architecture(path, model_states.get("architecture"), load_module_only=load_module_only)
         has_optimizer_file = (path / checkpoint.OPTIM_FILE).is_file()
         module_weights = self._load_module_state(path, model_states, strict=load_module_strict,
@@ -253,7 +254,7 @@ class EngineCheckpoints:
         if in_masters and (self.optimizer is None or not has_optimizer_file):
             raise CheckpointError(f"{path} was saved with ZeRO-Cache's params sharded: its weights are the fp32 masters "
                                   f"in {checkpoint.OPTIM_FILE}, which this load cannot use (it is missing, or the "
-                                  "engine has no optimizer). Export it with `python -m angelptm.export` and load the "
+                                  "engine has no optimizer). Export it with `python -m angelptm.checkpoints.export` and load the "
                                   "weights into the model instead")
         weights = {aliases[key]: tensor.float() for key, tensor in state.items() if key in held}
         result = self.module.load_state_dict({k: v for k, v in state.items() if k not in held}, strict=False)
@@ -292,7 +293,7 @@ class EngineCheckpoints:
         if self.experts is not None:
             raise NotImplementedError("consolidating a model whose experts are spread over ranks (moe.ep_size > 1) "
                                       "needs every rank's experts: save a checkpoint and export it offline with "
-                                      "`python -m angelptm.export`")
+                                      "`python -m angelptm.checkpoints.export`")
 
     def _state_dict_for_writer(self) -> dict[str, torch.Tensor] | None:
         """:meth:`consolidated_state_dict` on rank 0, None elsewhere (every rank calls it: sharded masters are

@@ -13,20 +13,20 @@ from torch import nn
 
 import zero_cache
 
-from angelptm import gathered_params
+from angelptm.engine import gathered_params
 from angelptm.config import EngineConfig, load_config
-from angelptm.cpu_bf16 import slow_bf16_warning
-from angelptm.data.loader import ResumableDataLoader
-from angelptm.distributed import DistContext, init_distributed, launcher_world_size
-from angelptm.engine import Engine
+from angelptm.engine.cpu_bf16 import slow_bf16_warning
+from angelptm.pretraining.data.loader import ResumableDataLoader
+from angelptm.launch.distributed import DistContext, init_distributed, launcher_world_size
+from angelptm.engine.engine import Engine
 from angelptm.errors import ConfigError
-from angelptm.expert_parallel import ExpertParallel, setup_expert_parallel
-from angelptm.fit_check import check_shapes_fit
-from angelptm.log_output import set_log_level, show_logs_in_plain_script
-from angelptm.loss_scaler import LossScaler
-from angelptm.mixed_precision import MixedPrecisionOptimizer
+from angelptm.engine.expert_parallel import ExpertParallel, setup_expert_parallel
+from angelptm.memory.fit_check import check_shapes_fit
+from angelptm.launch.log_output import set_log_level, show_logs_in_plain_script
+from angelptm.engine.loss_scaler import LossScaler
+from angelptm.engine.mixed_precision import MixedPrecisionOptimizer
 from angelptm.pipe.module import PipelineModule
-from angelptm.schedulers import build_scheduler
+from angelptm.engine.schedulers import build_scheduler
 
 logger = logging.getLogger(__name__)
 

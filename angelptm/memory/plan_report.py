@@ -15,7 +15,7 @@ import torch
 import zero_cache
 from angelptm.config import EngineConfig
 from angelptm.errors import ConfigError
-from angelptm.models import build_model
+from angelptm.pretraining.models import build_model
 from zero_cache.attach import warmup_reserve
 from zero_cache.planner import DEVICE, HOST, NVME, Plan
 from zero_cache.step_cost import HOST_ADAM_ELEMENTS_PER_S, PCIE_BYTES_PER_S

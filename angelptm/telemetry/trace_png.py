@@ -1,4 +1,4 @@
-"""``python -m angelptm.trace_png TRACE.json [OUT.png]``: draw a step trace as a PNG (e.g. a trace written on a
+"""``python -m angelptm.telemetry.trace_png TRACE.json [OUT.png]``: draw a step trace as a PNG (e.g. a trace written on a
 GPU machine without matplotlib; needs ``pip install -e ".[plot]"`` here)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from angelptm.step_trace import render_png
+from angelptm.telemetry.step_trace import render_png
 from zero_cache.timeline import Interval, overlap_shares
 
 

@@ -3,7 +3,7 @@
 Writing protocol (rank 0 coordinates, every rank writes its own RNG/data-position file):
 
 1. write every file into ``save_dir/.tmp-<tag>/`` and fsync each one, hashing it on the way out; rank 0
-   gathers every rank's file records and writes ``manifest.json`` (``angelptm.checkpoint_manifest``).
+   gathers every rank's file records and writes ``manifest.json`` (``angelptm.checkpoints.manifest``).
    Ranks given different ``save_dir``s each write into their own: there the lowest such rank creates the
    temporary directory and does steps 1-3 for the files written into it;
 2. rename the temporary directory to ``save_dir/<tag>`` (an existing tag is first moved aside
@@ -17,7 +17,7 @@ loader falls back to ``.old-<tag>``.
 Loading verifies the manifest first (sizes and checksums, the files shared out over the ranks). An
 explicit tag that fails is a :class:`CheckpointError` naming the file; following ``latest`` falls back to
 the newest older checkpoint that verifies, with a warning naming the damaged one. Files are read
-without running code from them (``angelptm.checkpoint_pickle``).
+without running code from them (``angelptm.checkpoints.safe_pickle``).
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ import numpy as np
 import torch
 import torch.distributed  # noqa: F401  (all_gather of the save outcome)
 
-from angelptm import checkpoint_manifest as manifest, checkpoint_pickle
-from angelptm.distributed import DistContext
+from angelptm.checkpoints import manifest
+from angelptm.checkpoints import safe_pickle as checkpoint_pickle
+from angelptm.launch.distributed import DistContext
 from angelptm.errors import CheckpointError, DiskFullError
 from zero_cache.units import format_bytes
 
@@ -373,7 +374,7 @@ def _check_unverifiable(path: Path) -> str | None:
 
 
 def load_file(path: Path, *, allow_unsafe_pickle: bool = False) -> Any:
-    """Read one checkpoint file onto the CPU, without running code from it (see ``angelptm.checkpoint_pickle``).
+    """Read one checkpoint file onto the CPU, without running code from it (see ``angelptm.checkpoints.safe_pickle``).
 
     Args:
         path: the file.

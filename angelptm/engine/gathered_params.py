@@ -71,7 +71,7 @@ class EngineEdit:
     """One engine's part of a ``GatheredParameters`` context (see the module docstring).
 
     Args:
-        engine: the owning :class:`~angelptm.engine.Engine`.
+        engine: the owning :class:`~angelptm.engine.engine.Engine`.
         params: its parameters named in the context.
     """
 

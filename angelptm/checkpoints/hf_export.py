@@ -1,9 +1,9 @@
 """A checkpoint as a Hugging Face ``save_pretrained`` directory: ``config.json`` + safetensors shards.
 
-Two kinds of model are written (``angelptm.architecture`` records which one a checkpoint holds):
+Two kinds of model are written (``angelptm.checkpoints.architecture`` records which one a checkpoint holds):
 
 - a ``transformers`` model trained here: its own config and state-dict names, unchanged;
-- our reference GPT (``angelptm.models``): Llama flavour as ``LlamaForCausalLM``, GPT-2 flavour as
+- our reference GPT (``angelptm.pretraining.models``): Llama flavour as ``LlamaForCausalLM``, GPT-2 flavour as
   ``GPT2LMHeadModel``, with their names and layouts. Both use the layouts of the Hugging Face
   classes already: RoPE rotates halves (``rotate_half``, so no q/k row permutation as Meta's
   interleaved checkpoints need), grouped-query heads serve consecutive query heads (``repeat_kv``),
@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from angelptm import architecture
+from angelptm.checkpoints import architecture
 from angelptm.errors import CheckpointError
-from angelptm.models import ModelConfig
+from angelptm.pretraining.models import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -34,8 +34,8 @@ def pretrained_files(record: dict[str, Any] | None, state: dict[str, torch.Tenso
     """The Hugging Face config object and state dict for a checkpoint's model.
 
     Args:
-        record: the checkpoint's ``architecture`` entry (:func:`angelptm.architecture.describe`).
-        state: the consolidated fp32 state dict (``angelptm.export.consolidated_fp32_state_dict``).
+        record: the checkpoint's ``architecture`` entry (:func:`angelptm.checkpoints.architecture.describe`).
+        state: the consolidated fp32 state dict (``angelptm.checkpoints.export.consolidated_fp32_state_dict``).
         aliases: the checkpoint's ``param_aliases`` (state-dict key -> parameter name).
 
     Raises:
@@ -43,14 +43,14 @@ def pretrained_files(record: dict[str, Any] | None, state: dict[str, torch.Tenso
     """
     if record is None:
         raise CheckpointError("the checkpoint records no model architecture (it was saved before checkpoints "
-                              "carried one, or the model is neither a transformers model nor angelptm.models.GPT), "
+                              "carried one, or the model is neither a transformers model nor angelptm.pretraining.models.GPT), "
                               "so no config.json can be written; export the weights with `python -m "
-                              "angelptm.export CHECKPOINT OUT.safetensors` instead")
+                              "angelptm.checkpoints.export CHECKPOINT OUT.safetensors` instead")
     if record["library"] == architecture.TRANSFORMERS:
         return _transformers_files(record, state, aliases)
     if record["moe_enabled"]:
         raise CheckpointError("moe.enabled: our GPT with mixture-of-experts blocks has no Hugging Face class to load "
-                              "into; export the weights with `python -m angelptm.export CHECKPOINT OUT.safetensors`")
+                              "into; export the weights with `python -m angelptm.checkpoints.export CHECKPOINT OUT.safetensors`")
     config = ModelConfig(**json.loads(record["config_json"]))
     return _llama_files(config, state) if config.flavour == "llama" else _gpt2_files(config, state)
 
@@ -77,8 +77,8 @@ def _refuse(config: ModelConfig, hf_class: str, needs: dict[str, Any]) -> None:
             wanted = ", ".join(f"model.{k}={v!r}" for k, v in needs.items())
             raise CheckpointError(
                 f"model.{option}={getattr(config, option)!r} has no Hugging Face equivalent for flavour "
-                f"{config.flavour!r}: {hf_class} needs {wanted}. Export the weights with `python -m angelptm.export "
-                "CHECKPOINT OUT.safetensors` and load them into angelptm.models.GPT instead")
+                f"{config.flavour!r}: {hf_class} needs {wanted}. Export the weights with `python -m angelptm.checkpoints.export "
+                "CHECKPOINT OUT.safetensors` and load them into angelptm.pretraining.models.GPT instead")
 
 
 def _llama_files(c: ModelConfig, state: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:

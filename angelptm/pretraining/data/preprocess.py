@@ -2,9 +2,9 @@
 
 Command line (also installed as ``angelptm-preprocess``)::
 
-    python -m angelptm.data.preprocess --input a.txt b.jsonl.gz --output-prefix data/corpus
+    python -m angelptm.pretraining.data.preprocess --input a.txt b.jsonl.gz --output-prefix data/corpus
 
-The result is read by :class:`angelptm.data.dataset.TokenDataset`. This module also
+The result is read by :class:`angelptm.pretraining.data.dataset.TokenDataset`. This module also
 provides :func:`prepare_default_dataset`, which tokenizes the shipped public-domain
 corpus once into a cache directory.
 """
@@ -29,8 +29,8 @@ from typing import IO
 import numpy as np
 from tqdm import tqdm
 
-from angelptm.data.dataset import FORMAT_VERSION, TokenWriter, read_index
-from angelptm.data.tokenizer import Tokenizer, default_tokenizer_path
+from angelptm.pretraining.data.dataset import FORMAT_VERSION, TokenWriter, read_index
+from angelptm.pretraining.data.tokenizer import Tokenizer, default_tokenizer_path
 
 logger = logging.getLogger(__name__)
 
@@ -271,7 +271,7 @@ def default_corpus_path() -> Path:
     """Return the path of the shipped corpus (King James Bible, public domain).
 
     Returns:
-        ``angelptm/data/assets/kjv.txt.gz``: one verse per line, no blank lines.
+        ``angelptm/pretraining/data/assets/kjv.txt.gz``: one verse per line, no blank lines.
     """
     return Path(__file__).resolve().parent / "assets" / "kjv.txt.gz"
 
@@ -291,7 +291,7 @@ def prepare_default_dataset(cache_dir: str | os.PathLike[str]) -> str:
         cache_dir: directory for the dataset; created if missing.
 
     Returns:
-        The dataset prefix, for :class:`~angelptm.data.dataset.TokenDataset`.
+        The dataset prefix, for :class:`~angelptm.pretraining.data.dataset.TokenDataset`.
     """
     prefix = Path(cache_dir) / "kjv"
     meta_path = Path(cache_dir) / "kjv.meta.json"

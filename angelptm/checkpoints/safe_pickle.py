@@ -10,7 +10,7 @@ resumed.
 
 Checkpoints written before this rule (format 1: numpy RNG state, and whatever ``client_state``
 held) load only with the explicit opt-in ``allow_unsafe_pickle=True`` (``load_checkpoint``), or
-``--allow-unsafe-pickle`` (``pretrain.py``, ``python -m angelptm.export``), after a warning.
+``--allow-unsafe-pickle`` (``pretrain.py``, ``python -m angelptm.checkpoints.export``), after a warning.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from angelptm.errors import CheckpointError
 logger = logging.getLogger(__name__)
 
 OPT_IN = ("load_checkpoint(..., allow_unsafe_pickle=True), or --allow-unsafe-pickle for pretrain.py and "
-          "python -m angelptm.export")
+          "python -m angelptm.checkpoints.export")
 OPT_IN_HELP = ("resume from a checkpoint of the previous format (numpy RNG state pickled as an array) by full "
                "unpickling: the file may then name any Python class or function and it is called while loading, so "
                "use it only for checkpoints whose origin you trust. Files naming functions that run commands or "

@@ -1,10 +1,10 @@
 """Offline export of a checkpoint's fp32 weights to one safetensors file.
 
-    python -m angelptm.export CHECKPOINT_DIR OUTPUT.safetensors [--tag TAG] [--allow-unsafe-pickle]
-    python -m angelptm.export CHECKPOINT_DIR --hf OUTPUT_DIR [--max-shard-size 5GB]
+    python -m angelptm.checkpoints.export CHECKPOINT_DIR OUTPUT.safetensors [--tag TAG] [--allow-unsafe-pickle]
+    python -m angelptm.checkpoints.export CHECKPOINT_DIR --hf OUTPUT_DIR [--max-shard-size 5GB]
 
 ``--hf`` writes a ``save_pretrained`` directory instead (``config.json`` + safetensors shards, see
-``angelptm.hf_export``): a transformers model trained here under its own names, our reference GPT as
+``angelptm.checkpoints.hf_export``): a transformers model trained here under its own names, our reference GPT as
 ``LlamaForCausalLM`` or ``GPT2LMHeadModel``.
 
 Runs on CPU from the files alone (no model code, no GPU): the fp32 master weights come from
@@ -25,8 +25,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from angelptm import checkpoint
-from angelptm.checkpoint_pickle import OPT_IN_HELP
+from angelptm.checkpoints import files as checkpoint
+from angelptm.checkpoints.safe_pickle import OPT_IN_HELP
 from angelptm.errors import CheckpointError
 
 
@@ -37,7 +37,7 @@ def consolidated_fp32_state_dict(load_dir: str | Path, tag: str | None = None, *
     Args:
         load_dir: the ``save_dir`` given to ``save_checkpoint``.
         tag: a checkpoint tag; None follows ``latest`` (or the newest older checkpoint that verifies).
-        allow_unsafe_pickle: see :func:`angelptm.checkpoint.load_file` (previous-format checkpoints).
+        allow_unsafe_pickle: see :func:`angelptm.checkpoints.files.load_file` (previous-format checkpoints).
 
     Returns:
         Every key of the module's state dict; tied weights appear under each of their names.
@@ -82,7 +82,7 @@ def export_hf(load_dir: str | Path, out_dir: str | Path, tag: str | None = None,
         CheckpointError: unreadable checkpoint, or a model with no Hugging Face equivalent (the message names
             the option).
     """
-    from angelptm import hf_export  # needs transformers, which only this path requires
+    from angelptm.checkpoints import hf_export  # needs transformers, which only this path requires
 
     model_states, state = _read(load_dir, tag, allow_unsafe_pickle)
     config, hf_state = hf_export.pretrained_files(model_states.get("architecture"), state,
@@ -135,7 +135,7 @@ def _gather_experts(path: Path, model_states: dict, masters: dict[str, torch.Ten
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m angelptm.export", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m angelptm.checkpoints.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("load_dir", help="checkpoint directory (the save_dir given to save_checkpoint)")
     parser.add_argument("output", nargs="?", help="the .safetensors file to write (or give --hf DIR)")
     parser.add_argument("--hf", metavar="DIR", default=None,

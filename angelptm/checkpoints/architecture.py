@@ -1,9 +1,9 @@
 """What a checkpoint records about the model's architecture, so offline tools can rebuild the model.
 
-``python -m angelptm.export --hf`` writes a Hugging Face directory from the checkpoint files alone,
+``python -m angelptm.checkpoints.export --hf`` writes a Hugging Face directory from the checkpoint files alone,
 and ``config.json`` needs more than the weights: the architecture. :func:`describe` turns the
 trained module into plain JSON text inside a dict, because checkpoint files are read with
-``weights_only=True`` (``angelptm.checkpoint_pickle``) and a config object would need unsafe unpickling.
+``weights_only=True`` (``angelptm.checkpoints.safe_pickle``) and a config object would need unsafe unpickling.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ TRANSFORMERS = "transformers"
 """``library`` of a ``transformers.PreTrainedModel``: ``config_json`` is its ``config.to_json_string()``."""
 
 ANGELPTM_GPT = "angelptm.gpt"
-"""``library`` of our reference :class:`angelptm.models.GPT`: ``config_json`` is its ``ModelConfig`` fields."""
+"""``library`` of our reference :class:`angelptm.pretraining.models.GPT`: ``config_json`` is its ``ModelConfig`` fields."""
 
 
 def describe(module: nn.Module) -> dict[str, Any] | None:
@@ -27,7 +27,7 @@ def describe(module: nn.Module) -> dict[str, Any] | None:
     Returns:
         ``{"library", "class_name", "config_json", "moe_enabled"}``: strings and a bool only.
     """
-    from angelptm.models import GPT  # a sibling package; imported here to keep this module's import light
+    from angelptm.pretraining.models import GPT  # a sibling package; imported here to keep this module's import light
 
     if isinstance(module, GPT):
         return gpt_record(module.config, moe_enabled=module.moe_config is not None, class_name=type(module).__name__)

@@ -31,7 +31,7 @@ def default_tokenizer_path() -> Path:
     """Return the path of the tokenizer shipped with the package.
 
     Returns:
-        ``angelptm/data/assets/tokenizer.json`` inside the installed package.
+        ``angelptm/pretraining/data/assets/tokenizer.json`` inside the installed package.
     """
     return Path(__file__).resolve().parent / "assets" / "tokenizer.json"
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from angelptm.errors import ConfigError
-from angelptm.liveness import RankWatchdog
+from angelptm.launch.liveness import RankWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def init_distributed(*, dist_init_required: bool | None = None, timeout_s: float
             (``comms.timeout_s``).
         lost_rank_after_s: when this call creates a group of several ranks, start a heartbeat that
             ends the job with the lost rank's name once one stands still this long
-            (``comms.lost_rank_after_s``; 0 = none, see ``angelptm.liveness``).
+            (``comms.lost_rank_after_s``; 0 = none, see ``angelptm.launch.liveness``).
 
     Returns:
         This process's :class:`DistContext`. NCCL is used when CUDA is available, gloo otherwise.

@@ -1,0 +1,1 @@
+"""``deepspeed.runtime.activation_checkpointing``: the package of ``checkpointing`` (``deepspeed.checkpointing``)."""
