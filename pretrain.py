@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 import angelptm
 from angelptm.pretraining import pipeline_parallel as pipeline
-from angelptm.engine.initialize import report_precision
+from angelptm.engine.builders import report_precision
 from angelptm.checkpoints.safe_pickle import OPT_IN_HELP
 from angelptm.config import EngineConfig, load_config, read_config_source
 from angelptm.pretraining.data import TokenDataset, prepare_default_dataset, repeat_batches

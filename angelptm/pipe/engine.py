@@ -27,17 +27,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import default_collate
 
-from angelptm.pretraining import pipeline_parallel as pipeline
-from angelptm.engine.initialize import _build_optimizer, _build_scheduler, _pick_config, _place_module, _report_ignored, \
-    _seed_everything
 from angelptm.config import EngineConfig, load_config
-from angelptm.pretraining.data.loader import ResumableDataLoader, repeat_batches
-from angelptm.launch.distributed import init_distributed
+from angelptm.engine.builders import build_optimizer, pick_config, place_module, report_config, resolve_scheduler
 from angelptm.engine.engine import Engine
 from angelptm.errors import ConfigError
+from angelptm.launch.distributed import init_distributed
 from angelptm.pipe.checkpoint import PipelineCheckpoints
 from angelptm.pipe.module import PipelineError, PipelineModule
 from angelptm.pipe.partition import SLOT_PREFIX, layer_op_starts
+from angelptm.pretraining import pipeline_parallel as pipeline
+from angelptm.pretraining.data.loader import ResumableDataLoader, repeat_batches
+from angelptm.runtime.utils import set_random_seed
 from autopipe.graph import trace
 from autopipe.runtime import PipelineLayout, PipelineRunner
 
@@ -352,17 +352,17 @@ def initialize_pipeline(args: Any, model: PipelineModule, optimizer: Any, model_
         raise ConfigError(f"the PipelineModule was built for {model.world_size} ranks and this run has "
                           f"{ctx.world_size}; call init_distributed() before building it")
     replicas = ctx.world_size // model.num_stages
-    config = _pick_config(args, config, config_params)
+    config = pick_config(args, config, config_params)
     cfg = config if isinstance(config, EngineConfig) else load_config(config, world_size=replicas)
     if cfg.precision.loss_scale is not None:
         raise ConfigError("a PipelineModule with fp16: the pipeline path has no loss scaling; use bf16")
     if cfg.zero.stage >= 2 or cfg.zero_cache.enabled:
         raise ConfigError("a PipelineModule with ZeRO stage 2/3 or zero_cache: pipeline parallelism keeps gradients "
                           "whole (DeepSpeed refuses ZeRO-2/3 with pipelines too); use stage 0 or 1")
-    _report_ignored(cfg, ctx)
+    report_config(cfg, ctx)
     if cfg.seed is not None:
-        _seed_everything(cfg.seed)
-    _place_module(model, ctx.device, cfg.precision.dtype, keep_trainable=False)
+        set_random_seed(cfg.seed)
+    place_module(model, ctx.device, cfg.precision.dtype, keep_trainable=False)
     loader = None
     if training_data is not None:
         loader = ResumableDataLoader(training_data, cfg.batch.micro_batch_size, rank=ctx.rank // model.num_stages,
@@ -383,9 +383,9 @@ def initialize_pipeline(args: Any, model: PipelineModule, optimizer: Any, model_
             group["params"] = [p for p in group["params"] if id(p) in local]
     # The runner reduces and clips (reduce_and_clip): the optimizer itself neither all-reduces nor clips.
     alone = dataclasses.replace(ctx, group=None)
-    wrapped = _build_optimizer(model, optimizer, _local_parameters(model, model_parameters, local),
-                               dataclasses.replace(cfg, gradient_clipping=0.0), alone)
+    wrapped = build_optimizer(model, optimizer, _local_parameters(model, model_parameters, local),
+                              dataclasses.replace(cfg, gradient_clipping=0.0), alone)
     if wrapped is None:
         raise ConfigError("a PipelineModule trains with train_batch(): add an \"optimizer\" section or pass optimizer=")
-    engine.optimizer, engine.lr_scheduler = wrapped, _build_scheduler(lr_scheduler, wrapped, cfg)
+    engine.optimizer, engine.lr_scheduler = wrapped, resolve_scheduler(lr_scheduler, wrapped, cfg)
     return engine, wrapped, loader, engine.lr_scheduler
