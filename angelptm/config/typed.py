@@ -147,9 +147,8 @@ class ZeroConfig:
     reduce_bucket_size: int = 500_000_000
     """Elements per gradient all-reduce bucket."""
     offload_param_device: str = "none"
-    """"none", "cpu" or "nvme"."""
-    offload_optimizer_device: str = "none"
-    """"none", "cpu" or "nvme"."""
+    """"none", "cpu" or "nvme": where ``zero.Init`` builds the model (off the device when params may live there).
+    ``offload_optimizer`` has no field: it only turns ZeRO-Cache on (with stage 3), which the loader decides."""
 
 
 @dataclass(kw_only=True, slots=True)
