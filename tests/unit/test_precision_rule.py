@@ -94,12 +94,12 @@ def test_initialize_logs_the_choice_and_warns_with_the_measured_slowdown(monkeyp
     monkeypatch.setenv("ANGELPTM_CPU_BF16", "0")
     monkeypatch.setattr("angelptm.engine.cpu_bf16.bf16_slowdown_once", lambda: 15.0)
     model = torch.nn.Linear(4, 4)
-    with caplog.at_level(logging.INFO, logger="angelptm.engine.initialize"):
+    with caplog.at_level(logging.INFO, logger="angelptm.engine.builders"):
         engine, *_ = angelptm.initialize(model=model, config={**BASE, "bf16": {"enabled": "auto"}})
     assert engine.module.weight.dtype == torch.float32
     assert any("compute dtype float32" in r.message and "no bf16 units" in r.message for r in caplog.records)
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="angelptm.engine.initialize"):
+    with caplog.at_level(logging.INFO, logger="angelptm.engine.builders"):
         engine, *_ = angelptm.initialize(model=torch.nn.Linear(4, 4), config={**BASE, "bf16": {"enabled": True}})
     assert engine.module.weight.dtype == torch.bfloat16
     warnings = [r.message for r in caplog.records if r.levelno == logging.WARNING]
