@@ -24,19 +24,19 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import angelptm
-from angelptm.pretraining import pipeline_parallel as pipeline
-from angelptm.engine.builders import report_precision
 from angelptm.checkpoints.safe_pickle import OPT_IN_HELP
 from angelptm.config import EngineConfig, load_config, read_config_source
-from angelptm.pretraining.data import TokenDataset, prepare_default_dataset, repeat_batches
-from angelptm.launch.distributed import DistContext, init_distributed, launcher_world_size
+from angelptm.engine.builders import report_precision
 from angelptm.errors import CheckpointError, ConfigError, DataError
+from angelptm.launch.distributed import DistContext, init_distributed, launcher_world_size
 from angelptm.memory.fit_check import check_config_fits
+from angelptm.memory.oom import StepOutOfMemoryError
+from angelptm.memory.plan_report import DEFAULT_TFLOPS, PlanRequest, named_hardware, plan_report
+from angelptm.pretraining import pipeline_parallel as pipeline
+from angelptm.pretraining.data import TokenDataset, prepare_default_dataset, repeat_batches
 from angelptm.pretraining.job_errors import comms_timeout, one_line
 from angelptm.pretraining.models import build_model
 from angelptm.telemetry.monitor import ThroughputMeter, format_memory, format_tiers, memory_snapshot
-from angelptm.memory.oom import StepOutOfMemoryError
-from angelptm.memory.plan_report import DEFAULT_TFLOPS, PlanRequest, named_hardware, plan_report
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.json"
 logger = logging.getLogger("pretrain")
@@ -219,7 +219,7 @@ def _train(cfg: EngineConfig, ctx: DistContext, allow_unsafe_pickle: bool, trace
     if not cfg.autopipe.enabled:  # fits or explains before a byte of the model exists (the plan of --plan)
         check_config_fits(cfg, world_size=ctx.world_size, ranks_per_host=ctx.local_world_size, device=ctx.device)
     dataset = build_dataset(cfg, ctx)
-    if cfg.autopipe.enabled:  # pipeline parallelism: angelptm/pretraining/pipeline_parallel.py builds the stages and their optimizer
+    if cfg.autopipe.enabled:  # pipeline parallelism: pretraining/pipeline_parallel.py builds the stages and optimizer
         if ctx.is_main:
             report_precision(cfg)  # initialize() reports it on the other path
         stop = StopRequest()

@@ -18,7 +18,8 @@ TRANSFORMERS = "transformers"
 """``library`` of a ``transformers.PreTrainedModel``: ``config_json`` is its ``config.to_json_string()``."""
 
 ANGELPTM_GPT = "angelptm.gpt"
-"""``library`` of our reference :class:`angelptm.pretraining.models.GPT`: ``config_json`` is its ``ModelConfig`` fields."""
+"""``library`` of our reference :class:`angelptm.pretraining.models.GPT`: ``config_json`` is its ``ModelConfig``
+fields."""
 
 
 def describe(module: nn.Module) -> dict[str, Any] | None:

@@ -15,8 +15,8 @@ import torch
 
 from angelptm.checkpoints import architecture
 from angelptm.checkpoints import files as checkpoint
-from angelptm.errors import CheckpointError
 from angelptm.engine.expert_parallel import ExpertParallel
+from angelptm.errors import CheckpointError
 
 logger = logging.getLogger("angelptm.engine.engine")
 
@@ -94,7 +94,8 @@ class EngineCheckpoints:
                 "ep_size": experts.ep_size if experts is not None else 1, "zero_cache_shards": shards,
                 "expert_state_keys": sorted(self._expert_state_names(experts)) if experts is not None else [],
                 "dtype": str(self.compute_dtype), "client_state": dict(client_state or {}),
-                # The architecture as JSON text, for `python -m angelptm.checkpoints.export --hf` (None: not a known kind).
+                # The architecture as JSON text, for `python -m angelptm.checkpoints.export --hf` (None: not a
+                # known kind).
                 "architecture": architecture.describe(self.module),
             }
             files = {checkpoint.MODEL_FILE: model_states}
@@ -173,7 +174,8 @@ class EngineCheckpoints:
         if saved_ep != ep_size:
             raise CheckpointError(f"{path} was saved with moe.ep_size={saved_ep} and this run has {ep_size}: its experts "
                                   "are split differently. Resume with the same ep_size, or export it with `python -m "
-                                  "angelptm.checkpoints.export` and load the weights into the model built with ep_size 1")
+                                  "angelptm.checkpoints.export` and load the weights into the model built with "
+                                  "ep_size 1")
         self._check_architecture(path, model_states.get("architecture"), load_module_only=load_module_only)
         has_optimizer_file = (path / checkpoint.OPTIM_FILE).is_file()
         module_weights = self._load_module_state(path, model_states, strict=load_module_strict,
@@ -254,8 +256,8 @@ class EngineCheckpoints:
         if in_masters and (self.optimizer is None or not has_optimizer_file):
             raise CheckpointError(f"{path} was saved with ZeRO-Cache's params sharded: its weights are the fp32 masters "
                                   f"in {checkpoint.OPTIM_FILE}, which this load cannot use (it is missing, or the "
-                                  "engine has no optimizer). Export it with `python -m angelptm.checkpoints.export` and load the "
-                                  "weights into the model instead")
+                                  "engine has no optimizer). Export it with `python -m angelptm.checkpoints.export` "
+                                  "and load the weights into the model instead")
         weights = {aliases[key]: tensor.float() for key, tensor in state.items() if key in held}
         result = self.module.load_state_dict({k: v for k, v in state.items() if k not in held}, strict=False)
         saved_weights = set(model_states["param_aliases"]) if in_masters else set()

@@ -36,8 +36,8 @@ import torch.distributed  # noqa: F401  (all_gather of the save outcome)
 
 from angelptm.checkpoints import manifest
 from angelptm.checkpoints import safe_pickle as checkpoint_pickle
-from angelptm.launch.distributed import DistContext
 from angelptm.errors import CheckpointError, DiskFullError
+from angelptm.launch.distributed import DistContext
 from zero_cache.units import format_bytes
 
 logger = logging.getLogger(__name__)

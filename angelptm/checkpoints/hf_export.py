@@ -43,14 +43,16 @@ def pretrained_files(record: dict[str, Any] | None, state: dict[str, torch.Tenso
     """
     if record is None:
         raise CheckpointError("the checkpoint records no model architecture (it was saved before checkpoints "
-                              "carried one, or the model is neither a transformers model nor angelptm.pretraining.models.GPT), "
-                              "so no config.json can be written; export the weights with `python -m "
+                              "carried one, or the model is neither a transformers model nor "
+                              "angelptm.pretraining.models.GPT), so no config.json can be written; export the weights "
+                              "with `python -m "
                               "angelptm.checkpoints.export CHECKPOINT OUT.safetensors` instead")
     if record["library"] == architecture.TRANSFORMERS:
         return _transformers_files(record, state, aliases)
     if record["moe_enabled"]:
         raise CheckpointError("moe.enabled: our GPT with mixture-of-experts blocks has no Hugging Face class to load "
-                              "into; export the weights with `python -m angelptm.checkpoints.export CHECKPOINT OUT.safetensors`")
+                              "into; export the weights with `python -m angelptm.checkpoints.export CHECKPOINT "
+                              "OUT.safetensors`")
     config = ModelConfig(**json.loads(record["config_json"]))
     return _llama_files(config, state) if config.flavour == "llama" else _gpt2_files(config, state)
 
@@ -77,8 +79,9 @@ def _refuse(config: ModelConfig, hf_class: str, needs: dict[str, Any]) -> None:
             wanted = ", ".join(f"model.{k}={v!r}" for k, v in needs.items())
             raise CheckpointError(
                 f"model.{option}={getattr(config, option)!r} has no Hugging Face equivalent for flavour "
-                f"{config.flavour!r}: {hf_class} needs {wanted}. Export the weights with `python -m angelptm.checkpoints.export "
-                "CHECKPOINT OUT.safetensors` and load them into angelptm.pretraining.models.GPT instead")
+                f"{config.flavour!r}: {hf_class} needs {wanted}. Export the weights with `python -m "
+                "angelptm.checkpoints.export CHECKPOINT OUT.safetensors` and load them into "
+                "angelptm.pretraining.models.GPT instead")
 
 
 def _llama_files(c: ModelConfig, state: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:

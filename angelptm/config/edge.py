@@ -17,9 +17,9 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from angelptm.config.typed import CommsConfig, TrainConfig
 from angelptm.pretraining.data.config import DataConfig
 from angelptm.pretraining.models import ModelConfig
-from angelptm.config.typed import CommsConfig, TrainConfig
 from autopipe import AutoPipeConfig
 from moe import MoEConfig
 from zero_cache import ZeroCacheConfig

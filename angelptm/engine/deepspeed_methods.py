@@ -1,4 +1,5 @@
-"""DeepSpeed engine methods scripts call besides forward/backward/step: a mixin of :class:`~angelptm.engine.engine.Engine`.
+"""DeepSpeed engine methods scripts call besides forward/backward/step: a mixin of
+:class:`~angelptm.engine.engine.Engine`.
 
 ``save_16bit_model``, ``no_sync``, ``zero_optimization_stage`` and ``set_gradient_accumulation_boundary``,
 each with DeepSpeed 0.19's signature and meaning, built on the engine's own pieces (the consolidated

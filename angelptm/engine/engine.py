@@ -17,15 +17,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from angelptm.config.typed import EngineConfig
-from angelptm.pretraining.data.loader import ResumableDataLoader
-from angelptm.launch.distributed import DistContext
 from angelptm.checkpoints.engine_state import EngineCheckpoints
+from angelptm.config.typed import EngineConfig
 from angelptm.engine.deepspeed_methods import DeepSpeedEngineMethods
 from angelptm.engine.expert_parallel import ExpertParallel
 from angelptm.engine.mixed_precision import MixedPrecisionOptimizer
-from angelptm.telemetry.monitor import MetricsSink
+from angelptm.launch.distributed import DistContext
 from angelptm.memory.oom import explained_oom
+from angelptm.pretraining.data.loader import ResumableDataLoader
+from angelptm.telemetry.monitor import MetricsSink
 from angelptm.telemetry.step_trace import StepTracer
 from zero_cache.timeline import Timeline
 

@@ -4,14 +4,15 @@ At the first batch (or at ``initialize`` when ``training_data`` is given) every 
 module with its loss (``autopipe.graph.trace``), each layer through a ``slots.<i>`` module, and cuts the
 op graph where the module's layer partition starts each stage (:func:`angelptm.pipe.partition.layer_op_starts`),
 or, for ``partition_method="autopipe"``, where AutoPipe's search over rank 0's op profile says
-(:func:`angelptm.pretraining.pipeline_parallel.shared_profile` and :func:`angelptm.pretraining.pipeline_parallel.plan`). The rank then runs its stage
-with :class:`autopipe.runtime.PipelineRunner` (``torch.distributed.pipelining``; 1F1B, or GPipe when there
-are fewer micro-batches than stages).
+(:func:`angelptm.pretraining.pipeline_parallel.shared_profile` and
+:func:`angelptm.pretraining.pipeline_parallel.plan`). The rank then runs its stage with
+:class:`autopipe.runtime.PipelineRunner` (``torch.distributed.pipelining``; 1F1B, or GPipe when there are
+fewer micro-batches than stages).
 
 One ``train_batch`` = DeepSpeed's: ``gradient_accumulation_steps`` micro-batches through the pipeline, the
 gradients of their mean loss reduced over data-parallel replicas and tied stages and clipped by the global
-norm (:func:`angelptm.pretraining.pipeline_parallel.reduce_and_clip`), one optimizer and scheduler step; it returns the mean loss
-on every rank.
+norm (:func:`angelptm.pretraining.pipeline_parallel.reduce_and_clip`), one optimizer and scheduler step; it
+returns the mean loss on every rank.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from angelptm import comm
-from angelptm.runtime.activation_checkpointing import checkpointing
 from angelptm.pipe.partition import partition_balanced, partition_uniform
+from angelptm.runtime.activation_checkpointing import checkpointing
 from angelptm.runtime.utils import set_random_seed
 
 AUTOPIPE = "autopipe"

@@ -26,14 +26,14 @@ from tqdm import tqdm
 from angelptm.checkpoints import architecture
 from angelptm.checkpoints import files as checkpoint
 from angelptm.config import EngineConfig, load_config, read_config_source
+from angelptm.engine.mixed_precision import MixedPrecisionOptimizer
+from angelptm.engine.schedulers import build_scheduler
+from angelptm.errors import CheckpointError, ConfigError
+from angelptm.launch.distributed import DistContext
 from angelptm.pretraining.data import TokenDataset, repeat_batches
 from angelptm.pretraining.data.loader import ResumableDataLoader
-from angelptm.launch.distributed import DistContext
-from angelptm.errors import CheckpointError, ConfigError
-from angelptm.engine.mixed_precision import MixedPrecisionOptimizer
 from angelptm.pretraining.models import build_model
 from angelptm.telemetry.monitor import ThroughputMeter, format_memory, memory_snapshot
-from angelptm.engine.schedulers import build_scheduler
 from autopipe.cost import CostSettings
 from autopipe.graph import trace
 from autopipe.profile import Profile
@@ -315,7 +315,8 @@ def train(cfg: EngineConfig, ctx: DistContext, dataset: TokenDataset, *, stop_re
 
 
 def profile_target(config_path: str | None, device: torch.device) -> tuple[torch.nn.Module, dict, str]:
-    """Factory for ``python -m autopipe profile --factory angelptm.pretraining.pipeline_parallel:profile_target --factory-arg CONFIG``.
+    """Factory for ``python -m autopipe profile --factory angelptm.pretraining.pipeline_parallel:profile_target
+    --factory-arg CONFIG``.
 
     Args:
         config_path: a JSON config (its "model", precision, micro-batch and sequence length are used).

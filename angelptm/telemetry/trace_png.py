@@ -1,5 +1,5 @@
-"""``python -m angelptm.telemetry.trace_png TRACE.json [OUT.png]``: draw a step trace as a PNG (e.g. a trace written on a
-GPU machine without matplotlib; needs ``pip install -e ".[plot]"`` here)."""
+"""``python -m angelptm.telemetry.trace_png TRACE.json [OUT.png]``: draw a step trace as a PNG (e.g. a trace written
+on a GPU machine without matplotlib; needs ``pip install -e ".[plot]"`` here)."""
 
 from __future__ import annotations
 

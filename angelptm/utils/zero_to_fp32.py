@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from angelptm.errors import CheckpointError
 from angelptm.checkpoints.export import consolidated_fp32_state_dict
+from angelptm.errors import CheckpointError
 from zero_cache.units import parse_bytes
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | Path, tag: str | None = None,

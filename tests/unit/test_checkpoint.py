@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 import angelptm
 from angelptm.checkpoints import files as checkpoint
-from angelptm.pretraining.data import TokenWriter
 from angelptm.checkpoints.export import main as export_main
+from angelptm.pretraining.data import TokenWriter
 from angelptm.pretraining.models import ModelConfig, build_model
 from reference import train_on_seeded_tokens as train_steps
 

@@ -16,8 +16,8 @@ import torch
 
 from angelptm.checkpoints import files as checkpoint
 from angelptm.checkpoints import manifest as checkpoint_manifest
-from angelptm.pretraining.data import TokenWriter
 from angelptm.errors import CheckpointError, DiskFullError
+from angelptm.pretraining.data import TokenWriter
 from reference import train_on_seeded_tokens as train_steps
 from test_checkpoint_faults import fp32_engine
 

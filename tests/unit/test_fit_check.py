@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 import angelptm
-from angelptm.memory import fit_check
 from angelptm.config import load_config
 from angelptm.errors import ConfigError
+from angelptm.memory import fit_check
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_BUDGETS = {"enabled": True, "device_memory_budget": "64MiB", "host_memory_budget": "256MiB"}

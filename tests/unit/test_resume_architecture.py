@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import angelptm
-from angelptm.pretraining.data import TokenWriter
 from angelptm.errors import CheckpointError
+from angelptm.pretraining.data import TokenWriter
 from angelptm.pretraining.models import ModelConfig, build_model
 from reference import train_on_seeded_tokens as train_steps
 
@@ -108,9 +108,9 @@ def test_pretrain_refuses_to_resume_with_other_heads(tmp_path, capsys):
 def test_an_autopipe_resume_with_other_heads_is_refused_before_profiling(tmp_path):
     from angelptm.checkpoints import architecture
     from angelptm.checkpoints import files as checkpoint
-    from angelptm.pretraining import pipeline_parallel as pipeline
     from angelptm.config import load_config
     from angelptm.launch.distributed import DistContext
+    from angelptm.pretraining import pipeline_parallel as pipeline
     from autopipe.runtime import PipelineLayout
 
     ctx = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), group=None)
