@@ -4,14 +4,13 @@ At the first batch (or at ``initialize`` when ``training_data`` is given) every 
 module with its loss (``autopipe.graph.trace``), each layer through a ``slots.<i>`` module, and cuts the
 op graph where the module's layer partition starts each stage (:func:`angelptm.pipe.partition.layer_op_starts`),
 or, for ``partition_method="autopipe"``, where AutoPipe's search over rank 0's op profile says
-(:func:`angelptm.pretraining.pipeline_parallel.shared_profile` and
-:func:`angelptm.pretraining.pipeline_parallel.plan`). The rank then runs its stage with
-:class:`autopipe.runtime.PipelineRunner` (``torch.distributed.pipelining``; 1F1B, or GPipe when there are
-fewer micro-batches than stages).
+(:func:`angelptm.pipe.autopipe_steps.shared_profile` and :func:`angelptm.pipe.autopipe_steps.plan`). The rank
+then runs its stage with :class:`autopipe.runtime.PipelineRunner` (``torch.distributed.pipelining``; 1F1B, or
+GPipe when there are fewer micro-batches than stages).
 
 One ``train_batch`` = DeepSpeed's: ``gradient_accumulation_steps`` micro-batches through the pipeline, the
 gradients of their mean loss reduced over data-parallel replicas and tied stages and clipped by the global
-norm (:func:`angelptm.pretraining.pipeline_parallel.reduce_and_clip`), one optimizer and scheduler step; it
+norm (:func:`angelptm.pipe.autopipe_steps.reduce_and_clip`), one optimizer and scheduler step; it
 returns the mean loss on every rank.
 """
 
@@ -33,10 +32,10 @@ from angelptm.engine.builders import build_optimizer, pick_config, place_module,
 from angelptm.engine.engine import Engine
 from angelptm.errors import ConfigError
 from angelptm.launch.distributed import init_distributed
+from angelptm.pipe import autopipe_steps
 from angelptm.pipe.checkpoint import PipelineCheckpoints
 from angelptm.pipe.module import PipelineError, PipelineModule
 from angelptm.pipe.partition import SLOT_PREFIX, layer_op_starts
-from angelptm.pretraining import pipeline_parallel as pipeline
 from angelptm.pretraining.data.loader import ResumableDataLoader, repeat_batches
 from angelptm.runtime.utils import set_random_seed
 from autopipe.graph import trace
@@ -214,8 +213,8 @@ class PipelineEngine(PipelineCheckpoints, Engine):
                                        num_microbatches=self.micro_batches, schedule=schedule,
                                        virtual_stages_per_rank=1)
         cfg = dataclasses.replace(self.config, autopipe=autopipe)
-        profile = pipeline.shared_profile(cfg, graph, inputs, self.ctx)
-        report, op_starts = pipeline.plan(cfg, profile, self.device)
+        profile = autopipe_steps.shared_profile(cfg, graph, inputs, self.ctx)
+        report, op_starts = autopipe_steps.plan(cfg, profile, self.device)
         if self.ctx.is_main:
             logger.info("AutoPipe split of the PipelineModule (%d stages, %d micro-batches):\n%s",
                         self.layout.num_stages, self.micro_batches, report.format())
@@ -239,7 +238,7 @@ class PipelineEngine(PipelineCheckpoints, Engine):
         runner = self.runner or self.build_runner(self._example(flush))
         with self.optimizer.accumulating():
             loss = runner.step(*self._runner_arguments(flush), backward=True)
-        norm = pipeline.reduce_and_clip(runner, self.optimizer, self.config.gradient_clipping)
+        norm = autopipe_steps.reduce_and_clip(runner, self.optimizer, self.config.gradient_clipping)
         self._step_applied = math.isfinite(norm)
         if self._step_applied:
             self.optimizer.step()

@@ -2,7 +2,8 @@
 
 ``pretrain.py`` hands over here when ``"autopipe": {"enabled": true}``. Every rank builds the whole model
 from the same seed, traces it at the micro-batch size, and takes rank 0's op profile (measured here, or
-read from ``autopipe.profile_path``); every rank then runs the same search, so all agree on the split.
+read from ``autopipe.profile_path``); every rank then runs the same search, so all agree on the split (those
+steps and the gradients' reduction are :mod:`angelptm.pipe.autopipe_steps`, shared with ``deepspeed.pipe``).
 Each rank keeps only its chunks' parameters, with fp32 masters and Adam states in a
 :class:`MixedPrecisionOptimizer`.
 
@@ -30,16 +31,13 @@ from angelptm.engine.mixed_precision import MixedPrecisionOptimizer
 from angelptm.engine.schedulers import build_scheduler
 from angelptm.errors import CheckpointError, ConfigError
 from angelptm.launch.distributed import DistContext
+from angelptm.pipe.autopipe_steps import plan, reduce_and_clip, shared_profile
 from angelptm.pretraining.data import TokenDataset, repeat_batches
 from angelptm.pretraining.data.loader import ResumableDataLoader
 from angelptm.pretraining.models import build_model
 from angelptm.telemetry.monitor import ThroughputMeter, format_memory, memory_snapshot
-from autopipe.cost import CostSettings
 from autopipe.graph import trace
-from autopipe.profile import Profile
-from autopipe.profiler import profile_graph
 from autopipe.runtime import PipelineLayout, PipelineRunner, check_microbatches
-from autopipe.search import PlanReport, plan_with_baselines
 
 logger = logging.getLogger(__name__)
 TARGET = "labels"
@@ -74,48 +72,6 @@ def check_config(cfg: EngineConfig, ctx: DistContext) -> PipelineLayout:
                               virtual_stages_per_rank=ap.virtual_stages_per_rank)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-
-
-def shared_profile(cfg: EngineConfig, graph, example: dict[str, torch.Tensor], ctx: DistContext) -> Profile:
-    """Rank 0's profile (measured, or read from ``autopipe.profile_path``) on every rank."""
-    ap = cfg.autopipe
-    if ap.profile_path is not None:
-        try:
-            profile = Profile.load(ap.profile_path)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-    else:
-        holder = [None]
-        if ctx.is_main:
-            logger.info("profiling %d ops (warm-up %d, repeats %d)", len(graph.ops), ap.profile_warmup,
-                        ap.profile_repeats)
-            holder = [profile_graph(graph, example, warmup=ap.profile_warmup, repeats=ap.profile_repeats).to_json()]
-        if ctx.group is not None:
-            dist.broadcast_object_list(holder, src=0, group=ctx.group)
-        profile = Profile.from_json(holder[0])
-    shapes = {name: list(tensor.shape) for name, tensor in example.items()}
-    if profile.input_shapes != shapes:
-        raise ConfigError(f"autopipe.profile_path={ap.profile_path!r} was measured with inputs {profile.input_shapes}; "
-                          f"this run's micro-batch is {shapes}; profile again at this micro-batch size")
-    names = [node.name for node in graph.ops]
-    if profile.op_names != names:
-        raise ConfigError(f"autopipe.profile_path={ap.profile_path!r} was recorded for another graph ({len(profile.ops)} "
-                          f"ops, this model has {len(names)}); profile this model and micro-batch size again")
-    return profile
-
-
-def plan(cfg: EngineConfig, profile: Profile, device: torch.device) -> tuple[PlanReport, list[int]]:
-    """Search the split; returns the report and the first op of each chunk."""
-    capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    settings = CostSettings.from_config(cfg.autopipe, memory_limit_bytes=capacity)
-    if cfg.model.activation_checkpointing:
-        settings = dataclasses.replace(settings, recompute=True)
-    try:
-        report = plan_with_baselines(profile.to_chain(cfg.autopipe.max_cut_tensors), settings)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    units = profile.unit_op_starts(cfg.autopipe.max_cut_tensors)
-    return report, [units[u] for u in report.auto.stage_starts]
 
 
 def saved_split(cfg: EngineConfig, ctx: DistContext, layout: PipelineLayout) -> list[int] | None:
@@ -189,32 +145,6 @@ def build_optimizer(cfg: EngineConfig, runner: PipelineRunner) -> MixedPrecision
                 fused=True if decay and decay[0].device.type == "cuda" else None)
     # Reduction and clipping happen in reduce_and_clip over the pipeline's groups, not inside step().
     return MixedPrecisionOptimizer(inner, {id(p): name for name, p in named}, cfg.precision.dtype)
-
-
-def reduce_and_clip(runner: PipelineRunner, optimizer: MixedPrecisionOptimizer, clip: float) -> float:
-    """Data-parallel mean, tied-gradient sum, global norm and clipping of the accumulated fp32 gradients.
-
-    Returns:
-        The global gradient norm before clipping (non-finite: the caller skips the step on every rank).
-    """
-    optimizer.collect_gradients()
-    flat = optimizer.flat_grad
-    if runner.layout.num_replicas > 1:
-        flat.mul_(1.0 / runner.layout.num_replicas)
-        dist.all_reduce(flat, group=runner.data_parallel_group)
-    # By parameter, not name: the optimizer may name parameters after the user's module, the runner after its graph.
-    views = {id(param): view for param, view in zip(optimizer.params, optimizer.grad_views)}
-    runner.sync_tied_gradients(lambda _, param: views[id(param)])
-    square = torch.linalg.vector_norm(flat).square()
-    named = dict(runner.named_parameters())
-    for name in runner.duplicate_parameter_names:  # held (and counted) by a lower stage rank too
-        square = square - torch.linalg.vector_norm(views[id(named[name])]).square()
-    if runner.pipeline_group is not None:
-        dist.all_reduce(square, group=runner.pipeline_group)
-    norm = math.sqrt(max(square.item(), 0.0)) if math.isfinite(square.item()) else math.inf
-    if clip > 0 and math.isfinite(norm) and norm > clip:
-        flat.mul_(clip / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
-    return norm
 
 
 def train_step(cfg: EngineConfig, runner: PipelineRunner, optimizer: MixedPrecisionOptimizer, batches
