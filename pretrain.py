@@ -24,19 +24,19 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import angelptm
-from angelptm import pipeline
-from angelptm.api import report_precision
-from angelptm.checkpoint_pickle import OPT_IN_HELP
+from angelptm.checkpoints.safe_pickle import OPT_IN_HELP
 from angelptm.config import EngineConfig, load_config, read_config_source
-from angelptm.data import TokenDataset, prepare_default_dataset, repeat_batches
-from angelptm.distributed import DistContext, init_distributed, launcher_world_size
+from angelptm.engine.builders import report_precision
 from angelptm.errors import CheckpointError, ConfigError, DataError
-from angelptm.fit_check import check_config_fits
-from angelptm.job_errors import comms_timeout, one_line
-from angelptm.models import build_model
-from angelptm.monitor import ThroughputMeter, format_memory, format_tiers, memory_snapshot
-from angelptm.oom import StepOutOfMemoryError
-from angelptm.plan_report import DEFAULT_TFLOPS, PlanRequest, named_hardware, plan_report
+from angelptm.launch.distributed import DistContext, init_distributed, launcher_world_size
+from angelptm.memory.fit_check import check_config_fits
+from angelptm.memory.oom import StepOutOfMemoryError
+from angelptm.memory.plan_report import DEFAULT_TFLOPS, PlanRequest, named_hardware, plan_report
+from angelptm.pretraining import pipeline_parallel as pipeline
+from angelptm.pretraining.data import TokenDataset, prepare_default_dataset, repeat_batches
+from angelptm.pretraining.job_errors import comms_timeout, one_line
+from angelptm.pretraining.models import build_model
+from angelptm.telemetry.monitor import ThroughputMeter, format_memory, format_tiers, memory_snapshot
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.json"
 logger = logging.getLogger("pretrain")
@@ -191,7 +191,7 @@ class StopRequest:
 def train(raw: dict, *, allow_unsafe_pickle: bool = False, trace_dir: Path | None = None) -> float | None:
     """Run the configured training; returns the last logged loss (None: the run had already finished).
 
-    ``allow_unsafe_pickle``: resume from a previous-format checkpoint (see ``angelptm.checkpoint_pickle``).
+    ``allow_unsafe_pickle``: resume from a previous-format checkpoint (see ``angelptm.checkpoints.safe_pickle``).
 
     Raises:
         RankLostError: another rank died or hung (named), and a collective with it failed or timed out.
@@ -219,7 +219,7 @@ def _train(cfg: EngineConfig, ctx: DistContext, allow_unsafe_pickle: bool, trace
     if not cfg.autopipe.enabled:  # fits or explains before a byte of the model exists (the plan of --plan)
         check_config_fits(cfg, world_size=ctx.world_size, ranks_per_host=ctx.local_world_size, device=ctx.device)
     dataset = build_dataset(cfg, ctx)
-    if cfg.autopipe.enabled:  # pipeline parallelism: angelptm/pipeline.py builds the stages and their optimizer
+    if cfg.autopipe.enabled:  # pipeline parallelism: pretraining/pipeline_parallel.py builds the stages and optimizer
         if ctx.is_main:
             report_precision(cfg)  # initialize() reports it on the other path
         stop = StopRequest()
@@ -328,7 +328,7 @@ def log_metrics(step: int, loss: float, engine: angelptm.Engine, meter: Throughp
 
 def print_plan(raw: dict, request: PlanRequest = PlanRequest()) -> int:
     """``--plan``: lay the model out on the meta device and plan it for every rank, allocating nothing;
-    prints a table of tiers, bytes, groups and the step's bound (``angelptm.plan_report``). Returns 0 when
+    prints a table of tiers, bytes, groups and the step's bound (``angelptm.memory.plan_report``). Returns 0 when
     it fits, 2 when it does not (the message names the tier and the shortfall)."""
     device_type = "cuda" if request.hardware is not None or torch.cuda.is_available() else "cpu"
     cfg = load_config(raw, world_size=request.ranks, device_type=device_type)

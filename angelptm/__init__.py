@@ -6,20 +6,27 @@ Switch a DeepSpeed script by changing one import::
     engine, optimizer, loader, scheduler = deepspeed.initialize(model=model, config="ds_config.json")
 
 The names a DeepSpeed script touches live where DeepSpeed has them: ``add_config_arguments``,
-``init_distributed``, ``comm``, ``accelerator.get_accelerator``, ``checkpointing``, ``zero.Init``,
-``moe.layer.MoE``, ``ops.adam``, ``runtime.lr_schedules``, ``utils.zero_to_fp32`` and ``pipe``
-(README: "DeepSpeed compatibility" lists each, and what is not supported).
+``init_distributed``, ``comm``, ``accelerator.get_accelerator``, ``checkpointing`` (also as
+``runtime.activation_checkpointing.checkpointing``), ``zero.Init``, ``moe.layer.MoE``, ``ops.adam``,
+``runtime.lr_schedules``, ``runtime.utils``, ``utils.zero_to_fp32`` and ``pipe`` (README: "DeepSpeed
+compatibility" lists each, and what is not supported).
+
+Nothing else sits at the top level but ``errors`` and one package per concern (README: "Where things live"):
+``config`` (DeepSpeed JSON -> typed dataclasses), ``engine`` (initialize, the engine and its precision),
+``checkpoints``, ``launch`` (flags, process group, liveness), ``memory`` (does it fit), ``telemetry``,
+``pretraining`` (the job's data, models and AutoPipe loop) and ``integrations`` (transformers).
 """
 
-from angelptm import accelerator, checkpointing, comm, moe, ops, pipe, runtime, utils, zero
-from angelptm.api import initialize
-from angelptm.arguments import add_config_arguments
+from angelptm import accelerator, comm, moe, ops, pipe, runtime, utils, zero
 from angelptm.comm import init_distributed
 from angelptm.config import EngineConfig, load_config
-from angelptm.engine import Engine
+from angelptm.engine.engine import Engine
+from angelptm.engine.initialize import initialize
 from angelptm.errors import CheckpointError, ConfigError
+from angelptm.launch.arguments import add_config_arguments
 from angelptm.pipe import PipelineModule
 from angelptm.pipe.engine import PipelineEngine
+from angelptm.runtime.activation_checkpointing import checkpointing
 
 __version__ = "0.1.0"
 

@@ -80,7 +80,7 @@ class Accelerator:
 
     def is_bf16_supported(self) -> bool:
         """CUDA: torch's answer. CPU: True, DeepSpeed's CPU accelerator's answer (torch computes bf16 on any CPU,
-        emulated where it has no bf16 units: ``angelptm.cpu_bf16`` tells which)."""
+        emulated where it has no bf16 units: ``angelptm.engine.cpu_bf16`` tells which)."""
         return self._module.is_bf16_supported() if self._name == "cuda" else True
 
     def is_fp16_supported(self) -> bool:

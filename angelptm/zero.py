@@ -17,14 +17,14 @@ What runs where when the model is built in host memory and a GPU is there: the p
 and non-random initialisation (``zeros_``, ``ones_``, ``mul_``) runs, on the CPU; the random fills
 (``normal_`` and ``uniform_``, which ``nn.init``'s ``normal_``, ``uniform_``, ``trunc_normal_``,
 ``kaiming_*`` and ``xavier_*`` come down to) of each tensor of 1M elements or more are drawn on the GPU, at
-most 256 MiB at a time, and copied back (``angelptm.init_on_device.RandomFillsOnDevice``). Why: torch
+most 256 MiB at a time, and copied back (``angelptm.engine.init_on_device.RandomFillsOnDevice``). Why: torch
 draws random numbers on the CPU on one thread, so an 8.5B GPT took 280 s to build on a 16-core H200 host,
 while DeepSpeed's ``zero.Init``, which initialises on the GPU, built 4.4B in 15 s; with the fills on the
 GPU an 8.2B GPT builds in 15.4 s on the H100 machine (0.94B: 45.1 s with CPU fills, 1.9 s). The values
 then come from the GPU's generator (``torch.manual_seed`` seeds it too: the same seed gives the same
 weights) rather than the CPU's. Without a GPU nothing changes: the fills run on the CPU.
 
-With ZeRO-Cache enabled in the config, the build is planned as it goes (``angelptm.fit_check.BuildWatch``):
+With ZeRO-Cache enabled in the config, the build is planned as it goes (``angelptm.memory.fit_check.BuildWatch``):
 the parameters built so far are planned each time their bytes double, and a build whose first part already
 does not fit the tier budgets stops with the planner's "short by" message instead of growing until the
 machine's OOM killer ends it.
@@ -39,12 +39,12 @@ from typing import Any
 
 import torch
 
-from angelptm import gathered_params
+from angelptm.engine import gathered_params
 from angelptm.config import load_config
-from angelptm.distributed import launcher_world_size
+from angelptm.launch.distributed import launcher_world_size
 from angelptm.errors import ConfigError
-from angelptm.fit_check import BuildWatch
-from angelptm.init_on_device import RandomFillsOnDevice
+from angelptm.memory.fit_check import BuildWatch
+from angelptm.engine.init_on_device import RandomFillsOnDevice
 
 REMOTE_DEVICES = (None, "none", "cuda", "cpu", "nvme")
 
@@ -89,7 +89,7 @@ class Init:
         self.watch = BuildWatch(parsed, launcher_world_size()) if parsed is not None and parsed.zero_cache.enabled \
             else None
         """Plans the parameters built so far as they grow, and stops a build that cannot fit
-        (``angelptm.fit_check``): the model is not known before it is built, so no twin can be planned first."""
+        (``angelptm.memory.fit_check``): the model is not known before it is built, so no twin can be planned first."""
         self._saved_dtype: torch.dtype | None = None
         self._device_context: Any = None
 
@@ -121,7 +121,7 @@ class GatheredParameters:
     Inside the block each parameter is a whole tensor in the compute dtype. Before ``initialize()``
     parameters are whole already; after it they are rebound to copies of the engine's fp32 masters, and
     on exit the edits of ``modifier_rank`` reach the masters and the engine's compute copies (ZeRO-Cache
-    chunks included), so the next forward and the next step use them (``angelptm.gathered_params``).
+    chunks included), so the next forward and the next step use them (``angelptm.engine.gathered_params``).
 
     Args:
         params: one parameter or an iterable of them (None entries are skipped, as in DeepSpeed).

@@ -1,6 +1,7 @@
 """``python -m autopipe``: profile a model to JSON, and plan a split from a profile.
 
-    python -m autopipe profile --factory angelptm.pipeline:profile_target --factory-arg configs/tiny_autopipe.json \\
+    python -m autopipe profile --factory angelptm.pretraining.pipeline_parallel:profile_target \\
+        --factory-arg configs/tiny_autopipe.json \\
         --out profile.json [--device cuda] [--warmup 2] [--repeats 5] [--top 15]
     python -m autopipe plan --profile profile.json --num-stages 2 --num-microbatches 8 [--schedule 1f1b] \\
         [--memory-limit-gib 80] [--bandwidth-gbs 50] [--png timeline.png]
@@ -36,7 +37,8 @@ def load_factory(spec: str):
     """
     module_name, _, function_name = spec.partition(":")
     if not module_name or not function_name:
-        raise ValueError(f"--factory={spec!r}: expected 'module:function', e.g. 'angelptm.pipeline:profile_target'")
+        raise ValueError(f"--factory={spec!r}: expected 'module:function', "
+                         "e.g. 'angelptm.pretraining.pipeline_parallel:profile_target'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:

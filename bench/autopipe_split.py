@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from angelptm.mixed_precision import MixedPrecisionOptimizer  # noqa: E402
-from angelptm.models import ModelConfig, build_model  # noqa: E402
+from angelptm.engine.mixed_precision import MixedPrecisionOptimizer  # noqa: E402
+from angelptm.pretraining.models import ModelConfig, build_model  # noqa: E402
 from autopipe.cost import CostSettings  # noqa: E402
 from autopipe.graph import trace  # noqa: E402
 from autopipe.profile import Profile  # noqa: E402

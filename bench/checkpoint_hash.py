@@ -4,7 +4,7 @@
 
 Prints the single-core throughput of the standard library's checksums, then the time of
 ``torch.save`` + fsync of ``--gib`` GiB of fp32 tensors written plainly (torch's default, which CRCs each
-zip record on one thread), through ``angelptm.checkpoint_manifest.write_hashed``'s path without any
+zip record on one thread), through ``angelptm.checkpoints.manifest.write_hashed``'s path without any
 checksum (neither the zip's nor ours), and through it (the manifest's CRC-32 in threads beside the write,
 each range handed to the disk at once), alternating, best of ``--repeats``. The issue's bound: the
 checksum adds under 5% to the save time.
@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from angelptm import checkpoint_manifest  # noqa: E402
-from angelptm.checkpoint_manifest import write_hashed  # noqa: E402
+from angelptm.checkpoints import manifest as checkpoint_manifest  # noqa: E402
+from angelptm.checkpoints.manifest import write_hashed  # noqa: E402
 
 
 def hash_throughput(num_bytes: int) -> dict[str, float]:

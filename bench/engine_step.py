@@ -64,7 +64,7 @@ def build(size: str, checkpointing: bool, construction: Any = None, fp16: bool =
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from angelptm.models import ModelConfig, build_model
+    from angelptm.pretraining.models import ModelConfig, build_model
 
     torch.manual_seed(0)
     config = ModelConfig(flavour="gpt2", vocab_size=50304, max_seq_len=1024, dropout=0.0,

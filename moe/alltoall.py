@@ -84,22 +84,6 @@ class _AllToAllWait(torch.autograd.Function):
         return grad_ND, None, None, None, None
 
 
-def all_to_all(x_ND: Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> Tensor:
-    """Differentiable ``all_to_all_single`` with split sizes (waits before returning).
-
-    Args:
-        x_ND: rows to send, ``send[i]`` of them to group rank i, in rank order.
-        send: rows to each rank.
-        recv: rows from each rank.
-        group: the process group.
-
-    Returns:
-        The received rows, in source-rank order; the backward sends the gradient back.
-    """
-    box = _Box()
-    return _AllToAllWait.apply(_AllToAllStart.apply(x_ND, send, recv, group, box), send, recv, group, box)
-
-
 @dataclass(frozen=True, slots=True)
 class Reorder:
     """Put consecutive pieces of ``sizes`` rows in ``order``."""

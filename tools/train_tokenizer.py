@@ -1,11 +1,11 @@
-"""Train the byte-level BPE tokenizer shipped as ``angelptm/data/assets/tokenizer.json``.
+"""Train the byte-level BPE tokenizer shipped as ``angelptm/pretraining/data/assets/tokenizer.json``.
 
 The shipped file was produced by running, from the repository root::
 
     python tools/train_tokenizer.py
 
-which reads the shipped corpus (``angelptm/data/assets/kjv.txt.gz``) and writes
-``angelptm/data/assets/tokenizer.json``. Training is deterministic: the corpus is
+which reads the shipped corpus (``angelptm/pretraining/data/assets/kjv.txt.gz``) and writes
+``angelptm/pretraining/data/assets/tokenizer.json``. Training is deterministic: the corpus is
 fed in file order and the HF ``tokenizers`` BPE trainer breaks ties between equally
 frequent pairs by a fixed ordering, so re-running with the same ``tokenizers``
 version reproduces the file byte for byte (``--check`` verifies exactly that).
@@ -23,7 +23,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-ASSETS = REPO_ROOT / "angelptm" / "data" / "assets"
+ASSETS = REPO_ROOT / "angelptm" / "pretraining" / "data" / "assets"
 EOT_TOKEN = "<|endoftext|>"
 DEFAULT_VOCAB_SIZE = 4096
 

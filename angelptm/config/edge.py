@@ -1,7 +1,7 @@
 """The JSON edge: DeepSpeed's config keys (plus our own sections) as pydantic models.
 
 Everything here mirrors DeepSpeed 0.19's key names and defaults so a DeepSpeed config loads
-unchanged. Nothing past ``angelptm.config.load`` sees these models: they are converted to the
+unchanged. Nothing past :func:`angelptm.config.load_config` sees these models: they are converted to the
 typed dataclasses in ``angelptm.config.typed`` once.
 """
 
@@ -17,9 +17,9 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from angelptm.data.config import DataConfig
-from angelptm.models import ModelConfig
 from angelptm.config.typed import CommsConfig, TrainConfig
+from angelptm.pretraining.data.config import DataConfig
+from angelptm.pretraining.models import ModelConfig
 from autopipe import AutoPipeConfig
 from moe import MoEConfig
 from zero_cache import ZeroCacheConfig
@@ -303,7 +303,8 @@ class EdgeConfig(Section):
     csv_monitor: MonitorSection = Field(default_factory=MonitorSection)
     wandb: WandbSection = Field(default_factory=WandbSection)
     seed: int | None = None
-    """Seeds python, numpy and torch at initialize() when set; otherwise the caller's RNG state is kept."""
+    """Seeds python, numpy and torch at initialize() when set (:func:`angelptm.runtime.utils.set_random_seed`, any
+    integer, as DeepSpeed's); otherwise the caller's RNG state is kept."""
 
     # Our own sections: validated by the dataclasses their packages own.
     zero_cache: ZeroCacheConfig = Field(default_factory=ZeroCacheConfig)

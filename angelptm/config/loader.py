@@ -324,7 +324,6 @@ def _to_typed(parsed: edge.EdgeConfig, scheduler: typed.SchedulerConfig | None, 
         zero=typed.ZeroConfig(
             stage=zero.stage, reduce_bucket_size=zero.reduce_bucket_size,
             offload_param_device=zero.offload_param.device if zero.offload_param else "none",
-            offload_optimizer_device=zero.offload_optimizer.device if zero.offload_optimizer else "none",
         ),
         zero_cache=_zero_cache_section(parsed), monitor=monitor, seed=parsed.seed, model=parsed.model, data=parsed.data,
         train=parsed.train, moe=parsed.moe, autopipe=parsed.autopipe, comms=parsed.comms, accepted_not_acted=ignored,

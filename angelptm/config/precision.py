@@ -22,7 +22,7 @@ from typing import Callable, Literal
 
 import torch
 
-from angelptm.cpu_bf16 import CpuBf16, detect_cpu_bf16
+from angelptm.engine.cpu_bf16 import CpuBf16, detect_cpu_bf16
 
 BF16_AUTO = "auto"
 

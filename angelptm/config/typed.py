@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from angelptm.data.config import DataConfig
-from angelptm.models import ModelConfig
+from angelptm.pretraining.data.config import DataConfig
+from angelptm.pretraining.models import ModelConfig
 from autopipe import AutoPipeConfig
 from moe import MoEConfig
 from zero_cache import ZeroCacheConfig
@@ -147,9 +147,8 @@ class ZeroConfig:
     reduce_bucket_size: int = 500_000_000
     """Elements per gradient all-reduce bucket."""
     offload_param_device: str = "none"
-    """"none", "cpu" or "nvme"."""
-    offload_optimizer_device: str = "none"
-    """"none", "cpu" or "nvme"."""
+    """"none", "cpu" or "nvme": where ``zero.Init`` builds the model (off the device when params may live there).
+    ``offload_optimizer`` has no field: it only turns ZeRO-Cache on (with stage 3), which the loader decides."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -185,7 +184,7 @@ class CommsConfig:
     rank 0 writing a large checkpoint or tokenizing the data."""
     lost_rank_after_s: float = 30.0
     """A rank whose heartbeat stands still this long (its process died or stopped) is lost, and every rank
-    stops with an error naming it (``angelptm.liveness``); 0 turns the heartbeat off. A rank stuck while its
+    stops with an error naming it (``angelptm.launch.liveness``); 0 turns the heartbeat off. A rank stuck while its
     process lives still beats: ``timeout_s`` ends that job."""
 
     def __post_init__(self) -> None:

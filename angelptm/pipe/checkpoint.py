@@ -3,7 +3,7 @@
 A rank holds only its stage's layers, so each rank's file carries that stage's parameters, frozen ones
 too, and the module's buffers (by the ``PipelineModule``'s state-dict names), its optimizer state (fp32 masters, moments), the scheduler, its
 RNG streams and data position; rank 0's model file carries the steps, the layout and the client
-state. The files go through :func:`angelptm.checkpoint.save` (atomic, with a manifest), so a checkpoint
+state. The files go through :func:`angelptm.checkpoints.files.save` (atomic, with a manifest), so a checkpoint
 is whole or absent, and loading verifies it first. A checkpoint loads into a pipeline of the same
 stages, ranks and split (the layer boundaries or AutoPipe's op cuts); anything else is refused with
 what differs.
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from angelptm import checkpoint
+from angelptm.checkpoints import files as checkpoint
 from angelptm.errors import CheckpointError
 
 FORMAT = "pipeline"

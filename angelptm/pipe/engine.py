@@ -4,14 +4,14 @@ At the first batch (or at ``initialize`` when ``training_data`` is given) every 
 module with its loss (``autopipe.graph.trace``), each layer through a ``slots.<i>`` module, and cuts the
 op graph where the module's layer partition starts each stage (:func:`angelptm.pipe.partition.layer_op_starts`),
 or, for ``partition_method="autopipe"``, where AutoPipe's search over rank 0's op profile says
-(:func:`angelptm.pipeline.shared_profile` and :func:`angelptm.pipeline.plan`). The rank then runs its stage
-with :class:`autopipe.runtime.PipelineRunner` (``torch.distributed.pipelining``; 1F1B, or GPipe when there
-are fewer micro-batches than stages).
+(:func:`angelptm.pipe.autopipe_steps.shared_profile` and :func:`angelptm.pipe.autopipe_steps.plan`). The rank
+then runs its stage with :class:`autopipe.runtime.PipelineRunner` (``torch.distributed.pipelining``; 1F1B, or
+GPipe when there are fewer micro-batches than stages).
 
 One ``train_batch`` = DeepSpeed's: ``gradient_accumulation_steps`` micro-batches through the pipeline, the
 gradients of their mean loss reduced over data-parallel replicas and tied stages and clipped by the global
-norm (:func:`angelptm.pipeline.reduce_and_clip`), one optimizer and scheduler step; it returns the mean loss
-on every rank.
+norm (:func:`angelptm.pipe.autopipe_steps.reduce_and_clip`), one optimizer and scheduler step; it
+returns the mean loss on every rank.
 """
 
 from __future__ import annotations
@@ -27,17 +27,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import default_collate
 
-from angelptm import pipeline
-from angelptm.api import _build_optimizer, _build_scheduler, _pick_config, _place_module, _report_ignored, \
-    _seed_everything
 from angelptm.config import EngineConfig, load_config
-from angelptm.data.loader import ResumableDataLoader, repeat_batches
-from angelptm.distributed import init_distributed
-from angelptm.engine import Engine
+from angelptm.engine.builders import build_optimizer, pick_config, place_module, report_config, resolve_scheduler
+from angelptm.engine.engine import Engine
 from angelptm.errors import ConfigError
+from angelptm.launch.distributed import init_distributed
+from angelptm.pipe import autopipe_steps
 from angelptm.pipe.checkpoint import PipelineCheckpoints
 from angelptm.pipe.module import PipelineError, PipelineModule
 from angelptm.pipe.partition import SLOT_PREFIX, layer_op_starts
+from angelptm.pretraining.data.loader import ResumableDataLoader, repeat_batches
+from angelptm.runtime.utils import set_random_seed
 from autopipe.graph import trace
 from autopipe.runtime import PipelineLayout, PipelineRunner
 
@@ -213,8 +213,8 @@ class PipelineEngine(PipelineCheckpoints, Engine):
                                        num_microbatches=self.micro_batches, schedule=schedule,
                                        virtual_stages_per_rank=1)
         cfg = dataclasses.replace(self.config, autopipe=autopipe)
-        profile = pipeline.shared_profile(cfg, graph, inputs, self.ctx)
-        report, op_starts = pipeline.plan(cfg, profile, self.device)
+        profile = autopipe_steps.shared_profile(cfg, graph, inputs, self.ctx)
+        report, op_starts = autopipe_steps.plan(cfg, profile, self.device)
         if self.ctx.is_main:
             logger.info("AutoPipe split of the PipelineModule (%d stages, %d micro-batches):\n%s",
                         self.layout.num_stages, self.micro_batches, report.format())
@@ -238,7 +238,7 @@ class PipelineEngine(PipelineCheckpoints, Engine):
         runner = self.runner or self.build_runner(self._example(flush))
         with self.optimizer.accumulating():
             loss = runner.step(*self._runner_arguments(flush), backward=True)
-        norm = pipeline.reduce_and_clip(runner, self.optimizer, self.config.gradient_clipping)
+        norm = autopipe_steps.reduce_and_clip(runner, self.optimizer, self.config.gradient_clipping)
         self._step_applied = math.isfinite(norm)
         if self._step_applied:
             self.optimizer.step()
@@ -352,17 +352,17 @@ def initialize_pipeline(args: Any, model: PipelineModule, optimizer: Any, model_
         raise ConfigError(f"the PipelineModule was built for {model.world_size} ranks and this run has "
                           f"{ctx.world_size}; call init_distributed() before building it")
     replicas = ctx.world_size // model.num_stages
-    config = _pick_config(args, config, config_params)
+    config = pick_config(args, config, config_params)
     cfg = config if isinstance(config, EngineConfig) else load_config(config, world_size=replicas)
     if cfg.precision.loss_scale is not None:
         raise ConfigError("a PipelineModule with fp16: the pipeline path has no loss scaling; use bf16")
     if cfg.zero.stage >= 2 or cfg.zero_cache.enabled:
         raise ConfigError("a PipelineModule with ZeRO stage 2/3 or zero_cache: pipeline parallelism keeps gradients "
                           "whole (DeepSpeed refuses ZeRO-2/3 with pipelines too); use stage 0 or 1")
-    _report_ignored(cfg, ctx)
+    report_config(cfg, ctx)
     if cfg.seed is not None:
-        _seed_everything(cfg.seed)
-    _place_module(model, ctx.device, cfg.precision.dtype, keep_trainable=False)
+        set_random_seed(cfg.seed)
+    place_module(model, ctx.device, cfg.precision.dtype, keep_trainable=False)
     loader = None
     if training_data is not None:
         loader = ResumableDataLoader(training_data, cfg.batch.micro_batch_size, rank=ctx.rank // model.num_stages,
@@ -383,9 +383,9 @@ def initialize_pipeline(args: Any, model: PipelineModule, optimizer: Any, model_
             group["params"] = [p for p in group["params"] if id(p) in local]
     # The runner reduces and clips (reduce_and_clip): the optimizer itself neither all-reduces nor clips.
     alone = dataclasses.replace(ctx, group=None)
-    wrapped = _build_optimizer(model, optimizer, _local_parameters(model, model_parameters, local),
-                               dataclasses.replace(cfg, gradient_clipping=0.0), alone)
+    wrapped = build_optimizer(model, optimizer, _local_parameters(model, model_parameters, local),
+                              dataclasses.replace(cfg, gradient_clipping=0.0), alone)
     if wrapped is None:
         raise ConfigError("a PipelineModule trains with train_batch(): add an \"optimizer\" section or pass optimizer=")
-    engine.optimizer, engine.lr_scheduler = wrapped, _build_scheduler(lr_scheduler, wrapped, cfg)
+    engine.optimizer, engine.lr_scheduler = wrapped, resolve_scheduler(lr_scheduler, wrapped, cfg)
     return engine, wrapped, loader, engine.lr_scheduler

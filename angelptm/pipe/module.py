@@ -19,8 +19,9 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from angelptm import checkpointing, comm
+from angelptm import comm
 from angelptm.pipe.partition import partition_balanced, partition_uniform
+from angelptm.runtime.activation_checkpointing import checkpointing
 from angelptm.runtime.utils import set_random_seed
 
 AUTOPIPE = "autopipe"

@@ -1,4 +1,4 @@
-"""``deepspeed.runtime.lr_schedules``: DeepSpeed's schedules, from :mod:`angelptm.schedulers`.
+"""``deepspeed.runtime.lr_schedules``: DeepSpeed's schedules, from :mod:`angelptm.engine.schedulers`.
 
 ``WarmupLR``, ``WarmupDecayLR`` and ``WarmupCosineLR`` follow DeepSpeed 0.19's formulas (tested against
 DeepSpeed's own). ``OneCycle`` and ``LRRangeTest`` are not provided: importing them raises and names
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from angelptm.schedulers import SCHEDULERS, WarmupCosineLR, WarmupDecayLR, WarmupLR
+from angelptm.engine.schedulers import SCHEDULERS, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 WARMUP_LR, WARMUP_DECAY_LR, WARMUP_COSINE_LR = "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"
 VALID_LR_SCHEDULES = list(SCHEDULERS)

@@ -2,7 +2,7 @@
 
     python -m angelptm.utils.zero_to_fp32 CHECKPOINT_DIR OUTPUT_DIR [-t TAG] [--safe_serialization]
 
-The reading is :func:`angelptm.export.consolidated_fp32_state_dict` (fp32 masters, ZeRO-Cache shards and
+The reading is :func:`angelptm.checkpoints.export.consolidated_fp32_state_dict` (fp32 masters, ZeRO-Cache shards and
 expert-parallel slices merged). What is written follows DeepSpeed's script: ``OUTPUT_DIR/pytorch_model.bin``
 (``torch.save``) or ``OUTPUT_DIR/model.safetensors``, in numbered shards with an index above ``max_shard_size``. Checkpoints written by DeepSpeed itself are not read
 (their layout is DeepSpeed's): convert those with DeepSpeed's own script.
@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from angelptm.checkpoints.export import consolidated_fp32_state_dict
 from angelptm.errors import CheckpointError
-from angelptm.export import consolidated_fp32_state_dict
 from zero_cache.units import parse_bytes
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | Path, tag: str | None = None,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import angelptm
-from angelptm.models import ModelConfig, build_model
+from angelptm.pretraining.models import ModelConfig, build_model
 from reference import SEQ, VOCAB, assert_masters_close, ds_config, random_batches, reference_loop, train_steps
 from zero_cache.layout import pack
 from zero_cache.planner import DEVICE, HOST, NVME

@@ -1,4 +1,4 @@
-"""Optimizer steps of ``angelptm/pipeline.py`` for the AutoPipe training test; started by torchrun.
+"""Optimizer steps of ``angelptm/pretraining/pipeline_parallel.py`` for the AutoPipe training test; started by torchrun.
 
     torchrun --nproc-per-node W tests/helpers/autopipe_train_job.py --stages S --steps N --out PREFIX
 
@@ -21,11 +21,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from angelptm import pipeline  # noqa: E402
 from angelptm.config import load_config  # noqa: E402
-from angelptm.data import repeat_batches  # noqa: E402
-from angelptm.data.loader import ResumableDataLoader  # noqa: E402
-from angelptm.distributed import init_distributed  # noqa: E402
+from angelptm.launch.distributed import init_distributed  # noqa: E402
+from angelptm.pretraining import pipeline_parallel as pipeline  # noqa: E402
+from angelptm.pretraining.data import repeat_batches  # noqa: E402
+from angelptm.pretraining.data.loader import ResumableDataLoader  # noqa: E402
 from reference import SEQ, VOCAB, RandomTokens, end_job  # noqa: E402
 
 

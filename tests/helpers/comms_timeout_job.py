@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import pretrain  # noqa: E402
-from angelptm.distributed import init_distributed  # noqa: E402
+from angelptm.launch.distributed import init_distributed  # noqa: E402
 
 
 class Lines(logging.Handler):

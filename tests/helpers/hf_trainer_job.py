@@ -124,7 +124,7 @@ def run_zero3_cases(trainer_class: type, work: Path, *, zero_cache: dict | None 
 
 
 def angelptm_checks(work: Path) -> dict:
-    from angelptm import export
+    from angelptm.checkpoints import export
     from angelptm.integrations.transformers import Trainer
 
     results = {}

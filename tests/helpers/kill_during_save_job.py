@@ -17,8 +17,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import angelptm  # noqa: E402
-from angelptm import checkpoint, checkpoint_manifest  # noqa: E402
-from angelptm.models import ModelConfig, build_model  # noqa: E402
+from angelptm.checkpoints import files as checkpoint  # noqa: E402
+from angelptm.checkpoints import manifest as checkpoint_manifest  # noqa: E402
+from angelptm.pretraining.models import ModelConfig, build_model  # noqa: E402
 from reference import train_on_seeded_tokens as train  # noqa: E402
 
 

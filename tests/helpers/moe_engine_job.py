@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import angelptm  # noqa: E402
-from angelptm.models import ModelConfig, build_model  # noqa: E402
+from angelptm.pretraining.models import ModelConfig, build_model  # noqa: E402
 from moe import MoEConfig  # noqa: E402
 from moe.layer import MoELayer  # noqa: E402
 

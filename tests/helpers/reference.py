@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from angelptm.models import ModelConfig, build_model
+from angelptm.pretraining.models import ModelConfig, build_model
 
 SEQ, VOCAB = 16, 64
 
@@ -32,7 +32,7 @@ def random_batches(seed: int, count: int, batch: int) -> list[dict[str, torch.Te
 
 class RandomTokens(torch.utils.data.Dataset):
     """``count`` windows of SEQ + 1 tokens drawn once from a seeded generator, identical in every process
-    (a stand-in for :class:`angelptm.data.TokenDataset`)."""
+    (a stand-in for :class:`angelptm.pretraining.data.TokenDataset`)."""
 
     seq_len = SEQ
 

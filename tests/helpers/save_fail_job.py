@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import angelptm  # noqa: E402
-from angelptm import checkpoint  # noqa: E402
+from angelptm.checkpoints import files as checkpoint  # noqa: E402
 from reference import end_job  # noqa: E402
 
 

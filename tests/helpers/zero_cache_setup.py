@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from angelptm.models import ModelConfig, build_model
+from angelptm.pretraining.models import ModelConfig, build_model
 from reference import SEQ, VOCAB, ds_config
 from zero_cache.layout import pack
 

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 
 from autopipe_job import MICRO_BATCH, batch, model_config  # noqa: E402
 
-from angelptm.models import build_model  # noqa: E402
+from angelptm.pretraining.models import build_model  # noqa: E402
 
 JOB = Path(__file__).resolve().parents[1] / "helpers" / "autopipe_job.py"
 pytestmark = pytest.mark.dist

@@ -1,7 +1,7 @@
 """AutoPipe training steps over gloo match a single-process AdamW loop on the unpartitioned model.
 
-2 pipeline stages x 2 data-parallel replicas run ``angelptm/pipeline.py``'s ``train_step`` (the step
-``pretrain.py`` runs for ``autopipe.enabled``) on a GPT with tied embeddings, in fp32 with dropout 0 and a
+2 pipeline stages x 2 data-parallel replicas run ``angelptm/pretraining/pipeline_parallel.py``'s ``train_step`` (the
+step ``pretrain.py`` runs for ``autopipe.enabled``) on a GPT with tied embeddings, in fp32 with dropout 0 and a
 clip that bites. What this pins down is ``reduce_and_clip``: the data-parallel mean, the tied table's
 gradient summed over the first and last stage into the fp32 master-gradient buffers, a global norm that
 counts the shared table once, and clipping by it. A wrong piece moves the masters away from
@@ -25,7 +25,7 @@ from autopipe_train_job import config  # noqa: E402
 from reference import RandomTokens  # noqa: E402
 
 from angelptm.config import load_config  # noqa: E402
-from angelptm.models import build_model  # noqa: E402
+from angelptm.pretraining.models import build_model  # noqa: E402
 
 JOB = Path(__file__).resolve().parents[1] / "helpers" / "autopipe_train_job.py"
 WORLD, STAGES, STEPS = 4, 2, 3

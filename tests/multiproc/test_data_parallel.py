@@ -52,7 +52,7 @@ def test_ranks_saving_into_different_directories_each_create_and_publish_their_o
     """HelloDeepSpeed names its checkpoint directory by a per-rank timestamp, so ranks can disagree: each rank
     must create what it writes, as with DeepSpeed. Each directory then holds its ranks' files under its own
     manifest and ``latest``; rank 0's (the model and optimizer) loads back."""
-    from angelptm import checkpoint
+    from angelptm.checkpoints import files as checkpoint
 
     run_ok(torchrun(2, Path(__file__).resolve().parents[1] / "helpers" / "per_rank_dirs_job.py",
                     "--base", str(tmp_path)))

@@ -12,7 +12,7 @@ import torch
 
 from launch import run, run_ok, torchrun
 
-from angelptm.export import consolidated_fp32_state_dict
+from angelptm.checkpoints.export import consolidated_fp32_state_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "tests" / "helpers" / "moe_engine_job.py"

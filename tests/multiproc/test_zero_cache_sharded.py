@@ -54,7 +54,7 @@ def assert_resumes_and_exports(tmp_path: Path, data_seed: int, save_dir: Path, h
         assert resumed["global_steps"] == 4
         assert_same_weights(resumed["weights"], expected, start)
     exported = tmp_path / "model.safetensors"
-    run_ok([sys.executable, "-m", "angelptm.export", str(save_dir), str(exported)], cwd=ROOT)
+    run_ok([sys.executable, "-m", "angelptm.checkpoints.export", str(save_dir), str(exported)], cwd=ROOT)
     weights = load_file(exported)
     assert weights.keys() == halfway["weights"].keys()
     for name, tensor in halfway["weights"].items():

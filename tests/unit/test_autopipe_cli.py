@@ -96,7 +96,7 @@ def _pipeline_config(save_dir: str = "unused", **autopipe) -> dict:
 def _context(world_size: int):
     import torch
 
-    from angelptm.distributed import DistContext
+    from angelptm.launch.distributed import DistContext
     return DistContext(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"), group=None)
 
 
@@ -106,7 +106,8 @@ def _context(world_size: int):
      "multiple of num_stages=4"),
 ])
 def test_pipeline_refuses_a_microbatch_count_its_schedule_cannot_run(autopipe, message):
-    from angelptm import pipeline  # before any tracing or profiling, as a ConfigError naming the key
+    # Refused before any tracing or profiling, as a ConfigError naming the key.
+    from angelptm.pretraining import pipeline_parallel as pipeline
     cfg = load_config(_pipeline_config(**autopipe), world_size=4)
     with pytest.raises(ConfigError, match=f"autopipe.num_microbatches=.*{message}"):
         pipeline.check_config(cfg, _context(4))
@@ -115,8 +116,8 @@ def test_pipeline_refuses_a_microbatch_count_its_schedule_cannot_run(autopipe, m
 def test_resume_refuses_a_checkpoint_of_another_pipeline_layout(tmp_path):
     import torch
 
-    from angelptm import pipeline
     from angelptm.errors import CheckpointError
+    from angelptm.pretraining import pipeline_parallel as pipeline
     (tmp_path / "global_step10").mkdir()
     torch.save({"format": "autopipe", "world_size": 2, "op_starts": [0, 5], "step": 10},
                tmp_path / "global_step10" / "model_states.pt")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from angelptm.models import ModelConfig, build_model
+from angelptm.pretraining.models import ModelConfig, build_model
 from autopipe.graph import build_loss_module, build_stage_modules, trace
 from autopipe.profile import Profile
 from autopipe.profiler import profile_graph

@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file
 
 import angelptm
-from angelptm import checkpoint
-from angelptm.data import TokenWriter
-from angelptm.export import main as export_main
-from angelptm.models import ModelConfig, build_model
+from angelptm.checkpoints import files as checkpoint
+from angelptm.checkpoints.export import main as export_main
+from angelptm.pretraining.data import TokenWriter
+from angelptm.pretraining.models import ModelConfig, build_model
 from reference import train_on_seeded_tokens as train_steps
 
 JOB = Path(__file__).resolve().parents[1] / "helpers" / "resume_job.py"

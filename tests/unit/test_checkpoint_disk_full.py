@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from angelptm import checkpoint, checkpoint_manifest
-from angelptm.data import TokenWriter
+from angelptm.checkpoints import files as checkpoint
+from angelptm.checkpoints import manifest as checkpoint_manifest
 from angelptm.errors import CheckpointError, DiskFullError
+from angelptm.pretraining.data import TokenWriter
 from reference import train_on_seeded_tokens as train_steps
 from test_checkpoint_faults import fp32_engine
 

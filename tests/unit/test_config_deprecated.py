@@ -58,8 +58,10 @@ def test_deprecated_key_means_what_it_means_to_deepspeed(name, caplog):
         ours = load_config(config, device_type="cpu")
     assert any(new_key in record.message and record.levelno == logging.WARNING for record in caplog.records)
     assert ours.zero.stage == int(theirs.stage)
-    assert ours.zero.offload_optimizer_device == _ds_device(theirs.offload_optimizer)
     assert ours.zero.offload_param_device == _ds_device(theirs.offload_param)
+    # An offload device at stage 3 turns ZeRO-Cache on: the one effect offload_optimizer has here.
+    offloads = {_ds_device(theirs.offload_optimizer), _ds_device(theirs.offload_param)} - {"none"}
+    assert ours.zero_cache.enabled == (int(theirs.stage) == 3 and bool(offloads))
 
 
 def test_every_deprecated_field_of_deepspeeds_zero_config_is_in_the_table():
@@ -101,7 +103,7 @@ def test_deepspeedexamples_cifar_config_loads_as_deepspeed_reads_it():
     }
     theirs = zero_config.get_zero_config(copy.deepcopy(config))
     ours = load_config(config, device_type="cpu")
-    assert (ours.zero.stage, ours.zero.offload_optimizer_device) == (int(theirs.stage),
-                                                                     _ds_device(theirs.offload_optimizer))
+    assert _ds_device(theirs.offload_optimizer) == "none"
+    assert (ours.zero.stage, ours.zero_cache.enabled) == (int(theirs.stage), False)
     assert ours.zero.reduce_bucket_size == theirs.reduce_bucket_size == 50_000_000
     assert str(ours.precision.dtype) == "torch.float32" and ours.gradient_clipping == 1.0

@@ -1,4 +1,4 @@
-"""Tests of angelptm.data: tokenizer, binary token format, dataset, preprocessing.
+"""Tests of angelptm.pretraining.data: tokenizer, binary token format, dataset, preprocessing.
 
 Random inputs change every run; the seed is printed (shown on failure) and can be
 fixed with ANGELPTM_TEST_SEED=<n> to replay a failing run.
@@ -21,12 +21,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from angelptm.data.dataset import TokenDataset, TokenWriter, dataset_paths, read_index
-from angelptm.data.tokenizer import EOT_TOKEN, Tokenizer
+from angelptm.pretraining.data.dataset import TokenDataset, TokenWriter, dataset_paths, read_index
+from angelptm.pretraining.data.tokenizer import EOT_TOKEN, Tokenizer
 
-# import_module, not "import ... as": angelptm.data may re-export a function named preprocess,
+# import_module, not "import ... as": angelptm.pretraining.data may re-export a function named preprocess,
 # which shadows the submodule as an attribute of the package.
-pp = importlib.import_module("angelptm.data.preprocess")
+pp = importlib.import_module("angelptm.pretraining.data.preprocess")
 REPO = Path(__file__).resolve().parents[2]
 SEED = int(os.environ.get("ANGELPTM_TEST_SEED", secrets.randbits(32)))
 
@@ -108,7 +108,7 @@ def test_shipped_tokenizer_is_reproducible(tok: Tokenizer) -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     retrained = module.train(pp.default_corpus_path(), 4096)
-    shipped = json.loads((REPO / "angelptm" / "data" / "assets" / "tokenizer.json").read_text())
+    shipped = json.loads((REPO / "angelptm" / "pretraining" / "data" / "assets" / "tokenizer.json").read_text())
     again = json.loads(retrained.to_str())
     # Compare vocabulary and merges rather than bytes, which may vary between versions.
     assert again["model"]["vocab"] == shipped["model"]["vocab"]

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from angelptm.data import TokenDataset, TokenWriter, dataset as dataset_module
 from angelptm.errors import DataError
+from angelptm.pretraining.data import TokenDataset, TokenWriter, dataset as dataset_module
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 64

@@ -4,15 +4,19 @@ process, else against plain PyTorch. Multi-process scripts are in ``tests/multip
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import random
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import angelptm
-from angelptm import checkpointing, comm
+from angelptm import checkpointing, comm  # DeepSpeed's paths: deepspeed.checkpointing is an attribute, as here
+from angelptm.errors import ConfigError
 from angelptm.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from angelptm.pipe.partition import partition_balanced, partition_uniform
 from angelptm.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint, main as zero_to_fp32_main
@@ -268,7 +272,7 @@ def test_deepspeed_import_paths_resolve() -> None:
     from angelptm.runtime.lr_schedules import WarmupDecayLR
     import moe
 
-    assert MoE is moe.MoE and WarmupDecayLR is angelptm.schedulers.WarmupDecayLR
+    assert MoE is moe.MoE and WarmupDecayLR is angelptm.engine.schedulers.WarmupDecayLR
     with pytest.raises(ImportError, match="OneCycleLR"):
         from angelptm.runtime.lr_schedules import OneCycle  # noqa: F401
     with pytest.raises(ValueError, match="tensor parallelism"):
@@ -284,3 +288,83 @@ def test_adding_a_param_group_later_is_refused_not_trained_around_the_engine(zer
     engine, optimizer, _, _ = angelptm.initialize(model=model, config=config(**extra))
     with pytest.raises(NotImplementedError, match="initialize"):
         optimizer.add_param_group({"params": list(head.parameters())})
+
+
+OUR_GROUPS = {"checkpoints", "config", "engine", "errors", "integrations", "launch", "memory", "pretraining",
+              "telemetry"}
+"""angelptm's own top-level modules and packages; every other one is a name ``deepspeed`` has (README: "Where
+things live")."""
+
+
+def test_the_top_level_is_deepspeeds_namespace_and_the_named_groups() -> None:
+    root = Path(angelptm.__file__).parent
+    entries = ({path.stem for path in root.glob("*.py") if path.stem != "__init__"}
+               | {path.name for path in root.iterdir() if (path / "__init__.py").exists()})
+    assert {entry for entry in entries if not hasattr(deepspeed, entry)} == OUR_GROUPS
+    for name in ("accelerator", "checkpointing", "comm", "zero", "ops", "runtime", "utils", "pipe", "moe",
+                 "initialize", "init_distributed", "add_config_arguments", "PipelineModule", "PipelineEngine"):
+        assert hasattr(deepspeed, name) and hasattr(angelptm, name), name
+    # deepspeed.checkpointing is deepspeed.runtime.activation_checkpointing.checkpointing; both paths work here.
+    assert angelptm.checkpointing is importlib.import_module("angelptm.runtime.activation_checkpointing.checkpointing")
+
+
+@pytest.mark.parametrize("seed", [0, 1234, 2**32 + 5, 2**63 + 11, -7])
+def test_set_random_seed_and_initialize_seed_as_deepspeed_does(seed: int) -> None:
+    """One seeding function: ``runtime.utils.set_random_seed`` is DeepSpeed's (any integer; numpy takes it mod
+    2**32, torch mod 2**63), and ``initialize()`` with a config ``seed`` seeds through it."""
+    from deepspeed.runtime.utils import set_random_seed as theirs
+
+    def draws() -> tuple:
+        return random.random(), float(np.random.rand()), torch.rand(3)
+
+    theirs(seed)
+    expected = draws()
+    angelptm.runtime.utils.set_random_seed(seed)
+    got = draws()
+    angelptm.initialize(model=mlp(0), config=config(seed=seed))
+    after_initialize = draws()
+    for values in (got, after_initialize):
+        assert values[:2] == expected[:2]
+        torch.testing.assert_close(values[2], expected[2], rtol=0, atol=0)
+    theirs(seed + 1)
+    assert draws()[0] != expected[0]  # the draws depend on the seed
+
+
+def _deepspeed_initialize_config(monkeypatch, args: argparse.Namespace) -> dict:
+    """The config DeepSpeed's own ``initialize(args=args)`` reads: its code runs until it parses the config (a
+    stand-in for DeepSpeedConfig stops it there, so no process group or engine is built)."""
+
+    class Parsed(Exception):
+        pass
+
+    def stop(config: dict, *unused, **unused_kw):
+        raise Parsed(config)
+
+    monkeypatch.setattr(deepspeed.comm, "init_distributed", lambda *unused, **unused_kw: None)
+    monkeypatch.setattr(deepspeed, "DeepSpeedConfig", stop)
+    with pytest.raises(Parsed) as parsed:
+        deepspeed.initialize(args=args, model=mlp(0))
+    return parsed.value.args[0]
+
+
+def test_deepscale_config_is_an_alias_of_deepspeed_config_as_in_deepspeed(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config(train_micro_batch_size_per_gpu=3)))
+    parsed = {}
+    for module in (deepspeed, angelptm):
+        parsed[module] = module.add_config_arguments(argparse.ArgumentParser()).parse_args(
+            ["--deepscale_config", str(path)])
+    theirs = _deepspeed_initialize_config(monkeypatch, parsed[deepspeed])
+    engine, _, _, _ = angelptm.initialize(args=parsed[angelptm], model=mlp(0))
+    assert theirs["train_micro_batch_size_per_gpu"] == engine.train_micro_batch_size_per_gpu() == 3
+    # Both move the alias onto --deepspeed_config, for the script that reads it afterwards.
+    assert vars(parsed[angelptm]) == vars(parsed[deepspeed])
+    assert (parsed[angelptm].deepspeed_config, parsed[angelptm].deepscale_config) == (str(path), None)
+
+    both = ["--deepscale_config", str(path), "--deepspeed_config", str(path)]
+    with pytest.raises(AssertionError, match="both a deepscale_config and deepspeed_config"):
+        deepspeed.initialize(args=deepspeed.add_config_arguments(argparse.ArgumentParser()).parse_args(both),
+                             model=mlp(0))
+    with pytest.raises(ConfigError, match="--deepscale_config .* and --deepspeed_config"):
+        angelptm.initialize(args=angelptm.add_config_arguments(argparse.ArgumentParser()).parse_args(both),
+                            model=mlp(0))

@@ -70,7 +70,7 @@ def test_fp16_overflow_skips_step_and_lowers_scale(caplog):
     config = ds_config(fp16={"enabled": True, "initial_scale_power": 40, "hysteresis": 1})
     engine, _, _, _ = angelptm.initialize(model=tiny_gpt(seed), config=config)
     before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    with caplog.at_level(logging.WARNING, logger="angelptm.engine"):
+    with caplog.at_level(logging.WARNING, logger="angelptm.engine.engine"):
         loss = engine(**batches[0])
         engine.backward(loss)
         engine.step()

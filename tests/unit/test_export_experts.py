@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from angelptm import checkpoint
-from angelptm.export import _gather_experts
+from angelptm.checkpoints import files as checkpoint
+from angelptm.checkpoints.export import _gather_experts
 
 
 def test_expert_lists_are_renumbered_and_stacked_experts_concatenated(tmp_path):

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 import angelptm
-from angelptm import fit_check
 from angelptm.config import load_config
 from angelptm.errors import ConfigError
+from angelptm.memory import fit_check
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_BUDGETS = {"enabled": True, "device_memory_budget": "64MiB", "host_memory_budget": "256MiB"}
@@ -61,7 +61,7 @@ def test_the_refusal_is_the_same_plan_as_pretrain_plan():
     cfg = load_config(config(TINY_BUDGETS, GPT_9B7), device_type="cpu")
     with pytest.raises(ConfigError) as refused:
         fit_check.check_config_fits(cfg, device=torch.device("cpu"))
-    from angelptm.plan_report import PlanRequest, plan_report
+    from angelptm.memory.plan_report import PlanRequest, plan_report
 
     text, fits = plan_report(cfg, PlanRequest())
     assert not fits

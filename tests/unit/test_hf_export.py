@@ -1,4 +1,4 @@
-"""``python -m angelptm.export --hf``: checkpoints written as save_pretrained directories (CPU, fp32)."""
+"""``python -m angelptm.checkpoints.export --hf``: checkpoints written as save_pretrained directories (CPU, fp32)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import angelptm
-from angelptm import export, hf_export
+from angelptm.checkpoints import export
+from angelptm.checkpoints import hf_export
 from angelptm.errors import CheckpointError
-from angelptm.models import ModelConfig, build_model
+from angelptm.pretraining.models import ModelConfig, build_model
 
 transformers = pytest.importorskip("transformers")
 

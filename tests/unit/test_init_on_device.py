@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import angelptm
-from angelptm.init_on_device import RandomFillsOnDevice
-from angelptm.models import ModelConfig, build_model
+from angelptm.engine.init_on_device import RandomFillsOnDevice
+from angelptm.pretraining.models import ModelConfig, build_model
 from reference import SEQ, VOCAB, ds_config, random_batches, train_steps
 
 PIECE_BYTES, MIN_NUMEL = 4096, 1000

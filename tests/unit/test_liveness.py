@@ -10,8 +10,8 @@ import pytest
 import torch.distributed as dist
 
 import angelptm
-from angelptm import liveness
 from angelptm.config import load_config
+from angelptm.launch import liveness
 
 
 def test_comms_keys_parse_and_bad_values_are_errors():

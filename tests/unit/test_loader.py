@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from angelptm.data.loader import ResumableDataLoader
+from angelptm.pretraining.data.loader import ResumableDataLoader
 
 
 class IndexDataset(Dataset):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as tdist
 
 from angelptm.config import LossScaleConfig
-from angelptm.loss_scaler import LossScaler
+from angelptm.engine.loss_scaler import LossScaler
 from launch import free_port  # tests/helpers
 
 ds_loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")

@@ -13,8 +13,9 @@ import torch
 
 import angelptm
 import zero_cache
-from angelptm import checkpoint, checkpoint_manifest
-from angelptm.models import ModelConfig, build_model
+from angelptm.checkpoints import files as checkpoint
+from angelptm.checkpoints import manifest as checkpoint_manifest
+from angelptm.pretraining.models import ModelConfig, build_model
 from zero_cache import nvme
 from zero_cache.config import ZeroCacheConfig
 

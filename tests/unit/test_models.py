@@ -1,4 +1,4 @@
-"""Unit tests of angelptm.models: the reference GPT (GPT-2 and Llama flavours)."""
+"""Unit tests of angelptm.pretraining.models: the reference GPT (GPT-2 and Llama flavours)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from angelptm.models import GPT, ModelConfig, apply_rotary, build_model, rotary_tables
+from angelptm.pretraining.models import GPT, ModelConfig, apply_rotary, build_model, rotary_tables
 
 FLAVOURS = ["gpt2", "llama"]
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from angelptm.models import ModelConfig, build_model
-from angelptm.models.gpt import Block, MoEBlock
+from angelptm.pretraining.models import ModelConfig, build_model
+from angelptm.pretraining.models.gpt import Block, MoEBlock
 from moe import MoEConfig
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -55,7 +55,7 @@ def test_a_script_that_configured_logging_decides(outputs):
     assert "step=" not in outputs["warning"] and "steps: 1 loss" not in outputs["warning"]
     info = outputs["info"]
     assert info.count("step=2, skipped=0") == 1 and info.count("steps: 2 loss") == 1  # its handler alone prints
-    assert "INFO:angelptm.engine:step=2" in info  # in the application's format, not ours
+    assert "INFO:angelptm.engine.engine:step=2" in info  # in the application's format, not ours
 
 
 def test_the_config_log_level_quiets_the_info_lines_as_deepspeeds_does(outputs):

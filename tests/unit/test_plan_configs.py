@@ -15,7 +15,7 @@ import torch
 
 import zero_cache
 from angelptm.config import load_config
-from angelptm.plan_report import PlanRequest, named_hardware, plan_report
+from angelptm.memory.plan_report import PlanRequest, named_hardware, plan_report
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))

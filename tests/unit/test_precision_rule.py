@@ -14,7 +14,7 @@ import torch
 import angelptm
 from angelptm.config import load_config
 from angelptm.config.precision import choose_dtype
-from angelptm.cpu_bf16 import CpuBf16, detect_cpu_bf16, measure_bf16_slowdown, read_cpu_flags
+from angelptm.engine.cpu_bf16 import CpuBf16, detect_cpu_bf16, measure_bf16_slowdown, read_cpu_flags
 
 NATIVE = CpuBf16(native=True, evidence="amx_bf16 in /proc/cpuinfo")
 EMULATED = CpuBf16(native=False, evidence="no avx512_bf16/amx_bf16 in /proc/cpuinfo")
@@ -92,14 +92,14 @@ def test_loader_applies_the_rule(monkeypatch):
 
 def test_initialize_logs_the_choice_and_warns_with_the_measured_slowdown(monkeypatch, caplog):
     monkeypatch.setenv("ANGELPTM_CPU_BF16", "0")
-    monkeypatch.setattr("angelptm.cpu_bf16.bf16_slowdown_once", lambda: 15.0)
+    monkeypatch.setattr("angelptm.engine.cpu_bf16.bf16_slowdown_once", lambda: 15.0)
     model = torch.nn.Linear(4, 4)
-    with caplog.at_level(logging.INFO, logger="angelptm.api"):
+    with caplog.at_level(logging.INFO, logger="angelptm.engine.builders"):
         engine, *_ = angelptm.initialize(model=model, config={**BASE, "bf16": {"enabled": "auto"}})
     assert engine.module.weight.dtype == torch.float32
     assert any("compute dtype float32" in r.message and "no bf16 units" in r.message for r in caplog.records)
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="angelptm.api"):
+    with caplog.at_level(logging.INFO, logger="angelptm.engine.builders"):
         engine, *_ = angelptm.initialize(model=torch.nn.Linear(4, 4), config={**BASE, "bf16": {"enabled": True}})
     assert engine.module.weight.dtype == torch.bfloat16
     warnings = [r.message for r in caplog.records if r.levelno == logging.WARNING]

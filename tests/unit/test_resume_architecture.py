@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import angelptm
-from angelptm.data import TokenWriter
 from angelptm.errors import CheckpointError
-from angelptm.models import ModelConfig, build_model
+from angelptm.pretraining.data import TokenWriter
+from angelptm.pretraining.models import ModelConfig, build_model
 from reference import train_on_seeded_tokens as train_steps
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +60,7 @@ def test_a_changed_architecture_is_refused_before_anything_loads(saved, changes,
 def test_load_module_only_takes_the_weights_into_a_model_with_other_heads(saved, caplog):
     root, weights = saved
     engine = engine_for(seed=1, num_heads=2)
-    with caplog.at_level(logging.WARNING, logger="angelptm.engine"):
+    with caplog.at_level(logging.WARNING, logger="angelptm.engine.engine"):
         engine.load_checkpoint(root, load_module_only=True)
     assert "num_heads: saved 4, now 2" in caplog.text
     state = engine.consolidated_state_dict()
@@ -106,16 +106,18 @@ def test_pretrain_refuses_to_resume_with_other_heads(tmp_path, capsys):
 
 
 def test_an_autopipe_resume_with_other_heads_is_refused_before_profiling(tmp_path):
-    from angelptm import checkpoint, pipeline
+    from angelptm.checkpoints import architecture
+    from angelptm.checkpoints import files as checkpoint
     from angelptm.config import load_config
-    from angelptm.distributed import DistContext
+    from angelptm.launch.distributed import DistContext
+    from angelptm.pretraining import pipeline_parallel as pipeline
     from autopipe.runtime import PipelineLayout
 
     ctx = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), group=None)
     saved = load_config({"train_batch_size": 2, "model": dict(BASE), "train": {"save_dir": str(tmp_path)}},
                         device_type="cpu")
     meta = {"format": "autopipe", "world_size": 1, "op_starts": [0], "step": 1,
-            "architecture": __import__("angelptm").architecture.gpt_record(saved.model)}
+            "architecture": architecture.gpt_record(saved.model)}
     checkpoint.save(tmp_path, "global_step1", ctx, shared={checkpoint.MODEL_FILE: meta}, per_rank={})
     layout = PipelineLayout(world_size=1, num_stages=1)
     assert pipeline.saved_split(saved, ctx, layout) == [0]

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from angelptm import schedulers as ours
 from angelptm.config import SchedulerConfig, load_config
+from angelptm.engine import schedulers as ours
 
 ds_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
 logging.getLogger("DeepSpeed").setLevel(logging.ERROR)  # "total_num_steps < warmup" / "before started" warnings

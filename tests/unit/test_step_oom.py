@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import angelptm
-from angelptm.oom import StepOutOfMemoryError
+from angelptm.memory.oom import StepOutOfMemoryError
 
 TORCH_TEXT = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.11 GiB"
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import angelptm
-from angelptm.models import ModelConfig, build_model
-from angelptm.trace_png import main as draw_png
+from angelptm.pretraining.models import ModelConfig, build_model
+from angelptm.telemetry.trace_png import main as draw_png
 from zero_cache.timeline import COMPUTE, D2H, H2D, HOST_ADAM, WAITS, Interval, covered, overlap_shares, union
 
 

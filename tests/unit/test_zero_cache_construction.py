@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import angelptm
-from angelptm.api import _place_module
-from angelptm.models import ModelConfig, build_model
+from angelptm.engine.builders import place_module
+from angelptm.pretraining.models import ModelConfig, build_model
 from reference import SEQ, VOCAB, ds_config, random_batches, train_steps
 from zero_cache.planner import DEVICE, HOST
 
@@ -57,7 +57,7 @@ def test_initialize_leaves_trainable_params_where_they_were_built():
     model = build_model(gpt_config())
     model.lm_head_bias = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
     model.register_buffer("steps_seen", torch.zeros(2))
-    _place_module(model, torch.device("meta"), torch.bfloat16, keep_trainable=True)
+    place_module(model, torch.device("meta"), torch.bfloat16, keep_trainable=True)
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert trainable and all(p.device.type == "cpu" and p.dtype == torch.bfloat16 for p in trainable)
     assert model.lm_head_bias.is_meta and model.steps_seen.is_meta

@@ -14,7 +14,7 @@ import torch
 
 import angelptm
 from reference import random_batches, train_steps
-from angelptm.models import ModelConfig, build_model
+from angelptm.pretraining.models import ModelConfig, build_model
 from reference import SEQ, VOCAB
 from test_zero_cache_streamed import CHUNK_NUMEL, assert_close_to, config, poison_one_weight, state_bytes
 from zero_cache.config import ZeroCacheConfig

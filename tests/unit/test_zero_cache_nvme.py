@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import angelptm
-from angelptm.monitor import format_tiers
+from angelptm.telemetry.monitor import format_tiers
 from reference import random_batches, reference_loop, train_steps
 from zero_cache.aio import NativeFileIO, ThreadFileIO, open_file_io
 from zero_cache.config import AioConfig
@@ -202,7 +202,7 @@ EXITING_JOB = """
 import sys
 sys.path[:0] = {paths!r}
 import angelptm
-from angelptm.monitor import format_tiers
+from angelptm.telemetry.monitor import format_tiers
 from reference import random_batches, train_steps
 from zero_cache_setup import budgets, six_layer_llama, zero_cache_config
 device_budget, host_budget = budgets(six_layer_llama(0))

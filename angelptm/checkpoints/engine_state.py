@@ -1,0 +1,313 @@
+"""The engine's checkpoints: save, load, consolidate and export its weights (a mixin of :class:`Engine`).
+
+Files and their atomic protocol are :mod:`angelptm.checkpoints.files`'s; this module decides what goes in
+them: the module's state (weights in the fp32 masters when ZeRO-Cache shards them), the optimizer and
+scheduler, the steps, every rank's RNG streams and data position, and expert-parallel slices.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from angelptm.checkpoints import architecture
+from angelptm.checkpoints import files as checkpoint
+from angelptm.engine.expert_parallel import ExpertParallel
+from angelptm.errors import CheckpointError
+
+logger = logging.getLogger("angelptm.engine.engine")
+
+
+class EngineCheckpoints:
+    """Checkpoint methods of :class:`~angelptm.engine.engine.Engine` (they use its module, optimizer and counters)."""
+
+    @property
+    def zero_cache_shards(self) -> int:
+        """Ranks over which ZeRO-Cache shards the optimizer states (1: not sharded)."""
+        sharding = getattr(self.optimizer, "sharding", None)
+        return sharding.world_size if sharding is not None else 1
+
+    def _named_master_weights(self) -> dict[str, torch.Tensor]:
+        if self.optimizer is None:
+            return {name: p.detach().float().cpu().clone() for name, p in self.module.named_parameters()}
+        masters = self.optimizer.master_state_dict()
+        if self.zero_cache_shards > 1:  # each rank holds its chunks' masters: a collective gathers them all
+            parts: list[Any] = [None] * self.world_size
+            torch.distributed.all_gather_object(parts, masters, group=self.ctx.group)
+            masters = {name: tensor for part in parts for name, tensor in part.items()}
+        return masters
+
+    def _param_aliases(self) -> dict[str, str]:
+        """state_dict key -> the named_parameters name of the same tensor (tied weights)."""
+        canonical = {id(p): name for name, p in self.module.named_parameters()}
+        return {key: canonical[id(t)] for key, t in self.module.state_dict(keep_vars=True).items()
+                if id(t) in canonical}
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full module state dict with fp32 weights on CPU, loadable into the plain model.
+
+        With sharded ZeRO-Cache states every rank must call it (the masters are gathered)."""
+        self._refuse_spread_experts()
+        masters = self._named_master_weights()  # first: it waits for weights still landing from the last step
+        self._sync_params()
+        return checkpoint.consolidate(self.module.state_dict(), masters, self._param_aliases())
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> Path:
+        """Save model, optimizer, scheduler, loss scaler, RNG and data position atomically.
+
+        Saving between accumulation boundaries drops the partial gradient sum (as DeepSpeed does);
+        that is logged, since the resumed step then sums fewer micro-batches.
+
+        Returns:
+            The checkpoint directory ``save_dir/tag``.
+        """
+        tag = tag or f"global_step{self.global_steps}"
+        if self.micro_steps % self.gradient_accumulation_steps() and self.ctx.is_main:
+            logger.warning("saving in the middle of gradient accumulation (micro-step %d of %d): the partial "
+                           "gradients are not saved", self.micro_steps % self.gradient_accumulation_steps(),
+                           self.gradient_accumulation_steps())
+
+        experts = self.experts
+        shards = self.zero_cache_shards
+        self._sync_params()  # rank 0 writes the module: its non-owned chunks come from their owners first
+
+        def shared() -> dict[str, Any]:
+            if self.optimizer is not None:
+                self.optimizer.finish_pending()  # weights may still be landing from a background update
+            module_state = self.module.state_dict()
+            aliases = self._param_aliases()
+            held = self._sharded_weight_keys(aliases)
+            module_state = {k: v for k, v in module_state.items() if k not in held}  # they are in the masters
+            if exclude_frozen_parameters:
+                frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
+                module_state = {k: v for k, v in module_state.items() if k not in frozen}
+            model_states = {
+                "format_version": checkpoint.FORMAT_VERSION, "module": module_state,
+                "param_aliases": aliases, "weights_in_masters": bool(held),
+                "global_steps": self.global_steps,
+                "global_samples": self.global_samples, "micro_steps": self.micro_steps,
+                "skipped_steps": self.skipped_steps, "world_size": self.world_size,
+                "ep_size": experts.ep_size if experts is not None else 1, "zero_cache_shards": shards,
+                "expert_state_keys": sorted(self._expert_state_names(experts)) if experts is not None else [],
+                "dtype": str(self.compute_dtype), "client_state": dict(client_state or {}),
+                # The architecture as JSON text, for `python -m angelptm.checkpoints.export --hf` (None: not a
+                # known kind).
+                "architecture": architecture.describe(self.module),
+            }
+            files = {checkpoint.MODEL_FILE: model_states}
+            if self.optimizer is not None:
+                files[checkpoint.OPTIM_FILE] = {
+                    "optimizer": self.optimizer.state_dict(),
+                    "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+                }
+            return files
+
+        per_rank = {"rng": checkpoint.capture_rng_state(),
+                    "data": self.training_dataloader.state_dict() if self.training_dataloader else None}
+        if shards > 1 and self.ctx.rank > 0:  # rank 0's shard is in the optimizer file
+            per_rank[checkpoint.ZERO_CACHE_SHARD] = self.optimizer.state_dict()
+        if experts is not None and 0 < self.ctx.rank < experts.ep_size:
+            # The shared files hold rank 0's experts; ranks 1..W-1 of the first expert-parallel group
+            # hold the other slices, so they write theirs (every expert-data-parallel replica equals one).
+            expert_names = self._expert_state_names(experts)
+            per_rank["experts"] = {"module": {k: v for k, v in self.module.state_dict().items() if k in expert_names},
+                                   "optimizer": self.optimizer.expert_state_dict() if self.optimizer is not None
+                                   else None}
+        return checkpoint.save(save_dir, tag, self.ctx, shared=shared, per_rank=per_rank, save_latest=save_latest)
+
+    def _expert_state_names(self, experts: ExpertParallel) -> set[str]:
+        ids = {id(t) for t in self.module.parameters() if id(t) in experts.expert_ids}
+        return {k for k, t in self.module.state_dict(keep_vars=True).items() if id(t) in ids}
+
+    def _load_expert_slice(self, path: Path, *, load_optimizer_states: bool, module_only: bool,
+                           allow_unsafe_pickle: bool = False) -> None:
+        """Ranks of expert-parallel index p > 0 replace rank 0's experts with slice p's, saved by global rank p."""
+        experts = self.experts
+        if experts is None or experts.ep_rank == 0:
+            return
+        source = path / checkpoint.rank_file(experts.ep_rank)
+        saved = checkpoint.load_file(source, allow_unsafe_pickle=allow_unsafe_pickle).get("experts") \
+            if source.is_file() else None
+        if saved is None:
+            raise CheckpointError(f"{source} lacks the experts of expert-parallel index {experts.ep_rank}: the "
+                                  f"checkpoint was not saved with moe.ep_size={experts.ep_size}")
+        self.module.load_state_dict(saved["module"], strict=False)
+        if self.optimizer is None:
+            return
+        if module_only or saved["optimizer"] is None:
+            self.optimizer.refresh_masters_from_params()  # they were refreshed from rank 0's experts
+        else:
+            self.optimizer.load_expert_state_dict(saved["optimizer"], load_optimizer_states=load_optimizer_states)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None, *,
+                        allow_unsafe_pickle: bool = False) -> tuple[str | None, dict | None]:
+        """Restore a checkpoint written by :meth:`save_checkpoint`, after verifying it against its manifest.
+
+        Without ``tag``, a ``latest`` checkpoint that fails verification is skipped (with a warning naming
+        the damaged file) for the newest older one that passes; an explicit ``tag`` must pass.
+
+        Args:
+            allow_unsafe_pickle: load files that hold more than tensors and plain values (a checkpoint of
+                the previous format) by full unpickling, which can run code: only for trusted checkpoints.
+
+        Returns:
+            ``(path, client_state)``, or ``(None, None)`` when ``load_dir`` holds no checkpoint.
+
+        Raises:
+            CheckpointError: the checkpoint does not verify, or holds unsafe objects without the opt-in.
+        """
+        path = checkpoint.resolve(load_dir, tag, self.ctx)  # verified; without a tag, the newest that verifies
+        if path is None:
+            logger.warning("no checkpoint to load in %s (no 'latest' file)", load_dir)
+            return None, None
+        if custom_load_fn is not None:
+            raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported")
+        unsafe = allow_unsafe_pickle
+        model_states = checkpoint.load_file(path / checkpoint.MODEL_FILE, allow_unsafe_pickle=unsafe)
+        saved_ep, ep_size = model_states.get("ep_size", 1), self.experts.ep_size if self.experts else 1
+        if saved_ep != ep_size:
+            raise CheckpointError(f"{path} was saved with moe.ep_size={saved_ep} and this run has {ep_size}: its experts "
+                                  "are split differently. Resume with the same ep_size, or export it with `python -m "
+                                  "angelptm.checkpoints.export` and load the weights into the model built with "
+                                  "ep_size 1")
+        self._check_architecture(path, model_states.get("architecture"), load_module_only=load_module_only)
+        has_optimizer_file = (path / checkpoint.OPTIM_FILE).is_file()
+        module_weights = self._load_module_state(path, model_states, strict=load_module_strict,
+                                                 has_optimizer_file=has_optimizer_file)
+        optim_states = None
+        if self.optimizer is not None and has_optimizer_file:
+            optim_states = checkpoint.load_file(path / checkpoint.OPTIM_FILE, allow_unsafe_pickle=unsafe)
+            shards = model_states.get("zero_cache_shards", 1)
+            if shards > 1:  # any world size loads it: each rank takes the names it owns now
+                checkpoint.merge_zero_cache_shards(path, optim_states["optimizer"], shards, allow_unsafe_pickle=unsafe)
+            # fp32 masters are the exact weights; the module's copy is rounded to the compute dtype.
+            self.optimizer.load_state_dict(optim_states["optimizer"],
+                                           load_optimizer_states=load_optimizer_states and not load_module_only)
+        elif self.optimizer is not None and module_weights:  # sharded params: the shards take them from the masters
+            self.optimizer.load_master_state_dict(module_weights)
+        elif self.optimizer is not None:
+            self.optimizer.refresh_masters_from_params()
+        self._load_expert_slice(path, load_optimizer_states=load_optimizer_states and not load_module_only,
+                                module_only=optim_states is None, allow_unsafe_pickle=unsafe)
+        if load_module_only:
+            return str(path), model_states["client_state"]
+        if load_lr_scheduler_states and self.lr_scheduler is not None and optim_states is not None:
+            self.lr_scheduler.load_state_dict(optim_states["lr_scheduler"])
+        for name in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
+            setattr(self, name, model_states[name])
+        self._restore_rank_state(path, model_states["world_size"], allow_unsafe_pickle=unsafe)
+        return str(path), model_states["client_state"]
+
+    def _check_architecture(self, path: Path, saved: dict | None, *, load_module_only: bool) -> None:
+        """Refuse to resume a checkpoint into a model whose recorded architecture differs, before loading anything.
+
+        A changed ``num_heads`` loads without a size mismatch and computes other logits; a changed size dies in
+        torch's traceback. With ``load_module_only`` (take the weights into a new model on purpose) it is a warning,
+        and the weights' shapes must still match.
+        """
+        changed = architecture.differences(saved, architecture.describe(self.module))
+        if not changed:
+            return
+        keys = "; ".join(changed)
+        if load_module_only:
+            logger.warning("%s was saved from another architecture (%s); loading its weights only, as asked", path,
+                           keys)
+            return
+        raise CheckpointError(
+            f"{path} was saved from another model architecture: {keys}. Resuming would load its weights and "
+            "optimizer states into a different model. Either set the model back to the recorded values, start a "
+            "new run in another directory (pretrain.py --save-dir NEW_DIR; --no-resume alone refuses a directory "
+            "that holds a run), or take only its weights with load_checkpoint(..., load_module_only=True) where "
+            "their shapes still match")
+
+    def _sharded_weight_keys(self, aliases: dict[str, str]) -> set[str]:
+        """State-dict keys of the weights this run keeps only as ZeRO-Cache shards (none when params are replicated)."""
+        if not getattr(self.optimizer, "params_sharded", False):
+            return set()
+        held = set(self.optimizer.names)
+        return {key for key, name in aliases.items() if name in held}
+
+    def _load_module_state(self, path: Path, model_states: dict, *, strict: bool,
+                           has_optimizer_file: bool) -> dict[str, torch.Tensor]:
+        """Load the module's state, except weights this run holds sharded, or a sharded run saved in its masters.
+
+        Returns:
+            The saved weights of the sharded params by parameter name (fp32), for the masters when there
+            are no optimizer states to take them from; otherwise empty.
+        """
+        state = model_states["module"]
+        aliases = self._param_aliases()
+        held, in_masters = self._sharded_weight_keys(aliases), model_states.get("weights_in_masters", False)
+        if not held and not in_masters:
+            try:
+                self.module.load_state_dict(state, strict=strict)
+            except RuntimeError as err:  # torch lists every mismatch in a multi-line traceback
+                if not any(kind in str(err) for kind in ("size mismatch", "Missing key", "Unexpected key")):
+                    raise
+                raise CheckpointError(f"{path}: the saved weights do not fit this model: "
+                                      + " ".join(str(err).split())[:600]) from None
+            return {}
+        if in_masters and (self.optimizer is None or not has_optimizer_file):
+            raise CheckpointError(f"{path} was saved with ZeRO-Cache's params sharded: its weights are the fp32 masters "
+                                  f"in {checkpoint.OPTIM_FILE}, which this load cannot use (it is missing, or the "
+                                  "engine has no optimizer). Export it with `python -m angelptm.checkpoints.export` "
+                                  "and load the weights into the model instead")
+        weights = {aliases[key]: tensor.float() for key, tensor in state.items() if key in held}
+        result = self.module.load_state_dict({k: v for k, v in state.items() if k not in held}, strict=False)
+        saved_weights = set(model_states["param_aliases"]) if in_masters else set()
+        missing = set(result.missing_keys) - held - saved_weights
+        if strict and (missing or result.unexpected_keys):
+            raise CheckpointError(f"{path}: the module state does not match the model: missing {sorted(missing)[:5]}, "
+                                  f"unexpected {sorted(result.unexpected_keys)[:5]}")
+        return weights
+
+    def _restore_rank_state(self, path: Path, saved_world_size: int, *, allow_unsafe_pickle: bool = False) -> None:
+        rank_path = path / checkpoint.rank_file(self.ctx.rank)
+        if saved_world_size != self.world_size or not rank_path.is_file():
+            # Per-rank RNG streams cannot carry over to another world size; the data position can,
+            # as a count of samples consumed by all ranks together.
+            logger.warning("checkpoint was saved with %d ranks, now %d: RNG streams start fresh, data resumes "
+                           "after %d samples", saved_world_size, self.world_size, self.global_samples)
+            if self.training_dataloader is not None:
+                self.training_dataloader.seek(self.global_samples)
+            return
+        per_rank = checkpoint.load_file(rank_path, allow_unsafe_pickle=allow_unsafe_pickle)
+        checkpoint.restore_rng_state(per_rank["rng"])
+        if self.training_dataloader is not None and per_rank["data"] is not None:
+            self.training_dataloader.load_state_dict(per_rank["data"])
+
+    def save_fp32_model(self, path: str) -> None:
+        """Write the consolidated fp32 weights to one safetensors file (rank 0; every rank calls it)."""
+        from safetensors.torch import save_file
+
+        state = self._state_dict_for_writer()
+        if state is not None:
+            save_file(state, path)
+        self.ctx.barrier()
+
+    def _refuse_spread_experts(self) -> None:
+        if self.experts is not None:
+            raise NotImplementedError("consolidating a model whose experts are spread over ranks (moe.ep_size > 1) "
+                                      "needs every rank's experts: save a checkpoint and export it offline with "
+                                      "`python -m angelptm.checkpoints.export`")
+
+    def _state_dict_for_writer(self) -> dict[str, torch.Tensor] | None:
+        """:meth:`consolidated_state_dict` on rank 0, None elsewhere (every rank calls it: sharded masters are
+        gathered by all; a model that cannot be consolidated is refused on every rank, before any collective)."""
+        self._refuse_spread_experts()
+        if not (self.ctx.is_main or self.zero_cache_shards > 1):
+            return None
+        state = self.consolidated_state_dict()
+        return state if self.ctx.is_main else None
+
+    def _sync_params(self) -> None:
+        """Bring every rank's param chunks up to date (sharded ZeRO-Cache; a collective)."""
+        if self.zero_cache_shards > 1:
+            self.optimizer.sync_params()
+

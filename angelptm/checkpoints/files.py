@@ -1,0 +1,463 @@
+"""Atomic, resumable checkpoints in DeepSpeed's directory layout (``save_dir/tag/`` + ``save_dir/latest``).
+
+Writing protocol (rank 0 coordinates, every rank writes its own RNG/data-position file):
+
+1. write every file into ``save_dir/.tmp-<tag>/`` and fsync each one, hashing it on the way out; rank 0
+   gathers every rank's file records and writes ``manifest.json`` (``angelptm.checkpoints.manifest``).
+   Ranks given different ``save_dir``s each write into their own: there the lowest such rank creates the
+   temporary directory and does steps 1-3 for the files written into it;
+2. rename the temporary directory to ``save_dir/<tag>`` (an existing tag is first moved aside
+   to ``.old-<tag>`` and removed only after the new one is in place);
+3. fsync ``save_dir``, then replace ``latest`` atomically (write, fsync, ``os.replace``).
+
+A crash at any point leaves ``latest`` naming a complete checkpoint: before step 2 the new files
+sit in a temporary directory that the next save removes; between the two renames of step 2 the
+loader falls back to ``.old-<tag>``.
+
+Loading verifies the manifest first (sizes and checksums, the files shared out over the ranks). An
+explicit tag that fails is a :class:`CheckpointError` naming the file; following ``latest`` falls back to
+the newest older checkpoint that verifies, with a warning naming the damaged one. Files are read
+without running code from them (``angelptm.checkpoints.safe_pickle``).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed  # noqa: F401  (all_gather of the save outcome)
+
+from angelptm.checkpoints import manifest
+from angelptm.checkpoints import safe_pickle as checkpoint_pickle
+from angelptm.errors import CheckpointError, DiskFullError
+from angelptm.launch.distributed import DistContext
+from zero_cache.units import format_bytes
+
+logger = logging.getLogger(__name__)
+
+LATEST = "latest"
+MODEL_FILE = "model_states.pt"
+OPTIM_FILE = "optim_states.pt"
+FORMAT_VERSION = 2
+"""2: a manifest, and nothing that needs unsafe unpickling (1: numpy RNG state as a pickled array)."""
+
+
+def rank_file(rank: int) -> str:
+    """Name of the per-rank file (RNG state and data position)."""
+    return f"rank_{rank:05d}_states.pt"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_durably(obj: Any, path: Path) -> manifest.FileRecord:
+    """``torch.save`` then fsync, so a completed save survives a power cut; returns its manifest record.
+
+    Raises:
+        CheckpointError: ``obj`` holds objects that loading could only rebuild by running code.
+    """
+    record = manifest.write_hashed(obj, path)
+    checkpoint_pickle.refuse_unsafe_objects(path)
+    return record
+
+
+def _write_latest(save_dir: Path, tag: str) -> None:
+    tmp = save_dir / f".{LATEST}.tmp"
+    with open(tmp, "w") as handle:
+        handle.write(tag)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, save_dir / LATEST)
+    _fsync_dir(save_dir)
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Delete what crashed saves left: temporary directories, and old copies whose replacement landed."""
+    for path in root.iterdir():
+        stale_tmp = path.name.startswith(".tmp-")
+        replaced_old = path.name.startswith(".old-") and (root / path.name.removeprefix(".old-")).is_dir()
+        if path.is_dir() and (stale_tmp or replaced_old):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def save(save_dir: str | os.PathLike, tag: str, ctx: DistContext, *, shared: dict[str, Any] | Callable[[], dict],
+         per_rank: Any, save_latest: bool = True) -> Path:
+    """Write one checkpoint atomically.
+
+    Args:
+        save_dir: the checkpoint root (shared by the ranks, or different ones: see the module docstring).
+        tag: sub-directory name, e.g. ``global_step100``.
+        ctx: this rank's place in the world.
+        shared: file name -> object, written by rank 0 only (a callable is evaluated there only).
+        per_rank: this rank's object, written by every rank.
+        save_latest: point ``latest`` at this tag.
+
+    Returns:
+        The final checkpoint directory.
+    """
+    if not tag or "/" in tag or tag.startswith("."):
+        raise CheckpointError(f"checkpoint tag {tag!r} must be a plain, non-hidden directory name")
+    root = Path(save_dir)
+    tmp, final, old = root / f".tmp-{tag}", root / tag, root / f".old-{tag}"
+    # Ranks may name different directories (HelloDeepSpeed's per-rank timestamps): the lowest rank writing
+    # into a directory prepares and publishes it, with the files its ranks wrote, as DeepSpeed has each rank
+    # create what it writes.
+    sharing = _ranks_sharing_directory(ctx, root)
+    error: BaseException | None = None
+    if sharing[0] == ctx.rank:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            _remove_leftovers(root)
+            tmp.mkdir()
+        except OSError as err:
+            error = CheckpointError(f"cannot create checkpoint directory {tmp}: {err}")
+    failed = failed_ranks(ctx, error is None)  # doubles as the barrier before writing
+    if failed:
+        raise error or CheckpointError(f"rank(s) {failed} could not create their checkpoint directories; the "
+                                       "previous checkpoint is untouched")
+    records: list[manifest.FileRecord] = []
+    files: dict[str, Any] | None = None
+    try:
+        if ctx.is_main:
+            files = shared() if callable(shared) else shared
+            for name, obj in files.items():
+                records.append(write_file_durably(obj, tmp / name))
+        records.append(write_file_durably(per_rank, tmp / rank_file(ctx.rank)))
+    except Exception as err:  # every rank must learn of it, or the others wait at the next barrier
+        error = err
+    every_rank = _gather_records(ctx, None if error is not None else records)
+    if any(part is None for part in every_rank):
+        if sharing[0] == ctx.rank:  # every rank has stopped writing (the gather): the partials must not fill the disk
+            shutil.rmtree(tmp, ignore_errors=True)
+        if error is not None:
+            raise _explained(error, root, tag, payload=(files, per_rank) if ctx.is_main else None)
+        raise CheckpointError(f"another rank failed while writing checkpoint {final}; the previous checkpoint "
+                              "is untouched")
+    error = None
+    if sharing[0] == ctx.rank:
+        try:
+            _finalize(root, tmp, final, old, tag if save_latest else None,
+                      [record for rank in sharing for record in every_rank[rank]])
+        except Exception as err:  # the other ranks wait below: tell them, or they would hang there
+            error = err
+            shutil.rmtree(tmp, ignore_errors=True)  # not renamed in: the partial must not fill the disk
+            (root / f".{LATEST}.tmp").unlink(missing_ok=True)
+    failed = failed_ranks(ctx, error is None)  # only the ranks publishing a directory can have failed here
+    if failed:
+        if error is not None:
+            raise _explained(error, root, tag, payload=None)
+        raise CheckpointError(f"rank(s) {failed} failed to finish checkpoint {tag} (their logs say why); the previous "
+                              "checkpoint is untouched")
+    return final
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+"""``errno`` values of a full disk (out of space, or out of this user's quota)."""
+
+
+def _explained(error: BaseException, root: Path, tag: str, payload: Any) -> BaseException:
+    """A full disk as one line (room needed, room free, what is kept, the fix); any other error as it is."""
+    if not isinstance(error, OSError) or error.errno not in DISK_FULL:
+        return error
+    previous = _latest_complete(root)
+    if previous is not None:
+        need = f"the last one, {previous.name}, takes {format_bytes(_dir_bytes(previous))}"
+        kept = f"{previous.name} is kept and stays `latest`"
+    else:
+        tensor_bytes = _tensor_bytes(payload)
+        need = (f"this one holds {format_bytes(tensor_bytes)} of tensors" if tensor_bytes
+                else "about the size of the model's weights and optimizer states")
+        kept = "there was no earlier checkpoint"
+    try:
+        free = format_bytes(shutil.disk_usage(root).free)
+    except OSError:
+        free = "unknown"
+    message = (f"no space left on the disk of {root} while writing {error.filename or 'checkpoint ' + tag} "
+               f"({os.strerror(error.errno)}): a checkpoint needs room for all its files ({need}); {free} is free "
+               f"there now. The partial .tmp-{tag} was removed and {kept}. Free space under {root}, point the "
+               f"checkpoints at a larger disk, or keep fewer of them (pretrain.py: train.keep_last)")
+    exc = DiskFullError(message, error.errno, error.filename)
+    exc.__cause__ = error
+    return exc
+
+
+def _latest_complete(root: Path) -> Path | None:
+    try:
+        tag = (root / LATEST).read_text().strip()
+    except OSError:
+        return None
+    return root / tag if tag and (root / tag).is_dir() else None
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(item.stat().st_size for item in path.rglob("*") if item.is_file())
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors inside nested dicts, lists and tuples."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(value) for value in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(value) for value in obj)
+    return 0
+
+
+def _ranks_sharing_directory(ctx: DistContext, root: Path) -> list[int]:
+    """The ranks (ascending) whose checkpoint root is this rank's (a collective with several ranks)."""
+    if ctx.group is None:
+        return [ctx.rank]
+    roots: list[Any] = [None] * ctx.world_size
+    torch.distributed.all_gather_object(roots, os.path.realpath(root), group=ctx.group)  # one name per directory
+    if ctx.is_main and len(set(roots)) > 1:
+        logger.info("the ranks save checkpoint files into %d directories; each holds what its ranks wrote, with "
+                    "its own manifest and latest (load from a directory that holds every rank's files)",
+                    len(set(roots)))
+    return [rank for rank, other in enumerate(roots) if other == roots[ctx.rank]]
+
+
+def _finalize(root: Path, tmp: Path, final: Path, old: Path, latest_tag: str | None,
+              records: list[manifest.FileRecord]) -> None:
+    """Rank 0, once every file is written: the manifest, the renames, and ``latest``."""
+    manifest.write_manifest(tmp, records)
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    shutil.rmtree(old, ignore_errors=True)
+    if latest_tag is not None:
+        _write_latest(root, latest_tag)
+    logger.info("saved checkpoint %s", final)
+
+
+def failed_ranks(ctx: DistContext, ok: bool) -> list[int]:
+    """The ranks whose part of a save or load failed, on every rank (a collective; doubles as a barrier), so that
+    all of them stop together instead of some waiting in the next collective for the others."""
+    if ctx.group is None:
+        return [] if ok else [ctx.rank]
+    outcomes: list[Any] = [None] * ctx.world_size
+    torch.distributed.all_gather_object(outcomes, ok, group=ctx.group)
+    return [rank for rank, fine in enumerate(outcomes) if not fine]
+
+
+def _gather_records(ctx: DistContext, records: list[manifest.FileRecord] | None
+                    ) -> list[list[manifest.FileRecord] | None]:
+    """Every rank's file records (None for a rank that failed); doubles as the barrier before the rename."""
+    if ctx.group is None:
+        return [records]
+    parts: list[Any] = [None] * ctx.world_size
+    torch.distributed.all_gather_object(parts, records, group=ctx.group)
+    return parts
+
+
+def resolve(load_dir: str | os.PathLike, tag: str | None, ctx: DistContext | None = None) -> Path | None:
+    """The directory of a checkpoint that verifies against its manifest, or None when there is no checkpoint.
+
+    Args:
+        load_dir: the checkpoint root.
+        tag: an explicit tag, which must verify; None follows ``latest`` and falls back, newest first,
+            to the older checkpoints in ``load_dir`` when it does not.
+        ctx: with several ranks, each checks a share of the files and all agree on the outcome (every
+            rank must call it); None checks every file here.
+
+    Raises:
+        CheckpointError: the explicit tag, or every candidate, fails; the message names the damaged files.
+    """
+    root = Path(load_dir)
+    if tag is not None:
+        path = _tag_dir(root, tag)
+        problem = _verify(path, ctx)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {path} does not verify: {problem}")
+        return path
+    latest = root / LATEST
+    if not latest.is_file():
+        return None
+    problems = []
+    for path in _candidates(root, latest.read_text().strip()):
+        problem = _verify(path, ctx)
+        if problem is None:
+            return path
+        problems.append(problem)
+        logger.warning("checkpoint %s does not verify (%s); trying the newest one before it", path, problem)
+    raise CheckpointError(f"no checkpoint in {root} verifies: {'; '.join(problems)}. Move the damaged ones out of "
+                          "the directory to inspect them, or start over with another save directory")
+
+
+def _tag_dir(root: Path, tag: str) -> Path:
+    path = root / tag
+    if not path.is_dir() and (root / f".old-{tag}").is_dir():
+        logger.warning("checkpoint %s was being replaced when a save was interrupted; loading the previous copy", path)
+        path = root / f".old-{tag}"
+    return path
+
+
+def _saved_at(path: Path) -> float:
+    """When a checkpoint was saved: its manifest's time, else its directory's modification time."""
+    try:
+        return float(manifest.read_manifest(path)["saved_at_unix"])
+    except Exception:  # no manifest (an older checkpoint) or a damaged one: the directory still orders it
+        return path.stat().st_mtime
+
+
+def _candidates(root: Path, latest_tag: str) -> list[Path]:
+    """The checkpoint ``latest`` names, then every checkpoint saved before it, newest first.
+
+    Newer ones are left out: they never became ``latest`` (``save_latest=False``, or a crash between the
+    rename and the pointer update), so resuming from them would skip what the user chose.
+    """
+    named = _tag_dir(root, latest_tag)
+    limit = _saved_at(named) if named.is_dir() else float("inf")
+    others = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and p != named
+              and ((p / MODEL_FILE).is_file() or (p / manifest.MANIFEST_FILE).is_file())]
+    older = sorted(((t, p) for p in others if (t := _saved_at(p)) <= limit), key=lambda item: item[0], reverse=True)
+    return [named] + [p for _, p in older]
+
+
+def _verify(path: Path, ctx: DistContext | None) -> str | None:
+    """None when the checkpoint at ``path`` is complete and every file matches the manifest, else why not."""
+    if not path.is_dir():
+        return f"{path} does not exist"
+    try:
+        saved = manifest.read_manifest(path)
+    except CheckpointError as err:
+        return str(err)
+    if saved is None:
+        return _check_unverifiable(path)
+    if MODEL_FILE not in saved["files"]:
+        return f"{path} is not a complete checkpoint (its manifest lists no {MODEL_FILE})"
+    rank, world_size = (ctx.rank, ctx.world_size) if ctx is not None and ctx.group is not None else (0, 1)
+    problems = [p for name in manifest.share_of_files(saved, rank, world_size)
+                if (p := manifest.verify_file(path, name, saved["files"][name])) is not None]
+    if world_size > 1:  # every rank must reach the same verdict, or they would load different checkpoints
+        parts: list[Any] = [None] * world_size
+        torch.distributed.all_gather_object(parts, problems, group=ctx.group)
+        problems = [p for part in parts for p in part]
+    return "; ".join(problems) or None
+
+
+def _check_unverifiable(path: Path) -> str | None:
+    """A checkpoint without a manifest: acceptable (with a warning) only if it predates manifests (format 1).
+
+    Every checkpoint of format 2 or later was written with its manifest, so one without it lost files on
+    the way (a partial copy): it is damaged, whatever else is left of it.
+    """
+    if not (path / MODEL_FILE).is_file():
+        return f"{path} is not a complete checkpoint (no {MODEL_FILE})"
+    try:
+        version = checkpoint_pickle.load(path / MODEL_FILE).get("format_version", 1)
+    except CheckpointError as err:
+        if "opt in with" not in str(err):  # unreadable, not merely of the old, pickled format
+            return str(err)
+        version = 1
+    if version >= 2:
+        return (f"{path / manifest.MANIFEST_FILE} is missing, although {path / MODEL_FILE} is of format {version}, "
+                "which is always saved with one: files were lost (a partial copy?)")
+    logger.warning("%s has no %s (saved before manifests existed): its files cannot be verified",
+                   path, manifest.MANIFEST_FILE)
+    return None
+
+
+def load_file(path: Path, *, allow_unsafe_pickle: bool = False) -> Any:
+    """Read one checkpoint file onto the CPU, without running code from it (see ``angelptm.checkpoints.safe_pickle``).
+
+    Args:
+        path: the file.
+        allow_unsafe_pickle: fully unpickle a file that holds more than the safe types (a checkpoint of
+            the previous format), after a warning; only for files whose origin you trust.
+    """
+    return checkpoint_pickle.load(path, allow_unsafe_pickle=allow_unsafe_pickle)
+
+
+ZERO_CACHE_SHARD = "zero_cache_shard"
+"""Key of a per-rank file's optimizer shard (ranks 1..W-1 of a sharded ZeRO-Cache run; rank 0's is in the
+optimizer file)."""
+
+
+def merge_zero_cache_shards(path: Path, optimizer_state: dict[str, Any], num_shards: int, *,
+                            allow_unsafe_pickle: bool = False) -> dict[str, Any]:
+    """The whole optimizer state of a checkpoint saved by ``num_shards`` ZeRO-Cache ranks.
+
+    Every state is keyed by parameter name, so merging the per-rank name tables is all a
+    resharding load needs: a run at any world size then takes the names it owns.
+
+    Args:
+        path: the checkpoint directory.
+        optimizer_state: rank 0's (``optim_states.pt``'s ``"optimizer"`` entry), extended in place.
+        num_shards: the world size it was saved at.
+        allow_unsafe_pickle: see :func:`load_file`.
+
+    Returns:
+        ``optimizer_state`` with every rank's masters, exp_avg and exp_avg_sq.
+    """
+    for rank in range(1, num_shards):
+        source = path / rank_file(rank)
+        shard = load_file(source, allow_unsafe_pickle=allow_unsafe_pickle).get(ZERO_CACHE_SHARD) \
+            if source.is_file() else None
+        if shard is None:
+            raise CheckpointError(f"{source} is missing or lacks rank {rank}'s ZeRO-Cache shard: the checkpoint "
+                                  f"was saved by {num_shards} ranks and needs every rank's file")
+        optimizer_state["masters"].update(shard["masters"])
+        for field in ("exp_avg", "exp_avg_sq"):
+            optimizer_state["optimizer"][field].update(shard["optimizer"][field])
+    return optimizer_state
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Every random generator a training step can touch."""
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    # numpy's key array as a tensor: a numpy array would need unsafe unpickling to load.
+    numpy_state = (kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached_gaussian)
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Undo :func:`capture_rng_state`'s snapshot."""
+    random.setstate(state["python"])
+    kind, keys, *rest = state["numpy"]  # keys: a tensor, or an array in a format-1 checkpoint
+    keys = keys.numpy() if isinstance(keys, torch.Tensor) else keys
+    np.random.set_state((kind, keys.astype(np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def consolidate(module_state: dict[str, torch.Tensor], masters: dict[str, torch.Tensor],
+                aliases: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The module state dict with each weight replaced by its fp32 master.
+
+    Args:
+        module_state: the module's state dict (compute dtype; without the weights when they were sharded).
+        masters: fp32 master weights by ``named_parameters`` name.
+        aliases: state-dict key -> ``named_parameters`` name (tied weights share one name).
+
+    Returns:
+        fp32 tensors on CPU under every state-dict key, each its own storage (safetensors refuses
+        shared storage, which tied weights would otherwise have).
+    """
+    state = {}
+    for key in dict.fromkeys([*module_state, *aliases]):  # a module saved with sharded params has no weights
+        name = aliases.get(key, key)
+        if name not in masters and key not in module_state:
+            continue  # a frozen parameter left out of the checkpoint (exclude_frozen_parameters)
+        value = (masters[name] if name in masters else module_state[key]).detach().cpu()
+        state[key] = (value.float() if value.is_floating_point() else value).contiguous().clone()
+    return state

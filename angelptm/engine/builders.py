@@ -1,0 +1,199 @@
+"""The steps of ``initialize()`` that both engines take: :func:`angelptm.initialize` and the pipeline engine's
+:func:`angelptm.pipe.engine.initialize_pipeline` (choose the config, report it, place the module, build the
+optimizer and the LR scheduler). Both import them from here, so neither imports the other's internals."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+import zero_cache
+
+from angelptm.config import EngineConfig
+from angelptm.engine.cpu_bf16 import slow_bf16_warning
+from angelptm.engine.expert_parallel import ExpertParallel
+from angelptm.engine.loss_scaler import LossScaler
+from angelptm.engine.mixed_precision import MixedPrecisionOptimizer
+from angelptm.engine.schedulers import build_scheduler
+from angelptm.errors import ConfigError
+from angelptm.launch.distributed import DistContext
+from angelptm.launch.log_output import set_log_level
+
+logger = logging.getLogger(__name__)
+
+
+def pick_config(args: Any, config: Any, config_params: Any) -> Any:
+    """The one config ``initialize()`` was given: ``config=``, ``config_params=`` or the script's
+    ``args.deepspeed_config`` (``args.deepscale_config``, DeepSpeed's deprecated alias, is moved onto it with a
+    warning, as ``deepspeed.initialize`` does).
+
+    Raises:
+        ConfigError: more than one was given.
+    """
+    if config is not None and config_params is not None:
+        raise ConfigError("pass config= or config_params=, not both")
+    config = config if config is not None else config_params
+    if args is not None and getattr(args, "deepscale_config", None) is not None:
+        logger.warning("--deepscale_config is deprecated, use --deepspeed_config")
+        if getattr(args, "deepspeed_config", None) is not None:
+            raise ConfigError("both --deepscale_config (its deprecated alias) and --deepspeed_config were given; "
+                              "pass --deepspeed_config only")
+        args.deepspeed_config, args.deepscale_config = args.deepscale_config, None
+    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    if config is not None and from_args is not None:
+        raise ConfigError("a config was given both as config= and as args.deepspeed_config; pass one")
+    return config if config is not None else from_args
+
+
+def report_config(cfg: EngineConfig, ctx: DistContext) -> None:
+    """Apply the config's ``log_level``; on rank 0, log the compute dtype and the keys that have no effect."""
+    if cfg.monitor.log_level is not None:
+        set_log_level(cfg.monitor.log_level)
+    if not ctx.is_main:
+        return
+    report_precision(cfg)
+    if cfg.accepted_not_acted:
+        logger.warning("these config keys are accepted for DeepSpeed compatibility but have no effect here: %s",
+                       ", ".join(cfg.accepted_not_acted))
+    if cfg.zero.stage > 0 and not cfg.zero_cache.enabled:
+        logger.warning("zero_optimization.stage=%d: model states are not partitioned yet (ZeRO-Cache is the planned "
+                       "path); every rank holds a full replica", cfg.zero.stage)
+
+
+def report_precision(cfg: EngineConfig) -> None:
+    """One log line: the compute dtype and why; a warning, with the measured slowdown, for bf16 on a CPU
+    without bf16 units."""
+    precision = cfg.precision
+    if precision.slow_bf16:
+        logger.warning("%s", slow_bf16_warning(precision.reason))
+    elif precision.reason:
+        logger.info("compute dtype %s: %s", str(precision.dtype).removeprefix("torch."), precision.reason)
+
+
+def place_module(model: nn.Module, device: torch.device, dtype: torch.dtype, *, keep_trainable: bool,
+                  chunked: Any = None) -> None:
+    """Parameters and buffers to ``device``, floating ones in ``dtype``.
+
+    ``keep_trainable`` (ZeRO-Cache): trainable parameters are cast where they are, so a model built on the
+    host never lands whole on the GPU; each is copied into its chunk (on the device, or its home in host
+    memory) when the optimizer attaches. ``chunked``: a :class:`~zero_cache.ChunkStore` whose parameters are
+    left as they are.
+
+    Raises:
+        ConfigError: a parameter is on the meta device (it has no values to train from).
+    """
+    skip = {id(p) for p in chunked.params} if chunked is not None else set()
+    meta = [name for name, p in model.named_parameters() if p.is_meta and id(p) not in skip]
+    if meta:
+        raise ConfigError(f"parameters {meta[:3]}{' ...' if len(meta) > 3 else ''} are on the meta device and hold "
+                          "no values; build the model under angelptm.zero.Init(...) or on the CPU, or materialise it "
+                          "(module.to_empty(device=...) and its initialisation) before initialize()")
+
+    def place(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) in skip:
+            return tensor
+        stays = keep_trainable and isinstance(tensor, nn.Parameter) and tensor.requires_grad
+        return tensor.to(device=tensor.device if stays else device,
+                         dtype=dtype if tensor.is_floating_point() else tensor.dtype)
+
+    # nn.Module.to's own traversal, with a per-tensor target: tied parameters stay one Parameter.
+    model._apply(place)
+
+
+def build_optimizer(model: nn.Module, client: Any, model_parameters: Iterable | None, cfg: EngineConfig,
+                    ctx: DistContext, experts: ExpertParallel | None = None) -> MixedPrecisionOptimizer | None:
+    """The engine's optimizer: the client's (an optimizer, or a callable given the parameters) or the config's,
+    wrapped in fp32 masters (:class:`MixedPrecisionOptimizer`) or, with ``zero_cache`` on, ZeRO-Cache's hybrid Adam.
+
+    Returns:
+        The wrapped optimizer, or None when neither the client nor the config names one.
+
+    Raises:
+        ConfigError: ZeRO-Cache with expert parallelism, with an optimizer other than Adam/AdamW, or a model
+            that does not fit.
+    """
+    params = list(model_parameters) if model_parameters is not None else [p for p in model.parameters()
+                                                                          if p.requires_grad]
+    if isinstance(client, torch.optim.Optimizer):
+        inner = client
+    elif callable(client):
+        inner = client(params)
+    elif cfg.optimizer is not None:
+        opt = cfg.optimizer
+        cls = torch.optim.AdamW if opt.decoupled_weight_decay else torch.optim.Adam
+        # On CUDA the fused kernel is torch's fastest Adam; on CPU the default foreach path.
+        fused = True if ctx.device.type == "cuda" else None
+        inner = cls(params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
+                    amsgrad=opt.amsgrad, fused=fused)
+    else:
+        return None
+    names = {id(p): name for name, p in model.named_parameters()}
+    scaler = LossScaler(cfg.precision.loss_scale) if cfg.precision.loss_scale is not None else None
+    if cfg.zero_cache.enabled:
+        if experts is not None:
+            raise ConfigError("zero_cache with expert parallelism (moe.ep_size > 1) is not implemented yet; "
+                              "set moe.ep_size to 1 or disable zero_cache")
+        return _attach_zero_cache(model, inner, names, cfg, ctx, scaler)
+    return MixedPrecisionOptimizer(inner, names, cfg.precision.dtype, loss_scaler=scaler,
+                                   gradient_clipping=cfg.gradient_clipping, group=ctx.group,
+                                   reduce_bucket_numel=cfg.zero.reduce_bucket_size, experts=experts)
+
+
+def _attach_zero_cache(model: nn.Module, inner: torch.optim.Optimizer, names: dict[int, str], cfg: EngineConfig,
+                       ctx: DistContext, scaler: LossScaler | None) -> zero_cache.ZeroCacheOptimizer:
+    if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+        raise ConfigError(f"zero_cache runs its own hybrid Adam and needs an Adam/AdamW optimizer, got "
+                          f"{type(inner).__name__}")
+    unsupported = [name for name in ("amsgrad", "maximize") if inner.defaults.get(name)]
+    if unsupported:
+        raise ConfigError(f"zero_cache's hybrid Adam does not implement {', '.join(unsupported)}; turn it off")
+    decoupled = isinstance(inner, torch.optim.AdamW) or bool(inner.defaults.get("decoupled_weight_decay"))
+    try:
+        return zero_cache.attach(model, inner, names, cfg.zero_cache, compute_dtype=cfg.precision.dtype,
+                                 device=ctx.device, decoupled_weight_decay=decoupled, loss_scaler=scaler,
+                                 gradient_clipping=cfg.gradient_clipping,
+                                 accumulation_steps=cfg.batch.gradient_accumulation_steps,
+                                 sharding=_sharding(cfg, ctx))
+    except (ValueError, NotImplementedError) as err:  # does not fit, chunk_size too small, or a feature not built
+        raise ConfigError(str(err)) from None
+
+
+def _sharding(cfg: EngineConfig, ctx: DistContext) -> zero_cache.Sharding:
+    """This rank's share of the ZeRO-Cache chunks, with per-host groups when the collectives are hierarchical."""
+    per_host = cfg.zero_cache.ranks_per_host or ctx.local_world_size
+    hierarchical = cfg.zero_cache.hierarchical
+    if hierarchical == "auto":
+        hierarchical = ctx.world_size > per_host and ctx.world_size % per_host == 0
+    if hierarchical and ctx.world_size % per_host:
+        raise ConfigError(f"zero_cache.hierarchical needs whole hosts, but {ctx.world_size} ranks do not split into "
+                          f"hosts of {per_host} (zero_cache.ranks_per_host / LOCAL_WORLD_SIZE)")
+    hierarchical = bool(hierarchical) and ctx.world_size > 1
+    host_group, peer_group = (zero_cache.hierarchical_groups(ctx.world_size, per_host) if hierarchical
+                              else (None, None))
+    stream = torch.cuda.Stream(ctx.device) if hierarchical and ctx.device.type == "cuda" else None
+    return zero_cache.Sharding(rank=ctx.rank, world_size=ctx.world_size, group=ctx.group, ranks_per_host=per_host,
+                               hierarchical=hierarchical, host_group=host_group, peer_group=peer_group,
+                               side_stream=stream)
+
+
+def resolve_scheduler(client: Any, optimizer: MixedPrecisionOptimizer | None, cfg: EngineConfig) -> Any:
+    """The LR scheduler: the client's (an object, or a callable given the inner torch optimizer), else the
+    config's ``scheduler`` over ``optimizer``, else None.
+
+    Raises:
+        ConfigError: the config has a scheduler but there is no optimizer.
+    """
+    if client is not None:
+        if callable(client) and not hasattr(client, "step"):
+            # Like DeepSpeed, hand the callable the inner torch optimizer (torch schedulers type-check it);
+            # its param groups are the ones the engine steps.
+            return client(optimizer.optimizer if optimizer is not None else None)
+        return client
+    if cfg.scheduler is None:
+        return None
+    if optimizer is None:
+        raise ConfigError("the config has a \"scheduler\" but no optimizer to schedule")
+    return build_scheduler(cfg.scheduler, optimizer)

@@ -1,0 +1,167 @@
+"""Process-group set-up from the launcher's environment (torchrun or the ``deepspeed`` launcher).
+
+Both launchers export RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, so the
+``env://`` rendezvous covers them; a plain ``python script.py`` is a world of one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from angelptm.errors import ConfigError
+from angelptm.launch.liveness import RankWatchdog
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class DistContext:
+    """Where this process sits in the data-parallel world."""
+
+    rank: int
+    """Global rank."""
+    world_size: int
+    """Data-parallel ranks."""
+    local_rank: int
+    """Rank within this host (selects the GPU)."""
+    device: torch.device
+    """Compute device of this rank."""
+    group: dist.ProcessGroup | None
+    """The data-parallel group, or None in a single-process run."""
+    local_world_size: int = 1
+    """Ranks on this host (the launcher's LOCAL_WORLD_SIZE): they share its RAM."""
+    watchdog: RankWatchdog | None = None
+    """The lost-rank heartbeat, when this context's :func:`init_distributed` created the group with one."""
+
+    @property
+    def is_main(self) -> bool:
+        """True on the rank that writes shared files and logs."""
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        """Wait for every rank (no-op for a single process)."""
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if it is true on any (e.g. all ranks must stop at the same step)."""
+        if self.group is None:
+            return flag
+        tensor = torch.tensor([int(flag)], device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(tensor.item())
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def launcher_world_size() -> int:
+    """Ranks of this job as the process group has them, or as the launcher announced them (before joining)."""
+    return dist.get_world_size() if dist.is_initialized() else _env_int("WORLD_SIZE", 1)
+
+
+def init_distributed(*, dist_init_required: bool | None = None, timeout_s: float = 600.0,
+                     lost_rank_after_s: float = 0.0) -> DistContext:
+    """Join (or create) the default process group and pick this rank's device.
+
+    Args:
+        dist_init_required: None = initialise when the environment describes more than one rank;
+            True = always initialise (a world of one is fine); False = never.
+        timeout_s: collective timeout, so a hung collective produces an error instead of a hang
+            (``comms.timeout_s``).
+        lost_rank_after_s: when this call creates a group of several ranks, start a heartbeat that
+            ends the job with the lost rank's name once one stands still this long
+            (``comms.lost_rank_after_s``; 0 = none, see ``angelptm.launch.liveness``).
+
+    Returns:
+        This process's :class:`DistContext`. NCCL is used when CUDA is available, gloo otherwise.
+    """
+    world_size = _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    use_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count())) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    wanted = world_size > 1 if dist_init_required is None else dist_init_required
+    watchdog = None
+    if wanted and not dist.is_initialized():
+        for name in ("MASTER_ADDR", "MASTER_PORT", "RANK"):
+            if name not in os.environ:
+                raise ConfigError(
+                    f"WORLD_SIZE={world_size} but {name} is not set; start the job with torchrun or the deepspeed launcher"
+                )
+        backend = "nccl" if use_cuda else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # The env:// rendezvous that init_process_group would do, done here to keep the store for the heartbeat.
+        store, rank, size = next(dist.rendezvous("env://", timeout=timeout))
+        store.set_timeout(timeout)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size, timeout=timeout,
+                                device_id=device if use_cuda else None)
+        logger.info("joined process group: backend %s, rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
+        _destroy_at_clean_exit()  # (registered before the heartbeat's stop, so it runs after it)
+        if lost_rank_after_s > 0 and size > 1:
+            watchdog = RankWatchdog(store, rank, size, lost_rank_after_s)
+        # Created here, with comms.timeout_s: a later initialize() in this process joins it and keeps this heartbeat.
+        _HEARTBEATS[id(dist.distributed_c10d._get_default_store())] = watchdog
+    elif lost_rank_after_s > 0 and dist.is_initialized() and dist.get_world_size() > 1:
+        watchdog = _watch_existing_group(lost_rank_after_s)  # e.g. deepspeed.init_distributed() ran first
+    if world_size > 1 and not dist.is_initialized():
+        raise ConfigError(f"the launcher started {world_size} ranks (WORLD_SIZE={world_size}) but dist_init_required="
+                          "False and no process group exists; initialise torch.distributed first or drop the argument")
+    if dist.is_initialized():
+        return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+                           device=device, group=dist.group.WORLD,
+                           local_world_size=_env_int("LOCAL_WORLD_SIZE", dist.get_world_size()), watchdog=watchdog)
+    return DistContext(rank=0, world_size=1, local_rank=local_rank, device=device, group=None)
+
+
+_HEARTBEATS: dict[int, RankWatchdog | None] = {}
+"""The heartbeat of each process group, keyed by its store: a process beats once however many engines it builds.
+Groups this module created are entered when created (None: without a heartbeat), so joining one again neither
+starts a second heartbeat nor claims that comms.timeout_s did not apply to it."""
+
+
+def _watch_existing_group(lost_rank_after_s: float) -> RankWatchdog | None:
+    """A heartbeat on the default group's store; its collective timeout was set by whoever created it."""
+    store = dist.distributed_c10d._get_default_store()
+    if _HEARTBEATS.get(id(store)) is None:  # created elsewhere, or here without a heartbeat (lost_rank_after_s 0)
+        if id(store) not in _HEARTBEATS:
+            logger.info("the process group was created before initialize(): comms.timeout_s does not apply to it "
+                        "(pass timeout= where it is created); comms.lost_rank_after_s does")
+        _HEARTBEATS[id(store)] = RankWatchdog(store, dist.get_rank(), dist.get_world_size(), lost_rank_after_s)
+    return _HEARTBEATS[id(store)]
+
+
+def _destroy_at_clean_exit() -> None:
+    """Destroy the default group when the process ends without an uncaught exception, as DeepSpeed's scripts
+    rarely do themselves. Left to interpreter teardown, gloo's worker threads can outlive the interpreter and abort
+    the process ("terminate called without an active exception", exit status -6) after its work succeeded. After a
+    crash the group is left alone: destroying it would wait for collectives the other ranks never join."""
+    crashed = []
+    previous_hook = sys.excepthook
+
+    def note_crash(*exc_info) -> None:
+        crashed.append(True)
+        previous_hook(*exc_info)
+
+    def destroy() -> None:
+        if not crashed and dist.is_initialized():
+            dist.destroy_process_group()
+
+    sys.excepthook = note_crash
+    atexit.register(destroy)
