@@ -1,5 +1,5 @@
 """The process group this engine created is destroyed at a clean exit and left alone after a crash
-(angelptm.distributed): gloo's threads left to interpreter teardown aborted a finished rank now and then."""
+(angelptm.launch.distributed): gloo's threads left to interpreter teardown aborted a finished rank now and then."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from launch import free_port  # tests/helpers
 
-distributed = importlib.import_module("angelptm.distributed")
+distributed = importlib.import_module("angelptm.launch.distributed")
 
 
 @pytest.fixture
