@@ -16,7 +16,6 @@ from torch import nn
 
 from zero_cache.chunks import SWAP_BUFFERS, ChunkStore
 from zero_cache.config import ZeroCacheConfig
-from zero_cache.exchange import GRADIENT_BUCKETS
 from zero_cache.hardware import Hardware, tier_budgets
 from zero_cache.host_update import STAGING_BUFFERS
 from zero_cache.layout import ChunkLayout, pack, search_chunk_size
@@ -31,6 +30,7 @@ from zero_cache.sharding import Sharding
 from zero_cache.tiers import build_tiers, fragmentation_bytes, use_expandable_segments
 from zero_cache.tuning import DeviceStepTuner
 from zero_cache.units import AUTO, parse_budget
+from zero_cache.working_set import GRADIENT_BUCKETS, GROUPS_IN_USE, WorkingSet
 
 logger = logging.getLogger(__name__)
 
@@ -63,13 +63,15 @@ def build_layout(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheCon
 def chunk_numel_cap(config: ZeroCacheConfig, device_budget: int, reserve: int, compute_dtype: torch.dtype,
                     sharding: Sharding) -> int:
     """The largest chunk whose fixed device share still fits the budget with streamed params: the fp32 scratch
-    chunk, the gradient buckets and the fewest live groups (prefetch depth + 2), each ``world_size`` chunks wide.
+    chunk and the wanted working set's gradient buckets and fewest live groups, each ``world_size`` chunks wide.
 
-    A small device must get small chunks, or the few slots a streamed model needs do not fit at all.
+    A small device must get small chunks, or the few slots a streamed model needs do not fit at all (and where
+    they still do not, at the floor the largest tensor sets, the planner shrinks the working set).
     """
     param_bytes = torch.empty((), dtype=compute_dtype).element_size()
     ahead = max(1, config.prefetch_depth) if not sharding.sharded else 1
-    per_element = 4 + (GRADIENT_BUCKETS + ahead + 2) * sharding.world_size * param_bytes
+    wanted = WorkingSet(ahead=ahead, live_groups=0, buckets=GRADIENT_BUCKETS)
+    per_element = 4 + (wanted.buckets + wanted.fewest_live) * sharding.world_size * param_bytes
     room = int(device_budget * (1 - DEVICE_MARGIN_FRACTION)) - reserve
     return max(1, room // per_element)
 
@@ -103,18 +105,17 @@ def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: tor
     stepped there)."""
     param_bytes = torch.empty((), dtype=compute_dtype).element_size()
     buckets = GRADIENT_BUCKETS if shard_params or (sharding.sharded and accumulation_steps > 1) else 0
-    live = min_live = 0
+    live = 0
+    ahead = gather_ahead_groups(config, layout, sharding)
     if shard_params:
-        min_live = min(gather_ahead_groups(config, layout, sharding) + 2, sharding.num_groups(layout.num_chunks))
         # One rank: more live groups than the fewest would only spare a few re-fetches in backward, and
         # every one of them is room not given to a resident shard or an optimizer group.
-        live = max_live_groups(config, layout, sharding) if sharding.sharded else min_live
+        live = max_live_groups(config, layout, sharding) if sharding.sharded else ahead + GROUPS_IN_USE
     return PlanInputs(num_chunks=layout.num_chunks, chunk_numel=layout.chunk_numel,
-                      owned=sharding.owned(layout.num_chunks),
-                      exchange_buffer_bytes=buckets * sharding.world_size * layout.chunk_numel * param_bytes,
+                      owned=sharding.owned(layout.num_chunks), gradient_buckets=buckets,
                       param_chunks_held=sharding.num_groups(layout.num_chunks) if shard_params else None,
                       group_size=sharding.world_size, param_home=config.param_home, live_groups=live,
-                      min_live_groups=min_live,
+                      gather_ahead=ahead,
                       padding_chunks=sharding.padded_chunks(layout.num_chunks) - layout.num_chunks,
                       param_bytes_per_element=param_bytes,
                       grad_bytes_per_element=grad_bytes_per_element(accumulation_steps),
@@ -186,8 +187,8 @@ class WarmupTracer:
             logger.warning("ZeRO-Cache re-plan after warm-up failed, keeping the current placement: %s", str(err))
             return None
         moved = self._apply(optimizer, plan)
-        if optimizer.exchange is not None and optimizer.exchange.gathered is not None:
-            optimizer.exchange.gathered.resize(plan.cache_slots)
+        if optimizer.exchange is not None:
+            optimizer.exchange.apply_working_set(plan)
         logger.info("ZeRO-Cache re-plan after warm-up (non-model peak %d MiB): %s; %d groups moved",
                     nonmodel // 2**20, plan.summary(), moved)
         self.inputs = inputs
@@ -329,8 +330,9 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
                                 native_host_adam=(device.type == "cuda" if config.native_host_adam == "auto"
                                                   else config.native_host_adam),
                                 overlap_comm=config.overlap_comm,
-                                gather_ahead=gather_ahead_groups(config, layout, sharding),
-                                max_live_groups=plan.cache_slots, device_stepped=plan.device_stepped)
+                                gather_ahead=plan.gather_ahead or gather_ahead_groups(config, layout, sharding),
+                                max_live_groups=plan.cache_slots, gradient_buckets=plan.gradient_buckets,
+                                device_stepped=plan.device_stepped)
     tracer = WarmupTracer(layout, config, compute_dtype, accumulation_steps, in_backward, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # the warm-up measures the non-model peak from here

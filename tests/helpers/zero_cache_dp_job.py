@@ -24,7 +24,7 @@ import angelptm  # noqa: E402
 from angelptm.data import repeat_batches  # noqa: E402
 from angelptm.models import ModelConfig, build_model  # noqa: E402
 from reference import SEQ, VOCAB, RandomTokens, end_job  # noqa: E402
-from zero_cache.exchange import GRADIENT_BUCKETS  # noqa: E402
+from zero_cache.working_set import GRADIENT_BUCKETS  # noqa: E402
 from zero_cache.layout import pack  # noqa: E402
 
 CHUNK_NUMEL = 8192

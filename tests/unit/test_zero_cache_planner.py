@@ -156,8 +156,8 @@ def test_params_do_not_stream_without_gathered_params():
 
 def streamed(**overrides) -> PlanInputs:
     """One rank with gathered params: 10 shards of 2,000 B, 3 gradient buckets, 3 live groups at least."""
-    values = dict(param_chunks_held=10, param_home="auto", live_groups=3, min_live_groups=3,
-                  exchange_buffer_bytes=3 * 2_000, grad_bytes_per_element=0)
+    values = dict(param_chunks_held=10, param_home="auto", live_groups=3, gather_ahead=1, gradient_buckets=3,
+                  grad_bytes_per_element=0)
     values.update(overrides)
     return inputs(**values)
 
@@ -194,7 +194,7 @@ def brute_force_cost(inp: PlanInputs) -> float:
             - inp.exchange_buffer_bytes)
     best = None
     for resident in range(inp.num_chunks + 1):
-        live = min(inp.min_live_groups, inp.num_chunks - resident)
+        live = min(inp.gather_ahead + 2, inp.num_chunks - resident)
         left = room - resident * inp.param_chunk_bytes - live * inp.param_chunk_bytes
         if left < 0:
             continue
@@ -213,7 +213,7 @@ def test_gathered_plan_takes_the_cheapest_split_of_the_device(seed):
     trace = tuple(rng.sample(range(10), 10))
     # From 20,000 bytes: 4 live groups, the buckets and the scratch need 18,002 (18,560 with the margin); a lower
     # draw made an input that cannot fit, and the test failed on PlanError now and then.
-    inp = streamed(device_budget_bytes=rng.randint(20_000, 200_000), trace=trace, min_live_groups=rng.randint(1, 4),
+    inp = streamed(device_budget_bytes=rng.randint(20_000, 200_000), trace=trace, gather_ahead=rng.randint(1, 2),
                    live_groups=0)
     plan = make_plan(inp)
     assert plan.traffic.seconds == pytest.approx(brute_force_cost(inp))
@@ -320,7 +320,7 @@ def test_a_sharded_rank_places_only_its_own_groups_first_used_first(seed):
     on_device = rng.randint(0, len(owned))
     budget = 4_000 + (num_chunks + padding) * 2_000 + buckets + on_device * 16_000 + 15_999
     plan = make_plan(inputs(num_chunks=num_chunks, device_budget_bytes=budget, trace=trace, owned=owned,
-                            padding_chunks=padding, exchange_buffer_bytes=buckets))
+                            padding_chunks=padding, gradient_buckets=buckets // (world * 2_000)))
     assert [c for c, t in enumerate(plan.optimizer_tier) if t == REMOTE] == [c for c in range(num_chunks)
                                                                              if c not in owned]
     mine_in_use_order = [c for c in trace if c in owned]
