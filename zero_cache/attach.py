@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 
 from zero_cache.chunks import SWAP_BUFFERS, ChunkStore
 from zero_cache.config import ZeroCacheConfig
-from zero_cache.hardware import Hardware, tier_budgets
+from zero_cache.hardware import Hardware, TierBudgets, tier_budgets
 from zero_cache.host_update import STAGING_BUFFERS
 from zero_cache.layout import ChunkLayout, pack, search_chunk_size
 from zero_cache.optimizer import ZeroCacheOptimizer
@@ -30,7 +31,7 @@ from zero_cache.sharding import Sharding
 from zero_cache.tiers import build_tiers, fragmentation_bytes, use_expandable_segments
 from zero_cache.tuning import DeviceStepTuner
 from zero_cache.units import AUTO, parse_budget
-from zero_cache.working_set import GRADIENT_BUCKETS, GROUPS_IN_USE, WorkingSet
+from zero_cache.working_set import GRADIENT_BUCKETS, GROUPS_IN_USE, WorkingSet, capped
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,68 @@ def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: tor
                       swap_buffers=SWAP_BUFFERS,
                       kept_bytes_per_element=param_bytes if in_backward and accumulation_steps == 1 else 0,
                       device_steps=(None if gpu else 0) if config.device_steps == AUTO else config.device_steps)
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """A ``zero_cache`` section's "auto" values resolved for one rank before its first plan (:func:`resolve`):
+    what :func:`attach` builds from and :func:`dry_run` plans from, worked out in one place."""
+
+    budgets: TierBudgets
+    """The tiers' byte budgets ("auto": measured here, or from a described machine)."""
+    activation_reserve_bytes: int
+    """Device bytes held back for activations until the warm-up measures them (:func:`warmup_reserve`)."""
+    layout: ChunkLayout
+    """The chunks, of the configured size or the one searched under the device's cap (:func:`chunk_numel_cap`)."""
+    update_in_backward: bool
+    """Host chunks update during backward (:func:`resolve_update_in_backward`)."""
+
+    def plan_inputs(self, config: ZeroCacheConfig, compute_dtype: torch.dtype, accumulation_steps: int,
+                    sharding: Sharding, shard_params: bool, gpu: bool) -> PlanInputs:
+        """The first plan's inputs for ``sharding``'s rank, params gathered on use or not."""
+        return plan_inputs(self.layout, config, compute_dtype, self.budgets.device_bytes, self.budgets.host_bytes,
+                           accumulation_steps, nonmodel_peak_bytes=self.activation_reserve_bytes,
+                           nvme_budget=self.budgets.nvme_bytes, sharding=sharding, shard_params=shard_params,
+                           in_backward=self.update_in_backward, gpu=gpu)
+
+
+def resolve(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, *, compute_dtype: torch.dtype,
+            device: torch.device, accumulation_steps: int, sharding: Sharding, hardware: Hardware | None = None,
+            moving_device_bytes: int = 0, moving_host_bytes: int = 0) -> Resolved:
+    """Budgets, activation reserve, layout and update timing of one rank, from the config and the parameter shapes.
+
+    Args:
+        shapes: (name, shape) of the trainable parameters in model order.
+        sharding: the data-parallel ranks (its ``ranks_per_host`` share a host's RAM and disk).
+        hardware, moving_device_bytes, moving_host_bytes: as for :func:`~zero_cache.hardware.tier_budgets`.
+
+    Raises:
+        NvmeSetupError: measuring here, and nvme_path is missing or not writable.
+        ValueError: a configured chunk size below the largest parameter, or an update timing the ranks refuse.
+    """
+    budgets = tier_budgets(config, device, sharding.ranks_per_host, hardware, moving_device_bytes=moving_device_bytes,
+                           moving_host_bytes=moving_host_bytes)
+    # Before the warm-up has measured activations, keep part of the device for them; the re-plan
+    # after the first step replaces this guess with the measured peak (and moves groups back).
+    reserve = warmup_reserve(config, device, budgets.device_bytes)
+    layout = build_layout(shapes, config, chunk_numel_cap(config, budgets.device_bytes, reserve, compute_dtype,
+                                                          sharding))
+    in_backward = resolve_update_in_backward(config, accumulation_steps=accumulation_steps,
+                                             world_size=sharding.world_size)
+    return Resolved(budgets, reserve, layout, in_backward)
+
+
+def working_set_given_up(inputs: PlanInputs, plan: Plan) -> str:
+    """What ``plan`` gave up of the working set ``inputs`` wanted (:mod:`zero_cache.working_set`), for the log;
+    empty when it kept it (within the groups there are)."""
+    groups = inputs.param_chunks_held if plan.params_sharded else inputs.num_chunks
+    wanted = capped(WorkingSet(ahead=inputs.gather_ahead, live_groups=inputs.live_groups,
+                               buckets=inputs.gradient_buckets), groups)
+    parts = [f"{plan.gather_ahead} of {wanted.ahead} groups fetched ahead"] if (
+        plan.params_sharded and plan.gather_ahead < wanted.ahead) else []
+    if plan.gradient_buckets < wanted.buckets:
+        parts.append(f"{plan.gradient_buckets} of {wanted.buckets} gradient buckets (each reduction waited for at once)")
+    return ", ".join(parts)
 
 
 PREDICTION_TOLERANCE = 0.10
@@ -246,18 +309,14 @@ def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, 
     per_host = ranks_per_host or (hardware.gpus_per_host if hardware is not None else world_size)
     if hardware is not None:
         device = torch.device("cuda")  # only its type matters: nothing is allocated or measured
-    budgets = tier_budgets(config, device, per_host, hardware)
-    reserve = warmup_reserve(config, device, budgets.device_bytes)
-    cap = chunk_numel_cap(config, budgets.device_bytes, reserve, compute_dtype,
-                          Sharding(world_size=world_size, ranks_per_host=per_host))
-    layout = build_layout(shapes, config, cap)
-    in_backward = resolve_update_in_backward(config, accumulation_steps=accumulation_steps, world_size=world_size)
+    resolved = resolve(shapes, config, compute_dtype=compute_dtype, device=device,
+                       accumulation_steps=accumulation_steps,
+                       sharding=Sharding(world_size=world_size, ranks_per_host=per_host), hardware=hardware)
+    layout = resolved.layout
 
     def plan_for(sharding: Sharding, shard_params: bool) -> Plan:
-        return make_plan(plan_inputs(layout, config, compute_dtype, budgets.device_bytes, budgets.host_bytes,
-                                     accumulation_steps, nonmodel_peak_bytes=reserve, nvme_budget=budgets.nvme_bytes,
-                                     sharding=sharding, shard_params=shard_params, in_backward=in_backward,
-                                     gpu=device.type == "cuda"))
+        return make_plan(resolved.plan_inputs(config, compute_dtype, accumulation_steps, sharding, shard_params,
+                                              gpu=device.type == "cuda"))
 
     if world_size == 1:
         return layout, choose_streaming(config, functools.partial(plan_for, Sharding()))[1]
@@ -290,28 +349,22 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     Raises:
         PlanError: the model states do not fit; nothing has been allocated.
     """
-    in_backward = resolve_update_in_backward(config, accumulation_steps=accumulation_steps,
-                                             world_size=sharding.world_size)
     if device.type == "cuda":
         logger.info("ZeRO-Cache: the CUDA allocator's expandable segments %s", use_expandable_segments(device))
     ordered = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     in_optimizer = {id(p) for p in ordered}
     params = [(name, p) for name, p in module.named_parameters() if id(p) in in_optimizer]
-    budgets = tier_budgets(config, device, sharding.ranks_per_host, moving_device_bytes=_bytes_on(params, device),
-                           moving_host_bytes=_bytes_on(params, torch.device("cpu")))
+    resolved = resolve([(name, tuple(p.shape)) for name, p in params], config, compute_dtype=compute_dtype,
+                       device=device, accumulation_steps=accumulation_steps, sharding=sharding,
+                       moving_device_bytes=_bytes_on(params, device),
+                       moving_host_bytes=_bytes_on(params, torch.device("cpu")))
+    budgets, layout, in_backward = resolved.budgets, resolved.layout, resolved.update_in_backward
     device_tier, host_tier = build_tiers(device, budgets.device_bytes, budgets.host_bytes, sharding.ranks_per_host)
     swap_directory, disk_budget = budgets.nvme_directory, budgets.nvme_bytes
-    # Before the warm-up has measured activations, keep part of the device for them; the re-plan
-    # after the first step replaces this guess with the measured peak (and moves groups back).
-    reserve = warmup_reserve(config, device, device_tier.budget_bytes)
-    layout = build_layout([(name, tuple(p.shape)) for name, p in params], config,
-                          chunk_numel_cap(config, device_tier.budget_bytes, reserve, compute_dtype, sharding))
 
     def inputs_for(shard_params: bool) -> PlanInputs:
-        return plan_inputs(layout, config, compute_dtype, device_tier.budget_bytes, host_tier.budget_bytes,
-                           accumulation_steps, nonmodel_peak_bytes=reserve, nvme_budget=disk_budget,
-                           sharding=sharding, shard_params=shard_params, in_backward=in_backward,
-                           gpu=device.type == "cuda")
+        return resolved.plan_inputs(config, compute_dtype, accumulation_steps, sharding, shard_params,
+                                    gpu=device.type == "cuda")
 
     shard_params, plan = choose_shard_params(config, sharding, lambda shard: make_plan(inputs_for(shard)),
                                              gather_objects(sharding))
@@ -322,6 +375,10 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     logger.info("ZeRO-Cache: %d chunks of %d elements (%.1f%% padding) over %d ranks; %s; host chunks update %s",
                 layout.num_chunks, layout.chunk_numel, 100 * layout.waste_fraction, sharding.world_size,
                 plan.summary(), "during backward" if in_backward else "after backward")
+    given_up = working_set_given_up(inputs, plan)
+    if given_up:
+        logger.info("ZeRO-Cache: the device budget does not hold the config's working set; planned %s. A larger "
+                    "zero_cache.device_memory_budget keeps it", given_up)
     store = ChunkStore(layout, [p for _, p in params], plan, tiers, compute_dtype, accumulate=accumulation_steps > 1,
                        sharding=sharding, shard_params=shard_params)
     hybrid = ZeroCacheOptimizer(store, optimizer, names, decoupled_weight_decay=decoupled_weight_decay,

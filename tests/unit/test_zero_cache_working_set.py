@@ -8,6 +8,7 @@ budget that would hold it. A device that holds the config's working set keeps it
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import re
 
@@ -138,7 +139,7 @@ def random_chunk(rng: random.Random, model: torch.nn.Module) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("accumulation, tied", [(1, True), (1, False), (3, True)])
-def test_a_budget_below_the_old_working_set_trains_like_torch_adamw(accumulation, tied):
+def test_a_budget_below_the_old_working_set_trains_like_torch_adamw(accumulation, tied, caplog):
     """Between the least working set and the one the config wants (every budget here used to be refused): the
     plan shrinks it, the device tier never passes the budget (it raises if it would), the losses follow
     hand-written fp32 AdamW with clipping, and the weights are bitwise those of the same run on an ample device."""
@@ -149,9 +150,12 @@ def test_a_budget_below_the_old_working_set_trains_like_torch_adamw(accumulation
     least = budget_for_room((1 + 3 + 2) * chunk_bytes, DEVICE_MARGIN_FRACTION)
     wanted = budget_for_room((1 + 4 + 3) * chunk_bytes, DEVICE_MARGIN_FRACTION)  # prefetch_depth 2, 3 buckets
     budget = rng.randint(least, wanted - 1)
+    caplog.set_level(logging.INFO, logger="zero_cache.attach")
     engine, optimizer, _, _ = angelptm.initialize(model=model, config=streamed_config(chunk_numel, budget, accumulation))
     plan = optimizer.store.plan
     assert plan.gradient_buckets == 2 and 1 <= plan.gather_ahead <= 2  # the config's depth is 2
+    assert "does not hold the config's working set; planned " in caplog.text
+    assert "2 of 3 gradient buckets" in caplog.text
     batches = random_batches(seed, count=3 * accumulation, batch=2)
     losses = train_steps(engine, batches)
     assert optimizer.store.tiers[DEVICE].peak_bytes <= budget
@@ -163,9 +167,11 @@ def test_a_budget_below_the_old_working_set_trains_like_torch_adamw(accumulation
     moved = sum((expected[k] - start[k]).square().sum().item() for k in expected) ** 0.5
     error = sum((masters[k] - expected[k]).square().sum().item() for k in expected) ** 0.5
     assert moved > 1e-2 and error <= 1e-4 * moved, f"masters off by {error:.2e} (norm), moved {moved:.2e}"
+    caplog.clear()
     ample, ample_optimizer, _, _ = angelptm.initialize(model=fresh(model_config, seed),
                                                        config=streamed_config(chunk_numel, 4 * wanted, accumulation))
     assert (ample_optimizer.store.plan.gradient_buckets, ample_optimizer.store.plan.gather_ahead) == (3, 2)
+    assert "working set" not in caplog.text
     assert train_steps(ample, batches) == losses
     ample_masters = ample_optimizer.master_state_dict()
     assert all(torch.equal(masters[name], ample_masters[name]) for name in expected)
