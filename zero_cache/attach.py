@@ -121,7 +121,7 @@ def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: tor
                       param_bytes_per_element=param_bytes,
                       grad_bytes_per_element=grad_bytes_per_element(accumulation_steps),
                       device_budget_bytes=device_budget, host_budget_bytes=host_budget, trace=trace,
-                      nonmodel_peak_bytes=nonmodel_peak_bytes, prefetch_depth=config.prefetch_depth,
+                      nonmodel_peak_bytes=nonmodel_peak_bytes,
                       # (accumulating: a second pool stages the micro-batch gradients, see HostUpdater.gradient_pool)
                       staging_buffers=STAGING_BUFFERS * (2 if accumulation_steps > 1 else 1),
                       nvme_budget_bytes=nvme_budget, nvme_path_set=config.nvme_path is not None,

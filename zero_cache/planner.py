@@ -87,8 +87,6 @@ class PlanInputs:
     """Chunk accesses of one iteration in order (forward, then backward); empty before warm-up."""
     nonmodel_peak_bytes: int = 0
     """Peak device bytes not owned by ZeRO-Cache (activations, workspace), from the warm-up."""
-    prefetch_depth: int = 2
-    """Chunks fetched ahead of use when params are cached rather than resident."""
     margin_fraction: float = DEVICE_MARGIN_FRACTION
     """Device budget kept free for allocator fragmentation and transients."""
     grad_bytes_per_element: int = 4

@@ -120,7 +120,7 @@ def test_belady_evicts_the_furthest_next_use():
 def inputs(**overrides) -> PlanInputs:
     values = dict(num_chunks=10, chunk_numel=1000, param_bytes_per_element=2, device_budget_bytes=10**6,
                   host_budget_bytes=10**6, trace=tuple(range(10)) + tuple(reversed(range(10))),
-                  nonmodel_peak_bytes=0, prefetch_depth=2, margin_fraction=0.0)
+                  nonmodel_peak_bytes=0, margin_fraction=0.0)
     values.update(overrides)
     return PlanInputs(**values)
 
