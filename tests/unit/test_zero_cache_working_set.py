@@ -57,36 +57,41 @@ CHUNK_BYTES = 2_000
 """The planner tests' param chunks: 500 fp32 elements (scratch 2,000 B, optimizer group 8,000 B)."""
 
 
-def streamed_inputs(rng: random.Random, budget: int, *, num_chunks: int, ahead: int) -> PlanInputs:
-    return PlanInputs(num_chunks=num_chunks, chunk_numel=CHUNK_BYTES // 4, param_bytes_per_element=4,
+def streamed_inputs(rng: random.Random, budget: int, *, num_chunks: int, ahead: int, size: int = 1) -> PlanInputs:
+    """Gathered params on rank 0 of ``size`` (1: streamed from the host), ``num_chunks`` groups of ``size`` chunks;
+    with several ranks, every shard at home on the host (a shard on the device costs less than a group)."""
+    chunks = num_chunks * size
+    return PlanInputs(num_chunks=chunks, chunk_numel=CHUNK_BYTES // 4, param_bytes_per_element=4,
                       device_budget_bytes=budget, host_budget_bytes=10**9, grad_bytes_per_element=0,
-                      trace=tuple(rng.sample(range(num_chunks), num_chunks)), param_chunks_held=num_chunks,
-                      param_home=rng.choice(["auto", "host"]), live_groups=ahead + GROUPS_IN_USE, gather_ahead=ahead,
-                      gradient_buckets=GRADIENT_BUCKETS)
+                      trace=tuple(rng.sample(range(chunks), chunks)), param_chunks_held=num_chunks, group_size=size,
+                      owned=tuple(range(0, chunks, size)), param_home=rng.choice(["auto", "host"] if size == 1 else
+                                                                                 ["host"]),
+                      live_groups=ahead + GROUPS_IN_USE, gather_ahead=ahead, gradient_buckets=GRADIENT_BUCKETS)
 
 
-def needed_budget(chunks: int) -> int:
-    """Budget for the scratch chunk and ``chunks`` group-sized buffers, over the margin."""
-    return budget_for_room((1 + chunks) * CHUNK_BYTES, DEVICE_MARGIN_FRACTION)
+def needed_budget(groups: int, size: int = 1) -> int:
+    """Budget for the scratch chunk and ``groups`` buffers of ``size`` chunks, over the margin."""
+    return budget_for_room((1 + groups * size) * CHUNK_BYTES, DEVICE_MARGIN_FRACTION)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_a_device_short_of_the_wanted_working_set_gets_a_smaller_one_and_only_below_the_least_a_refusal(seed):
+@pytest.mark.parametrize("seed, size", [(seed, size) for seed in range(3) for size in (1, 2, 4)])
+def test_a_device_short_of_the_wanted_working_set_gets_a_smaller_one_and_only_below_the_least_a_refusal(seed, size):
     rng = random.Random(seed * 7919 + random.randrange(10**6))
     num_chunks, ahead = rng.randint(5, 16), rng.randint(1, 3)
-    wanted = needed_budget(ahead + GROUPS_IN_USE + GRADIENT_BUCKETS)  # the old refusal threshold
-    least = needed_budget(1 + GROUPS_IN_USE + GROUPS_IN_USE)
+    wanted = needed_budget(ahead + GROUPS_IN_USE + GRADIENT_BUCKETS, size)  # the old refusal threshold
+    least = needed_budget(1 + GROUPS_IN_USE + GROUPS_IN_USE, size)
     for budget in [least, wanted - 1, *(rng.randint(least, wanted - 1) for _ in range(4))]:
-        plan = make_plan(streamed_inputs(rng, budget, num_chunks=num_chunks, ahead=ahead))
+        plan = make_plan(streamed_inputs(rng, budget, num_chunks=num_chunks, ahead=ahead, size=size))
         assert plan.param_home == (HOST,) * num_chunks and plan.device_bytes <= budget
         assert plan.gradient_buckets == GROUPS_IN_USE  # the lagged bucket went first
         assert 1 <= plan.gather_ahead <= ahead and plan.cache_slots >= plan.gather_ahead + GROUPS_IN_USE
-        assert plan.device_bytes == (1 + plan.cache_slots + plan.gradient_buckets) * CHUNK_BYTES
+        assert plan.device_bytes == (1 + (plan.cache_slots + plan.gradient_buckets) * size) * CHUNK_BYTES
     with pytest.raises(PlanError) as refused:
-        make_plan(streamed_inputs(rng, least - 1, num_chunks=num_chunks, ahead=ahead))
+        make_plan(streamed_inputs(rng, least - 1, num_chunks=num_chunks, ahead=ahead, size=size))
     message = str(refused.value)
     assert f"to at least {least} bytes" in message and "(short by 1 B)" in message
-    assert "3 gathered groups of 1.95 KiB (2 in use, 1 fetched ahead), 2 gradient buckets of 1.95 KiB" in message
+    group = f"{size * CHUNK_BYTES / 1024:.2f} KiB"
+    assert f"3 gathered groups of {group} (2 in use, 1 fetched ahead), 2 gradient buckets of {group}" in message
 
 
 @pytest.mark.parametrize("seed", range(4))
