@@ -164,6 +164,8 @@ def test_a_budget_below_the_old_working_set_trains_like_torch_adamw(accumulation
     batches = random_batches(seed, count=3 * accumulation, batch=2)
     losses = train_steps(engine, batches)
     assert optimizer.store.tiers[DEVICE].peak_bytes <= budget
+    exchange = optimizer.exchange  # buckets are kept for reuse once allocated: these are all there ever were
+    assert exchange.reduction_lag == 0 and len(exchange._free) + len(exchange._open) <= plan.gradient_buckets
     expected_losses, expected = reference_loop(fresh(model_config, seed), batches, dtype=torch.float32,
                                                accumulation=accumulation, lr=3e-3, clip=1.0)
     assert losses == pytest.approx(expected_losses, rel=1e-5)
