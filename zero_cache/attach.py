@@ -179,6 +179,18 @@ def resolve(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, 
     return Resolved(budgets, reserve, layout, in_backward)
 
 
+@dataclass(frozen=True, slots=True)
+class DryRun:
+    """What :func:`dry_run` found for rank 0: the values it resolved and the first plan :func:`attach` would make."""
+
+    resolved: Resolved
+    plan: Plan
+
+    @property
+    def layout(self) -> ChunkLayout:
+        return self.resolved.layout
+
+
 def working_set_given_up(inputs: PlanInputs, plan: Plan) -> str:
     """What ``plan`` gave up of the working set ``inputs`` wanted (:mod:`zero_cache.working_set`), for the log;
     empty when it kept it (within the groups there are)."""
@@ -290,8 +302,9 @@ class WarmupTracer:
 
 def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, *, compute_dtype: torch.dtype,
             device: torch.device, accumulation_steps: int = 1, world_size: int = 1,
-            ranks_per_host: int | None = None, hardware: Hardware | None = None) -> tuple[ChunkLayout, Plan]:
-    """The layout and rank 0's first plan :func:`attach` would make, without allocating anything.
+            ranks_per_host: int | None = None, hardware: Hardware | None = None) -> DryRun:
+    """Rank 0's resolved budgets, reserve and layout, and the first plan :func:`attach` would make, without
+    allocating anything (``pretrain.py --plan`` reports them, so they are worked out once, as attach does).
 
     Args:
         shapes: (name, shape) of the trainable parameters in model order (a meta-device model gives them).
@@ -312,14 +325,13 @@ def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, 
     resolved = resolve(shapes, config, compute_dtype=compute_dtype, device=device,
                        accumulation_steps=accumulation_steps,
                        sharding=Sharding(world_size=world_size, ranks_per_host=per_host), hardware=hardware)
-    layout = resolved.layout
 
     def plan_for(sharding: Sharding, shard_params: bool) -> Plan:
         return make_plan(resolved.plan_inputs(config, compute_dtype, accumulation_steps, sharding, shard_params,
                                               gpu=device.type == "cuda"))
 
     if world_size == 1:
-        return layout, choose_streaming(config, functools.partial(plan_for, Sharding()))[1]
+        return DryRun(resolved, choose_streaming(config, functools.partial(plan_for, Sharding()))[1])
     ranks = [Sharding(rank=rank, world_size=world_size, ranks_per_host=per_host) for rank in range(world_size)]
     candidates = [candidate_plans(config, functools.partial(plan_for, sharding)) for sharding in ranks]
     choice = decide_shard_params(config.shard_params, [device_groups(plans) for plans, _ in candidates])
@@ -327,7 +339,7 @@ def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, 
         wanted = wanted_placement(config.shard_params)
         rank, error = next((r, errors[wanted]) for r, (_, errors) in enumerate(candidates) if wanted in errors)
         raise PlanError(f"rank {rank} of {world_size}: {error}")
-    return layout, candidates[0][0][choice]
+    return DryRun(resolved, candidates[0][0][choice])
 
 
 def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int, str], config: ZeroCacheConfig,
