@@ -302,7 +302,8 @@ class WarmupTracer:
 
 def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, *, compute_dtype: torch.dtype,
             device: torch.device, accumulation_steps: int = 1, world_size: int = 1,
-            ranks_per_host: int | None = None, hardware: Hardware | None = None) -> DryRun:
+            ranks_per_host: int | None = None, hardware: Hardware | None = None, moving_device_bytes: int = 0,
+            moving_host_bytes: int = 0) -> DryRun:
     """Rank 0's resolved budgets, reserve and layout, and the first plan :func:`attach` would make, without
     allocating anything (``pretrain.py --plan`` reports them, so they are worked out once, as attach does).
 
@@ -315,6 +316,9 @@ def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, 
             Every rank is planned (each owns other chunks), and sharded params decided as the ranks would.
         hardware: plan for this machine, not the one running: "auto" budgets come from its sizes, its NVMe
             space (if any) is the disk tier, and the device is a GPU (:mod:`zero_cache.hardware`).
+        moving_device_bytes, moving_host_bytes: bytes of the parameters already stored on the device / in host
+            memory, which attach would move into the chunks: added to "auto" budgets measured now, as attach adds
+            them (:func:`~zero_cache.hardware.tier_budgets`).
 
     Raises:
         PlanError: the model states do not fit on some rank; the message has the shortfall per tier.
@@ -324,7 +328,8 @@ def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, 
         device = torch.device("cuda")  # only its type matters: nothing is allocated or measured
     resolved = resolve(shapes, config, compute_dtype=compute_dtype, device=device,
                        accumulation_steps=accumulation_steps,
-                       sharding=Sharding(world_size=world_size, ranks_per_host=per_host), hardware=hardware)
+                       sharding=Sharding(world_size=world_size, ranks_per_host=per_host), hardware=hardware,
+                       moving_device_bytes=moving_device_bytes, moving_host_bytes=moving_host_bytes)
 
     def plan_for(sharding: Sharding, shard_params: bool) -> Plan:
         return make_plan(resolved.plan_inputs(config, compute_dtype, accumulation_steps, sharding, shard_params,
