@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -17,8 +17,7 @@ from torch import nn
 
 from zero_cache.chunks import SWAP_BUFFERS, ChunkStore
 from zero_cache.config import ZeroCacheConfig
-from zero_cache.exchange import GRADIENT_BUCKETS
-from zero_cache.hardware import Hardware, tier_budgets
+from zero_cache.hardware import Hardware, TierBudgets, tier_budgets
 from zero_cache.host_update import STAGING_BUFFERS
 from zero_cache.layout import ChunkLayout, pack, search_chunk_size
 from zero_cache.optimizer import ZeroCacheOptimizer
@@ -34,6 +33,7 @@ from zero_cache.step_cost import NOMINAL_RATES, Rates
 from zero_cache.tiers import build_tiers, fragmentation_bytes, use_expandable_segments
 from zero_cache.tuning import DeviceStepTuner
 from zero_cache.units import AUTO, parse_budget
+from zero_cache.working_set import GRADIENT_BUCKETS, GROUPS_IN_USE, WorkingSet, capped
 
 logger = logging.getLogger(__name__)
 
@@ -66,13 +66,15 @@ def build_layout(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheCon
 def chunk_numel_cap(config: ZeroCacheConfig, device_budget: int, reserve: int, compute_dtype: torch.dtype,
                     sharding: Sharding) -> int:
     """The largest chunk whose fixed device share still fits the budget with streamed params: the fp32 scratch
-    chunk, the gradient buckets and the fewest live groups (prefetch depth + 2), each ``world_size`` chunks wide.
+    chunk and the wanted working set's gradient buckets and fewest live groups, each ``world_size`` chunks wide.
 
-    A small device must get small chunks, or the few slots a streamed model needs do not fit at all.
+    A small device must get small chunks, or the few slots a streamed model needs do not fit at all (and where
+    they still do not, at the floor the largest tensor sets, the planner shrinks the working set).
     """
     param_bytes = torch.empty((), dtype=compute_dtype).element_size()
     ahead = max(1, config.prefetch_depth) if not sharding.sharded else 1
-    per_element = 4 + (GRADIENT_BUCKETS + ahead + 2) * sharding.world_size * param_bytes
+    wanted = WorkingSet(ahead=ahead, live_groups=0, buckets=GRADIENT_BUCKETS)
+    per_element = 4 + (wanted.buckets + wanted.fewest_live) * sharding.world_size * param_bytes
     room = int(device_budget * (1 - DEVICE_MARGIN_FRACTION)) - reserve
     return max(1, room // per_element)
 
@@ -107,23 +109,22 @@ def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: tor
     stepped there); ``rates``: what placements are compared at."""
     param_bytes = torch.empty((), dtype=compute_dtype).element_size()
     buckets = GRADIENT_BUCKETS if shard_params or (sharding.sharded and accumulation_steps > 1) else 0
-    live = min_live = 0
+    live = 0
+    ahead = gather_ahead_groups(config, layout, sharding)
     if shard_params:
-        min_live = min(gather_ahead_groups(config, layout, sharding) + 2, sharding.num_groups(layout.num_chunks))
         # One rank: more live groups than the fewest would only spare a few re-fetches in backward, and
         # every one of them is room not given to a resident shard or an optimizer group.
-        live = max_live_groups(config, layout, sharding) if sharding.sharded else min_live
+        live = max_live_groups(config, layout, sharding) if sharding.sharded else ahead + GROUPS_IN_USE
     return PlanInputs(num_chunks=layout.num_chunks, chunk_numel=layout.chunk_numel,
-                      owned=sharding.owned(layout.num_chunks),
-                      exchange_buffer_bytes=buckets * sharding.world_size * layout.chunk_numel * param_bytes,
+                      owned=sharding.owned(layout.num_chunks), gradient_buckets=buckets,
                       param_chunks_held=sharding.num_groups(layout.num_chunks) if shard_params else None,
                       group_size=sharding.world_size, param_home=config.param_home, live_groups=live,
-                      min_live_groups=min_live,
+                      gather_ahead=ahead,
                       padding_chunks=sharding.padded_chunks(layout.num_chunks) - layout.num_chunks,
                       param_bytes_per_element=param_bytes,
                       grad_bytes_per_element=grad_bytes_per_element(accumulation_steps),
                       device_budget_bytes=device_budget, host_budget_bytes=host_budget, trace=trace,
-                      nonmodel_peak_bytes=nonmodel_peak_bytes, prefetch_depth=config.prefetch_depth,
+                      nonmodel_peak_bytes=nonmodel_peak_bytes,
                       # (accumulating: a second pool stages the micro-batch gradients, see HostUpdater.gradient_pool)
                       staging_buffers=STAGING_BUFFERS * (2 if accumulation_steps > 1 else 1),
                       nvme_budget_bytes=nvme_budget, nvme_path_set=config.nvme_path is not None,
@@ -131,6 +132,80 @@ def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: tor
                       kept_bytes_per_element=param_bytes if in_backward and accumulation_steps == 1 else 0,
                       device_steps=(None if gpu else 0) if config.device_steps == AUTO else config.device_steps,
                       rates=rates)
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """A ``zero_cache`` section's "auto" values resolved for one rank before its first plan (:func:`resolve`):
+    what :func:`attach` builds from and :func:`dry_run` plans from, worked out in one place."""
+
+    budgets: TierBudgets
+    """The tiers' byte budgets ("auto": measured here, or from a described machine)."""
+    activation_reserve_bytes: int
+    """Device bytes held back for activations until the warm-up measures them (:func:`warmup_reserve`)."""
+    layout: ChunkLayout
+    """The chunks, of the configured size or the one searched under the device's cap (:func:`chunk_numel_cap`)."""
+    update_in_backward: bool
+    """Host chunks update during backward (:func:`resolve_update_in_backward`)."""
+
+    def plan_inputs(self, config: ZeroCacheConfig, compute_dtype: torch.dtype, accumulation_steps: int,
+                    sharding: Sharding, shard_params: bool, gpu: bool) -> PlanInputs:
+        """The first plan's inputs for ``sharding``'s rank, params gathered on use or not."""
+        return plan_inputs(self.layout, config, compute_dtype, self.budgets.device_bytes, self.budgets.host_bytes,
+                           accumulation_steps, nonmodel_peak_bytes=self.activation_reserve_bytes,
+                           nvme_budget=self.budgets.nvme_bytes, sharding=sharding, shard_params=shard_params,
+                           in_backward=self.update_in_backward, gpu=gpu)
+
+
+def resolve(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, *, compute_dtype: torch.dtype,
+            device: torch.device, accumulation_steps: int, sharding: Sharding, hardware: Hardware | None = None,
+            moving_device_bytes: int = 0, moving_host_bytes: int = 0) -> Resolved:
+    """Budgets, activation reserve, layout and update timing of one rank, from the config and the parameter shapes.
+
+    Args:
+        shapes: (name, shape) of the trainable parameters in model order.
+        sharding: the data-parallel ranks (its ``ranks_per_host`` share a host's RAM and disk).
+        hardware, moving_device_bytes, moving_host_bytes: as for :func:`~zero_cache.hardware.tier_budgets`.
+
+    Raises:
+        NvmeSetupError: measuring here, and nvme_path is missing or not writable.
+        ValueError: a configured chunk size below the largest parameter, or an update timing the ranks refuse.
+    """
+    budgets = tier_budgets(config, device, sharding.ranks_per_host, hardware, moving_device_bytes=moving_device_bytes,
+                           moving_host_bytes=moving_host_bytes)
+    # Before the warm-up has measured activations, keep part of the device for them; the re-plan
+    # after the first step replaces this guess with the measured peak (and moves groups back).
+    reserve = warmup_reserve(config, device, budgets.device_bytes)
+    layout = build_layout(shapes, config, chunk_numel_cap(config, budgets.device_bytes, reserve, compute_dtype,
+                                                          sharding))
+    in_backward = resolve_update_in_backward(config, accumulation_steps=accumulation_steps,
+                                             world_size=sharding.world_size)
+    return Resolved(budgets, reserve, layout, in_backward)
+
+
+@dataclass(frozen=True, slots=True)
+class DryRun:
+    """What :func:`dry_run` found for rank 0: the values it resolved and the first plan :func:`attach` would make."""
+
+    resolved: Resolved
+    plan: Plan
+
+    @property
+    def layout(self) -> ChunkLayout:
+        return self.resolved.layout
+
+
+def working_set_given_up(inputs: PlanInputs, plan: Plan) -> str:
+    """What ``plan`` gave up of the working set ``inputs`` wanted (:mod:`zero_cache.working_set`), for the log;
+    empty when it kept it (within the groups there are)."""
+    groups = inputs.param_chunks_held if plan.params_sharded else inputs.num_chunks
+    wanted = capped(WorkingSet(ahead=inputs.gather_ahead, live_groups=inputs.live_groups,
+                               buckets=inputs.gradient_buckets), groups)
+    parts = [f"{plan.gather_ahead} of {wanted.ahead} groups fetched ahead"] if (
+        plan.params_sharded and plan.gather_ahead < wanted.ahead) else []
+    if plan.gradient_buckets < wanted.buckets:
+        parts.append(f"{plan.gradient_buckets} of {wanted.buckets} gradient buckets (each reduction waited for at once)")
+    return ", ".join(parts)
 
 
 PREDICTION_TOLERANCE = 0.10
@@ -199,8 +274,8 @@ class WarmupTracer:
             logger.warning("ZeRO-Cache re-plan after warm-up failed, keeping the current placement: %s", str(err))
             return None
         moved = self._apply(optimizer, plan)
-        if optimizer.exchange is not None and optimizer.exchange.gathered is not None:
-            optimizer.exchange.gathered.resize(plan.cache_slots)
+        if optimizer.exchange is not None:
+            optimizer.exchange.apply_working_set(plan)
         logger.info("ZeRO-Cache re-plan after warm-up (non-model peak %d MiB; %s): %s; %d groups moved",
                     nonmodel // 2**20, self.rates.describe(), plan.summary(), moved)
         self.inputs = inputs
@@ -245,8 +320,10 @@ class WarmupTracer:
 
 def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, *, compute_dtype: torch.dtype,
             device: torch.device, accumulation_steps: int = 1, world_size: int = 1,
-            ranks_per_host: int | None = None, hardware: Hardware | None = None) -> tuple[ChunkLayout, Plan]:
-    """The layout and rank 0's first plan :func:`attach` would make, without allocating anything.
+            ranks_per_host: int | None = None, hardware: Hardware | None = None, moving_device_bytes: int = 0,
+            moving_host_bytes: int = 0) -> DryRun:
+    """Rank 0's resolved budgets, reserve and layout, and the first plan :func:`attach` would make, without
+    allocating anything (``pretrain.py --plan`` reports them, so they are worked out once, as attach does).
 
     Args:
         shapes: (name, shape) of the trainable parameters in model order (a meta-device model gives them).
@@ -257,6 +334,9 @@ def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, 
             Every rank is planned (each owns other chunks), and sharded params decided as the ranks would.
         hardware: plan for this machine, not the one running: "auto" budgets come from its sizes, its NVMe
             space (if any) is the disk tier, and the device is a GPU (:mod:`zero_cache.hardware`).
+        moving_device_bytes, moving_host_bytes: bytes of the parameters already stored on the device / in host
+            memory, which attach would move into the chunks: added to "auto" budgets measured now, as attach adds
+            them (:func:`~zero_cache.hardware.tier_budgets`).
 
     Raises:
         PlanError: the model states do not fit on some rank; the message has the shortfall per tier.
@@ -264,21 +344,17 @@ def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, 
     per_host = ranks_per_host or (hardware.gpus_per_host if hardware is not None else world_size)
     if hardware is not None:
         device = torch.device("cuda")  # only its type matters: nothing is allocated or measured
-    budgets = tier_budgets(config, device, per_host, hardware)
-    reserve = warmup_reserve(config, device, budgets.device_bytes)
-    cap = chunk_numel_cap(config, budgets.device_bytes, reserve, compute_dtype,
-                          Sharding(world_size=world_size, ranks_per_host=per_host))
-    layout = build_layout(shapes, config, cap)
-    in_backward = resolve_update_in_backward(config, accumulation_steps=accumulation_steps, world_size=world_size)
+    resolved = resolve(shapes, config, compute_dtype=compute_dtype, device=device,
+                       accumulation_steps=accumulation_steps,
+                       sharding=Sharding(world_size=world_size, ranks_per_host=per_host), hardware=hardware,
+                       moving_device_bytes=moving_device_bytes, moving_host_bytes=moving_host_bytes)
 
     def plan_for(sharding: Sharding, shard_params: bool) -> Plan:
-        return make_plan(plan_inputs(layout, config, compute_dtype, budgets.device_bytes, budgets.host_bytes,
-                                     accumulation_steps, nonmodel_peak_bytes=reserve, nvme_budget=budgets.nvme_bytes,
-                                     sharding=sharding, shard_params=shard_params, in_backward=in_backward,
-                                     gpu=device.type == "cuda"))
+        return make_plan(resolved.plan_inputs(config, compute_dtype, accumulation_steps, sharding, shard_params,
+                                              gpu=device.type == "cuda"))
 
     if world_size == 1:
-        return layout, choose_streaming(config, functools.partial(plan_for, Sharding()))[1]
+        return DryRun(resolved, choose_streaming(config, functools.partial(plan_for, Sharding()))[1])
     ranks = [Sharding(rank=rank, world_size=world_size, ranks_per_host=per_host) for rank in range(world_size)]
     candidates = [candidate_plans(config, functools.partial(plan_for, sharding)) for sharding in ranks]
     choice = decide_shard_params(config.shard_params, [device_groups(plans) for plans, _ in candidates])
@@ -286,7 +362,7 @@ def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, 
         wanted = wanted_placement(config.shard_params)
         rank, error = next((r, errors[wanted]) for r, (_, errors) in enumerate(candidates) if wanted in errors)
         raise PlanError(f"rank {rank} of {world_size}: {error}")
-    return layout, candidates[0][0][choice]
+    return DryRun(resolved, candidates[0][0][choice])
 
 
 def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int, str], config: ZeroCacheConfig,
@@ -308,28 +384,22 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     Raises:
         PlanError: the model states do not fit; nothing has been allocated.
     """
-    in_backward = resolve_update_in_backward(config, accumulation_steps=accumulation_steps,
-                                             world_size=sharding.world_size)
     if device.type == "cuda":
         logger.info("ZeRO-Cache: the CUDA allocator's expandable segments %s", use_expandable_segments(device))
     ordered = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     in_optimizer = {id(p) for p in ordered}
     params = [(name, p) for name, p in module.named_parameters() if id(p) in in_optimizer]
-    budgets = tier_budgets(config, device, sharding.ranks_per_host, moving_device_bytes=_bytes_on(params, device),
-                           moving_host_bytes=_bytes_on(params, torch.device("cpu")))
+    resolved = resolve([(name, tuple(p.shape)) for name, p in params], config, compute_dtype=compute_dtype,
+                       device=device, accumulation_steps=accumulation_steps, sharding=sharding,
+                       moving_device_bytes=_bytes_on(params, device),
+                       moving_host_bytes=_bytes_on(params, torch.device("cpu")))
+    budgets, layout, in_backward = resolved.budgets, resolved.layout, resolved.update_in_backward
     device_tier, host_tier = build_tiers(device, budgets.device_bytes, budgets.host_bytes, sharding.ranks_per_host)
     swap_directory, disk_budget = budgets.nvme_directory, budgets.nvme_bytes
-    # Before the warm-up has measured activations, keep part of the device for them; the re-plan
-    # after the first step replaces this guess with the measured peak (and moves groups back).
-    reserve = warmup_reserve(config, device, device_tier.budget_bytes)
-    layout = build_layout([(name, tuple(p.shape)) for name, p in params], config,
-                          chunk_numel_cap(config, device_tier.budget_bytes, reserve, compute_dtype, sharding))
 
     def inputs_for(shard_params: bool) -> PlanInputs:
-        return plan_inputs(layout, config, compute_dtype, device_tier.budget_bytes, host_tier.budget_bytes,
-                           accumulation_steps, nonmodel_peak_bytes=reserve, nvme_budget=disk_budget,
-                           sharding=sharding, shard_params=shard_params, in_backward=in_backward,
-                           gpu=device.type == "cuda")
+        return resolved.plan_inputs(config, compute_dtype, accumulation_steps, sharding, shard_params,
+                                    gpu=device.type == "cuda")
 
     shard_params, plan = choose_shard_params(config, sharding, lambda shard: make_plan(inputs_for(shard)),
                                              gather_objects(sharding))
@@ -340,6 +410,10 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     logger.info("ZeRO-Cache: %d chunks of %d elements (%.1f%% padding) over %d ranks; %s; host chunks update %s",
                 layout.num_chunks, layout.chunk_numel, 100 * layout.waste_fraction, sharding.world_size,
                 plan.summary(), "during backward" if in_backward else "after backward")
+    given_up = working_set_given_up(inputs, plan)
+    if given_up:
+        logger.info("ZeRO-Cache: the device budget does not hold the config's working set; planned %s. A larger "
+                    "zero_cache.device_memory_budget keeps it", given_up)
     store = ChunkStore(layout, [p for _, p in params], plan, tiers, compute_dtype, accumulate=accumulation_steps > 1,
                        sharding=sharding, shard_params=shard_params)
     hybrid = ZeroCacheOptimizer(store, optimizer, names, decoupled_weight_decay=decoupled_weight_decay,
@@ -348,8 +422,9 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
                                 native_host_adam=(device.type == "cuda" if config.native_host_adam == "auto"
                                                   else config.native_host_adam),
                                 overlap_comm=config.overlap_comm,
-                                gather_ahead=gather_ahead_groups(config, layout, sharding),
-                                max_live_groups=plan.cache_slots, device_stepped=plan.device_stepped)
+                                gather_ahead=plan.gather_ahead or gather_ahead_groups(config, layout, sharding),
+                                max_live_groups=plan.cache_slots, gradient_buckets=plan.gradient_buckets,
+                                device_stepped=plan.device_stepped)
     tracer = WarmupTracer(layout, config, compute_dtype, accumulation_steps, in_backward, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # the warm-up measures the non-model peak from here

@@ -32,11 +32,7 @@ from zero_cache.gathered import GatheredGroups
 from zero_cache.planner import DEVICE, HOST
 from zero_cache.sharding import Sharding
 from zero_cache.tiers import wait
-
-GRADIENT_BUCKETS = 3
-"""Gradient buckets planned on the device: one being filled, one being reduced, one being accumulated.
-More are allocated (within the device budget) while more groups are open at once (e.g. a tied
-embedding's group stays open until the end of backward)."""
+from zero_cache.working_set import GRADIENT_BUCKETS, reduction_lag
 
 
 class ChunkExchange:
@@ -49,11 +45,17 @@ class ChunkExchange:
             fp32 accumulators (sharded params use buckets either way).
         gather_ahead: groups whose all-gather is started ahead of the one a forward needs.
         max_live_groups: gathered params: groups gathered at once (see :class:`GatheredGroups`).
+        buckets: gradient buckets the plan gives the device (:mod:`zero_cache.working_set`). More are allocated
+            (within the device budget) while more groups are open at once (e.g. a tied embedding's group stays
+            open until the end of backward); with no more than the groups in use, each reduction is waited for
+            as soon as it is issued, so no bucket is held by one in flight.
+        overlap_comm: leave a reduction in flight behind backward where a bucket is planned for it.
         transfers: host<->device copies (:class:`~zero_cache.host_update.Transfers`), for shards at home on the host.
     """
 
     def __init__(self, store: ChunkStore, wait_owner: Callable[[int], None], *, accumulate: bool,
-                 gather_ahead: int = 1, max_live_groups: int = 0, transfers: Any = None) -> None:
+                 gather_ahead: int = 1, max_live_groups: int = 0, buckets: int = GRADIENT_BUCKETS,
+                 overlap_comm: bool = True, transfers: Any = None) -> None:
         self.store = store
         self.sharding: Sharding = store.sharding
         self.wait_owner = wait_owner
@@ -61,6 +63,8 @@ class ChunkExchange:
         self.accumulate = accumulate
         self.uses_buckets = accumulate or store.shard_params
         self.gather_ahead = gather_ahead
+        self.buckets = buckets
+        self.overlap_comm = overlap_comm
         self.transfers = transfers
         self.gathered = (GatheredGroups(store, max_live=max_live_groups, ahead=gather_ahead,
                                         wait_owned=self._wait_owned, transfers=transfers)
@@ -78,6 +82,20 @@ class ChunkExchange:
         self.reduced_squares: dict[int, torch.Tensor] = {}
         """Group -> squared norm (on the device) of this rank's reduced slice, for shards at home on the host (several
         ranks)."""
+
+    @property
+    def reduction_lag(self) -> int:
+        """Reductions left in flight behind backward (see :func:`~zero_cache.working_set.reduction_lag`; without
+        buckets, reductions in place take no device memory of their own)."""
+        if not self.uses_buckets:
+            return 1 if self.overlap_comm else 0
+        return reduction_lag(self.buckets, self.overlap_comm)
+
+    def apply_working_set(self, plan: Any) -> None:
+        """A new plan's gradient buckets, prefetch depth and live groups, from the next use on."""
+        self.buckets = plan.gradient_buckets
+        if self.gathered is not None:
+            self.gathered.resize(plan.cache_slots, ahead=plan.gather_ahead)
 
     # ------------------------------------------------------------------ gradients
     def bucket_view(self, chunk: int) -> torch.Tensor:

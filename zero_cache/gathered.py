@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from zero_cache.planner import DEVICE, HOST
+from zero_cache.working_set import GROUPS_IN_USE
 
 
 class AcquisitionTrace:
@@ -97,7 +98,7 @@ class AcquisitionTrace:
         return len(self.groups) + 1
 
 
-RECENT = 2
+RECENT = GROUPS_IN_USE
 """Groups not evicted for having been acquired last: a module may span two groups, and a checkpointed block
 recomputed in backward holds its views of them without acquiring them again."""
 
@@ -163,9 +164,12 @@ class GatheredGroups:
         """Gathers issued, all-gathers and host copies (a measure of the policy: each group is needed about 2-3
         times a step)."""
 
-    def resize(self, max_live: int) -> None:
-        """A new plan's number of live groups (at least ``ahead + 2``), from the next acquisition on."""
-        self.max_live = max(max_live, self.ahead + 2)
+    def resize(self, max_live: int, ahead: int | None = None) -> None:
+        """A new plan's number of live groups (at least ``ahead + 2``) and, if given, its prefetch depth, from the
+        next acquisition on."""
+        if ahead:
+            self.ahead = ahead
+        self.max_live = max(max_live, self.ahead + RECENT)
 
     @property
     def live_groups(self) -> list[int]:

@@ -61,6 +61,7 @@ from zero_cache.optimizer_sharded import ShardedGradients
 from zero_cache.optimizer_state import OptimizerCheckpoint
 from zero_cache.planner import DEVICE, HOST, NVME, OFF_DEVICE
 from zero_cache.revision import SpeculationWindow
+from zero_cache.working_set import GRADIENT_BUCKETS
 
 
 
@@ -85,13 +86,15 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
         overlap_comm: sharded: reduce each group from backward (``ZeroCacheConfig.overlap_comm``).
         gather_ahead: sharded: groups gathered ahead of the forward (from ``ZeroCacheConfig.gather_ahead_elements``).
         max_live_groups: sharded params: groups gathered at once (from ``ZeroCacheConfig.max_live_elements``).
+        gradient_buckets: gradient buckets the plan gives the device (``Plan.gradient_buckets``).
         device_stepped: host-tier chunks stepped on the device after backward (``Plan.device_stepped``).
     """
 
     def __init__(self, store: ChunkStore, optimizer: torch.optim.Optimizer, names: dict[int, str], *,
                  decoupled_weight_decay: bool = True, loss_scaler: Any = None, gradient_clipping: float = 0.0,
                  update_in_backward: bool = False, native_host_adam: bool = False, overlap_comm: bool = True,
-                 gather_ahead: int = 1, max_live_groups: int = 0, device_stepped: tuple[int, ...] = ()) -> None:
+                 gather_ahead: int = 1, max_live_groups: int = 0, gradient_buckets: int = GRADIENT_BUCKETS,
+                 device_stepped: tuple[int, ...] = ()) -> None:
         self.store = store
         self.optimizer = optimizer
         self.loss_scaler = loss_scaler
@@ -103,7 +106,7 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
         self.transfers = Transfers(self.device)
         self.exchange = (ChunkExchange(store, self.wait_for_chunk, accumulate=store.grads_in_accumulators,
                                        gather_ahead=gather_ahead, max_live_groups=max_live_groups,
-                                       transfers=self.transfers)
+                                       buckets=gradient_buckets, overlap_comm=overlap_comm, transfers=self.transfers)
                          if self.sharding.sharded or store.shard_params else None)
         self._device_adam = functools.partial(torch_fused_adam, decoupled=decoupled_weight_decay)
         self.host_adam = HostAdam(decoupled_weight_decay, try_deepspeed=self.device.type == "cuda",

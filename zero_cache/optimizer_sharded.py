@@ -32,7 +32,8 @@ class ShardedGradients:
         self.exchange.reduce(group)
         # Lagged by one group, so the compute stream rarely waits for NCCL (the wait orders what follows).
         # Sharded params cannot keep every bucket until the step: without overlap each is waited for at once.
-        done = self.exchange.completed(keep_in_flight=1 if self.overlap_comm else 0)
+        # (With no bucket planned for it, none stays in flight either: see ChunkExchange.reduction_lag.)
+        done = self.exchange.completed(keep_in_flight=self.exchange.reduction_lag)
         if self.store.grads_in_accumulators:
             self._accumulate_reduced(done)
         elif self._speculating:

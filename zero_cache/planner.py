@@ -15,6 +15,9 @@ The plan decides, in this order of value per device byte:
    shard has a **home**, on the device or in pinned host memory, and ``cache_slots`` groups are
    live on the device at once, filled along the trace ahead of use and emptied by Belady's rule
    (evict the group whose next use is furthest away: optimal for equal-size pages, Belady 1966).
+   The live groups and gradient buckets are the **working set** (:mod:`zero_cache.working_set`): where the
+   config's does not fit, it shrinks (the spare groups, the lagged bucket, the prefetch depth) before a
+   plan is refused, and a plan that keeps the config's has the same counts it always had.
    Which shards stay home on the device is chosen by what the step costs
    (:mod:`zero_cache.step_cost`): a streamed shard costs PCIe bytes every time it is used, a
    device byte given to it is not given to optimizer groups, and a host optimizer group costs
@@ -38,7 +41,7 @@ The plan decides, in this order of value per device byte:
    (:func:`~zero_cache.step_cost.cheapest_device_steps`). They need no kept gradient.
 
 If something does not fit, :func:`make_plan` raises :class:`PlanError` with the shortfall per
-tier and what to change, before a single byte is allocated.
+tier and what to change, before a single byte is allocated (for the device, against the least working set).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from typing import Sequence
 from zero_cache.step_cost import (NOMINAL_RATES, STATE_BYTES_PER_ELEMENT, HostChunk, Rates, StepTraffic,
                                   cheapest_device_steps, step_traffic, with_device_steps)
 from zero_cache.units import format_bytes
+from zero_cache.working_set import GROUPS_IN_USE, WorkingSet, budget_for_room, live_groups_in, shrinking
 
 DEVICE, HOST, NVME = "device", "host", "nvme"
 OFF_DEVICE = (HOST, NVME)
@@ -83,8 +87,6 @@ class PlanInputs:
     """Chunk accesses of one iteration in order (forward, then backward); empty before warm-up."""
     nonmodel_peak_bytes: int = 0
     """Peak device bytes not owned by ZeRO-Cache (activations, workspace), from the warm-up."""
-    prefetch_depth: int = 2
-    """Chunks fetched ahead of use when params are cached rather than resident."""
     margin_fraction: float = DEVICE_MARGIN_FRACTION
     """Device budget kept free for allocator fragmentation and transients."""
     grad_bytes_per_element: int = 4
@@ -101,8 +103,9 @@ class PlanInputs:
     """Chunks whose optimizer groups this rank holds (data-parallel sharding); None = all of them."""
     padding_chunks: int = 0
     """Zero param chunks that complete the last collective group (sharding)."""
-    exchange_buffer_bytes: int = 0
-    """Device bytes of the gradient buckets that sharded or gathered params reduce from."""
+    gradient_buckets: int = 0
+    """Gradient buckets wanted on the device (each a group of ``group_size`` param chunks), from which sharded or
+    gathered params reduce; 0 = none. Fewer are planned where they do not fit (:mod:`zero_cache.working_set`)."""
     param_chunks_held: int | None = None
     """Param chunks this rank stores: None = all of them and the padding (replicated params, resident), or
     one per collective group (gathered params: its shards, each at home on the device or the host)."""
@@ -112,9 +115,10 @@ class PlanInputs:
     """Gathered params: where this rank's shards may live: "device" (all resident), "host" (all in pinned
     host memory, copied in on use: DeepSpeed's ``offload_param``), or "auto" (by what the step costs)."""
     live_groups: int = 0
-    """Gathered params: groups wanted live on the device at once (``max_live_elements``)..."""
-    min_live_groups: int = 0
-    """...and the fewest that work (in use, being fetched ahead, one spare)."""
+    """Gathered params: groups wanted live on the device at once (``max_live_elements``), at least the fewest
+    that work (``gather_ahead`` + the groups in use)..."""
+    gather_ahead: int = 1
+    """...and groups wanted fetched ahead of use (``prefetch_depth`` / ``gather_ahead_elements``)."""
     gathers_per_step: float = 2.0
     """Gathered params: times a group is brought onto the device per step (forward, backward)."""
     kept_bytes_per_element: int = 0
@@ -162,6 +166,11 @@ class PlanInputs:
         return self.group_size * self.param_chunk_bytes
 
     @property
+    def exchange_buffer_bytes(self) -> int:
+        """Device bytes of the wanted gradient buckets."""
+        return self.gradient_buckets * self.live_group_bytes
+
+    @property
     def scratch_bytes(self) -> int:
         """One fp32 chunk per tier through which the update reads low-precision gradients."""
         return self.chunk_numel * 4
@@ -196,6 +205,10 @@ class Plan:
     device_stepped: tuple[int, ...] = ()
     """Host-tier chunks whose optimizer group is stepped on the device after backward, not by the host's Adam
     (those the next forward needs first)."""
+    gather_ahead: int = 0
+    """Gathered params: groups fetched ahead of use (the config's depth, or less where it did not fit)."""
+    gradient_buckets: int = 0
+    """Gradient buckets on the device (the wanted count, or fewer where they did not fit)."""
 
     @property
     def streamed_groups(self) -> int:
@@ -208,7 +221,8 @@ class Plan:
         if self.params_sharded:
             kind = "sharded" if self.group_size > 1 else "gathered on use"
             params = (f"{kind}: {self.param_home.count(DEVICE)} of {len(self.param_home)} shards at home on the "
-                      f"device, {self.streamed_groups} streamed from the host; {self.cache_slots} groups live at once")
+                      f"device, {self.streamed_groups} streamed from the host; {self.cache_slots} groups live at once, "
+                      f"{self.gather_ahead} fetched ahead, {self.gradient_buckets} gradient buckets")
         disk = f", nvme {format_bytes(self.nvme_bytes)}" if self.nvme_bytes else ""
         notes = [f"{len(self.kept_gradients)} keep their gradient"] if self.kept_gradients else []
         notes += [f"{len(self.device_stepped)} stepped on the device"] if self.device_stepped else []
@@ -229,17 +243,44 @@ def first_use_order(trace: Sequence[int], num_chunks: int) -> tuple[int, ...]:
 def make_plan(inputs: PlanInputs) -> Plan:
     """Decide placement; raise PlanError with the shortfall when it cannot fit.
 
+    The wanted working set (live groups, prefetch depth, gradient buckets) is tried first; where no placement
+    holds it, ever smaller ones (:func:`~zero_cache.working_set.shrinking`), down to the least that works.
+
     Returns:
         The plan, maximising device residency in the order described in the module docstring (for
         gathered params, the cheapest placement of the shards by :mod:`zero_cache.step_cost`).
     """
-    room = (int(inputs.device_budget_bytes * (1 - inputs.margin_fraction)) - inputs.nonmodel_peak_bytes
-            - inputs.scratch_bytes - inputs.exchange_buffer_bytes)
+    error: PlanError | None = None
+    for working in _working_sets(inputs):
+        try:
+            return _plan_with(inputs, working)
+        except PlanError as err:
+            error = err
+    raise error
+
+
+def _working_sets(inputs: PlanInputs) -> list[WorkingSet]:
+    """The working sets to try, the wanted one first: with resident params, only the gradient buckets shrink."""
+    if inputs.param_chunks_held is None:
+        buckets = sorted({inputs.gradient_buckets, min(inputs.gradient_buckets, GROUPS_IN_USE)}, reverse=True)
+        return [WorkingSet(ahead=0, live_groups=0, buckets=count) for count in buckets]
+    wanted = WorkingSet(ahead=inputs.gather_ahead, live_groups=inputs.live_groups, buckets=inputs.gradient_buckets)
+    return list(shrinking(wanted, inputs.param_chunks_held))
+
+
+def _fixed_device_bytes(inputs: PlanInputs, working: WorkingSet) -> int:
+    """Device bytes besides params and optimizer groups: activations, the update scratch and the buckets."""
+    return inputs.nonmodel_peak_bytes + inputs.scratch_bytes + working.buckets * inputs.live_group_bytes
+
+
+def _plan_with(inputs: PlanInputs, working: WorkingSet) -> Plan:
+    """The plan with ``working``'s buckets and prefetch depth; PlanError when nothing fits."""
+    room = int(inputs.device_budget_bytes * (1 - inputs.margin_fraction)) - _fixed_device_bytes(inputs, working)
     if inputs.param_chunks_held is not None:
-        return _plan_gathered(inputs, room)
+        return _plan_gathered(inputs, room, working)
     all_params = (inputs.num_chunks + inputs.padding_chunks) * inputs.param_chunk_bytes
     if room < all_params:
-        need = all_params + inputs.device_budget_bytes - room
+        need = budget_for_room(all_params + _fixed_device_bytes(inputs, working), inputs.margin_fraction)
         remedy = ("zero_cache.param_home \"auto\" or \"host\" streams them from the host instead"
                   if inputs.group_size == 1 else
                   "zero_cache.shard_params \"auto\" or true gathers them on use instead (and streams this rank's "
@@ -249,7 +290,7 @@ def make_plan(inputs: PlanInputs) -> Plan:
             f"{format_bytes(inputs.nonmodel_peak_bytes)} of activations; {remedy}")))
     owned = _owned_in_use_order(inputs)
     device_optim = min(len(owned), (room - all_params) // inputs.optimizer_chunk_bytes)
-    return _finish(inputs, resident_bytes=all_params, live=0, device_optim=owned[:device_optim], home=(),
+    return _finish(inputs, working, resident_bytes=all_params, live=0, device_optim=owned[:device_optim], home=(),
                    host_params_bytes=0, traffic=_traffic(inputs, (), owned, device_optim))
 
 
@@ -259,7 +300,7 @@ def _owned_in_use_order(inputs: PlanInputs) -> list[int]:
     return [c for c in first_use_order(inputs.trace, inputs.num_chunks) if c in mine]
 
 
-def _plan_gathered(inputs: PlanInputs, room: int) -> Plan:
+def _plan_gathered(inputs: PlanInputs, room: int, working: WorkingSet) -> Plan:
     """Gathered params: how many shards stay home on the device (the groups used first), the live groups,
     and the optimizer groups on the device, by the cheapest step; PlanError when nothing fits."""
     held, shard_bytes = inputs.param_chunks_held, inputs.param_chunk_bytes
@@ -273,18 +314,17 @@ def _plan_gathered(inputs: PlanInputs, room: int) -> Plan:
     for resident in resident_options:
         streamed = held - resident
         cap = held if size > 1 else streamed  # one rank: a shard at home on the device is used in place
-        live_min = min(inputs.min_live_groups, cap)
         left = room - resident * shard_bytes
-        if left < live_min * inputs.live_group_bytes:
+        live = live_groups_in(working, left, inputs.live_group_bytes, cap)
+        if live is None:
             continue
-        live = max(live_min, min(inputs.live_groups, cap, left // max(1, inputs.live_group_bytes)))
         left -= live * inputs.live_group_bytes
         home_on_device = set(groups_in_order[:resident])
         eligible = [c for c in owned if c // size in home_on_device]  # device Adam needs the shard on the device
         device_optim = min(len(eligible), left // inputs.optimizer_chunk_bytes)
         home = tuple(DEVICE if g in home_on_device else HOST for g in range(held))
         try:
-            plan = _finish(inputs, resident_bytes=resident * shard_bytes, live=live,
+            plan = _finish(inputs, working, resident_bytes=resident * shard_bytes, live=live,
                            device_optim=eligible[:device_optim], home=home, host_params_bytes=streamed * shard_bytes,
                            traffic=_traffic(inputs, home, owned, device_optim, eligible))
         except PlanError as err:
@@ -297,15 +337,26 @@ def _plan_gathered(inputs: PlanInputs, room: int) -> Plan:
         return best[1]
     if failure is not None:
         raise failure
+    raise PlanError(_working_set_shortfall(inputs, working))
+
+
+def _working_set_shortfall(inputs: PlanInputs, working: WorkingSet) -> str:
+    """Why the device cannot hold ``working`` (the least working set, when make_plan gets here): its parts in
+    bytes, and the budget that would hold them."""
+    held, shard_bytes, group_bytes = inputs.param_chunks_held, inputs.param_chunk_bytes, inputs.live_group_bytes
     fewest = 0 if inputs.param_home != "device" else held
-    need = (fewest * shard_bytes + min(inputs.min_live_groups, held) * inputs.live_group_bytes
-            + inputs.device_budget_bytes - room)
-    raise PlanError(_shortfall_message("device", need, inputs.device_budget_bytes, inputs, detail=(
-        f"it holds {fewest} param shards of {format_bytes(shard_bytes)} at home, "
-        f"{min(inputs.min_live_groups, held)} gathered groups of {format_bytes(inputs.live_group_bytes)} "
-        f"(zero_cache.prefetch_depth / gather_ahead_elements set how many), "
-        f"{format_bytes(inputs.exchange_buffer_bytes)} of gradient buckets and "
-        f"{format_bytes(inputs.nonmodel_peak_bytes)} of activations")))
+    cap = held if inputs.group_size > 1 else held - fewest  # as _plan_gathered: one rank uses its own in place
+    live = min(working.fewest_live, cap)
+    need = budget_for_room(fewest * shard_bytes + live * group_bytes + _fixed_device_bytes(inputs, working),
+                           inputs.margin_fraction)
+    in_use = min(GROUPS_IN_USE, live)
+    return _shortfall_message("device", need, inputs.device_budget_bytes, inputs, detail=(
+        f"the least it can run with holds {fewest} param shards of {format_bytes(shard_bytes)} at home, "
+        f"{live} gathered groups of {format_bytes(group_bytes)} ({in_use} in use, {live - in_use} fetched ahead), "
+        f"{working.buckets} gradient buckets of {format_bytes(group_bytes)} "
+        f"({format_bytes(working.buckets * group_bytes)}), the fp32 update scratch of "
+        f"{format_bytes(inputs.scratch_bytes)} and {format_bytes(inputs.nonmodel_peak_bytes)} of activations, "
+        f"with {inputs.margin_fraction:.0%} kept free"))
 
 
 def _traffic(inputs: PlanInputs, home: tuple[str, ...], owned: list[int], device_optim: int,
@@ -321,8 +372,8 @@ def _traffic(inputs: PlanInputs, home: tuple[str, ...], owned: list[int], device
                         gathers_per_step=inputs.gathers_per_step, rates=inputs.rates)
 
 
-def _finish(inputs: PlanInputs, *, resident_bytes: int, live: int, device_optim: list[int], home: tuple[str, ...],
-            host_params_bytes: int, traffic: StepTraffic) -> Plan:
+def _finish(inputs: PlanInputs, working: WorkingSet, *, resident_bytes: int, live: int, device_optim: list[int],
+            home: tuple[str, ...], host_params_bytes: int, traffic: StepTraffic) -> Plan:
     """The plan, once the device's share is decided: the other owned groups go to the host, then NVMe.
 
     Device optimizer groups go to the chunks the next forward needs first: the host groups' CPU
@@ -347,11 +398,13 @@ def _finish(inputs: PlanInputs, *, resident_bytes: int, live: int, device_optim:
     for position, chunk in enumerate(off_device):
         tiers[chunk] = HOST if position < num_host else NVME
     device_bytes = (resident_bytes + live * inputs.live_group_bytes + len(device_optim) * inputs.optimizer_chunk_bytes
-                    + inputs.scratch_bytes + inputs.exchange_buffer_bytes)
+                    + inputs.scratch_bytes + working.buckets * inputs.live_group_bytes)
     return Plan(params_resident=HOST not in home, cache_slots=live, optimizer_tier=tuple(tiers),
                 device_bytes=device_bytes, host_bytes=host_bytes, nvme_bytes=num_nvme * inputs.swap_slot_bytes,
                 params_sharded=inputs.param_chunks_held is not None, param_home=home, group_size=inputs.group_size,
-                traffic=traffic, kept_gradients=kept, device_stepped=stepped)
+                traffic=traffic, kept_gradients=kept, device_stepped=stepped,
+                gather_ahead=working.ahead if inputs.param_chunks_held is not None else 0,
+                gradient_buckets=working.buckets)
 
 
 def _device_steps_and_kept(inputs: PlanInputs, traffic: StepTraffic, off_device: list[int], on_host: list[int],
@@ -444,7 +497,8 @@ def _shortfall_message(tier: str, need: int, have: int, inputs: PlanInputs, deta
     return (f"model states do not fit: the {tier} tier needs {format_bytes(need)} but its budget is "
             f"{format_bytes(have)} (short by {format_bytes(need - have)}); {detail}. All model states together "
             f"take {format_bytes(total)}{share}. "
-            + ", ".join([f"Raise zero_cache.{tier}_memory_budget", *_nvme_advice(inputs, tier, need - have),
+            + ", ".join([f"Raise zero_cache.{tier}_memory_budget to at least {need} bytes",
+                         *_nvme_advice(inputs, tier, need - have),
                          "shrink the micro-batch or enable activation checkpointing", "or use more GPUs."]))
 
 

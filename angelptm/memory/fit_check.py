@@ -18,7 +18,6 @@ already resident added back, as ``attach`` does: their storage is released into 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -90,28 +89,17 @@ def check_shapes_fit(shapes: list[tuple[str, tuple[int, ...]]], cfg: EngineConfi
     per_host = ranks_per_host or cfg.zero_cache.ranks_per_host or _env_int("LOCAL_WORLD_SIZE", world_size)
     per_host = min(per_host, world_size)
     try:
-        config = _with_resident_budgets(cfg.zero_cache, device, per_host, resident_bytes or {})
-        zero_cache.dry_run(shapes, config, compute_dtype=cfg.precision.dtype, device=device,
+        resident = resident_bytes or {}
+        zero_cache.dry_run(shapes, cfg.zero_cache, compute_dtype=cfg.precision.dtype, device=device,
                            accumulation_steps=cfg.batch.gradient_accumulation_steps, world_size=world_size,
-                           ranks_per_host=per_host)
+                           ranks_per_host=per_host, moving_device_bytes=resident.get(device.type, 0),
+                           moving_host_bytes=resident.get("cpu", 0))
     except zero_cache.PlanError as err:
         raise ConfigError(f"{what} does not fit, refused before building or moving it: {err}") from None
     except zero_cache.NvmeSetupError as err:
         raise ConfigError(f"cannot use the NVMe tier: {err}") from None
     except ValueError as err:  # the layout refused the config (e.g. a chunk_size below the largest parameter)
         raise ConfigError(str(err)) from None
-
-
-def _with_resident_budgets(config: zero_cache.ZeroCacheConfig, device: torch.device, ranks_per_host: int,
-                           resident: dict[str, int]) -> zero_cache.ZeroCacheConfig:
-    """``config`` with its "auto" device (and, on a GPU, host) budgets measured now plus the resident bytes."""
-    on_device, on_host = resident.get(device.type, 0), resident.get("cpu", 0)
-    if not on_device and not on_host:
-        return config
-    budgets = zero_cache.tier_budgets(config, device, ranks_per_host, moving_device_bytes=on_device,
-                                      moving_host_bytes=on_host)
-    return dataclasses.replace(config, device_memory_budget=budgets.device_bytes,
-                               host_memory_budget=budgets.host_bytes)
 
 
 def _env_int(name: str, default: int) -> int:

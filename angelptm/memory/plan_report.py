@@ -16,7 +16,6 @@ import zero_cache
 from angelptm.config import EngineConfig
 from angelptm.errors import ConfigError
 from angelptm.pretraining.models import build_model
-from zero_cache.attach import warmup_reserve
 from zero_cache.planner import DEVICE, HOST, NVME, Plan
 
 DISK_READ_BYTES_PER_S = 1.1e9
@@ -81,15 +80,15 @@ def plan_report(cfg: EngineConfig, request: PlanRequest) -> tuple[str, bool]:
                                  "its device"]), True
     shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
     try:
-        budgets = zero_cache.tier_budgets(cfg.zero_cache, device, per_host, hardware)
-        layout, plan = zero_cache.dry_run(shapes, cfg.zero_cache, compute_dtype=cfg.precision.dtype, device=device,
-                                          accumulation_steps=cfg.batch.gradient_accumulation_steps,
-                                          world_size=ranks, ranks_per_host=per_host, hardware=hardware)
+        run = zero_cache.dry_run(shapes, cfg.zero_cache, compute_dtype=cfg.precision.dtype, device=device,
+                                 accumulation_steps=cfg.batch.gradient_accumulation_steps,
+                                 world_size=ranks, ranks_per_host=per_host, hardware=hardware)
     except zero_cache.PlanError as err:
         return "\n".join(head + [f"does not fit: {err}"]), False
     except zero_cache.NvmeSetupError as err:
         return "\n".join(head + [f"cannot use the NVMe tier: {err}"]), False
-    reserve = warmup_reserve(cfg.zero_cache, device, budgets.device_bytes)
+    layout, plan, budgets = run.layout, run.plan, run.resolved.budgets
+    reserve = run.resolved.activation_reserve_bytes
     seq_len = cfg.data.seq_len or cfg.model.max_seq_len
     tokens = cfg.batch.micro_batch_size * cfg.batch.gradient_accumulation_steps * seq_len
     # A GPU's model TFLOPS is a known figure; a CPU run's compute is not estimated.

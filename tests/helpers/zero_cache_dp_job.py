@@ -24,8 +24,9 @@ import angelptm  # noqa: E402
 from angelptm.pretraining.data import repeat_batches  # noqa: E402
 from angelptm.pretraining.models import ModelConfig, build_model  # noqa: E402
 from reference import SEQ, VOCAB, RandomTokens, end_job  # noqa: E402
-from zero_cache.exchange import GRADIENT_BUCKETS  # noqa: E402
 from zero_cache.layout import pack  # noqa: E402
+from zero_cache.planner import DEVICE_MARGIN_FRACTION  # noqa: E402
+from zero_cache.working_set import GRADIENT_BUCKETS, GROUPS_IN_USE, budget_for_room  # noqa: E402
 
 CHUNK_NUMEL = 8192
 
@@ -49,6 +50,13 @@ def device_budget(model: torch.nn.Module, world_size: int, accumulation: int, sh
     return int(need / 0.97) + 1024  # the planner keeps 3% free
 
 
+def least_working_set_budget(world_size: int) -> int:
+    """Sharded params at home on the host: the least working set alone (the fp32 scratch chunk, the fewest live
+    groups and two gradient buckets), so the plan must give up the third bucket (zero_cache.working_set)."""
+    need = (4 + (LIVE_GROUPS + GROUPS_IN_USE) * world_size * 4) * CHUNK_NUMEL
+    return budget_for_room(need, DEVICE_MARGIN_FRACTION)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--global-batch", type=int, required=True)
@@ -67,6 +75,8 @@ def main() -> None:
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing (recompute in backward)")
     parser.add_argument("--untied", action="store_true", help="separate embedding and output weights")
     parser.add_argument("--param-home", default="auto", help="zero_cache.param_home (host: shards streamed from the host)")
+    parser.add_argument("--least-working-set", action="store_true", help="with --shard-params --param-home host: a "
+                        "device budget of the least working set (2 gradient buckets, not 3; zero_cache.working_set)")
     parser.add_argument("--device-steps", default="auto", help="zero_cache.device_steps (a count: host groups stepped "
                         "on the device after backward)")
     args = parser.parse_args()
@@ -85,7 +95,9 @@ def main() -> None:
               # stage3_* keys carry over only where they do not shrink ZeRO-Cache's defaults; these keys force it.)
               "zero_cache": {"enabled": True, "chunk_size": CHUNK_NUMEL, "shard_params": shard_params,
                              "gather_ahead_elements": 2 * CHUNK_NUMEL, "max_live_elements": 0,
-                             "device_memory_budget": device_budget(model, world_size, args.accumulation, shard_params),
+                             "device_memory_budget": (least_working_set_budget(world_size) if args.least_working_set
+                                                      else device_budget(model, world_size, args.accumulation,
+                                                                         shard_params)),
                              "update_in_backward": False if args.after_backward else "auto",
                              "host_memory_budget": 64 * 2**20, "param_home": args.param_home,
                              "device_steps": args.device_steps if args.device_steps == "auto" else int(args.device_steps)}}
@@ -107,6 +119,8 @@ def main() -> None:
         owned = sum(group.tier == "host" for group in optimizer.store.groups)
         assert len(optimizer.device_stepped) == min(owned, int(args.device_steps)) > 0, optimizer.device_stepped
     assert optimizer.sharding.hierarchical == (bool(args.hosts_of) and world_size > 1)
+    if args.least_working_set:  # each reduction waited for as soon as it is issued: no bucket held in flight
+        assert optimizer.store.plan.gradient_buckets == GROUPS_IN_USE and optimizer.exchange.reduction_lag == 0
     if args.load:
         path, _ = engine.load_checkpoint(args.load)
         assert path is not None, f"no checkpoint in {args.load}"

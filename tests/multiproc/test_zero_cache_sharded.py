@@ -90,14 +90,16 @@ HOST_HOME = ("--param-home", "host")
 
 @pytest.mark.parametrize("nproc, extra", [(2, ["--checkpointing"]), (2, ["--no-overlap"]), (4, ["--hosts-of", "2"]),
                                           (2, ["--checkpointing", *HOST_HOME]),
-                                          (2, ["--checkpointing", *HOST_HOME, "--device-steps", "1000"])],
+                                          (2, ["--checkpointing", *HOST_HOME, "--device-steps", "1000"]),
+                                          (2, ["--checkpointing", *HOST_HOME, "--least-working-set"])],
                          ids=["2-recompute", "2-no-overlap", "4-hierarchical", "2-streamed-recompute",
-                              "2-streamed-device-steps"])
+                              "2-streamed-device-steps", "2-streamed-least-working-set"])
 def test_sharded_params_train_like_one_process(tmp_path, data_seed, unsharded, nproc, extra):
     """ZeRO-3: each rank stores one chunk of each group; at 2 ranks only 3 of the 5 groups may be live, so
     forward, the recompute of checkpointed blocks and backward gather evicted groups again. Streamed: each
     rank's shards live in pinned host memory, copied in before every gather and updated there (or, with device
-    steps, their optimizer groups stepped through the device's scratch after backward)."""
+    steps, their optimizer groups stepped through the device's scratch after backward; or, on a device of the
+    least working set, through two gradient buckets, each reduction waited for at once)."""
     expected, start = unsharded
     result = train(nproc, tmp_path / "sharded.pt", data_seed, 4, SHARD, *extra)
     assert_same_weights(result["weights"], expected, start)
@@ -169,8 +171,10 @@ def accumulated_one_process(tmp_path_factory, data_seed) -> dict:
                  "--after-backward")["weights"]
 
 
-@pytest.mark.parametrize("extra", [(), (SHARD,), (SHARD, *HOST_HOME), (SHARD, *HOST_HOME, "--device-steps", "1000")],
-                         ids=["replicated-params", "sharded-params", "streamed-params", "streamed-device-steps"])
+@pytest.mark.parametrize("extra", [(), (SHARD,), (SHARD, *HOST_HOME), (SHARD, *HOST_HOME, "--device-steps", "1000"),
+                                   (SHARD, *HOST_HOME, "--least-working-set")],
+                         ids=["replicated-params", "sharded-params", "streamed-params", "streamed-device-steps",
+                              "streamed-least-working-set"])
 def test_accumulating_micro_batches_equal_one_process(tmp_path, data_seed, unsharded, accumulated_one_process, extra):
     """Two micro-batches per step: each group's gradients go through a bucket, the owner accumulates in fp32
     (with sharded params the groups gathered in the first micro-step may stay live for the second)."""

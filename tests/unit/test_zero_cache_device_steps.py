@@ -158,7 +158,7 @@ def test_the_plan_steps_the_first_host_groups_of_the_forward_on_the_device():
     from zero_cache.planner import PlanInputs, make_plan
     inputs = dict(num_chunks=12, chunk_numel=N, param_bytes_per_element=2, device_budget_bytes=24 * 2**30,
                   host_budget_bytes=400 * 2**30, grad_bytes_per_element=0, param_chunks_held=12, param_home="host",
-                  live_groups=3, min_live_groups=3, trace=tuple(reversed(range(12))), kept_bytes_per_element=2)
+                  live_groups=3, gather_ahead=1, trace=tuple(reversed(range(12))), kept_bytes_per_element=2)
     auto = make_plan(PlanInputs(**inputs, device_steps=None))
     off = make_plan(PlanInputs(**inputs, device_steps=0))
     assert auto.device_stepped and not off.device_stepped

@@ -152,7 +152,7 @@ class Sharded:
                                     param_bytes_per_element=FP32_BYTES, device_budget_bytes=BUDGET_BYTES,
                                     host_budget_bytes=BUDGET_BYTES, grad_bytes_per_element=0,
                                     param_chunks_held=layout.num_chunks, param_home="host",
-                                    exchange_buffer_bytes=max_live * layout.chunk_numel * FP32_BYTES))
+                                    gradient_buckets=max_live))
         device, host = build_tiers(torch.device("cpu"), BUDGET_BYTES, BUDGET_BYTES)
         self.store = ChunkStore(layout, self.params, plan, {DEVICE: device, HOST: host}, torch.float32,
                                 accumulate=False, sharding=Sharding(), shard_params=True)

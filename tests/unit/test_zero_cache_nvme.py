@@ -324,8 +324,8 @@ def test_a_host_budget_equal_to_the_planned_host_bytes_is_enough(tmp_path):
     config, _, _ = nvme_config(tmp_path, seed)
     cfg = load_config(config)
     shapes = [(name, tuple(p.shape)) for name, p in six_layer_llama(seed).named_parameters()]
-    _, plan = zero_cache.dry_run(shapes, cfg.zero_cache, compute_dtype=cfg.precision.dtype,
-                                 device=torch.device("cpu"))
+    plan = zero_cache.dry_run(shapes, cfg.zero_cache, compute_dtype=cfg.precision.dtype,
+                              device=torch.device("cpu")).plan
     assert NVME in plan.optimizer_tier
     config["zero_cache"]["host_memory_budget"] = plan.host_bytes
     engine, optimizer, _, _ = angelptm.initialize(model=six_layer_llama(seed), config=config)

@@ -86,9 +86,8 @@ def dry_run_plan(device_bytes: int, world_size: int, shard_params="auto", param_
     config = ZeroCacheConfig(enabled=True, chunk_size=8192, device_memory_budget=device_bytes,
                              host_memory_budget=2**30, shard_params=shard_params, max_live_elements=0,
                              gather_ahead_elements=0, param_home=param_home)
-    _, plan = dry_run(shapes, config, compute_dtype=torch.float32, device=torch.device("cpu"),
-                      world_size=world_size)
-    return plan
+    return dry_run(shapes, config, compute_dtype=torch.float32, device=torch.device("cpu"),
+                   world_size=world_size).plan
 
 
 def test_dry_run_shards_params_when_only_that_fits_on_every_rank():
