@@ -22,12 +22,12 @@ from zero_cache.host_update import STAGING_BUFFERS
 from zero_cache.layout import ChunkLayout, pack, search_chunk_size
 from zero_cache.optimizer import ZeroCacheOptimizer
 from zero_cache.nvme import NvmeTier
-from zero_cache.planner import (DEVICE, DEVICE_MARGIN_FRACTION, HOST, NVME, Plan, PlanError, PlanInputs, make_plan,
-                                with_device_step_count)
+from zero_cache.planner import DEVICE_MARGIN_FRACTION, Plan, PlanError, PlanInputs, make_plan, with_device_step_count
 from zero_cache.shard_params import (candidate_plans, choose_shard_params, choose_streaming, decide_shard_params,
                                      device_groups, gather_ahead_groups, gather_objects, max_live_groups,
                                      register_saving_hooks, wanted_placement)
 from zero_cache.sharding import Sharding
+from zero_cache.tier_names import DEVICE, HOST, NVME
 from zero_cache.tiers import build_tiers, fragmentation_bytes, use_expandable_segments
 from zero_cache.tuning import DeviceStepTuner
 from zero_cache.units import AUTO, parse_budget

@@ -28,8 +28,9 @@ from torch import nn
 
 from zero_cache.layout import ChunkLayout, TensorSlot
 from zero_cache.nvme import ALIGN_BYTES, NvmeTier
-from zero_cache.planner import DEVICE, HOST, NVME, REMOTE, Plan
+from zero_cache.planner import Plan
 from zero_cache.sharding import Sharding
+from zero_cache.tier_names import DEVICE, HOST, NVME, REMOTE, BudgetedTier
 from zero_cache.tiers import BufferPool, Tier
 
 STATE_FIELDS = ("master", "exp_avg", "exp_avg_sq")
@@ -86,7 +87,7 @@ class ChunkStore:
             are gathered while in use (:mod:`zero_cache.gathered`) and the parameters are placeholders meanwhile.
     """
 
-    def __init__(self, layout: ChunkLayout, params: list[nn.Parameter], plan: Plan, tiers: dict[str, Tier | NvmeTier],
+    def __init__(self, layout: ChunkLayout, params: list[nn.Parameter], plan: Plan, tiers: dict[str, BudgetedTier],
                  compute_dtype: torch.dtype, accumulate: bool = True, sharding: Sharding = Sharding(),
                  shard_params: bool = False) -> None:
         assert shard_params == plan.params_sharded, "gathered params and the plan disagree"

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from zero_cache.tier_names import DEVICE, HOST
 from zero_cache.units import AUTO, parse_budget
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
-PARAM_HOMES = ("auto", "device", "host")
+PARAM_HOMES = (AUTO, DEVICE.value, HOST.value)
 AIO_BACKENDS = ("auto", "native", "deepspeed", "libaio", "threads")
 
 

@@ -36,7 +36,7 @@ import torch
 
 from zero_cache.chunks import STATE_FIELDS, ChunkStore
 from zero_cache.layout import TensorSlot
-from zero_cache.planner import DEVICE, HOST
+from zero_cache.tier_names import DEVICE, HOST
 from zero_cache.tiers import wait
 
 RING = 3

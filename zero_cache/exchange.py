@@ -29,8 +29,8 @@ import torch
 
 from zero_cache.chunks import ChunkStore
 from zero_cache.gathered import GatheredGroups
-from zero_cache.planner import DEVICE, HOST
 from zero_cache.sharding import Sharding
+from zero_cache.tier_names import DEVICE, HOST
 from zero_cache.tiers import wait
 
 GRADIENT_BUCKETS = 3

@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from zero_cache.planner import DEVICE, HOST
+from zero_cache.tier_names import DEVICE, HOST
 
 
 class AcquisitionTrace:

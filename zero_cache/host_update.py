@@ -38,8 +38,8 @@ from zero_cache.chunks import STATE_FIELDS, ChunkStore, state_field
 from zero_cache.host_adam import HostAdam
 from zero_cache.jobs import GRADIENTS, JobQueue
 from zero_cache.layout import TensorSlot
-from zero_cache.planner import HOST, NVME
 from zero_cache.revision import APPLIED, DEFERRED, SpeculationWindow, revision_scales
+from zero_cache.tier_names import HOST, NVME
 from zero_cache.tiers import BufferPool, TrafficCounter, wait
 from zero_cache.timeline import D2H, H2D, HOST_ADAM, Timeline
 

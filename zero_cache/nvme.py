@@ -33,7 +33,7 @@ import torch
 
 from zero_cache.aio import FileIO, IORequest, open_file_io
 from zero_cache.config import AioConfig, ZeroCacheConfig
-from zero_cache.planner import NVME
+from zero_cache.tier_names import NVME
 from zero_cache.tiers import TierFullError, TrafficCounter
 from zero_cache.timeline import Timeline
 from zero_cache.units import format_bytes

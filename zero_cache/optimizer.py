@@ -59,8 +59,8 @@ from zero_cache.host_update import ChunkUpdate, HostUpdater, Transfers, adam_ste
 from zero_cache.layout import TensorSlot
 from zero_cache.optimizer_sharded import ShardedGradients
 from zero_cache.optimizer_state import OptimizerCheckpoint
-from zero_cache.planner import DEVICE, HOST, NVME, OFF_DEVICE
 from zero_cache.revision import SpeculationWindow
+from zero_cache.tier_names import DEVICE, HOST, NVME, OFF_DEVICE
 
 
 

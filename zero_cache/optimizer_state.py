@@ -14,7 +14,7 @@ from typing import Any, Collection
 import torch
 
 from zero_cache.chunks import STATE_FIELDS
-from zero_cache.planner import REMOTE
+from zero_cache.tier_names import REMOTE
 
 
 class OptimizerCheckpoint:

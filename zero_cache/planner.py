@@ -48,13 +48,8 @@ from typing import Sequence
 
 from zero_cache.step_cost import (STATE_BYTES_PER_ELEMENT, HostChunk, StepTraffic, cheapest_device_steps, step_traffic,
                                   with_device_steps)
+from zero_cache.tier_names import DEVICE, HOST, NVME, OFF_DEVICE, REMOTE  # noqa: F401  (re-exported: the plan's words)
 from zero_cache.units import format_bytes
-
-DEVICE, HOST, NVME = "device", "host", "nvme"
-OFF_DEVICE = (HOST, NVME)
-"""Tiers whose chunks the host worker updates (NVMe groups through bounce buffers)."""
-REMOTE = "remote"
-"""The optimizer group of a chunk that another data-parallel rank owns (see ``zero_cache.sharding``)."""
 SWAP_ALIGN_BYTES = 4096
 """Swap slots and bounce buffers are whole 4 KiB blocks (O_DIRECT)."""
 DEVICE_MARGIN_FRACTION = 0.03
@@ -108,7 +103,7 @@ class PlanInputs:
     one per collective group (gathered params: its shards, each at home on the device or the host)."""
     group_size: int = 1
     """Chunks per collective group (the data-parallel world size; 1 when params stream on one rank)."""
-    param_home: str = "device"
+    param_home: str = DEVICE
     """Gathered params: where this rank's shards may live: "device" (all resident), "host" (all in pinned
     host memory, copied in on use: DeepSpeed's ``offload_param``), or "auto" (by what the step costs)."""
     live_groups: int = 0
@@ -242,7 +237,7 @@ def make_plan(inputs: PlanInputs) -> Plan:
                   if inputs.group_size == 1 else
                   "zero_cache.shard_params \"auto\" or true gathers them on use instead (and streams this rank's "
                   "shards from the host where they do not fit either)")
-        raise PlanError(_shortfall_message("device", need, inputs.device_budget_bytes, inputs, detail=(
+        raise PlanError(_shortfall_message(DEVICE, need, inputs.device_budget_bytes, inputs, detail=(
             f"it holds every param chunk ({format_bytes(all_params)}) besides "
             f"{format_bytes(inputs.nonmodel_peak_bytes)} of activations; {remedy}")))
     owned = _owned_in_use_order(inputs)
@@ -265,7 +260,7 @@ def _plan_gathered(inputs: PlanInputs, room: int) -> Plan:
     groups_in_order = list(dict.fromkeys(c // size for c in first_use_order(inputs.trace, inputs.num_chunks)))
     groups_in_order += [g for g in range(held) if g not in groups_in_order]
     owned = _owned_in_use_order(inputs)
-    resident_options = {"device": [held], "host": [0]}.get(inputs.param_home, range(held, -1, -1))
+    resident_options = {DEVICE: [held], HOST: [0]}.get(inputs.param_home, range(held, -1, -1))
     best: tuple | None = None
     failure: PlanError | None = None
     for resident in resident_options:
@@ -295,10 +290,10 @@ def _plan_gathered(inputs: PlanInputs, room: int) -> Plan:
         return best[1]
     if failure is not None:
         raise failure
-    fewest = 0 if inputs.param_home != "device" else held
+    fewest = 0 if inputs.param_home != DEVICE else held
     need = (fewest * shard_bytes + min(inputs.min_live_groups, held) * inputs.live_group_bytes
             + inputs.device_budget_bytes - room)
-    raise PlanError(_shortfall_message("device", need, inputs.device_budget_bytes, inputs, detail=(
+    raise PlanError(_shortfall_message(DEVICE, need, inputs.device_budget_bytes, inputs, detail=(
         f"it holds {fewest} param shards of {format_bytes(shard_bytes)} at home, "
         f"{min(inputs.min_live_groups, held)} gathered groups of {format_bytes(inputs.live_group_bytes)} "
         f"(zero_cache.prefetch_depth / gather_ahead_elements set how many), "
@@ -413,19 +408,19 @@ def _split_host_and_nvme(inputs: PlanInputs, off_device: int, host_fixed: int, s
     if host_bytes(off_device) <= inputs.host_budget_bytes:
         return off_device, 0, host_bytes(off_device)
     if inputs.nvme_budget_bytes <= 0:
-        raise PlanError(_shortfall_message("host", host_bytes(off_device), inputs.host_budget_bytes, inputs, detail=(
+        raise PlanError(_shortfall_message(HOST, host_bytes(off_device), inputs.host_budget_bytes, inputs, detail=(
             f"{off_device} chunks' optimizer states ({inputs.optimizer_bytes_per_element} B/element)"
             + ("" if host_fixed == inputs.scratch_bytes else " and every param chunk's home copy") + " live there")))
     num_host = max(0, (inputs.host_budget_bytes - host_bytes(0)) // max(1, per_host - per_nvme_on_host))
     num_host = min(num_host, off_device - 1)
     if host_bytes(num_host) > inputs.host_budget_bytes:
-        raise PlanError(_shortfall_message("host", host_bytes(num_host), inputs.host_budget_bytes, inputs, detail=(
+        raise PlanError(_shortfall_message(HOST, host_bytes(num_host), inputs.host_budget_bytes, inputs, detail=(
             f"even with {off_device - num_host} optimizer groups on NVMe it holds {inputs.swap_buffers} bounce "
             f"buffers of {format_bytes(inputs.swap_buffer_bytes)}, {inputs.staging_buffers} staging buffers"
             + (" and the gradient accumulators" if per_nvme_on_host else ""))))
     num_nvme = off_device - num_host
     if num_nvme * inputs.swap_slot_bytes > inputs.nvme_budget_bytes:
-        raise PlanError(_shortfall_message("nvme", num_nvme * inputs.swap_slot_bytes, inputs.nvme_budget_bytes,
+        raise PlanError(_shortfall_message(NVME, num_nvme * inputs.swap_slot_bytes, inputs.nvme_budget_bytes,
                                            inputs, detail=f"{num_nvme} optimizer groups of "
                                                           f"{format_bytes(inputs.swap_slot_bytes)} go to disk"))
     return num_host, num_nvme, host_bytes(num_host)

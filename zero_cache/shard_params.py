@@ -15,8 +15,9 @@ from torch import nn
 from zero_cache.config import ZeroCacheConfig
 from zero_cache.gathered import GatheredGroups
 from zero_cache.layout import ChunkLayout
-from zero_cache.planner import DEVICE, Plan, PlanError
+from zero_cache.planner import Plan, PlanError
 from zero_cache.sharding import Sharding
+from zero_cache.tier_names import DEVICE, HOST
 from zero_cache.units import AUTO
 
 
@@ -71,7 +72,7 @@ def choose_streaming(config: ZeroCacheConfig, plan_for: Callable[[bool], Plan]) 
     Raises:
         PlanError: no allowed placement fits (the gathered one's shortfall, which needs the least device).
     """
-    allowed = {"device": (False,), "host": (True,)}.get(config.param_home, (False, True))
+    allowed = {DEVICE: (False,), HOST: (True,)}.get(config.param_home, (False, True))
     plans: dict[bool, Plan] = {}
     errors: dict[bool, PlanError] = {}
     for gathered in allowed:

@@ -18,6 +18,7 @@ import numpy
 import psutil
 import torch
 
+from zero_cache.tier_names import DEVICE, HOST
 from zero_cache.units import format_bytes
 
 AUTO_MARGIN_FRACTION = 0.03
@@ -206,9 +207,9 @@ def host_share(available_bytes: int, total_bytes: int, ranks_per_host: int = 1, 
 def build_tiers(device: torch.device, device_budget: int | None, host_budget: int | None,
                 ranks_per_host: int = 1) -> tuple[Tier, Tier]:
     """The device and host tiers, with "auto" (None) budgets measured now (the host's shared by its ranks)."""
-    device_tier = Tier("device", device, device_budget if device_budget is not None
+    device_tier = Tier(DEVICE, device, device_budget if device_budget is not None
                        else auto_device_budget(device, ranks_per_host))
-    host_tier = Tier("host", torch.device("cpu"), host_budget if host_budget is not None
+    host_tier = Tier(HOST, torch.device("cpu"), host_budget if host_budget is not None
                      else auto_host_budget(device, ranks_per_host), pin_memory=device.type == "cuda")
     return device_tier, host_tier
 
