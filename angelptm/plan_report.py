@@ -128,7 +128,8 @@ def _tier_table(plan: Plan, budgets: zero_cache.TierBudgets, device: torch.devic
     if plan.params_sharded or plan.param_home:
         kind = "shards" if plan.group_size > 1 else "chunks"
         params = {DEVICE: f"{plan.param_home.count(DEVICE)} {kind} at home, {plan.cache_slots} groups live",
-                  HOST: f"{plan.param_home.count(HOST)} {kind} at home (streamed in on use)", NVME: "-"}
+                  **{tier: f"{plan.param_home.count(tier)} {kind} at home (streamed in on use)" if tier in plan.param_home
+                     else "-" for tier in (HOST, NVME)}}
     else:
         params = {DEVICE: "all resident", HOST: "-", NVME: "-"}
     budget = {DEVICE: budgets.device_bytes, HOST: budgets.host_bytes, NVME: budgets.nvme_bytes}

@@ -97,7 +97,7 @@ class DeviceSteps:
         group = store.groups[chunk]
         assert group.tier == HOST and group.states is not None, f"chunk {chunk}'s optimizer group is not on the host"
         params = store.param_chunks[chunk]
-        home_on_host = store.home_of(chunk) == HOST
+        home_on_host = store.home(chunk).in_host_memory
         grads = group.grad if store.grads_in_accumulators else params
         grads_on_host = store.grads_in_accumulators or home_on_host
         fields = [group.field(name) for name in STATE_FIELDS]

@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from zero_cache.tier_names import DEVICE, HOST
+from zero_cache.tier_names import DEVICE
 
 
 class AcquisitionTrace:
@@ -122,17 +122,6 @@ class _Live:
     """The buffer is the shard itself (one rank, home on the device): never evicted nor freed."""
 
 
-class _Copied:
-    """A host->device copy behind a collective's ``wait()``: orders the caller's stream after it."""
-
-    def __init__(self, event: torch.cuda.Event | None) -> None:
-        self.event = event
-
-    def wait(self) -> None:
-        if self.event is not None:
-            torch.cuda.current_stream(self.event.device).wait_event(self.event)
-
-
 class GatheredGroups:
     """The live groups of one :class:`~zero_cache.chunks.ChunkStore` with gathered params, and their gathers.
 
@@ -188,15 +177,19 @@ class GatheredGroups:
         if live.work is not None:
             live.work.wait()
             live.work = None
-        for later in self.trace.upcoming(self.ahead):
+        upcoming = self.trace.upcoming(2 * self.ahead)
+        for later in upcoming[:self.ahead]:
             self._issue(later)
+        for later in upcoming[self.ahead:]:  # a home that can start early (a disk read) does, a window further
+            if later not in self._live and later not in self._closed:
+                self.store.group_home(later).prefetch(later)
         return live.buffer
 
     def _issue(self, group: int) -> None:
         if group in self._live or group in self._closed:
             return
-        shard, home = self.store.shards[group], self.store.param_home[group]
-        if home == DEVICE and not self.sharding.sharded:
+        shard, home = self.store.shards[group], self.store.group_home(group)
+        if not (home.streams or self.sharding.sharded):
             self.wait_owned(group)
             self._live[group] = _Live(shard, None, borrowed=True)
         else:
@@ -204,25 +197,10 @@ class GatheredGroups:
             self.wait_owned(group)  # this rank's update has landed in its shard
             buffer = self.store.tiers[DEVICE].allocate(self.sharding.world_size * self.store.layout.chunk_numel,
                                                        self.store.compute_dtype, zero=False)
-            work = self._fetch(buffer, shard) if home == HOST else self.sharding.all_gather(buffer, source=shard)
-            self._live[group] = _Live(buffer, work)
+            self._live[group] = _Live(buffer, home.gather(group, shard, buffer, self.sharding, self.transfers))
             self.gathers += 1
         self._group_at[_address(self._live[group].buffer)] = group
         self.store.bind_group(group, self._live[group].buffer)
-
-    def _fetch(self, buffer: torch.Tensor, shard: torch.Tensor) -> Any:
-        """This rank's shard copied in from its home on the host, then the other ranks' slots gathered behind it.
-
-        The copy waits for the compute stream issued so far: the caching allocator may have handed out
-        memory that kernels queued there still read.
-        """
-        copied = self.transfers.copy(self.sharding.mine(buffer), shard, "h2d", after=self.transfers.mark())
-        if not self.sharding.sharded:
-            return _Copied(copied)
-        if self.transfers.h2d is None:
-            return self.sharding.all_gather(buffer)
-        with torch.cuda.stream(self.transfers.h2d):  # NCCL's stream then waits for the copy, not for compute
-            return self.sharding.all_gather(buffer)
 
     def _make_room(self) -> None:
         while sum(not live.borrowed for live in self._live.values()) >= self.max_live:
@@ -267,6 +245,8 @@ class GatheredGroups:
         """Drop every live group (the shards changed: a step, a restore or a load)."""
         for group in list(self._live):
             self.release(group)
+        for home in self.store.homes.values():
+            home.forget_prefetched()
         self._closed.clear()
         self._holds.clear()
 

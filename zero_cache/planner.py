@@ -46,10 +46,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from zero_cache.homes import home_class
 from zero_cache.step_cost import (STATE_BYTES_PER_ELEMENT, HostChunk, StepTraffic, cheapest_device_steps, step_traffic,
                                   with_device_steps)
 from zero_cache.tier_names import DEVICE, HOST, NVME, OFF_DEVICE, REMOTE  # noqa: F401  (re-exported: the plan's words)
-from zero_cache.units import format_bytes
+from zero_cache.units import AUTO, format_bytes
 SWAP_ALIGN_BYTES = 4096
 """Swap slots and bounce buffers are whole 4 KiB blocks (O_DIRECT)."""
 DEVICE_MARGIN_FRACTION = 0.03
@@ -105,7 +106,8 @@ class PlanInputs:
     """Chunks per collective group (the data-parallel world size; 1 when params stream on one rank)."""
     param_home: str = DEVICE
     """Gathered params: where this rank's shards may live: "device" (all resident), "host" (all in pinned
-    host memory, copied in on use: DeepSpeed's ``offload_param``), or "auto" (by what the step costs)."""
+    host memory, copied in on use: DeepSpeed's ``offload_param``), "nvme" (all in the NVMe tier's swap, read
+    through a few pinned buffers), or "auto" (device or host, by what the step costs)."""
     live_groups: int = 0
     """Gathered params: groups wanted live on the device at once (``max_live_elements``)..."""
     min_live_groups: int = 0
@@ -192,16 +194,17 @@ class Plan:
 
     @property
     def streamed_groups(self) -> int:
-        """Groups whose shard lives on the host and is copied to the device on use."""
-        return self.param_home.count(HOST)
+        """Groups whose shard lives off the device (host or NVMe) and is copied to the device on use."""
+        return len(self.param_home) - self.param_home.count(DEVICE)
 
     def summary(self) -> str:
         counts = {tier: self.optimizer_tier.count(tier) for tier in (DEVICE, HOST, NVME)}
         params = "resident on the device"
         if self.params_sharded:
             kind = "sharded" if self.group_size > 1 else "gathered on use"
+            homes = " and ".join(sorted({h for h in self.param_home if h != DEVICE})) or "the host"
             params = (f"{kind}: {self.param_home.count(DEVICE)} of {len(self.param_home)} shards at home on the "
-                      f"device, {self.streamed_groups} streamed from the host; {self.cache_slots} groups live at once")
+                      f"device, {self.streamed_groups} streamed from {homes}; {self.cache_slots} groups live at once")
         disk = f", nvme {format_bytes(self.nvme_bytes)}" if self.nvme_bytes else ""
         notes = [f"{len(self.kept_gradients)} keep their gradient"] if self.kept_gradients else []
         notes += [f"{len(self.device_stepped)} stepped on the device"] if self.device_stepped else []
@@ -260,7 +263,10 @@ def _plan_gathered(inputs: PlanInputs, room: int) -> Plan:
     groups_in_order = list(dict.fromkeys(c // size for c in first_use_order(inputs.trace, inputs.num_chunks)))
     groups_in_order += [g for g in range(held) if g not in groups_in_order]
     owned = _owned_in_use_order(inputs)
-    resident_options = {DEVICE: [held], HOST: [0]}.get(inputs.param_home, range(held, -1, -1))
+    # "auto" weighs device homes against host ones; a named home off the device takes every shard.
+    off_home = HOST if inputs.param_home in (AUTO, DEVICE) else inputs.param_home
+    resident_options = [held] if inputs.param_home == DEVICE else [0] if inputs.param_home != AUTO \
+        else range(held, -1, -1)
     best: tuple | None = None
     failure: PlanError | None = None
     for resident in resident_options:
@@ -275,10 +281,11 @@ def _plan_gathered(inputs: PlanInputs, room: int) -> Plan:
         home_on_device = set(groups_in_order[:resident])
         eligible = [c for c in owned if c // size in home_on_device]  # device Adam needs the shard on the device
         device_optim = min(len(eligible), left // inputs.optimizer_chunk_bytes)
-        home = tuple(DEVICE if g in home_on_device else HOST for g in range(held))
+        home = tuple(DEVICE if g in home_on_device else off_home for g in range(held))
         try:
             plan = _finish(inputs, resident_bytes=resident * shard_bytes, live=live,
-                           device_optim=eligible[:device_optim], home=home, host_params_bytes=streamed * shard_bytes,
+                           device_optim=eligible[:device_optim], home=home,
+                           host_params_bytes=home_class(off_home).host_bytes(streamed, shard_bytes),
                            traffic=_traffic(inputs, home, owned, device_optim, eligible))
         except PlanError as err:
             failure = failure or err
@@ -305,13 +312,18 @@ def _traffic(inputs: PlanInputs, home: tuple[str, ...], owned: list[int], device
              eligible: list[int] | None = None) -> StepTraffic:
     """The step's PCIe bytes and host Adam of a placement (see :mod:`zero_cache.step_cost`)."""
     on_device = set((owned if eligible is None else eligible)[:device_optim])
-    streamed = {g for g, where in enumerate(home) if where == HOST}
+    streamed = {g for g, where in enumerate(home) if home_class(where).streams}
     owned_streamed = sum(1 for c in owned if c // inputs.group_size in streamed)
     host_updated = [c for c in owned if c not in on_device]
-    return step_traffic(chunk_numel=inputs.chunk_numel, param_bytes_per_element=inputs.param_bytes_per_element,
-                        streamed_shards=len(streamed), owned_streamed=owned_streamed,
-                        host_updated_resident=len(host_updated) - owned_streamed, host_updated=len(host_updated),
-                        gathers_per_step=inputs.gathers_per_step)
+    traffic = step_traffic(chunk_numel=inputs.chunk_numel, param_bytes_per_element=inputs.param_bytes_per_element,
+                           streamed_shards=len(streamed), owned_streamed=owned_streamed,
+                           host_updated_resident=len(host_updated) - owned_streamed, host_updated=len(host_updated),
+                           gathers_per_step=inputs.gathers_per_step)
+    disk = sum(home_class(name).disk_bytes_per_step(home.count(name), sum(1 for c in owned if home[c // inputs.group_size]
+                                                                          == name),
+                                                    inputs.param_chunk_bytes, inputs.gathers_per_step)
+               for name in set(home))
+    return replace(traffic, disk_bytes=disk) if disk else traffic
 
 
 def _finish(inputs: PlanInputs, *, resident_bytes: int, live: int, device_optim: list[int], home: tuple[str, ...],
@@ -327,10 +339,16 @@ def _finish(inputs: PlanInputs, *, resident_bytes: int, live: int, device_optim:
     off_device = [c for c in owned if c not in set(device_optim)]
     # A shard at home on the host is its own staging buffer, except while accumulating (it holds the weights the
     # next micro-batch reads, so gradients stage through the pool on their way to the fp32 accumulators).
-    staged = bool(off_device) and (inputs.grad_bytes_per_element > 0
-                                   or any(not home or home[c // inputs.group_size] != HOST for c in off_device))
-    num_host, num_nvme, host_bytes = _split_host_and_nvme(inputs, len(off_device),
-                                                          inputs.scratch_bytes + host_params_bytes, staged)
+    staged = bool(off_device) and (inputs.grad_bytes_per_element > 0 or any(
+        not home or home_class(home[c // inputs.group_size]).stages_updates for c in off_device))
+    homes_disk = sum(home_class(name).disk_bytes(home.count(name), inputs.param_chunk_bytes) for name in set(home))
+    if homes_disk > inputs.nvme_budget_bytes:
+        raise PlanError(_shortfall_message(NVME, homes_disk, inputs.nvme_budget_bytes, inputs, detail=(
+            f"it holds {home.count(NVME)} param shards of {format_bytes(inputs.param_chunk_bytes)} at home")))
+    num_host, num_nvme, host_bytes = _split_host_and_nvme(replace(inputs, nvme_budget_bytes=inputs.nvme_budget_bytes
+                                                                  - homes_disk),
+                                                          len(off_device), inputs.scratch_bytes + host_params_bytes,
+                                                          staged)
     on_host = off_device[:num_host]
     traffic, stepped, kept, host_bytes = _device_steps_and_kept(inputs, traffic, off_device, on_host, home, host_bytes,
                                                                 inputs.device_steps)
@@ -342,7 +360,8 @@ def _finish(inputs: PlanInputs, *, resident_bytes: int, live: int, device_optim:
     device_bytes = (resident_bytes + live * inputs.live_group_bytes + len(device_optim) * inputs.optimizer_chunk_bytes
                     + inputs.scratch_bytes + inputs.exchange_buffer_bytes)
     return Plan(params_resident=HOST not in home, cache_slots=live, optimizer_tier=tuple(tiers),
-                device_bytes=device_bytes, host_bytes=host_bytes, nvme_bytes=num_nvme * inputs.swap_slot_bytes,
+                device_bytes=device_bytes, host_bytes=host_bytes,
+                nvme_bytes=num_nvme * inputs.swap_slot_bytes + homes_disk,
                 params_sharded=inputs.param_chunks_held is not None, param_home=home, group_size=inputs.group_size,
                 traffic=traffic, kept_gradients=kept, device_stepped=stepped)
 
@@ -357,8 +376,11 @@ def _device_steps_and_kept(inputs: PlanInputs, traffic: StepTraffic, off_device:
         The traffic with those device steps, the device-stepped chunks, the chunks keeping their gradient, and
         the host bytes with the kept gradients.
     """
-    candidates = [HostChunk(params_home_on_host=bool(home) and home[c // inputs.group_size] == HOST,
-                            accumulating=inputs.grad_bytes_per_element > 0) for c in on_host]
+    homes = [home_class(home[c // inputs.group_size]) if home else None for c in on_host]
+    # (the first chunks the next forward needs, up to one whose home cannot be stepped on the device)
+    steppable = next((i for i, kind in enumerate(homes) if kind is not None and not kind.device_steppable), len(homes))
+    candidates = [HostChunk(params_home_on_host=kind is not None and kind.in_host_memory,
+                            accumulating=inputs.grad_bytes_per_element > 0) for kind in homes[:steppable]]
     sizes = dict(chunk_numel=inputs.chunk_numel, param_bytes_per_element=inputs.param_bytes_per_element)
     stepping = cheapest_device_steps(traffic, candidates, most=count, **sizes)
     traffic = with_device_steps(traffic, candidates[:stepping], **sizes)

@@ -28,6 +28,8 @@ PCIE_BYTES_PER_S = 51 * 2**30
 """Pinned host <-> device copies, each direction."""
 HOST_ADAM_ELEMENTS_PER_S = 4.3e9
 """CPU Adam over fp32 masters and moments."""
+DISK_BYTES_PER_S = 1.0e9
+"""A local NVMe drive through O_DIRECT, reads and writes together (DESIGN.md: reads 0.9-1.3, writes 1.6-2.2 GB/s)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,12 +44,18 @@ class StepTraffic:
     """Elements of the chunks whose optimizer group is on the host or NVMe, less those stepped on the device."""
     device_stepped: int = 0
     """Host-held optimizer groups whose states are copied to the device and stepped there (after backward)."""
+    disk_bytes: int = 0
+    """Param shards at home on NVMe read and written (``zero_cache.homes.NvmeHome``; the NVMe optimizer groups'
+    own reads and writes are not counted here)."""
 
     @property
     def floors(self) -> dict[str, float]:
-        """Seconds each stream needs for this traffic: "H2D", "D2H" and "host Adam"."""
-        return {"H2D": self.h2d_bytes / PCIE_BYTES_PER_S, "D2H": self.d2h_bytes / PCIE_BYTES_PER_S,
-                "host Adam": self.host_adam_elements / HOST_ADAM_ELEMENTS_PER_S}
+        """Seconds each stream needs for this traffic: "H2D", "D2H", "host Adam", and "disk" when there is any."""
+        floors = {"H2D": self.h2d_bytes / PCIE_BYTES_PER_S, "D2H": self.d2h_bytes / PCIE_BYTES_PER_S,
+                  "host Adam": self.host_adam_elements / HOST_ADAM_ELEMENTS_PER_S}
+        if self.disk_bytes:
+            floors["disk"] = self.disk_bytes / DISK_BYTES_PER_S
+        return floors
 
     @property
     def seconds(self) -> float:
@@ -62,6 +70,7 @@ class StepTraffic:
 
     def describe(self) -> str:
         stepped = f", {self.device_stepped} host groups stepped on the device" if self.device_stepped else ""
+        stepped += f", disk {format_bytes(self.disk_bytes)}" if self.disk_bytes else ""
         return (f"H2D {format_bytes(self.h2d_bytes)}, D2H {format_bytes(self.d2h_bytes)}, host Adam over "
                 f"{_count(self.host_adam_elements)} elements{stepped} (at least {self.seconds:.3f} s at "
                 f"{PCIE_BYTES_PER_S / 2**30:.0f} GiB/s and {HOST_ADAM_ELEMENTS_PER_S / 1e9:.1f} G elements/s)")
