@@ -79,7 +79,7 @@ class Init:
         # Where the params may live off the device (offload_param permits it, param_home "host" forces it), the
         # model is built in host memory: initialize() then moves to the device what the plan keeps there.
         on_host = remote_device in ("cpu", "nvme") or (parsed is not None and parsed.zero_cache.enabled and (
-            parsed.zero_cache.param_home == "host" or parsed.zero.offload_param_device in ("cpu", "nvme")))
+            parsed.zero_cache.param_home in ("host", "nvme") or parsed.zero.offload_param_device in ("cpu", "nvme")))
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and not on_host \
             else torch.device("cpu")
         """Where the parameters are built."""

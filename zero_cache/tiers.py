@@ -128,11 +128,24 @@ class BufferPool:
 
     def acquire(self) -> torch.Tensor:
         with self._available:
-            if not self._allocated:  # all at once, so the tier's usage does not depend on timing
-                self._allocated = True
-                self._free.extend((self._allocate(), None) for _ in range(self.count))
+            self._allocate_all()
             while not self._free:
                 self._available.wait()
+            buffer, in_use_until = self._free.popleft()
+        wait(in_use_until)
+        return buffer
+
+    def _allocate_all(self) -> None:
+        if not self._allocated:  # all at once, so the tier's usage does not depend on timing
+            self._allocated = True
+            self._free.extend((self._allocate(), None) for _ in range(self.count))
+
+    def try_acquire(self) -> torch.Tensor | None:
+        """A buffer if one is free now (its last transfer waited for), else None, without blocking on the others."""
+        with self._available:
+            self._allocate_all()
+            if not self._free:
+                return None
             buffer, in_use_until = self._free.popleft()
         wait(in_use_until)
         return buffer
