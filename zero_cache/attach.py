@@ -7,6 +7,7 @@ those measurements and optimizer groups move between tiers if it changed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Any
@@ -16,6 +17,7 @@ from torch import nn
 
 from zero_cache.chunks import SWAP_BUFFERS, ChunkStore
 from zero_cache.config import ZeroCacheConfig
+from zero_cache.eviction import gathers_per_group
 from zero_cache.exchange import GRADIENT_BUCKETS
 from zero_cache.hardware import Hardware, tier_budgets
 from zero_cache.host_update import STAGING_BUFFERS
@@ -128,6 +130,22 @@ def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: tor
                       device_steps=(None if gpu else 0) if config.device_steps == AUTO else config.device_steps)
 
 
+def with_measured_gathers(inputs: PlanInputs, optimizer: ZeroCacheOptimizer) -> PlanInputs:
+    """``inputs`` with how often a group is gathered per step, from the warm-up's recorded acquisitions (forward,
+    recomputed blocks, backward) under the plan's eviction rule (one rank: only groups that stream take a slot).
+    Of the live slots, ``ahead`` hold groups being gathered ahead of use, so ``max_live - ahead`` keep groups
+    for reuse: with that capacity the rule's count is the runtime's (``tests/unit/test_zero_cache_eviction.py``).
+    Unchanged when nothing streams or nothing was recorded."""
+    gathered = optimizer.exchange.gathered if optimizer.exchange is not None else None
+    if gathered is None:
+        return inputs
+    store = optimizer.store
+    slotted = [g for g in gathered.trace.groups if store.sharding.sharded or store.group_home(g).streams]
+    if not slotted:
+        return inputs
+    return dataclasses.replace(inputs, gathers_per_step=gathers_per_group(slotted, gathered.max_live - gathered.ahead))
+
+
 PREDICTION_TOLERANCE = 0.10
 """A measured step this far above the plan's floor is logged with what bounds it instead."""
 
@@ -175,9 +193,10 @@ class WarmupTracer:
             nonmodel += fragmentation_bytes(device_tier.device)
         inputs = plan_inputs(self.layout, self.config, self.compute_dtype, device_tier.budget_bytes,
                              host_tier.budget_bytes, self.accumulation_steps, tuple(self.trace), nonmodel,
-                             nvme_budget=nvme_tier.budget_bytes if nvme_tier is not None else 0,
+                             nvme_budget=nvme_tier.budget_bytes + nvme_tier.split_bytes if nvme_tier is not None else 0,
                              sharding=store.sharding, shard_params=store.shard_params, in_backward=self.in_backward,
                              gpu=device_tier.device.type == "cuda")
+        inputs = with_measured_gathers(inputs, optimizer)
         try:
             plan = make_plan(inputs)
         except PlanError as err:  # the running plan works; a worse estimate must not stop the run

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 
 from zero_cache.chunks import ChunkStore
+from zero_cache.eviction import eviction_rule
 from zero_cache.gathered import GatheredGroups
 from zero_cache.sharding import Sharding
 from zero_cache.tier_names import DEVICE
@@ -63,7 +64,8 @@ class ChunkExchange:
         self.gather_ahead = gather_ahead
         self.transfers = transfers
         self.gathered = (GatheredGroups(store, max_live=max_live_groups, ahead=gather_ahead,
-                                        wait_owned=self._wait_owned, transfers=transfers)
+                                        wait_owned=self._wait_owned, transfers=transfers,
+                                        eviction=eviction_rule(store.plan.eviction))
                          if store.shard_params else None)
         self.into_shards = store.shard_params and not accumulate
         """Reductions land in this rank's shard, over its params (sharded params, one micro-batch per step)."""

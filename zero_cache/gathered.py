@@ -24,9 +24,9 @@ A group is acquired
 
 **Order.** The first iteration records the groups in the order they are acquired
 (:class:`AcquisitionTrace`); later iterations follow it with a cursor, start gathering the next
-``ahead`` groups while this one computes, and, with ``max_live`` groups live, evict the one whose next
-use is furthest away (Belady's rule, as the planner does for param chunks); during the warm-up, the
-least recently used one. The two groups acquired last are never evicted, nor the groups of a module
+``ahead`` groups while this one computes, and, with ``max_live`` groups live, evict the one the plan's
+eviction rule picks (:mod:`zero_cache.eviction`: Belady's, the group whose next use along the trace is
+furthest away; during the warm-up, the least recently used one). The two groups acquired last are never evicted, nor the groups of a module
 whose forward is running (:meth:`GatheredGroups.hold`). A buffer that autograd still holds (a
 checkpointed block's recomputed views) stays valid until it is released: eviction drops this
 object's reference, the memory goes with the last one.
@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from zero_cache.eviction import BeladyEviction, EvictionRule
 from zero_cache.tier_names import DEVICE
 
 
@@ -132,11 +133,13 @@ class GatheredGroups:
         wait_owned: blocks until the pending updates of this rank's chunks in a group have landed in its shard.
         transfers: the host<->device copies (:class:`~zero_cache.host_update.Transfers`), for shards at home
             on the host.
+        eviction: the plan's eviction rule.
     """
 
     def __init__(self, store: Any, *, max_live: int, ahead: int, wait_owned: Callable[[int], None],
-                 transfers: Any = None) -> None:
+                 transfers: Any = None, eviction: EvictionRule | None = None) -> None:
         self.store = store
+        self.eviction = eviction or BeladyEviction()
         self.transfers = transfers
         self.sharding = store.sharding
         self.ahead = ahead
@@ -208,11 +211,7 @@ class GatheredGroups:
                           if g not in self._recent and not self._holds.get(g) and not live.borrowed]
             if not candidates:
                 return
-            if self.trace.recording:
-                victim = candidates[0]  # least recently used
-            else:
-                victim = max(candidates, key=self.trace.next_use)
-            self.release(victim)
+            self.release(self.eviction.victim(candidates, self.trace.next_use, self.trace.recording))
 
     def release(self, group: int, *, closed: bool = False) -> None:
         """Drop ``group``'s buffer and turn its params into placeholders; ``closed``: its shard now holds

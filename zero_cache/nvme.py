@@ -218,6 +218,8 @@ class NvmeTier:
         self.budget_bytes = budget_bytes
         self.used_bytes = self.peak_bytes = 0
         self._directory, self._aio, self._rank = directory, aio, rank
+        self.split_bytes = 0
+        """Budget handed to the tiers :meth:`split` off (the whole disk budget is this plus ``budget_bytes``)."""
         remove_stale_swap_files(directory)
         self.file = SwapFile(directory, rank)
         self.io: FileIO = open_file_io(aio, direct=self.file.direct)
@@ -254,6 +256,7 @@ class NvmeTier:
             raise TierFullError(f"nvme tier: {format_bytes(budget_bytes)} of swap for param homes exceeds its budget "
                                 f"({format_bytes(self.used_bytes)} of {format_bytes(self.budget_bytes)} in use)")
         self.budget_bytes -= budget_bytes
+        self.split_bytes += budget_bytes
         return NvmeTier(self._directory, slot_bytes, budget_bytes, self._aio, self._rank)
 
     def free_slot(self, offset: int) -> None:

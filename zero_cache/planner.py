@@ -12,9 +12,10 @@ The plan decides, in this order of value per device byte:
 1. device room left after the measured non-model peak (activations, workspace) and a margin;
 2. param chunks resident on the device for the whole run when they all fit (no traffic at all);
    with *gathered* params (sharded over ranks, or streamed from the host) each collective group's
-   shard has a **home**, on the device or in pinned host memory, and ``cache_slots`` groups are
-   live on the device at once, filled along the trace ahead of use and emptied by Belady's rule
-   (evict the group whose next use is furthest away: optimal for equal-size pages, Belady 1966).
+   shard has a **home** (:mod:`zero_cache.homes`: the device, pinned host memory, or NVMe), and
+   ``cache_slots`` groups are live on the device at once, filled along the trace ahead of use and
+   emptied by the eviction rule the plan names (:mod:`zero_cache.eviction`: Belady's, evict the group
+   whose next use is furthest away; the runtime applies the same object).
    Which shards stay home on the device is chosen by what the step costs
    (:mod:`zero_cache.step_cost`): a streamed shard costs PCIe bytes every time it is used, a
    device byte given to it is not given to optimizer groups, and a host optimizer group costs
@@ -46,6 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from zero_cache.eviction import BeladyEviction, belady_misses  # noqa: F401  (belady_misses: the rule over a trace)
 from zero_cache.homes import home_class
 from zero_cache.step_cost import (STATE_BYTES_PER_ELEMENT, HostChunk, StepTraffic, cheapest_device_steps, step_traffic,
                                   with_device_steps)
@@ -113,7 +115,9 @@ class PlanInputs:
     min_live_groups: int = 0
     """...and the fewest that work (in use, being fetched ahead, one spare)."""
     gathers_per_step: float = 2.0
-    """Gathered params: times a group is brought onto the device per step (forward, backward)."""
+    """Gathered params: times a group is brought onto the device per step: forward and backward before the
+    warm-up; after it, the eviction rule run over the recorded acquisitions (:func:`~zero_cache.eviction.
+    gathers_per_group`, recomputed blocks included)."""
     kept_bytes_per_element: int = 0
     """Host bytes per element of a kept gradient (host chunks updated during backward, one micro-batch per
     step: the compute dtype's size); 0 = none are wanted."""
@@ -191,6 +195,8 @@ class Plan:
     device_stepped: tuple[int, ...] = ()
     """Host-tier chunks whose optimizer group is stepped on the device after backward, not by the host's Adam
     (those the next forward needs first)."""
+    eviction: str = BeladyEviction.name
+    """Gathered params: the rule that picks the live group to drop (:mod:`zero_cache.eviction`)."""
 
     @property
     def streamed_groups(self) -> int:
@@ -474,41 +480,3 @@ def _nvme_advice(inputs: PlanInputs, tier: str, short_bytes: int) -> list[str]:
             f"(the tier's budget is {format_bytes(inputs.nvme_budget_bytes)}, and an \"auto\" budget leaves at least "
             "1 GiB of the disk free): free disk space under zero_cache.nvme_path, raise zero_cache.nvme_memory_budget "
             "if it was set lower, or point nvme_path at a larger disk"]
-
-
-def belady_misses(trace: Sequence[int], capacity: int) -> tuple[int, list[tuple[int, int | None]]]:
-    """Simulate a cache of ``capacity`` equal-size chunks under Belady's rule.
-
-    Args:
-        trace: chunk accesses in order.
-        capacity: chunks that fit at once (>= 1).
-
-    Returns:
-        (number of misses, list of (fetched chunk, evicted chunk or None) per miss).
-    """
-    if capacity < 1:
-        raise ValueError("capacity must be at least one chunk")
-    next_use = _next_use_table(trace)
-    cached: dict[int, int] = {}  # chunk -> index of its next use
-    events: list[tuple[int, int | None]] = []
-    for i, chunk in enumerate(trace):
-        if chunk in cached:
-            cached[chunk] = next_use[i]
-            continue
-        victim = None
-        if len(cached) >= capacity:
-            victim = max(cached, key=lambda c: cached[c])  # furthest next use (never used = infinity)
-            del cached[victim]
-        cached[chunk] = next_use[i]
-        events.append((chunk, victim))
-    return len(events), events
-
-
-def _next_use_table(trace: Sequence[int]) -> list[int]:
-    """For each position, the position of the same chunk's next access (len(trace) + 1 if none)."""
-    never = len(trace) + 1
-    table, last = [never] * len(trace), {}
-    for i in range(len(trace) - 1, -1, -1):
-        table[i] = last.get(trace[i], never)
-        last[trace[i]] = i
-    return table
