@@ -17,7 +17,8 @@ from angelptm.config import EngineConfig
 from angelptm.errors import ConfigError
 from angelptm.models import build_model
 from zero_cache.attach import warmup_reserve
-from zero_cache.planner import DEVICE, HOST, NVME, Plan
+from zero_cache.planner import Plan
+from zero_cache.tier_names import DEVICE, HOST, NVME
 from zero_cache.step_cost import HOST_ADAM_ELEMENTS_PER_S, PCIE_BYTES_PER_S
 
 DISK_READ_BYTES_PER_S = 1.1e9

@@ -3,9 +3,9 @@
 Every parameter becomes a view into its chunk (``param.data`` is rebound), so a model state exists
 exactly once. With gathered params (``shard_params``) a rank stores only its own chunk of each
 collective group (its shard; on one rank, each chunk) and the parameters are placeholders except
-while their group is gathered. Each shard has a **home** tier: the device, or pinned host memory
-from which it is copied in on use and into which its gradients are written back (the plan's
-``param_home``), so the model's weights need not fit on the device.
+while their group is gathered. Each shard has a **home** (:mod:`zero_cache.homes`): the device, or
+pinned host memory or NVMe, from which it is copied in on use and into which its gradients are
+written back (the plan's ``param_home``), so the model's weights need not fit on the device.
 
 The optimizer group of a chunk (fp32 master, exp_avg, exp_avg_sq, and an fp32 gradient accumulator
 when micro-batches accumulate) lives in the tier the plan names; moving it (re-planning) copies it

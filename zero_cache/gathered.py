@@ -1,15 +1,16 @@
 """Gathered params: a chunk group's full params exist on the device only while they are in use.
 
-Each rank keeps its own slot of every group (``ChunkStore.shards``), at **home** on the device or in
-pinned host memory. A group is **live** while its gathered buffer exists: its parameters are views
+Each rank keeps its own slot of every group (``ChunkStore.shards``) at its **home**: the device, pinned
+host memory or NVMe (:mod:`zero_cache.homes`, which carries out each kind's gather). A group is **live** while its gathered buffer exists: its parameters are views
 into it. Otherwise each parameter is a placeholder of the right shape holding no memory (one
 element, expanded with zero strides), so module code that reads ``weight.shape`` keeps working.
 
 Where a group's buffer comes from depends on the shard's home and the ranks:
 
 * home on the device, several ranks (ZeRO-3): all-gathered from every rank's shard;
-* home on the host (params streamed, ZeRO-Infinity's ``offload_param``): this rank's shard copied in
-  on the host->device stream, then, with several ranks, all-gathered in place behind that copy;
+* home on the host or NVMe (params streamed, ZeRO-Infinity's ``offload_param``): this rank's shard copied
+  in on the host->device stream (from NVMe: read into a pinned buffer first, started a window further
+  ahead), then, with several ranks, all-gathered in place behind that copy;
 * home on the device, one rank: the shard *is* the group; it is bound in place, no copy, and never
   counts against ``max_live``.
 

@@ -278,6 +278,8 @@ class NvmeHome(ParamHome):
         self._raw: dict[int, torch.Tensor] = {}  # a buffer's address -> the whole aligned buffer (IO moves whole slots)
         self._ahead: dict[int, tuple[torch.Tensor, Any]] = {}  # group -> (buffer, read) started by prefetch
         self._lock = threading.Lock()
+        self.reads_ahead_used = 0
+        """Gathers that found their read started ahead (:meth:`prefetch`)."""
 
     def allocate(self, group: int) -> torch.Tensor | None:
         self._offsets[group] = self.disk.allocate_slot()
@@ -342,7 +344,10 @@ class NvmeHome(ParamHome):
     def _take_ahead(self, group: int) -> tuple[torch.Tensor, Any]:
         with self._lock:
             started = self._ahead.pop(group, None)
-        return started if started is not None else self._read(group)
+        if started is None:
+            return self._read(group)
+        self.reads_ahead_used += 1
+        return started
 
     def _drop(self, group: int) -> None:
         with self._lock:

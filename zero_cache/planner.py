@@ -269,10 +269,12 @@ def _plan_gathered(inputs: PlanInputs, room: int) -> Plan:
     groups_in_order = list(dict.fromkeys(c // size for c in first_use_order(inputs.trace, inputs.num_chunks)))
     groups_in_order += [g for g in range(held) if g not in groups_in_order]
     owned = _owned_in_use_order(inputs)
-    # "auto" weighs device homes against host ones; a named home off the device takes every shard.
-    off_home = HOST if inputs.param_home in (AUTO, DEVICE) else inputs.param_home
-    resident_options = [held] if inputs.param_home == DEVICE else [0] if inputs.param_home != AUTO \
-        else range(held, -1, -1)
+    # "auto" weighs device homes against host ones; a named home takes every shard.
+    if inputs.param_home == AUTO:
+        off_home, resident_options = HOST, range(held, -1, -1)
+    else:
+        streams = home_class(inputs.param_home).streams
+        off_home, resident_options = (inputs.param_home, [0]) if streams else (HOST, [held])
     best: tuple | None = None
     failure: PlanError | None = None
     for resident in resident_options:

@@ -14,6 +14,7 @@ from torch import nn
 
 from zero_cache.config import ZeroCacheConfig
 from zero_cache.gathered import GatheredGroups
+from zero_cache.homes import home_class
 from zero_cache.layout import ChunkLayout
 from zero_cache.planner import Plan, PlanError
 from zero_cache.sharding import Sharding
@@ -72,7 +73,7 @@ def choose_streaming(config: ZeroCacheConfig, plan_for: Callable[[bool], Plan]) 
     Raises:
         PlanError: no allowed placement fits (the gathered one's shortfall, which needs the least device).
     """
-    allowed = (False,) if config.param_home == DEVICE else (False, True) if config.param_home == AUTO else (True,)
+    allowed = (False, True) if config.param_home == AUTO else (home_class(config.param_home).streams,)
     plans: dict[bool, Plan] = {}
     errors: dict[bool, PlanError] = {}
     for gathered in allowed:

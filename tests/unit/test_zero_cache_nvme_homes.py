@@ -80,6 +80,7 @@ def test_params_homed_on_nvme_train_bit_for_bit_like_params_homed_on_the_host(tm
     moved = home.disk.traffic.take()
     assert moved["read"] >= 2 * len(store.shards) * home.disk.slot_bytes and moved["write"] > 0, moved
     assert home.disk.used_bytes == len(store.shards) * home.disk.slot_bytes
+    assert home.reads_ahead_used >= len(batches), "reads must start ahead along the trace"
     assert not list(tmp_path.iterdir()), "swap files have no name while they are used"
 
 
