@@ -228,13 +228,13 @@ def copy_in_and_gather(source: torch.Tensor, buffer: torch.Tensor, sharding: Any
         return copied, sharding.all_gather(buffer)
 
 
-NVME_STAGING_BUFFERS = 6
+NVME_STAGING_BUFFERS = 8
 """Pinned buffers of one shard each through which NVMe homes are read and written: the host worker holds up to
 three (the update's gradient, the next update's, a revision's output), the training thread one (a gather or a
-gradient on its way to disk), and the rest hold reads started ahead along the trace."""
-NVME_PREFETCH = NVME_STAGING_BUFFERS - 4
-"""Shard reads started ahead of their gathers (never more, so the worker and the training thread always find a
-buffer)."""
+gradient arriving), and the rest hold reads started ahead along the trace and gradients waiting for their update."""
+NVME_HELD = NVME_STAGING_BUFFERS - 4
+"""Buffers held between calls, reads started ahead and gradients together (never more, so the worker and the
+training thread always find one)."""
 
 
 class NvmeHome(ParamHome):
@@ -242,10 +242,12 @@ class NvmeHome(ParamHome):
     :data:`NVME_STAGING_BUFFERS` pinned buffers for all of them.
 
     A gather reads the slot into a buffer (started ahead along the recorded trace, through the same asynchronous
-    IO as the NVMe optimizer states, :mod:`zero_cache.aio`) and copies it in; the reduced gradient goes to the slot
-    over the params, as a host home keeps it over its params; the host's Adam reads it back into a buffer, writes
-    the new params there, and the buffer goes to the slot (written behind: a later read of the slot waits for it).
-    Per step that is a read per gather, and a write, a read and a write per updated shard.
+    IO as the NVMe optimizer states, :mod:`zero_cache.aio`) and copies it in. The reduced gradient is copied into a
+    buffer, where the host's Adam takes it (updates run during backward: soon), writes the new params over it, and
+    the buffer goes to the slot (written behind: a later read of the slot waits for it). Gradients waiting beyond
+    :data:`NVME_HELD` buffers (updates after backward) go to the slot over the params, as a host home keeps them,
+    and are read back for their update. Per step that is a read per gather and a write per updated shard (plus a
+    write and a read per gradient that had to wait on disk).
     """
 
     name = NVME
@@ -262,7 +264,7 @@ class NvmeHome(ParamHome):
 
     @classmethod
     def disk_bytes_per_step(cls, shards: int, owned: int, shard_bytes: int, gathers_per_step: float) -> int:
-        return int((shards * gathers_per_step + 3 * owned) * align_up(shard_bytes))
+        return int((shards * gathers_per_step + owned) * align_up(shard_bytes))
 
     def __init__(self, tiers: dict[str, Any], numel: int, dtype: torch.dtype, num_shards: int = 0) -> None:
         super().__init__(tiers, numel, dtype)
@@ -277,16 +279,20 @@ class NvmeHome(ParamHome):
         self._offsets: dict[int, int] = {}  # group -> its slot
         self._raw: dict[int, torch.Tensor] = {}  # a buffer's address -> the whole aligned buffer (IO moves whole slots)
         self._ahead: dict[int, tuple[torch.Tensor, Any]] = {}  # group -> (buffer, read) started by prefetch
+        self._gradients: dict[int, tuple[torch.Tensor, Any]] = {}  # group -> (buffer, d2h copy): gradients held
+        # Orders reads, writes and the held buffers of one slot between the training thread and the worker.
         self._lock = threading.Lock()
         self.reads_ahead_used = 0
         """Gathers that found their read started ahead (:meth:`prefetch`)."""
+        self.gradients_to_disk = 0
+        """Gradients that waited for their update on disk (more were waiting than buffers hold)."""
 
     def allocate(self, group: int) -> torch.Tensor | None:
         self._offsets[group] = self.disk.allocate_slot()
         return None
 
     def free(self, group: int, shard: torch.Tensor | None) -> None:
-        self._drop(group)
+        self._drop(group, gradient=True)
         self.disk.free_slot(self._offsets.pop(group))
 
     def _values(self, raw: torch.Tensor) -> torch.Tensor:
@@ -306,11 +312,16 @@ class NvmeHome(ParamHome):
 
     def _write(self, group: int, values: torch.Tensor) -> Any:
         """Write ``values`` (a staging buffer) to the group's slot and give the buffer back behind the write."""
-        with self._lock:  # a read started ahead before this write would keep the old values: dropped
-            started = self._ahead.pop(group, None)
-            written = self.disk.write(self._offsets[group], self._raw[values.data_ptr()])
-        if started is not None:
-            self._release(*started)
+        with self._lock:
+            return self._write_locked(group, values)
+
+    def _write_locked(self, group: int, values: torch.Tensor) -> Any:
+        # A read started ahead before this write would keep the old values, a gradient held for the slot is
+        # superseded (an update that only restored the params): both dropped.
+        for held in (self._ahead.pop(group, None), self._gradients.pop(group, None)):
+            if held is not None:
+                self._release(*held)
+        written = self.disk.write(self._offsets[group], self._raw[values.data_ptr()])
         self._release(values, written)
         return written
 
@@ -335,7 +346,7 @@ class NvmeHome(ParamHome):
 
     def prefetch(self, group: int) -> None:
         with self._lock:  # (never blocks on a buffer: the worker may hold them, and takes this lock to write)
-            if group in self._ahead or len(self._ahead) >= NVME_PREFETCH:
+            if group in self._ahead or len(self._ahead) + len(self._gradients) >= NVME_HELD:
                 return
             raw = self.pool.try_acquire()
             if raw is not None:
@@ -349,11 +360,13 @@ class NvmeHome(ParamHome):
         self.reads_ahead_used += 1
         return started
 
-    def _drop(self, group: int) -> None:
+    def _drop(self, group: int, *, gradient: bool = False) -> None:
+        """Release the read started ahead for ``group`` (and, with ``gradient``, its held gradient)."""
         with self._lock:
-            started = self._ahead.pop(group, None)
-        if started is not None:
-            self._release(*started)
+            held = [self._ahead.pop(group, None), self._gradients.pop(group, None) if gradient else None]
+        for buffer_and_token in held:
+            if buffer_and_token is not None:
+                self._release(*buffer_and_token)
 
     def forget_prefetched(self) -> None:
         for group in list(self._ahead):
@@ -369,12 +382,29 @@ class NvmeHome(ParamHome):
 
     def write_gradient(self, group: int, shard: torch.Tensor | None, reduced: torch.Tensor, transfers: Any) -> Any:
         values = self._acquire()
-        wait(transfers.copy(values, reduced, "d2h", after=transfers.mark()))
-        return self._write(group, values)
+        copied = transfers.copy(values, reduced, "d2h", after=transfers.mark())
+        with self._lock:
+            self._gradients[group] = values, copied
+            while len(self._ahead) + len(self._gradients) > NVME_HELD:  # the oldest waits on disk
+                if self._ahead:
+                    self._release(*self._ahead.pop(next(iter(self._ahead))))
+                    continue
+                oldest = next(iter(self._gradients))
+                held, held_copy = self._gradients.pop(oldest)
+                wait(held_copy)
+                self._write_locked(oldest, held)
+                self.gradients_to_disk += 1
+        return copied
 
     def fetch_gradient(self, group: int, param_chunk: torch.Tensor | None, pool: BufferPool, transfers: Any, *,
                        written: Any, landed: Any) -> tuple[torch.Tensor, Any]:
-        return self._read(group)  # (the read waits for the gradient's write to the same slot)
+        with self._lock:
+            held = self._gradients.pop(group, None)
+        if held is not None:
+            return held
+        values = self._acquire()
+        with self._lock:  # (after a spilled gradient's write: the read waits for it)
+            return values, self.disk.read(self._offsets[group], self._raw[values.data_ptr()])
 
     def update_buffer(self, group: int, param_chunk: torch.Tensor | None, pool: BufferPool) -> torch.Tensor:
         return self._acquire()

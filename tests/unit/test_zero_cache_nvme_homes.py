@@ -20,7 +20,7 @@ import angelptm
 from angelptm.config import load_config
 from angelptm.models import ModelConfig, build_model
 from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop, train_steps
-from zero_cache.homes import NVME_STAGING_BUFFERS, NvmeHome
+from zero_cache.homes import NVME_HELD, NVME_STAGING_BUFFERS, NvmeHome
 from zero_cache.tier_names import HOST, NVME
 
 CHUNK_NUMEL = 8192
@@ -32,9 +32,10 @@ def tiny_gpt(seed: int, *, tied: bool = True) -> torch.nn.Module:
                                    num_heads=4, tie_embeddings=tied, activation_checkpointing=True))
 
 
-def config(param_home: str, nvme_path: Path | None = None, *, clip: float = 1.0, accumulation: int = 1) -> dict:
-    zero_cache = {"enabled": True, "chunk_size": CHUNK_NUMEL, "param_home": param_home,
-                  "device_memory_budget": "auto", "host_memory_budget": "1GiB"}
+def config(param_home: str, nvme_path: Path | None = None, *, clip: float = 1.0, accumulation: int = 1,
+           **zero_cache) -> dict:
+    zero_cache.update({"enabled": True, "chunk_size": CHUNK_NUMEL, "param_home": param_home,
+                       "device_memory_budget": "auto", "host_memory_budget": "1GiB"})
     if nvme_path is not None:
         zero_cache["nvme_path"] = str(nvme_path)
     return ds_config(gradient_clipping=clip, gradient_accumulation_steps=accumulation, zero_cache=zero_cache)
@@ -51,17 +52,21 @@ def open_files_under(directory: Path) -> int:
     return count
 
 
-@pytest.mark.parametrize("accumulation, clip, tied", [(1, 1.0, True), (1, 0.0, False), (3, 1.0, True)])
-def test_params_homed_on_nvme_train_bit_for_bit_like_params_homed_on_the_host(tmp_path, accumulation, clip, tied):
-    """(1, 1.0): updated during backward, clipped steps revised; (1, 0.0): untied head, nothing clipped;
-    (3, 1.0): micro-batches accumulate in fp32 on the host, updated after backward."""
+@pytest.mark.parametrize("accumulation, clip, tied, in_backward", [(1, 1.0, True, "auto"), (1, 0.0, False, "auto"),
+                                                                 (1, 1.0, True, False), (3, 1.0, True, "auto")])
+def test_params_homed_on_nvme_train_bit_for_bit_like_params_homed_on_the_host(tmp_path, accumulation, clip, tied,
+                                                                               in_backward):
+    """(1, 1.0): updated during backward, clipped steps revised; (1, 0.0): untied head, nothing clipped; after
+    backward: more gradients wait than buffers hold, the oldest on disk; (3, 1.0): micro-batches accumulate in
+    fp32 on the host, updated after backward."""
     seed = torch.randint(0, 10_000, ()).item()
     batches = random_batches(seed, count=3 * accumulation, batch=2)
-    host_engine, host_optimizer, _, _ = angelptm.initialize(
-        model=tiny_gpt(seed, tied=tied), config=config("host", clip=clip, accumulation=accumulation))
+    options = dict(clip=clip, accumulation=accumulation, update_in_backward=in_backward)
+    host_engine, host_optimizer, _, _ = angelptm.initialize(model=tiny_gpt(seed, tied=tied),
+                                                            config=config("host", **options))
     host_losses = train_steps(host_engine, batches)
-    engine, optimizer, _, _ = angelptm.initialize(
-        model=tiny_gpt(seed, tied=tied), config=config("nvme", tmp_path, clip=clip, accumulation=accumulation))
+    engine, optimizer, _, _ = angelptm.initialize(model=tiny_gpt(seed, tied=tied),
+                                                  config=config("nvme", tmp_path, **options))
     store = optimizer.store
     assert store.shard_params and set(store.param_home) == {NVME} and all(s is None for s in store.shards)
     assert all(group.tier == HOST for group in store.groups)
@@ -81,6 +86,8 @@ def test_params_homed_on_nvme_train_bit_for_bit_like_params_homed_on_the_host(tm
     assert moved["read"] >= 2 * len(store.shards) * home.disk.slot_bytes and moved["write"] > 0, moved
     assert home.disk.used_bytes == len(store.shards) * home.disk.slot_bytes
     assert home.reads_ahead_used >= len(batches), "reads must start ahead along the trace"
+    if in_backward is False and accumulation == 1:  # every gradient waits for step(): most of them on disk
+        assert home.gradients_to_disk >= len(batches) * (len(store.shards) - NVME_HELD)
     assert not list(tmp_path.iterdir()), "swap files have no name while they are used"
 
 
