@@ -109,6 +109,9 @@ def test_params_homed_on_nvme_follow_a_plain_fp32_adamw_loop(tmp_path):
     # 1e-6, a thousandth of one step's movement; a stale or lost shard would differ by whole steps (lr 3e-3).
     for name, value in expected.items():
         torch.testing.assert_close(masters[name], value, rtol=1e-4, atol=1e-5)
+    # fp32 params are their masters: refreshing the masters from the shards on disk changes no bit.
+    optimizer.refresh_masters_from_params()
+    assert all(torch.equal(value, masters[name]) for name, value in optimizer.master_state_dict().items())
 
 
 def test_deepspeeds_offload_param_nvme_homes_params_on_the_disk_and_frees_them_when_dropped(tmp_path):
@@ -133,6 +136,26 @@ def test_deepspeeds_offload_param_nvme_homes_params_on_the_disk_and_frees_them_w
     gc.collect()
     assert alive() is None
     assert open_files_under(tmp_path) == 0 and not list(tmp_path.iterdir()), "a dropped engine frees its swap files"
+
+
+def test_a_run_with_params_homed_on_nvme_resumes_exactly(tmp_path):
+    """Saved after 2 of 4 steps and loaded into a fresh engine (another seed's weights): the last 2 steps' losses are
+    the uninterrupted run's, bit for bit; loading only the module rewrites the shards on disk from it too."""
+    seed = torch.randint(0, 10_000, ()).item()
+    batches = random_batches(seed, count=4, batch=2)
+    cfg = config("nvme", tmp_path / "swap")
+    (tmp_path / "swap").mkdir()
+    straight, _, _, _ = angelptm.initialize(model=tiny_gpt(seed), config=cfg)
+    expected = train_steps(straight, batches)
+    first, _, _, _ = angelptm.initialize(model=tiny_gpt(seed), config=cfg)
+    train_steps(first, batches[:2])
+    first.save_checkpoint(tmp_path / "ckpt")
+    resumed, _, _, _ = angelptm.initialize(model=tiny_gpt(seed + 1), config=cfg)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    assert train_steps(resumed, batches[2:]) == expected[2:]
+    weights_only, _, _, _ = angelptm.initialize(model=tiny_gpt(seed + 2), config=cfg)
+    weights_only.load_checkpoint(tmp_path / "ckpt", load_module_only=True)
+    assert train_steps(weights_only, batches[2:3]) == expected[2:3]  # (its moments start afresh after that)
 
 
 def test_params_homed_on_nvme_need_a_swap_directory(tmp_path):
