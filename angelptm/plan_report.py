@@ -163,9 +163,13 @@ def _step_floors(plan: Plan, compute_s: float | None, tokens: int, tflops: float
          traffic.host_adam_elements / HOST_ADAM_ELEMENTS_PER_S),
     ]
     if plan.nvme_bytes:
-        floors.append(("NVMe", f"{zero_cache.format_bytes(plan.nvme_bytes)} read and written at "
+        # Optimizer groups there are read and written once a step; param shards at home there move
+        # traffic.disk_bytes (a read per gather, a write per update), counted at the slower read rate.
+        groups = plan.nvme_bytes - plan.param_nvme_bytes
+        shards = f" + {zero_cache.format_bytes(traffic.disk_bytes)} of param shards" if traffic.disk_bytes else ""
+        floors.append(("NVMe", f"{zero_cache.format_bytes(groups)} read and written{shards} at "
                                f"{DISK_READ_BYTES_PER_S / 1e9:.1f}/{DISK_WRITE_BYTES_PER_S / 1e9:.1f} GB/s",
-                       plan.nvme_bytes / DISK_READ_BYTES_PER_S + plan.nvme_bytes / DISK_WRITE_BYTES_PER_S))
+                       (groups + traffic.disk_bytes) / DISK_READ_BYTES_PER_S + groups / DISK_WRITE_BYTES_PER_S))
     name, _, seconds = max(floors, key=lambda floor: floor[2])
     unseen = [] if compute_s else ["compute (not estimated on a CPU)"]
     unseen += ["the NCCL collectives"] if plan.group_size > 1 else []

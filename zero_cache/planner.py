@@ -181,7 +181,9 @@ class Plan:
     host_bytes: int
     """Model-state bytes planned on the host."""
     nvme_bytes: int = 0
-    """Swap-file bytes planned on the NVMe tier."""
+    """Swap-file bytes planned on the NVMe tier (``param_nvme_bytes`` of them param shards at home there)."""
+    param_nvme_bytes: int = 0
+    """Swap-file bytes of the param shards at home on NVMe."""
     params_sharded: bool = False
     """This rank holds one param chunk per collective group (its shard); whole groups are gathered on use."""
     param_home: tuple[str, ...] = ()
@@ -353,10 +355,8 @@ def _finish(inputs: PlanInputs, *, resident_bytes: int, live: int, device_optim:
     if homes_disk > inputs.nvme_budget_bytes:
         raise PlanError(_shortfall_message(NVME, homes_disk, inputs.nvme_budget_bytes, inputs, detail=(
             f"it holds {home.count(NVME)} param shards of {format_bytes(inputs.param_chunk_bytes)} at home")))
-    num_host, num_nvme, host_bytes = _split_host_and_nvme(replace(inputs, nvme_budget_bytes=inputs.nvme_budget_bytes
-                                                                  - homes_disk),
-                                                          len(off_device), inputs.scratch_bytes + host_params_bytes,
-                                                          staged)
+    num_host, num_nvme, host_bytes = _split_host_and_nvme(inputs, len(off_device),
+                                                          inputs.scratch_bytes + host_params_bytes, staged, homes_disk)
     on_host = off_device[:num_host]
     traffic, stepped, kept, host_bytes = _device_steps_and_kept(inputs, traffic, off_device, on_host, home, host_bytes,
                                                                 inputs.device_steps)
@@ -369,7 +369,7 @@ def _finish(inputs: PlanInputs, *, resident_bytes: int, live: int, device_optim:
                     + inputs.scratch_bytes + inputs.exchange_buffer_bytes)
     return Plan(params_resident=HOST not in home, cache_slots=live, optimizer_tier=tuple(tiers),
                 device_bytes=device_bytes, host_bytes=host_bytes,
-                nvme_bytes=num_nvme * inputs.swap_slot_bytes + homes_disk,
+                nvme_bytes=num_nvme * inputs.swap_slot_bytes + homes_disk, param_nvme_bytes=homes_disk,
                 params_sharded=inputs.param_chunks_held is not None, param_home=home, group_size=inputs.group_size,
                 traffic=traffic, kept_gradients=kept, device_stepped=stepped)
 
@@ -421,10 +421,11 @@ def with_device_step_count(inputs: PlanInputs, plan: Plan, count: int) -> Plan:
     return replace(plan, traffic=traffic, device_stepped=stepped, kept_gradients=kept, host_bytes=host_bytes)
 
 
-def _split_host_and_nvme(inputs: PlanInputs, off_device: int, host_fixed: int, staged: bool
+def _split_host_and_nvme(inputs: PlanInputs, off_device: int, host_fixed: int, staged: bool, nvme_fixed: int = 0
                          ) -> tuple[int, int, int]:
     """(groups on the host, groups on NVMe, host bytes) for the ``off_device`` groups, host first;
-    ``staged``: some of their gradients reach the host through the staging buffers."""
+    ``staged``: some of their gradients reach the host through the staging buffers; ``nvme_fixed``: disk bytes
+    already taken (param shards at home there)."""
     staging = inputs.staging_buffers * inputs.param_chunk_bytes if staged else 0
     per_host = inputs.optimizer_chunk_bytes
     per_nvme_on_host = inputs.chunk_numel * inputs.grad_bytes_per_element  # accumulators stay in RAM
@@ -437,7 +438,7 @@ def _split_host_and_nvme(inputs: PlanInputs, off_device: int, host_fixed: int, s
 
     if host_bytes(off_device) <= inputs.host_budget_bytes:
         return off_device, 0, host_bytes(off_device)
-    if inputs.nvme_budget_bytes <= 0:
+    if inputs.nvme_budget_bytes - nvme_fixed <= 0:
         raise PlanError(_shortfall_message(HOST, host_bytes(off_device), inputs.host_budget_bytes, inputs, detail=(
             f"{off_device} chunks' optimizer states ({inputs.optimizer_bytes_per_element} B/element)"
             + ("" if host_fixed == inputs.scratch_bytes else " and every param chunk's home copy") + " live there")))
@@ -449,10 +450,11 @@ def _split_host_and_nvme(inputs: PlanInputs, off_device: int, host_fixed: int, s
             f"buffers of {format_bytes(inputs.swap_buffer_bytes)}, {inputs.staging_buffers} staging buffers"
             + (" and the gradient accumulators" if per_nvme_on_host else ""))))
     num_nvme = off_device - num_host
-    if num_nvme * inputs.swap_slot_bytes > inputs.nvme_budget_bytes:
-        raise PlanError(_shortfall_message(NVME, num_nvme * inputs.swap_slot_bytes, inputs.nvme_budget_bytes,
-                                           inputs, detail=f"{num_nvme} optimizer groups of "
-                                                          f"{format_bytes(inputs.swap_slot_bytes)} go to disk"))
+    if num_nvme * inputs.swap_slot_bytes + nvme_fixed > inputs.nvme_budget_bytes:
+        beside = f" beside {format_bytes(nvme_fixed)} of param shards at home there" if nvme_fixed else ""
+        raise PlanError(_shortfall_message(NVME, num_nvme * inputs.swap_slot_bytes + nvme_fixed,
+                                           inputs.nvme_budget_bytes, inputs, detail=f"{num_nvme} optimizer groups of "
+                                           f"{format_bytes(inputs.swap_slot_bytes)} go to disk{beside}"))
     return num_host, num_nvme, host_bytes(num_host)
 
 

@@ -73,7 +73,8 @@ class StepTraffic:
         stepped += f", disk {format_bytes(self.disk_bytes)}" if self.disk_bytes else ""
         return (f"H2D {format_bytes(self.h2d_bytes)}, D2H {format_bytes(self.d2h_bytes)}, host Adam over "
                 f"{_count(self.host_adam_elements)} elements{stepped} (at least {self.seconds:.3f} s at "
-                f"{PCIE_BYTES_PER_S / 2**30:.0f} GiB/s and {HOST_ADAM_ELEMENTS_PER_S / 1e9:.1f} G elements/s)")
+                f"{PCIE_BYTES_PER_S / 2**30:.0f} GiB/s and {HOST_ADAM_ELEMENTS_PER_S / 1e9:.1f} G elements/s"
+                + (f", disk {DISK_BYTES_PER_S / 1e9:.1f} GB/s)" if self.disk_bytes else ")"))
 
 
 def _count(elements: int) -> str:
