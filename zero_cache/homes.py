@@ -148,6 +148,13 @@ class ParamHome:
     def close(self) -> None:
         """Free what the home holds outside the tiers' memory (a swap file)."""
 
+    def disk_report(self) -> dict[str, int]:
+        """Disk bytes the home holds ("bytes") and has read and written since the last report ("read", "write")."""
+        return {}
+
+    def use_timeline(self, timeline: Any) -> None:
+        """While a step is traced, the home's disk requests go on the timeline's ``disk`` track."""
+
 
 class DeviceHome(ParamHome):
     """The shard (or the replicated param chunk) stays in device memory: used in place on one rank, all-gathered
@@ -419,6 +426,12 @@ class NvmeHome(ParamHome):
 
     def flush(self) -> None:
         self.disk.flush()
+
+    def disk_report(self) -> dict[str, int]:
+        return {"bytes": self.disk.used_bytes, **self.disk.traffic.take()}
+
+    def use_timeline(self, timeline: Any) -> None:
+        self.disk.timeline = timeline
 
     def close(self) -> None:
         self.forget_prefetched()

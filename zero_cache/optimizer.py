@@ -117,6 +117,8 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
         """The step's timeline (copies, host jobs, disk requests, waits); recording only while a step is traced."""
         if NVME in store.tiers:
             store.tiers[NVME].timeline = self.timeline
+        for home in store.homes.values():
+            home.use_timeline(self.timeline)
         slot_of = {slot.name: slot for slot in store.slots}
         # (param-group index, slot) for every parameter, in the optimizer's group order.
         self.members: list[tuple[int, TensorSlot]] = []
@@ -585,6 +587,10 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
         if NVME in self.store.tiers:
             report.update({f"zero_cache_nvme_{way}_bytes": moved
                            for way, moved in self.store.tiers[NVME].traffic.take().items()})
+        for home in self.store.homes.values():  # (param shards at home on the disk: their swap file too)
+            for what, num_bytes in home.disk_report().items():
+                key = f"zero_cache_nvme_{what}" if what == "bytes" else f"zero_cache_nvme_{what}_bytes"
+                report[key] = report.get(key, 0) + num_bytes
         report.update({f"zero_cache_{name}_s": seconds for name, seconds in self.timings.items()})
         report["zero_cache_host_update_s"] = host_work
         report.update({f"zero_cache_{name}": count for name, count in self.counts.items()})
