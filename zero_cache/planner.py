@@ -203,14 +203,14 @@ class Plan:
     @property
     def streamed_groups(self) -> int:
         """Groups whose shard lives off the device (host or NVMe) and is copied to the device on use."""
-        return len(self.param_home) - self.param_home.count(DEVICE)
+        return sum(home_class(home).streams for home in self.param_home)
 
     def summary(self) -> str:
         counts = {tier: self.optimizer_tier.count(tier) for tier in (DEVICE, HOST, NVME)}
         params = "resident on the device"
         if self.params_sharded:
             kind = "sharded" if self.group_size > 1 else "gathered on use"
-            homes = " and ".join(sorted({h for h in self.param_home if h != DEVICE})) or "the host"
+            homes = " and ".join(sorted({h for h in self.param_home if home_class(h).streams})) or "the host"
             params = (f"{kind}: {self.param_home.count(DEVICE)} of {len(self.param_home)} shards at home on the "
                       f"device, {self.streamed_groups} streamed from {homes}; {self.cache_slots} groups live at once")
         disk = f", nvme {format_bytes(self.nvme_bytes)}" if self.nvme_bytes else ""
@@ -354,7 +354,8 @@ def _finish(inputs: PlanInputs, *, resident_bytes: int, live: int, device_optim:
     homes_disk = sum(home_class(name).disk_bytes(home.count(name), inputs.param_chunk_bytes) for name in set(home))
     if homes_disk > inputs.nvme_budget_bytes:
         raise PlanError(_shortfall_message(NVME, homes_disk, inputs.nvme_budget_bytes, inputs, detail=(
-            f"it holds {home.count(NVME)} param shards of {format_bytes(inputs.param_chunk_bytes)} at home")))
+            f"the param shards at home there take {format_bytes(homes_disk)} (of "
+            f"{format_bytes(inputs.param_chunk_bytes)} each)")))
     num_host, num_nvme, host_bytes = _split_host_and_nvme(inputs, len(off_device),
                                                           inputs.scratch_bytes + host_params_bytes, staged, homes_disk)
     on_host = off_device[:num_host]

@@ -21,6 +21,7 @@ from angelptm.config import load_config
 from angelptm.models import ModelConfig, build_model
 from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop, train_steps
 from zero_cache.homes import NVME_HELD, NVME_STAGING_BUFFERS, NvmeHome
+from zero_cache.planner import PlanError, PlanInputs, make_plan
 from zero_cache.tier_names import HOST, NVME
 
 CHUNK_NUMEL = 8192
@@ -174,3 +175,32 @@ def test_params_homed_on_nvme_need_a_writable_swap_directory(tmp_path):
         pytest.skip("running as a user who may write anywhere (root)")
     with pytest.raises(angelptm.ConfigError, match=r"nvme_path: .*locked.* is not writable"):
         angelptm.initialize(model=tiny_gpt(0), config=config("nvme", locked))
+
+
+def nvme_inputs(**overrides) -> PlanInputs:
+    """One rank, 10 chunks of 1,000 bf16 elements (2,000 B shards, 4,096 B on disk), room for 3 live groups."""
+    values = dict(num_chunks=10, chunk_numel=1000, param_bytes_per_element=2, device_budget_bytes=10**6,
+                  host_budget_bytes=10**6, trace=tuple(range(10)) + tuple(reversed(range(10))), margin_fraction=0.0,
+                  param_chunks_held=10, param_home=NVME, live_groups=3, min_live_groups=3,
+                  exchange_buffer_bytes=3 * 2_000, grad_bytes_per_element=0, nvme_budget_bytes=10**6,
+                  nvme_path_set=True)
+    values.update(overrides)
+    return PlanInputs(**values)
+
+
+def test_the_plan_puts_every_shard_on_disk_and_counts_its_buffers_and_traffic():
+    plan = make_plan(nvme_inputs())
+    assert plan.param_home == (NVME,) * 10 and plan.optimizer_tier == (HOST,) * 10 and plan.cache_slots == 3
+    # host: the staging buffers (a 4 KiB slot each, plus alignment slack), the optimizer groups, the fp32 scratch
+    assert plan.host_bytes == NVME_STAGING_BUFFERS * (4096 + 4096) + 10 * 12_000 + 4_000
+    assert plan.nvme_bytes == plan.param_nvme_bytes == 10 * 4096
+    # each shard read twice (forward, backward) and its new params written once
+    assert plan.traffic.disk_bytes == (10 * 2 + 10) * 4096 and "disk" in plan.traffic.floors
+    assert plan.device_stepped == ()  # a shard on disk is updated by the host
+
+
+def test_a_disk_too_small_for_the_shards_is_refused_with_the_shortfall():
+    with pytest.raises(PlanError, match=r"the nvme tier needs 40.00 KiB but its budget is 20.00 KiB .*param shards"):
+        make_plan(nvme_inputs(nvme_budget_bytes=20 * 1024))
+    with pytest.raises(PlanError, match=r"add an NVMe tier \(zero_cache.nvme_path\)"):
+        make_plan(nvme_inputs(nvme_budget_bytes=0, nvme_path_set=False))
