@@ -354,8 +354,10 @@ def _zero_cache_section(parsed: edge.EdgeConfig) -> ZeroCacheConfig:
     section = dataclasses.replace(section, **_carried_tuning(zero, section))
     offloads = [o for o in (zero.offload_param, zero.offload_optimizer) if o is not None and o.device != "none"]
     if zero.offload_param is not None and zero.offload_param.device == "nvme" and section.param_home == "auto":
-        # DeepSpeed's user asked for the params' host memory to stay free: every shard is homed on the disk.
-        section = dataclasses.replace(section, param_home="nvme")
+        # DeepSpeed's user asked for the params' host memory to stay free: every shard is homed on the disk, under
+        # the path given for them (also when the zero_cache section is enabled by hand).
+        section = dataclasses.replace(section, param_home="nvme",
+                                      nvme_path=section.nvme_path or zero.offload_param.nvme_path)
         logger.info("zero_optimization.offload_param.device is nvme: every param shard is homed in a swap file under "
                     "the nvme_path, read through a few pinned buffers (zero_cache.param_home \"nvme\"; set it to \"host\" "
                     "to keep them in host memory instead)")

@@ -125,6 +125,8 @@ def test_deepspeeds_offload_param_nvme_homes_params_on_the_disk_and_frees_them_w
     parsed = load_config(ds)
     assert parsed.zero_cache.enabled and parsed.zero_cache.param_home == NVME
     assert parsed.zero_cache.nvme_path == str(tmp_path)
+    by_hand = load_config({**ds, "zero_cache": {"enabled": True}}).zero_cache  # (its path still comes along)
+    assert by_hand.param_home == NVME and by_hand.nvme_path == str(tmp_path)
     batches = random_batches(seed, count=3, batch=4)
     engine, optimizer, _, _ = angelptm.initialize(model=tiny_gpt(seed), config=ds)
     assert set(optimizer.store.param_home) == {NVME}
