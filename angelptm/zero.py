@@ -45,8 +45,15 @@ from angelptm.launch.distributed import launcher_world_size
 from angelptm.errors import ConfigError
 from angelptm.memory.fit_check import BuildWatch
 from angelptm.engine.init_on_device import RandomFillsOnDevice
+from zero_cache.homes import home_class
+from zero_cache.units import AUTO
 
 REMOTE_DEVICES = (None, "none", "cuda", "cpu", "nvme")
+
+
+def _homes_off_device(param_home: str) -> bool:
+    """Whether ``zero_cache.param_home`` names a home off the device for every shard (host, NVMe)."""
+    return param_home != AUTO and home_class(param_home).streams
 
 
 class Init:
@@ -79,7 +86,7 @@ class Init:
         # Where the params may live off the device (offload_param permits it, param_home "host" forces it), the
         # model is built in host memory: initialize() then moves to the device what the plan keeps there.
         on_host = remote_device in ("cpu", "nvme") or (parsed is not None and parsed.zero_cache.enabled and (
-            parsed.zero_cache.param_home == "host" or parsed.zero.offload_param_device in ("cpu", "nvme")))
+            _homes_off_device(parsed.zero_cache.param_home) or parsed.zero.offload_param_device in ("cpu", "nvme")))
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and not on_host \
             else torch.device("cpu")
         """Where the parameters are built."""

@@ -41,7 +41,8 @@ class IORequest(Protocol):
         """Whether the request has completed (raises its error if it failed); never blocks."""
 
     def wait(self) -> None:
-        """Block until the request has completed; raise :class:`OSError` if it failed."""
+        """Block until the request has completed; raise :class:`OSError` if it failed. Any thread may wait, and
+        several may."""
 
 
 class FileIO(Protocol):
@@ -66,19 +67,24 @@ class _NativeRequest:
     def __init__(self, context, ident: int, buffer: torch.Tensor, path: Path, write: bool) -> None:
         self._context, self._id, self._buffer = context, ident, buffer  # the buffer lives until completion
         self._path, self._write, self._status = path, write, None
+        # Two threads may wait for one request (a slot's reader and its buffer's next user), and the context
+        # forgets a request once one wait has returned it.
+        self._lock = threading.Lock()
 
     def done(self) -> bool:
-        if self._status is None:
-            status = self._context.poll(self._id)
-            if status < 0:
-                return False
-            self._status = status
+        with self._lock:
+            if self._status is None:
+                status = self._context.poll(self._id)
+                if status < 0:
+                    return False
+                self._status = status
         self._raise()
         return True
 
     def wait(self) -> None:
-        if self._status is None:
-            self._status = self._context.wait(self._id)
+        with self._lock:
+            if self._status is None:
+                self._status = self._context.wait(self._id)
         self._raise()
 
     def _raise(self) -> None:

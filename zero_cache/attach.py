@@ -7,6 +7,7 @@ those measurements and optimizer groups move between tiers if it changed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass, replace
@@ -17,19 +18,20 @@ from torch import nn
 
 from zero_cache.chunks import SWAP_BUFFERS, ChunkStore
 from zero_cache.config import ZeroCacheConfig
+from zero_cache.eviction import gathers_per_group
 from zero_cache.hardware import Hardware, TierBudgets, tier_budgets
 from zero_cache.host_update import STAGING_BUFFERS
 from zero_cache.layout import ChunkLayout, pack, search_chunk_size
 from zero_cache.optimizer import ZeroCacheOptimizer
 from zero_cache.nvme import NvmeTier
-from zero_cache.planner import (DEVICE, DEVICE_MARGIN_FRACTION, HOST, NVME, Plan, PlanError, PlanInputs, make_plan,
-                                with_device_step_count)
+from zero_cache.planner import DEVICE_MARGIN_FRACTION, Plan, PlanError, PlanInputs, make_plan, with_device_step_count
 from zero_cache.shard_params import (candidate_plans, choose_shard_params, choose_streaming, decide_shard_params,
                                      device_groups, gather_ahead_groups, gather_objects, max_live_groups,
                                      register_saving_hooks, wanted_placement)
 from zero_cache.rates import measured_copies, with_host_adam
 from zero_cache.sharding import Sharding
 from zero_cache.step_cost import NOMINAL_RATES, Rates
+from zero_cache.tier_names import DEVICE, HOST, NVME
 from zero_cache.tiers import build_tiers, fragmentation_bytes, use_expandable_segments
 from zero_cache.tuning import DeviceStepTuner
 from zero_cache.units import AUTO, parse_budget
@@ -208,6 +210,22 @@ def working_set_given_up(inputs: PlanInputs, plan: Plan) -> str:
     return ", ".join(parts)
 
 
+def with_measured_gathers(inputs: PlanInputs, optimizer: ZeroCacheOptimizer) -> PlanInputs:
+    """``inputs`` with how often a group is gathered per step, from the warm-up's recorded acquisitions (forward,
+    recomputed blocks, backward) under the plan's eviction rule (one rank: only groups that stream take a slot).
+    Of the live slots, ``ahead`` hold groups being gathered ahead of use, so ``max_live - ahead`` keep groups
+    for reuse: with that capacity the rule's count is the runtime's (``tests/unit/test_zero_cache_eviction.py``).
+    Unchanged when nothing streams or nothing was recorded."""
+    gathered = optimizer.exchange.gathered if optimizer.exchange is not None else None
+    if gathered is None:
+        return inputs
+    store = optimizer.store
+    slotted = [g for g in gathered.trace.groups if store.sharding.sharded or store.group_home(g).streams]
+    if not slotted:
+        return inputs
+    return dataclasses.replace(inputs, gathers_per_step=gathers_per_group(slotted, gathered.max_live - gathered.ahead))
+
+
 PREDICTION_TOLERANCE = 0.10
 """A measured step this far above the plan's floor is logged with what bounds it instead."""
 
@@ -263,9 +281,10 @@ class WarmupTracer:
         self.rates = measured_copies(device_tier.device, self.rates)
         inputs = plan_inputs(self.layout, self.config, self.compute_dtype, device_tier.budget_bytes,
                              host_tier.budget_bytes, self.accumulation_steps, tuple(self.trace), nonmodel,
-                             nvme_budget=nvme_tier.budget_bytes if nvme_tier is not None else 0,
+                             nvme_budget=nvme_tier.budget_bytes + nvme_tier.split_bytes if nvme_tier is not None else 0,
                              sharding=store.sharding, shard_params=store.shard_params, in_backward=self.in_backward,
                              gpu=device_tier.device.type == "cuda", rates=self.rates)
+        inputs = with_measured_gathers(inputs, optimizer)
         try:
             plan = make_plan(inputs)
         except PlanError as err:  # the running plan works; a worse estimate must not stop the run

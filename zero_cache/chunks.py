@@ -3,9 +3,9 @@
 Every parameter becomes a view into its chunk (``param.data`` is rebound), so a model state exists
 exactly once. With gathered params (``shard_params``) a rank stores only its own chunk of each
 collective group (its shard; on one rank, each chunk) and the parameters are placeholders except
-while their group is gathered. Each shard has a **home** tier: the device, or pinned host memory
-from which it is copied in on use and into which its gradients are written back (the plan's
-``param_home``), so the model's weights need not fit on the device.
+while their group is gathered. Each shard has a **home** (:mod:`zero_cache.homes`): the device, or
+pinned host memory or NVMe, from which it is copied in on use and into which its gradients are
+written back (the plan's ``param_home``), so the model's weights need not fit on the device.
 
 The optimizer group of a chunk (fp32 master, exp_avg, exp_avg_sq, and an fp32 gradient accumulator
 when micro-batches accumulate) lives in the tier the plan names; moving it (re-planning) copies it
@@ -26,10 +26,12 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from zero_cache.homes import ParamHome, home_class
 from zero_cache.layout import ChunkLayout, TensorSlot
 from zero_cache.nvme import ALIGN_BYTES, NvmeTier
-from zero_cache.planner import DEVICE, HOST, NVME, REMOTE, Plan
+from zero_cache.planner import Plan
 from zero_cache.sharding import Sharding
+from zero_cache.tier_names import DEVICE, HOST, NVME, REMOTE, BudgetedTier
 from zero_cache.tiers import BufferPool, Tier
 
 STATE_FIELDS = ("master", "exp_avg", "exp_avg_sq")
@@ -86,7 +88,7 @@ class ChunkStore:
             are gathered while in use (:mod:`zero_cache.gathered`) and the parameters are placeholders meanwhile.
     """
 
-    def __init__(self, layout: ChunkLayout, params: list[nn.Parameter], plan: Plan, tiers: dict[str, Tier | NvmeTier],
+    def __init__(self, layout: ChunkLayout, params: list[nn.Parameter], plan: Plan, tiers: dict[str, BudgetedTier],
                  compute_dtype: torch.dtype, accumulate: bool = True, sharding: Sharding = Sharding(),
                  shard_params: bool = False) -> None:
         assert shard_params == plan.params_sharded, "gathered params and the plan disagree"
@@ -109,10 +111,14 @@ class ChunkStore:
         self.shards: list[torch.Tensor] = []
         """Sharded params: this rank's chunk of each group (zeros where its slot is padding)."""
         self.param_home: list[str] = list(plan.param_home)
-        """Gathered params: DEVICE or HOST per group, the tier of this rank's shard."""
+        """Gathered params: the tier name of each group's home (this rank's shard)."""
+        self.homes: dict[str, ParamHome] = {}
+        """The homes in use by tier name (:mod:`zero_cache.homes`); replicated params are at home on the device."""
+        self._home_named(DEVICE)
         self.param_chunks: list[torch.Tensor | None] = []
         if shard_params:
-            self.shards = [tiers[home].allocate(layout.chunk_numel, compute_dtype) for home in self.param_home]
+            # (None where the home is not memory: a shard on NVMe)
+            self.shards = [self._home_named(home).allocate(g) for g, home in enumerate(self.param_home)]
             self._index_param_chunks()
         else:
             self.group_buffers = [tiers[DEVICE].allocate(sharding.world_size * layout.chunk_numel, compute_dtype)
@@ -122,11 +128,15 @@ class ChunkStore:
         # NaN: a placeholder read by mistake (a weight used outside its module's forward) shows in the loss.
         self._placeholder = torch.full((1,), float("nan"), dtype=compute_dtype, device=tiers[DEVICE].device)
         with torch.no_grad():
-            for param, slot in zip(params, self.slots):
-                if self.param_chunks[slot.chunk] is not None:
-                    self.param_view(slot).copy_(param.detach())
-                # The original storage is released: the chunk (or, sharded, the owner's shard) is the only copy.
-                param.data = self.placeholder(slot) if shard_params else self.param_view(slot)
+            for chunk, indices in self._slots_of_chunk.items():
+                with self.open_params(chunk, fresh=True, write_back=True) as values:
+                    for index in indices:
+                        slot, param = self.slots[index], params[index]
+                        if values is not None:
+                            values[slot.offset:slot.offset + slot.numel].view(slot.shape).copy_(param.detach())
+                        # The original storage is released: the chunk (or, sharded, the owner's shard) is the only
+                        # copy.
+                        param.data = self.placeholder(slot) if shard_params else self.param_view(slot)
         # One fp32 chunk per memory tier through which the update reads compute-dtype gradients.
         self.scratch = {name: tiers[name].allocate(layout.chunk_numel, torch.float32) for name in (DEVICE, HOST)}
         self.swap_buffers = None
@@ -142,9 +152,9 @@ class ChunkStore:
                 continue
             if chunk in plan.kept_gradients:
                 self.groups[chunk].kept = self._allocate_kept()
-            with self.open_states(chunk, write_back=True, fresh=True) as states:
+            with self.open_states(chunk, write_back=True, fresh=True) as states, self.open_params(chunk) as values:
                 # Masters start from the compute-dtype weights, as a mixed-precision loop's would.
-                state_field(states, "master").copy_(self.param_chunks[chunk])
+                state_field(states, "master").copy_(values)
 
     def _index_param_chunks(self) -> None:
         """Gathered params: this rank's param chunks are its shards (the others are None)."""
@@ -152,8 +162,37 @@ class ChunkStore:
                              for c in range(self.layout.num_chunks)]
 
     def home_of(self, chunk: int) -> str:
-        """Where ``chunk``'s params live between uses (DEVICE unless gathered params put its shard on the host)."""
+        """Where ``chunk``'s params live between uses (DEVICE unless gathered params put its shard elsewhere)."""
         return self.param_home[self.sharding.group_of(chunk)] if self.shard_params else DEVICE
+
+    def home(self, chunk: int) -> ParamHome:
+        """The home of ``chunk``'s params (:mod:`zero_cache.homes`)."""
+        return self.homes[self.home_of(chunk)]
+
+    def group_home(self, group: int) -> ParamHome:
+        """The home of this rank's shard of ``group`` (gathered params)."""
+        return self.homes[self.param_home[group]]
+
+    def _home_named(self, name: str, plan: Plan | None = None) -> ParamHome:
+        """The home of that name, made at its first use (sized for ``plan``'s shards there, or the plan in force)."""
+        if name not in self.homes:
+            self.homes[name] = home_class(name)(self.tiers, self.layout.chunk_numel, self.compute_dtype,
+                                                num_shards=(plan or self.plan).param_home.count(name))
+        return self.homes[name]
+
+    @contextlib.contextmanager
+    def open_params(self, chunk: int, *, fresh: bool = False, write_back: bool = False
+                    ) -> Iterator[torch.Tensor | None]:
+        """``chunk``'s params in memory for the block (None: another rank's shard); synchronous, for setup, moves
+        and checkpoints. ``fresh``: the old values are not needed; ``write_back``: changes go home at the end."""
+        if not self.shard_params:
+            yield self.param_chunks[chunk]
+        elif not self.sharding.owns(chunk):
+            yield None
+        else:
+            group = self.sharding.group_of(chunk)
+            with self.group_home(group).open(group, self.shards[group], fresh=fresh, write_back=write_back) as values:
+                yield values
 
     def _grad_tier(self, tier: str) -> Tier:
         """Where a group's gradient accumulator lives: with its states, or on the host for NVMe groups."""
@@ -259,9 +298,11 @@ class ChunkStore:
             self.swap_buffers.release(buffer)
 
     def flush(self) -> None:
-        """Wait for the NVMe tier's writes in flight (raises a failed write's error)."""
+        """Wait for the NVMe tier's writes in flight, the homes' too (raises a failed write's error)."""
         if NVME in self.tiers:
             self.tiers[NVME].flush()
+        for home in self.homes.values():
+            home.flush()
 
     def apply_plan(self, plan: Plan) -> int:
         """Move shards and optimizer groups whose tier changed; returns the number moved.
@@ -273,11 +314,13 @@ class ChunkStore:
         homes = sorted((g for g, home in enumerate(plan.param_home) if home != self.param_home[g]),
                        key=lambda g: self.param_home[g] != DEVICE)
         for group in homes:
-            old, home = self.shards[group], plan.param_home[group]
-            self.shards[group] = self.tiers[home].allocate(self.layout.chunk_numel, self.compute_dtype, zero=False)
-            self.shards[group].copy_(old)
-            self.tiers[self.param_home[group]].free(old)
-            self.param_home[group] = home
+            old, new = self.group_home(group), self._home_named(plan.param_home[group], plan)
+            shard = new.allocate(group)
+            with old.open(group, self.shards[group]) as values, \
+                    new.open(group, shard, fresh=True, write_back=True) as destination:
+                destination.copy_(values)
+            old.free(group, self.shards[group])
+            self.shards[group], self.param_home[group] = shard, plan.param_home[group]
         if homes:
             self._index_param_chunks()
         for chunk, group in enumerate(self.groups):  # between steps, no kept gradient is in use

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from zero_cache.tier_names import DEVICE, HOST, NVME
 from zero_cache.units import AUTO, parse_budget
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
-PARAM_HOMES = ("auto", "device", "host")
+PARAM_HOMES = (AUTO, DEVICE.value, HOST.value, NVME.value)
 AIO_BACKENDS = ("auto", "native", "deepspeed", "libaio", "threads")
 
 
@@ -123,7 +124,9 @@ class ZeroCacheConfig:
     that home and updated there by the host Adam (DeepSpeed's ``offload_param: {device: cpu}`` carries
     over to this). "auto": as many chunks stay home on the GPU as the plan finds worth it by what the
     step costs (PCIe bytes against CPU Adam), the rest stream from the host; a model whose weights fit
-    beside their optimizer states keeps them all on the GPU."""
+    beside their optimizer states keeps them all on the GPU. "nvme": every chunk's params at home in a swap
+    file under ``nvme_path`` (which must be set), host memory holding only a few pinned buffers they are
+    read and written through (DeepSpeed's ``offload_param: {device: nvme}`` carries over to this)."""
 
     max_live_elements: int = 1_000_000_000
     """Sharded params: parameter elements gathered at once (rounded down to whole chunk groups, at least

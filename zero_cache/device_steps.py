@@ -36,7 +36,7 @@ import torch
 
 from zero_cache.chunks import STATE_FIELDS, ChunkStore
 from zero_cache.layout import TensorSlot
-from zero_cache.planner import DEVICE, HOST
+from zero_cache.tier_names import DEVICE, HOST
 from zero_cache.tiers import wait
 
 RING = 3
@@ -97,7 +97,7 @@ class DeviceSteps:
         group = store.groups[chunk]
         assert group.tier == HOST and group.states is not None, f"chunk {chunk}'s optimizer group is not on the host"
         params = store.param_chunks[chunk]
-        home_on_host = store.home_of(chunk) == HOST
+        home_on_host = store.home(chunk).in_host_memory
         grads = group.grad if store.grads_in_accumulators else params
         grads_on_host = store.grads_in_accumulators or home_on_host
         fields = [group.field(name) for name in STATE_FIELDS]

@@ -28,9 +28,10 @@ from typing import Any, Callable
 import torch
 
 from zero_cache.chunks import ChunkStore
+from zero_cache.eviction import eviction_rule
 from zero_cache.gathered import GatheredGroups
-from zero_cache.planner import DEVICE, HOST
 from zero_cache.sharding import Sharding
+from zero_cache.tier_names import DEVICE
 from zero_cache.tiers import wait
 from zero_cache.working_set import GRADIENT_BUCKETS, reduction_lag
 
@@ -67,7 +68,8 @@ class ChunkExchange:
         self.overlap_comm = overlap_comm
         self.transfers = transfers
         self.gathered = (GatheredGroups(store, max_live=max_live_groups, ahead=gather_ahead,
-                                        wait_owned=self._wait_owned, transfers=transfers)
+                                        wait_owned=self._wait_owned, transfers=transfers,
+                                        eviction=eviction_rule(store.plan.eviction))
                          if store.shard_params else None)
         self.into_shards = store.shard_params and not accumulate
         """Reductions land in this rank's shard, over its params (sharded params, one micro-batch per step)."""
@@ -129,8 +131,8 @@ class ChunkExchange:
         buffer = self._open[group] if self.uses_buckets else self.store.group_buffers[group]
         if self.into_shards:  # an unused group's shard may still be receiving the last step's update
             self._wait_owned(group)
-        direct = self.into_shards and self.store.param_home[group] == DEVICE  # (collectives write device memory)
-        self._reductions[group] = self.sharding.reduce_scatter(buffer, self.store.shards[group] if direct else None)
+        target = self._home_target(group) if self.into_shards else None
+        self._reductions[group] = self.sharding.reduce_scatter(buffer, target)
 
     def reduce_rest(self) -> None:
         """Reduce every group not yet reduced in this micro-step, in group order (unused parameters)."""
@@ -152,15 +154,20 @@ class ChunkExchange:
                 # The sum goes into the shard, over the params: the group must not be gathered again before the
                 # step (releasing it waits for a gather still in flight, which reads the shard).
                 self.gathered.release(group, closed=True)
-                self.release_bucket(group, self._write_home(group) if self.store.param_home[group] == HOST else None)
+                self.release_bucket(group, self._write_home(group) if self._home_target(group) is None else None)
         return done
 
+    def _home_target(self, group: int) -> torch.Tensor | None:
+        """Where the reduce-scatter writes this rank's slice itself (a shard in device memory), else None."""
+        return self.store.group_home(group).reduce_target(self.store.shards[group])
+
     def _write_home(self, group: int) -> Any:
-        """Copy this rank's reduced slice into its shard's home on the host; returns the copy's token."""
+        """Take this rank's reduced slice to its shard's home off the device; returns the transfer's token."""
         reduced = self.sharding.mine(self._open[group])
         if self.sharding.sharded:  # (one rank sums its squares per parameter, from the gradient hook)
             self.reduced_squares[group] = torch.linalg.vector_norm(reduced, dtype=torch.float32).square()
-        self.landed[group] = self.transfers.copy(self.store.shards[group], reduced, "d2h", after=self.transfers.mark())
+        self.landed[group] = self.store.group_home(group).write_gradient(group, self.store.shards[group], reduced,
+                                                                         self.transfers)
         return self.landed[group]
 
     def reduced_slice(self, group: int) -> torch.Tensor:

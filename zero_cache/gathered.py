@@ -1,15 +1,16 @@
 """Gathered params: a chunk group's full params exist on the device only while they are in use.
 
-Each rank keeps its own slot of every group (``ChunkStore.shards``), at **home** on the device or in
-pinned host memory. A group is **live** while its gathered buffer exists: its parameters are views
+Each rank keeps its own slot of every group (``ChunkStore.shards``) at its **home**: the device, pinned
+host memory or NVMe (:mod:`zero_cache.homes`, which carries out each kind's gather). A group is **live** while its gathered buffer exists: its parameters are views
 into it. Otherwise each parameter is a placeholder of the right shape holding no memory (one
 element, expanded with zero strides), so module code that reads ``weight.shape`` keeps working.
 
 Where a group's buffer comes from depends on the shard's home and the ranks:
 
 * home on the device, several ranks (ZeRO-3): all-gathered from every rank's shard;
-* home on the host (params streamed, ZeRO-Infinity's ``offload_param``): this rank's shard copied in
-  on the host->device stream, then, with several ranks, all-gathered in place behind that copy;
+* home on the host or NVMe (params streamed, ZeRO-Infinity's ``offload_param``): this rank's shard copied
+  in on the host->device stream (from NVMe: read into a pinned buffer first, started a window further
+  ahead), then, with several ranks, all-gathered in place behind that copy;
 * home on the device, one rank: the shard *is* the group; it is bound in place, no copy, and never
   counts against ``max_live``.
 
@@ -24,9 +25,9 @@ A group is acquired
 
 **Order.** The first iteration records the groups in the order they are acquired
 (:class:`AcquisitionTrace`); later iterations follow it with a cursor, start gathering the next
-``ahead`` groups while this one computes, and, with ``max_live`` groups live, evict the one whose next
-use is furthest away (Belady's rule, as the planner does for param chunks); during the warm-up, the
-least recently used one. The two groups acquired last are never evicted, nor the groups of a module
+``ahead`` groups while this one computes, and, with ``max_live`` groups live, evict the one the plan's
+eviction rule picks (:mod:`zero_cache.eviction`: Belady's, the group whose next use along the trace is
+furthest away; during the warm-up, the least recently used one). The two groups acquired last are never evicted, nor the groups of a module
 whose forward is running (:meth:`GatheredGroups.hold`). A buffer that autograd still holds (a
 checkpointed block's recomputed views) stays valid until it is released: eviction drops this
 object's reference, the memory goes with the last one.
@@ -40,7 +41,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from zero_cache.planner import DEVICE, HOST
+from zero_cache.eviction import BeladyEviction, EvictionRule
+from zero_cache.tier_names import DEVICE
 from zero_cache.working_set import GROUPS_IN_USE
 
 
@@ -123,17 +125,6 @@ class _Live:
     """The buffer is the shard itself (one rank, home on the device): never evicted nor freed."""
 
 
-class _Copied:
-    """A host->device copy behind a collective's ``wait()``: orders the caller's stream after it."""
-
-    def __init__(self, event: torch.cuda.Event | None) -> None:
-        self.event = event
-
-    def wait(self) -> None:
-        if self.event is not None:
-            torch.cuda.current_stream(self.event.device).wait_event(self.event)
-
-
 class GatheredGroups:
     """The live groups of one :class:`~zero_cache.chunks.ChunkStore` with gathered params, and their gathers.
 
@@ -144,11 +135,13 @@ class GatheredGroups:
         wait_owned: blocks until the pending updates of this rank's chunks in a group have landed in its shard.
         transfers: the host<->device copies (:class:`~zero_cache.host_update.Transfers`), for shards at home
             on the host.
+        eviction: the plan's eviction rule.
     """
 
     def __init__(self, store: Any, *, max_live: int, ahead: int, wait_owned: Callable[[int], None],
-                 transfers: Any = None) -> None:
+                 transfers: Any = None, eviction: EvictionRule | None = None) -> None:
         self.store = store
+        self.eviction = eviction or BeladyEviction()
         self.transfers = transfers
         self.sharding = store.sharding
         self.ahead = ahead
@@ -192,15 +185,19 @@ class GatheredGroups:
         if live.work is not None:
             live.work.wait()
             live.work = None
-        for later in self.trace.upcoming(self.ahead):
+        upcoming = self.trace.upcoming(2 * self.ahead)
+        for later in upcoming[:self.ahead]:
             self._issue(later)
+        for later in upcoming[self.ahead:]:  # a home that can start early (a disk read) does, a window further
+            if later not in self._live and later not in self._closed:
+                self.store.group_home(later).prefetch(later)
         return live.buffer
 
     def _issue(self, group: int) -> None:
         if group in self._live or group in self._closed:
             return
-        shard, home = self.store.shards[group], self.store.param_home[group]
-        if home == DEVICE and not self.sharding.sharded:
+        shard, home = self.store.shards[group], self.store.group_home(group)
+        if not (home.streams or self.sharding.sharded):
             self.wait_owned(group)
             self._live[group] = _Live(shard, None, borrowed=True)
         else:
@@ -208,25 +205,10 @@ class GatheredGroups:
             self.wait_owned(group)  # this rank's update has landed in its shard
             buffer = self.store.tiers[DEVICE].allocate(self.sharding.world_size * self.store.layout.chunk_numel,
                                                        self.store.compute_dtype, zero=False)
-            work = self._fetch(buffer, shard) if home == HOST else self.sharding.all_gather(buffer, source=shard)
-            self._live[group] = _Live(buffer, work)
+            self._live[group] = _Live(buffer, home.gather(group, shard, buffer, self.sharding, self.transfers))
             self.gathers += 1
         self._group_at[_address(self._live[group].buffer)] = group
         self.store.bind_group(group, self._live[group].buffer)
-
-    def _fetch(self, buffer: torch.Tensor, shard: torch.Tensor) -> Any:
-        """This rank's shard copied in from its home on the host, then the other ranks' slots gathered behind it.
-
-        The copy waits for the compute stream issued so far: the caching allocator may have handed out
-        memory that kernels queued there still read.
-        """
-        copied = self.transfers.copy(self.sharding.mine(buffer), shard, "h2d", after=self.transfers.mark())
-        if not self.sharding.sharded:
-            return _Copied(copied)
-        if self.transfers.h2d is None:
-            return self.sharding.all_gather(buffer)
-        with torch.cuda.stream(self.transfers.h2d):  # NCCL's stream then waits for the copy, not for compute
-            return self.sharding.all_gather(buffer)
 
     def _make_room(self) -> None:
         while sum(not live.borrowed for live in self._live.values()) >= self.max_live:
@@ -234,11 +216,7 @@ class GatheredGroups:
                           if g not in self._recent and not self._holds.get(g) and not live.borrowed]
             if not candidates:
                 return
-            if self.trace.recording:
-                victim = candidates[0]  # least recently used
-            else:
-                victim = max(candidates, key=self.trace.next_use)
-            self.release(victim)
+            self.release(self.eviction.victim(candidates, self.trace.next_use, self.trace.recording))
 
     def release(self, group: int, *, closed: bool = False) -> None:
         """Drop ``group``'s buffer and turn its params into placeholders; ``closed``: its shard now holds
@@ -271,6 +249,8 @@ class GatheredGroups:
         """Drop every live group (the shards changed: a step, a restore or a load)."""
         for group in list(self._live):
             self.release(group)
+        for home in self.store.homes.values():
+            home.forget_prefetched()
         self._closed.clear()
         self._holds.clear()
 

@@ -38,9 +38,9 @@ from zero_cache.chunks import STATE_FIELDS, ChunkStore, state_field
 from zero_cache.host_adam import HostAdam
 from zero_cache.jobs import GRADIENTS, JobQueue
 from zero_cache.layout import TensorSlot
-from zero_cache.planner import HOST, NVME
 from zero_cache.rates import Throughput
 from zero_cache.revision import APPLIED, DEFERRED, SpeculationWindow, revision_scales
+from zero_cache.tier_names import HOST, NVME
 from zero_cache.tiers import BufferPool, TrafficCounter, wait
 from zero_cache.timeline import D2H, H2D, HOST_ADAM, Timeline
 
@@ -249,17 +249,16 @@ class HostUpdater:
     def _fetch(self, update: ChunkUpdate) -> Fetched:
         """Start the chunk's input transfers: its in-param gradient to a staging buffer (none when the
         fp32 accumulator already lives on the host), and its states from disk (NVMe groups)."""
-        fetched = Fetched()
+        chunk = update.chunk
+        fetched = Fetched(home=self.store.home(chunk))
         if update.revises is not None:
             pass  # the gradient was kept on the host
-        elif not (update.restore_only or self.store.grads_in_accumulators) and self._in_home(update.chunk):
-            # Already written into the shard's home on the host: updated there, in place.
-            fetched.grads, fetched.grads_copied, fetched.in_home = self.store.param_chunks[update.chunk], \
-                update.grads_landed, True
         elif not (update.restore_only or self.store.grads_in_accumulators):
-            fetched.grads = self.pool.acquire()
-            fetched.grads_copied = self.transfers.copy(fetched.grads, self.store.param_chunks[update.chunk], "d2h",
-                                                       after=update.grads_written)
+            # From the param chunk into a staging buffer, or where the home keeps it (a home on the host: updated
+            # there, in place)
+            fetched.grads, fetched.grads_copied = fetched.home.fetch_gradient(
+                self.store.sharding.group_of(chunk), self.store.param_chunks[chunk], self.pool, self.transfers,
+                written=update.grads_written, landed=update.grads_landed)
         group = self.store.groups[update.chunk]
         if group.tier == NVME:
             fetched.swap = self.store.swap_buffers.acquire()
@@ -308,10 +307,11 @@ class HostUpdater:
             written = self.store.tiers[NVME].write(self.store.groups[chunk].swap_offset, fetched.swap) \
                 if changed else None
             self.store.swap_buffers.release(fetched.swap, written)
-        if buffer is not None and buffer is not self.store.param_chunks[chunk]:  # (a home on the host is in place)
-            ready = self.transfers.copy(self.store.param_chunks[chunk], buffer, "h2d")
-            self.pool.release(buffer, ready)
-            self.param_ready[chunk] = ready
+        if buffer is not None:
+            ready = fetched.home.store_params(self.store.sharding.group_of(chunk), self.store.param_chunks[chunk],
+                                              buffer, self.pool, self.transfers)
+            if ready is not None:
+                self.param_ready[chunk] = ready
         update.issued.set()
 
     def _square(self, update: ChunkUpdate) -> float:
@@ -355,7 +355,7 @@ class HostUpdater:
         """Step ``members`` from ``grad`` (a chunk-sized gradient that stays as it is: kept, or an accumulator),
         taking back a step first with ``undo_scale`` (:meth:`HostAdam.revise`); returns the buffer holding the
         chunk's new weights."""
-        out = self.store.param_chunks[chunk] if self._in_home(chunk) else self.pool.acquire()
+        out = self._update_buffer(chunk)
         stepped = []
         for index, slots in members.items():
             for slot in slots:
@@ -375,9 +375,10 @@ class HostUpdater:
             start = max(start, end)
         return out
 
-    def _in_home(self, chunk: int) -> bool:
-        """The chunk's params live in pinned host memory (its shard's home), where the update can run in place."""
-        return self.store.home_of(chunk) == HOST
+    def _update_buffer(self, chunk: int) -> torch.Tensor:
+        """Where the chunk's new params are written: its home on the host (in place), or a staging buffer."""
+        return self.store.home(chunk).update_buffer(self.store.sharding.group_of(chunk),
+                                                    self.store.param_chunks[chunk], self.pool)
 
     def _step_in_buffer(self, update: ChunkUpdate, buffer: torch.Tensor, states: torch.Tensor | None) -> None:
         """csrc kernel, one pass: the buffer's gradients become the new weights. A speculative update copies them
@@ -423,7 +424,7 @@ class HostUpdater:
     def _round_masters(self, chunk: int, buffer: torch.Tensor | None, states: torch.Tensor | None) -> torch.Tensor:
         """The chunk's masters in the compute dtype, in ``buffer`` (or the home on the host, or a staging buffer)."""
         if buffer is None:
-            buffer = self.store.param_chunks[chunk] if self._in_home(chunk) else self.pool.acquire()
+            buffer = self._update_buffer(chunk)
         # fp32 -> compute dtype here: half the bus bytes
         buffer.copy_(self.store.groups[chunk].field("master") if states is None else state_field(states, "master"))
         return buffer
@@ -440,13 +441,13 @@ class Fetched:
     """Bounce buffer receiving the states of an NVMe group."""
     swap_read: Any = None
     """The disk read's IO request."""
-    in_home: bool = False
-    """``grads`` is the shard's home on the host, not a staging buffer."""
+    home: Any = None
+    """The chunk's param home (:mod:`zero_cache.homes`), which ``grads`` came from."""
 
     def release(self, pool: BufferPool, swap_buffers: BufferPool | None) -> None:
         """Give the buffers back without using them (a failed update); pending transfers finish first."""
-        if self.grads is not None and not self.in_home:
-            pool.release(self.grads, self.grads_copied)
+        if self.grads is not None:
+            self.home.give_back(self.grads, pool, self.grads_copied)
         if self.swap is not None:
             swap_buffers.release(self.swap, self.swap_read)
 

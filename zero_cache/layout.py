@@ -49,10 +49,6 @@ class ChunkLayout:
     num_chunks: int
     """Chunks in use."""
 
-    def chunk_slots(self, chunk: int) -> list[TensorSlot]:
-        """The parameters of one chunk, in order."""
-        return [slot for slot in self.slots if slot.chunk == chunk]
-
     @property
     def used_numel(self) -> int:
         """Parameter elements (without padding)."""

@@ -33,7 +33,7 @@ import torch
 
 from zero_cache.aio import FileIO, IORequest, open_file_io
 from zero_cache.config import AioConfig, ZeroCacheConfig
-from zero_cache.planner import NVME
+from zero_cache.tier_names import NVME
 from zero_cache.tiers import TierFullError, TrafficCounter
 from zero_cache.timeline import Timeline
 from zero_cache.units import format_bytes
@@ -85,9 +85,13 @@ def nvme_budget(config: ZeroCacheConfig, ranks_per_host: int = 1) -> tuple[Path 
     """(checked swap directory, this rank's byte budget there), or (None, 0) without an NVMe tier.
 
     Raises:
-        NvmeSetupError: nvme_path is missing or not writable.
+        NvmeSetupError: nvme_path is missing or not writable, or not set while param_home is "nvme".
     """
     if config.nvme_path is None:
+        if config.param_home == NVME:
+            raise NvmeSetupError("zero_cache.param_home is \"nvme\" but no swap directory is set: set "
+                                 "zero_cache.nvme_path (or zero_optimization.offload_param.nvme_path) to a directory on "
+                                 "a local NVMe drive, or param_home to \"host\" or \"auto\"")
         return None, 0
     directory = check_directory(config.nvme_path)
     budget = config.nvme_budget_bytes
@@ -213,6 +217,9 @@ class NvmeTier:
         self.slot_bytes = align_up(slot_bytes)
         self.budget_bytes = budget_bytes
         self.used_bytes = self.peak_bytes = 0
+        self._directory, self._aio, self._rank = directory, aio, rank
+        self.split_bytes = 0
+        """Budget handed to the tiers :meth:`split` off (the whole disk budget is this plus ``budget_bytes``)."""
         remove_stale_swap_files(directory)
         self.file = SwapFile(directory, rank)
         self.io: FileIO = open_file_io(aio, direct=self.file.direct)
@@ -241,6 +248,16 @@ class NvmeTier:
         self.used_bytes += self.slot_bytes
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
         return offset
+
+    def split(self, slot_bytes: int, budget_bytes: int) -> "NvmeTier":
+        """A tier of its own swap file beside this one, for slots of another size (param homes), taking
+        ``budget_bytes`` of this tier's budget."""
+        if budget_bytes > self.free_bytes:
+            raise TierFullError(f"nvme tier: {format_bytes(budget_bytes)} of swap for param homes exceeds its budget "
+                                f"({format_bytes(self.used_bytes)} of {format_bytes(self.budget_bytes)} in use)")
+        self.budget_bytes -= budget_bytes
+        self.split_bytes += budget_bytes
+        return NvmeTier(self._directory, slot_bytes, budget_bytes, self._aio, self._rank)
 
     def free_slot(self, offset: int) -> None:
         self._free_offsets.append(offset)

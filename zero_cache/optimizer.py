@@ -59,8 +59,8 @@ from zero_cache.host_update import ChunkUpdate, HostUpdater, Transfers, adam_ste
 from zero_cache.layout import TensorSlot
 from zero_cache.optimizer_sharded import ShardedGradients
 from zero_cache.optimizer_state import OptimizerCheckpoint
-from zero_cache.planner import DEVICE, HOST, NVME, OFF_DEVICE
 from zero_cache.revision import SpeculationWindow
+from zero_cache.tier_names import DEVICE, HOST, NVME, OFF_DEVICE
 from zero_cache.working_set import GRADIENT_BUCKETS
 
 
@@ -120,6 +120,8 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
         """The step's timeline (copies, host jobs, disk requests, waits); recording only while a step is traced."""
         if NVME in store.tiers:
             store.tiers[NVME].timeline = self.timeline
+        for home in store.homes.values():
+            home.use_timeline(self.timeline)
         slot_of = {slot.name: slot for slot in store.slots}
         # (param-group index, slot) for every parameter, in the optimizer's group order.
         self.members: list[tuple[int, TensorSlot]] = []
@@ -588,6 +590,10 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
         if NVME in self.store.tiers:
             report.update({f"zero_cache_nvme_{way}_bytes": moved
                            for way, moved in self.store.tiers[NVME].traffic.take().items()})
+        for home in self.store.homes.values():  # (param shards at home on the disk: their swap file too)
+            for what, num_bytes in home.disk_report().items():
+                key = f"zero_cache_nvme_{what}" if what == "bytes" else f"zero_cache_nvme_{what}_bytes"
+                report[key] = report.get(key, 0) + num_bytes
         report.update({f"zero_cache_{name}_s": seconds for name, seconds in self.timings.items()})
         report["zero_cache_host_update_s"] = host_work
         report.update({f"zero_cache_{name}": count for name, count in self.counts.items()})

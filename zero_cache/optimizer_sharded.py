@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from zero_cache.planner import DEVICE, OFF_DEVICE
+from zero_cache.tier_names import DEVICE, OFF_DEVICE
 from zero_cache.tiers import wait
 
 

@@ -14,7 +14,7 @@ from typing import Any, Collection
 import torch
 
 from zero_cache.chunks import STATE_FIELDS
-from zero_cache.planner import REMOTE
+from zero_cache.tier_names import REMOTE
 
 
 class OptimizerCheckpoint:
@@ -89,8 +89,9 @@ class OptimizerCheckpoint:
     def refresh_masters_from_params(self) -> None:
         with torch.no_grad():
             for slots, states in self._chunk_states(write_back=True):
-                for slot in slots:
-                    self.store.state_view(slot, "master", states).copy_(self.store.param_view(slot).reshape(-1))
+                with self.store.open_params(slots[0].chunk) as values:  # (a home on NVMe: read in)
+                    for slot in slots:
+                        self.store.state_view(slot, "master", states).copy_(values[slot.offset:slot.offset + slot.numel])
 
     def state_dict(self) -> dict[str, Any]:
         fields = self._read_fields(STATE_FIELDS)

@@ -12,9 +12,10 @@ The plan decides, in this order of value per device byte:
 1. device room left after the measured non-model peak (activations, workspace) and a margin;
 2. param chunks resident on the device for the whole run when they all fit (no traffic at all);
    with *gathered* params (sharded over ranks, or streamed from the host) each collective group's
-   shard has a **home**, on the device or in pinned host memory, and ``cache_slots`` groups are
-   live on the device at once, filled along the trace ahead of use and emptied by Belady's rule
-   (evict the group whose next use is furthest away: optimal for equal-size pages, Belady 1966).
+   shard has a **home** (:mod:`zero_cache.homes`: the device, pinned host memory, or NVMe), and
+   ``cache_slots`` groups are live on the device at once, filled along the trace ahead of use and
+   emptied by the eviction rule the plan names (:mod:`zero_cache.eviction`: Belady's, evict the group
+   whose next use is furthest away; the runtime applies the same object).
    The live groups and gradient buckets are the **working set** (:mod:`zero_cache.working_set`): where the
    config's does not fit, it shrinks (the spare groups, the lagged bucket, the prefetch depth) before a
    plan is refused, and a plan that keeps the config's has the same counts it always had.
@@ -49,16 +50,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from zero_cache.eviction import BeladyEviction, belady_misses  # noqa: F401  (belady_misses: the rule over a trace)
+from zero_cache.homes import home_class
 from zero_cache.step_cost import (NOMINAL_RATES, STATE_BYTES_PER_ELEMENT, HostChunk, Rates, StepTraffic,
                                   cheapest_device_steps, step_traffic, with_device_steps)
-from zero_cache.units import format_bytes
+from zero_cache.tier_names import DEVICE, HOST, NVME, OFF_DEVICE, REMOTE  # noqa: F401  (re-exported: the plan's words)
+from zero_cache.units import AUTO, format_bytes
 from zero_cache.working_set import GROUPS_IN_USE, WorkingSet, budget_for_room, live_groups_in, shrinking
 
-DEVICE, HOST, NVME = "device", "host", "nvme"
-OFF_DEVICE = (HOST, NVME)
-"""Tiers whose chunks the host worker updates (NVMe groups through bounce buffers)."""
-REMOTE = "remote"
-"""The optimizer group of a chunk that another data-parallel rank owns (see ``zero_cache.sharding``)."""
 SWAP_ALIGN_BYTES = 4096
 """Swap slots and bounce buffers are whole 4 KiB blocks (O_DIRECT)."""
 DEVICE_MARGIN_FRACTION = 0.03
@@ -111,16 +110,19 @@ class PlanInputs:
     one per collective group (gathered params: its shards, each at home on the device or the host)."""
     group_size: int = 1
     """Chunks per collective group (the data-parallel world size; 1 when params stream on one rank)."""
-    param_home: str = "device"
+    param_home: str = DEVICE
     """Gathered params: where this rank's shards may live: "device" (all resident), "host" (all in pinned
-    host memory, copied in on use: DeepSpeed's ``offload_param``), or "auto" (by what the step costs)."""
+    host memory, copied in on use: DeepSpeed's ``offload_param``), "nvme" (all in the NVMe tier's swap, read
+    through a few pinned buffers), or "auto" (device or host, by what the step costs)."""
     live_groups: int = 0
     """Gathered params: groups wanted live on the device at once (``max_live_elements``), at least the fewest
     that work (``gather_ahead`` + the groups in use)..."""
     gather_ahead: int = 1
     """...and groups wanted fetched ahead of use (``prefetch_depth`` / ``gather_ahead_elements``)."""
     gathers_per_step: float = 2.0
-    """Gathered params: times a group is brought onto the device per step (forward, backward)."""
+    """Gathered params: times a group is brought onto the device per step: forward and backward before the
+    warm-up; after it, the eviction rule run over the recorded acquisitions (:func:`~zero_cache.eviction.
+    gathers_per_group`, recomputed blocks included)."""
     kept_bytes_per_element: int = 0
     """Host bytes per element of a kept gradient (host chunks updated during backward, one micro-batch per
     step: the compute dtype's size); 0 = none are wanted."""
@@ -191,7 +193,9 @@ class Plan:
     host_bytes: int
     """Model-state bytes planned on the host."""
     nvme_bytes: int = 0
-    """Swap-file bytes planned on the NVMe tier."""
+    """Swap-file bytes planned on the NVMe tier (``param_nvme_bytes`` of them param shards at home there)."""
+    param_nvme_bytes: int = 0
+    """Swap-file bytes of the param shards at home on NVMe."""
     params_sharded: bool = False
     """This rank holds one param chunk per collective group (its shard); whole groups are gathered on use."""
     param_home: tuple[str, ...] = ()
@@ -209,19 +213,22 @@ class Plan:
     """Gathered params: groups fetched ahead of use (the config's depth, or less where it did not fit)."""
     gradient_buckets: int = 0
     """Gradient buckets on the device (the wanted count, or fewer where they did not fit)."""
+    eviction: str = BeladyEviction.name
+    """Gathered params: the rule that picks the live group to drop (:mod:`zero_cache.eviction`)."""
 
     @property
     def streamed_groups(self) -> int:
-        """Groups whose shard lives on the host and is copied to the device on use."""
-        return self.param_home.count(HOST)
+        """Groups whose shard lives off the device (host or NVMe) and is copied to the device on use."""
+        return sum(home_class(home).streams for home in self.param_home)
 
     def summary(self) -> str:
         counts = {tier: self.optimizer_tier.count(tier) for tier in (DEVICE, HOST, NVME)}
         params = "resident on the device"
         if self.params_sharded:
             kind = "sharded" if self.group_size > 1 else "gathered on use"
+            homes = " and ".join(sorted({h for h in self.param_home if home_class(h).streams})) or "the host"
             params = (f"{kind}: {self.param_home.count(DEVICE)} of {len(self.param_home)} shards at home on the "
-                      f"device, {self.streamed_groups} streamed from the host; {self.cache_slots} groups live at once, "
+                      f"device, {self.streamed_groups} streamed from {homes}; {self.cache_slots} groups live at once, "
                       f"{self.gather_ahead} fetched ahead, {self.gradient_buckets} gradient buckets")
         disk = f", nvme {format_bytes(self.nvme_bytes)}" if self.nvme_bytes else ""
         notes = [f"{len(self.kept_gradients)} keep their gradient"] if self.kept_gradients else []
@@ -285,7 +292,7 @@ def _plan_with(inputs: PlanInputs, working: WorkingSet) -> Plan:
                   if inputs.group_size == 1 else
                   "zero_cache.shard_params \"auto\" or true gathers them on use instead (and streams this rank's "
                   "shards from the host where they do not fit either)")
-        raise PlanError(_shortfall_message("device", need, inputs.device_budget_bytes, inputs, detail=(
+        raise PlanError(_shortfall_message(DEVICE, need, inputs.device_budget_bytes, inputs, detail=(
             f"it holds every param chunk ({format_bytes(all_params)}) besides "
             f"{format_bytes(inputs.nonmodel_peak_bytes)} of activations; {remedy}")))
     owned = _owned_in_use_order(inputs)
@@ -308,7 +315,12 @@ def _plan_gathered(inputs: PlanInputs, room: int, working: WorkingSet) -> Plan:
     groups_in_order = list(dict.fromkeys(c // size for c in first_use_order(inputs.trace, inputs.num_chunks)))
     groups_in_order += [g for g in range(held) if g not in groups_in_order]
     owned = _owned_in_use_order(inputs)
-    resident_options = {"device": [held], "host": [0]}.get(inputs.param_home, range(held, -1, -1))
+    # "auto" weighs device homes against host ones; a named home takes every shard.
+    if inputs.param_home == AUTO:
+        off_home, resident_options = HOST, range(held, -1, -1)
+    else:
+        streams = home_class(inputs.param_home).streams
+        off_home, resident_options = (inputs.param_home, [0]) if streams else (HOST, [held])
     best: tuple | None = None
     failure: PlanError | None = None
     for resident in resident_options:
@@ -322,10 +334,11 @@ def _plan_gathered(inputs: PlanInputs, room: int, working: WorkingSet) -> Plan:
         home_on_device = set(groups_in_order[:resident])
         eligible = [c for c in owned if c // size in home_on_device]  # device Adam needs the shard on the device
         device_optim = min(len(eligible), left // inputs.optimizer_chunk_bytes)
-        home = tuple(DEVICE if g in home_on_device else HOST for g in range(held))
+        home = tuple(DEVICE if g in home_on_device else off_home for g in range(held))
         try:
             plan = _finish(inputs, working, resident_bytes=resident * shard_bytes, live=live,
-                           device_optim=eligible[:device_optim], home=home, host_params_bytes=streamed * shard_bytes,
+                           device_optim=eligible[:device_optim], home=home,
+                           host_params_bytes=home_class(off_home).host_bytes(streamed, shard_bytes),
                            traffic=_traffic(inputs, home, owned, device_optim, eligible))
         except PlanError as err:
             failure = failure or err
@@ -344,13 +357,13 @@ def _working_set_shortfall(inputs: PlanInputs, working: WorkingSet) -> str:
     """Why the device cannot hold ``working`` (the least working set, when make_plan gets here): its parts in
     bytes, and the budget that would hold them."""
     held, shard_bytes, group_bytes = inputs.param_chunks_held, inputs.param_chunk_bytes, inputs.live_group_bytes
-    fewest = 0 if inputs.param_home != "device" else held
+    fewest = 0 if inputs.param_home != DEVICE else held
     cap = held if inputs.group_size > 1 else held - fewest  # as _plan_gathered: one rank uses its own in place
     live = min(working.fewest_live, cap)
     need = budget_for_room(fewest * shard_bytes + live * group_bytes + _fixed_device_bytes(inputs, working),
                            inputs.margin_fraction)
     in_use = min(GROUPS_IN_USE, live)
-    return _shortfall_message("device", need, inputs.device_budget_bytes, inputs, detail=(
+    return _shortfall_message(DEVICE, need, inputs.device_budget_bytes, inputs, detail=(
         f"the least it can run with holds {fewest} param shards of {format_bytes(shard_bytes)} at home, "
         f"{live} gathered groups of {format_bytes(group_bytes)} ({in_use} in use, {live - in_use} fetched ahead), "
         f"{working.buckets} gradient buckets of {format_bytes(group_bytes)} "
@@ -363,13 +376,18 @@ def _traffic(inputs: PlanInputs, home: tuple[str, ...], owned: list[int], device
              eligible: list[int] | None = None) -> StepTraffic:
     """The step's PCIe bytes and host Adam of a placement (see :mod:`zero_cache.step_cost`)."""
     on_device = set((owned if eligible is None else eligible)[:device_optim])
-    streamed = {g for g, where in enumerate(home) if where == HOST}
+    streamed = {g for g, where in enumerate(home) if home_class(where).streams}
     owned_streamed = sum(1 for c in owned if c // inputs.group_size in streamed)
     host_updated = [c for c in owned if c not in on_device]
-    return step_traffic(chunk_numel=inputs.chunk_numel, param_bytes_per_element=inputs.param_bytes_per_element,
-                        streamed_shards=len(streamed), owned_streamed=owned_streamed,
-                        host_updated_resident=len(host_updated) - owned_streamed, host_updated=len(host_updated),
-                        gathers_per_step=inputs.gathers_per_step, rates=inputs.rates)
+    traffic = step_traffic(chunk_numel=inputs.chunk_numel, param_bytes_per_element=inputs.param_bytes_per_element,
+                           streamed_shards=len(streamed), owned_streamed=owned_streamed,
+                           host_updated_resident=len(host_updated) - owned_streamed, host_updated=len(host_updated),
+                           gathers_per_step=inputs.gathers_per_step, rates=inputs.rates)
+    disk = sum(home_class(name).disk_bytes_per_step(home.count(name), sum(1 for c in owned if home[c // inputs.group_size]
+                                                                          == name),
+                                                    inputs.param_chunk_bytes, inputs.gathers_per_step)
+               for name in set(home))
+    return replace(traffic, disk_bytes=disk) if disk else traffic
 
 
 def _finish(inputs: PlanInputs, working: WorkingSet, *, resident_bytes: int, live: int, device_optim: list[int],
@@ -385,10 +403,15 @@ def _finish(inputs: PlanInputs, working: WorkingSet, *, resident_bytes: int, liv
     off_device = [c for c in owned if c not in set(device_optim)]
     # A shard at home on the host is its own staging buffer, except while accumulating (it holds the weights the
     # next micro-batch reads, so gradients stage through the pool on their way to the fp32 accumulators).
-    staged = bool(off_device) and (inputs.grad_bytes_per_element > 0
-                                   or any(not home or home[c // inputs.group_size] != HOST for c in off_device))
+    staged = bool(off_device) and (inputs.grad_bytes_per_element > 0 or any(
+        not home or home_class(home[c // inputs.group_size]).stages_updates for c in off_device))
+    homes_disk = sum(home_class(name).disk_bytes(home.count(name), inputs.param_chunk_bytes) for name in set(home))
+    if homes_disk > inputs.nvme_budget_bytes:
+        raise PlanError(_shortfall_message(NVME, homes_disk, inputs.nvme_budget_bytes, inputs, detail=(
+            f"the param shards at home there take {format_bytes(homes_disk)} (of "
+            f"{format_bytes(inputs.param_chunk_bytes)} each)")))
     num_host, num_nvme, host_bytes = _split_host_and_nvme(inputs, len(off_device),
-                                                          inputs.scratch_bytes + host_params_bytes, staged)
+                                                          inputs.scratch_bytes + host_params_bytes, staged, homes_disk)
     on_host = off_device[:num_host]
     traffic, stepped, kept, host_bytes = _device_steps_and_kept(inputs, traffic, off_device, on_host, home, host_bytes,
                                                                 inputs.device_steps)
@@ -400,7 +423,8 @@ def _finish(inputs: PlanInputs, working: WorkingSet, *, resident_bytes: int, liv
     device_bytes = (resident_bytes + live * inputs.live_group_bytes + len(device_optim) * inputs.optimizer_chunk_bytes
                     + inputs.scratch_bytes + working.buckets * inputs.live_group_bytes)
     return Plan(params_resident=HOST not in home, cache_slots=live, optimizer_tier=tuple(tiers),
-                device_bytes=device_bytes, host_bytes=host_bytes, nvme_bytes=num_nvme * inputs.swap_slot_bytes,
+                device_bytes=device_bytes, host_bytes=host_bytes,
+                nvme_bytes=num_nvme * inputs.swap_slot_bytes + homes_disk, param_nvme_bytes=homes_disk,
                 params_sharded=inputs.param_chunks_held is not None, param_home=home, group_size=inputs.group_size,
                 traffic=traffic, kept_gradients=kept, device_stepped=stepped,
                 gather_ahead=working.ahead if inputs.param_chunks_held is not None else 0,
@@ -417,8 +441,11 @@ def _device_steps_and_kept(inputs: PlanInputs, traffic: StepTraffic, off_device:
         The traffic with those device steps, the device-stepped chunks, the chunks keeping their gradient, and
         the host bytes with the kept gradients.
     """
-    candidates = [HostChunk(params_home_on_host=bool(home) and home[c // inputs.group_size] == HOST,
-                            accumulating=inputs.grad_bytes_per_element > 0) for c in on_host]
+    homes = [home_class(home[c // inputs.group_size]) if home else None for c in on_host]
+    # (the first chunks the next forward needs, up to one whose home cannot be stepped on the device)
+    steppable = next((i for i, kind in enumerate(homes) if kind is not None and not kind.device_steppable), len(homes))
+    candidates = [HostChunk(params_home_on_host=kind is not None and kind.in_host_memory,
+                            accumulating=inputs.grad_bytes_per_element > 0) for kind in homes[:steppable]]
     sizes = dict(chunk_numel=inputs.chunk_numel, param_bytes_per_element=inputs.param_bytes_per_element)
     stepping = cheapest_device_steps(traffic, candidates, most=count, **sizes)
     traffic = with_device_steps(traffic, candidates[:stepping], **sizes)
@@ -451,10 +478,11 @@ def with_device_step_count(inputs: PlanInputs, plan: Plan, count: int) -> Plan:
     return replace(plan, traffic=traffic, device_stepped=stepped, kept_gradients=kept, host_bytes=host_bytes)
 
 
-def _split_host_and_nvme(inputs: PlanInputs, off_device: int, host_fixed: int, staged: bool
+def _split_host_and_nvme(inputs: PlanInputs, off_device: int, host_fixed: int, staged: bool, nvme_fixed: int = 0
                          ) -> tuple[int, int, int]:
     """(groups on the host, groups on NVMe, host bytes) for the ``off_device`` groups, host first;
-    ``staged``: some of their gradients reach the host through the staging buffers."""
+    ``staged``: some of their gradients reach the host through the staging buffers; ``nvme_fixed``: disk bytes
+    already taken (param shards at home there)."""
     staging = inputs.staging_buffers * inputs.param_chunk_bytes if staged else 0
     per_host = inputs.optimizer_chunk_bytes
     per_nvme_on_host = inputs.chunk_numel * inputs.grad_bytes_per_element  # accumulators stay in RAM
@@ -467,22 +495,23 @@ def _split_host_and_nvme(inputs: PlanInputs, off_device: int, host_fixed: int, s
 
     if host_bytes(off_device) <= inputs.host_budget_bytes:
         return off_device, 0, host_bytes(off_device)
-    if inputs.nvme_budget_bytes <= 0:
-        raise PlanError(_shortfall_message("host", host_bytes(off_device), inputs.host_budget_bytes, inputs, detail=(
+    if inputs.nvme_budget_bytes - nvme_fixed <= 0:
+        raise PlanError(_shortfall_message(HOST, host_bytes(off_device), inputs.host_budget_bytes, inputs, detail=(
             f"{off_device} chunks' optimizer states ({inputs.optimizer_bytes_per_element} B/element)"
             + ("" if host_fixed == inputs.scratch_bytes else " and every param chunk's home copy") + " live there")))
     num_host = max(0, (inputs.host_budget_bytes - host_bytes(0)) // max(1, per_host - per_nvme_on_host))
     num_host = min(num_host, off_device - 1)
     if host_bytes(num_host) > inputs.host_budget_bytes:
-        raise PlanError(_shortfall_message("host", host_bytes(num_host), inputs.host_budget_bytes, inputs, detail=(
+        raise PlanError(_shortfall_message(HOST, host_bytes(num_host), inputs.host_budget_bytes, inputs, detail=(
             f"even with {off_device - num_host} optimizer groups on NVMe it holds {inputs.swap_buffers} bounce "
             f"buffers of {format_bytes(inputs.swap_buffer_bytes)}, {inputs.staging_buffers} staging buffers"
             + (" and the gradient accumulators" if per_nvme_on_host else ""))))
     num_nvme = off_device - num_host
-    if num_nvme * inputs.swap_slot_bytes > inputs.nvme_budget_bytes:
-        raise PlanError(_shortfall_message("nvme", num_nvme * inputs.swap_slot_bytes, inputs.nvme_budget_bytes,
-                                           inputs, detail=f"{num_nvme} optimizer groups of "
-                                                          f"{format_bytes(inputs.swap_slot_bytes)} go to disk"))
+    if num_nvme * inputs.swap_slot_bytes + nvme_fixed > inputs.nvme_budget_bytes:
+        beside = f" beside {format_bytes(nvme_fixed)} of param shards at home there" if nvme_fixed else ""
+        raise PlanError(_shortfall_message(NVME, num_nvme * inputs.swap_slot_bytes + nvme_fixed,
+                                           inputs.nvme_budget_bytes, inputs, detail=f"{num_nvme} optimizer groups of "
+                                           f"{format_bytes(inputs.swap_slot_bytes)} go to disk{beside}"))
     return num_host, num_nvme, host_bytes(num_host)
 
 
@@ -513,41 +542,3 @@ def _nvme_advice(inputs: PlanInputs, tier: str, short_bytes: int) -> list[str]:
             f"(the tier's budget is {format_bytes(inputs.nvme_budget_bytes)}, and an \"auto\" budget leaves at least "
             "1 GiB of the disk free): free disk space under zero_cache.nvme_path, raise zero_cache.nvme_memory_budget "
             "if it was set lower, or point nvme_path at a larger disk"]
-
-
-def belady_misses(trace: Sequence[int], capacity: int) -> tuple[int, list[tuple[int, int | None]]]:
-    """Simulate a cache of ``capacity`` equal-size chunks under Belady's rule.
-
-    Args:
-        trace: chunk accesses in order.
-        capacity: chunks that fit at once (>= 1).
-
-    Returns:
-        (number of misses, list of (fetched chunk, evicted chunk or None) per miss).
-    """
-    if capacity < 1:
-        raise ValueError("capacity must be at least one chunk")
-    next_use = _next_use_table(trace)
-    cached: dict[int, int] = {}  # chunk -> index of its next use
-    events: list[tuple[int, int | None]] = []
-    for i, chunk in enumerate(trace):
-        if chunk in cached:
-            cached[chunk] = next_use[i]
-            continue
-        victim = None
-        if len(cached) >= capacity:
-            victim = max(cached, key=lambda c: cached[c])  # furthest next use (never used = infinity)
-            del cached[victim]
-        cached[chunk] = next_use[i]
-        events.append((chunk, victim))
-    return len(events), events
-
-
-def _next_use_table(trace: Sequence[int]) -> list[int]:
-    """For each position, the position of the same chunk's next access (len(trace) + 1 if none)."""
-    never = len(trace) + 1
-    table, last = [never] * len(trace), {}
-    for i in range(len(trace) - 1, -1, -1):
-        table[i] = last.get(trace[i], never)
-        last[trace[i]] = i
-    return table

@@ -63,12 +63,18 @@ Adam step) per speculated chunk after backward; a disk group's states are read a
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable
-
-if TYPE_CHECKING:
-    from zero_cache.host_update import ChunkUpdate
+from typing import Any, Callable, Protocol
 
 APPLIED, DEFERRED = "applied", "deferred"
+
+
+class Speculated(Protocol):
+    """What a revision reads of an update (``zero_cache.host_update.ChunkUpdate`` has it): this module knows
+    the rule, not the worker that runs it, so it imports nothing of it."""
+
+    grad_factor: float
+    outcome: str | None
+    skip: bool
 
 
 class SpeculationWindow:
@@ -110,7 +116,7 @@ class SpeculationWindow:
         return math.isfinite(partial) and partial <= self.limit
 
 
-def revision_scales(original: "ChunkUpdate", revision: "ChunkUpdate") -> tuple[float, float]:
+def revision_scales(original: Speculated, revision: Speculated) -> tuple[float, float]:
     """(undo scale, redo scale) of a revision, 0 meaning none: take back the step ``original`` made with its
     factor, and/or make it with the step's true factor (``revision.grad_factor``)."""
     applied = original.outcome == APPLIED

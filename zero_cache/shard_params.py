@@ -14,9 +14,11 @@ from torch import nn
 
 from zero_cache.config import ZeroCacheConfig
 from zero_cache.gathered import GatheredGroups
+from zero_cache.homes import home_class
 from zero_cache.layout import ChunkLayout
-from zero_cache.planner import DEVICE, Plan, PlanError
+from zero_cache.planner import Plan, PlanError
 from zero_cache.sharding import Sharding
+from zero_cache.tier_names import DEVICE
 from zero_cache.units import AUTO
 
 
@@ -65,13 +67,13 @@ def choose_shard_params(config: ZeroCacheConfig, sharding: Sharding, plan_for: C
 
 def choose_streaming(config: ZeroCacheConfig, plan_for: Callable[[bool], Plan]) -> tuple[bool, Plan]:
     """One rank: params resident on the device, or gathered on use from their homes (some or all in pinned host
-    memory), whichever step costs less (:mod:`zero_cache.step_cost`; resident on a tie).
-    ``param_home`` "device" allows only the first, "host" only the second.
+    memory, or all on NVMe), whichever step costs less (:mod:`zero_cache.step_cost`; resident on a tie).
+    ``param_home`` "device" allows only the first, "host" or "nvme" only the second.
 
     Raises:
         PlanError: no allowed placement fits (the gathered one's shortfall, which needs the least device).
     """
-    allowed = {"device": (False,), "host": (True,)}.get(config.param_home, (False, True))
+    allowed = (False, True) if config.param_home == AUTO else (home_class(config.param_home).streams,)
     plans: dict[bool, Plan] = {}
     errors: dict[bool, PlanError] = {}
     for gathered in allowed:

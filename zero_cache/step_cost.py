@@ -37,8 +37,11 @@ class Rates:
     """Pinned device -> host copies."""
     host_adam_elements_per_s: float
     """CPU Adam over fp32 masters and moments (with its reads and writes of the chunk's gradient and params)."""
+    disk_bytes_per_s: float = 1.0e9
+    """A local NVMe drive through O_DIRECT, reads and writes together (DESIGN.md: reads 0.9-1.3, writes 1.6-2.2
+    GB/s on the lent H200's machine; not measured here)."""
     measured: bool = False
-    """Measured on this machine (else the nominal figures)."""
+    """The bus and the host's Adam measured on this machine (else the nominal figures)."""
 
     def describe(self) -> str:
         return (f"H2D {self.h2d_bytes_per_s / 2**30:.0f} GiB/s, D2H {self.d2h_bytes_per_s / 2**30:.0f} GiB/s, "
@@ -64,13 +67,19 @@ class StepTraffic:
     """Host-held optimizer groups whose states are copied to the device and stepped there (after backward)."""
     rates: Rates = NOMINAL_RATES
     """What the floors are worked out at."""
+    disk_bytes: int = 0
+    """Param shards at home on NVMe read and written (``zero_cache.homes.NvmeHome``; the NVMe optimizer groups'
+    own reads and writes are not counted here)."""
 
     @property
     def floors(self) -> dict[str, float]:
-        """Seconds each stream needs for this traffic: "H2D", "D2H" and "host Adam"."""
+        """Seconds each stream needs for this traffic: "H2D", "D2H", "host Adam", and "disk" when there is any."""
         rates = self.rates
-        return {"H2D": self.h2d_bytes / rates.h2d_bytes_per_s, "D2H": self.d2h_bytes / rates.d2h_bytes_per_s,
-                "host Adam": self.host_adam_elements / rates.host_adam_elements_per_s}
+        floors = {"H2D": self.h2d_bytes / rates.h2d_bytes_per_s, "D2H": self.d2h_bytes / rates.d2h_bytes_per_s,
+                  "host Adam": self.host_adam_elements / rates.host_adam_elements_per_s}
+        if self.disk_bytes:
+            floors["disk"] = self.disk_bytes / rates.disk_bytes_per_s
+        return floors
 
     @property
     def seconds(self) -> float:
@@ -85,9 +94,11 @@ class StepTraffic:
 
     def describe(self) -> str:
         stepped = f", {self.device_stepped} host groups stepped on the device" if self.device_stepped else ""
+        stepped += f", disk {format_bytes(self.disk_bytes)}" if self.disk_bytes else ""
         return (f"H2D {format_bytes(self.h2d_bytes)}, D2H {format_bytes(self.d2h_bytes)}, host Adam over "
                 f"{_count(self.host_adam_elements)} elements{stepped} (at least {self.seconds:.3f} s at "
-                f"{self.rates.describe()})")
+                f"{self.rates.describe()}"
+                + (f", disk {self.rates.disk_bytes_per_s / 1e9:.1f} GB/s)" if self.disk_bytes else ")"))
 
 
 def _count(elements: int) -> str:

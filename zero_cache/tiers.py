@@ -18,6 +18,7 @@ import numpy
 import psutil
 import torch
 
+from zero_cache.tier_names import DEVICE, HOST
 from zero_cache.units import format_bytes
 
 AUTO_MARGIN_FRACTION = 0.03
@@ -127,11 +128,24 @@ class BufferPool:
 
     def acquire(self) -> torch.Tensor:
         with self._available:
-            if not self._allocated:  # all at once, so the tier's usage does not depend on timing
-                self._allocated = True
-                self._free.extend((self._allocate(), None) for _ in range(self.count))
+            self._allocate_all()
             while not self._free:
                 self._available.wait()
+            buffer, in_use_until = self._free.popleft()
+        wait(in_use_until)
+        return buffer
+
+    def _allocate_all(self) -> None:
+        if not self._allocated:  # all at once, so the tier's usage does not depend on timing
+            self._allocated = True
+            self._free.extend((self._allocate(), None) for _ in range(self.count))
+
+    def try_acquire(self) -> torch.Tensor | None:
+        """A buffer if one is free now (its last transfer waited for), else None, without blocking on the others."""
+        with self._available:
+            self._allocate_all()
+            if not self._free:
+                return None
             buffer, in_use_until = self._free.popleft()
         wait(in_use_until)
         return buffer
@@ -206,9 +220,9 @@ def host_share(available_bytes: int, total_bytes: int, ranks_per_host: int = 1, 
 def build_tiers(device: torch.device, device_budget: int | None, host_budget: int | None,
                 ranks_per_host: int = 1) -> tuple[Tier, Tier]:
     """The device and host tiers, with "auto" (None) budgets measured now (the host's shared by its ranks)."""
-    device_tier = Tier("device", device, device_budget if device_budget is not None
+    device_tier = Tier(DEVICE, device, device_budget if device_budget is not None
                        else auto_device_budget(device, ranks_per_host))
-    host_tier = Tier("host", torch.device("cpu"), host_budget if host_budget is not None
+    host_tier = Tier(HOST, torch.device("cpu"), host_budget if host_budget is not None
                      else auto_host_budget(device, ranks_per_host), pin_memory=device.type == "cuda")
     return device_tier, host_tier
 

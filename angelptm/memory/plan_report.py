@@ -16,7 +16,8 @@ import zero_cache
 from angelptm.config import EngineConfig
 from angelptm.errors import ConfigError
 from angelptm.pretraining.models import build_model
-from zero_cache.planner import DEVICE, HOST, NVME, Plan
+from zero_cache.planner import Plan
+from zero_cache.tier_names import DEVICE, HOST, NVME
 
 DISK_READ_BYTES_PER_S = 1.1e9
 DISK_WRITE_BYTES_PER_S = 1.9e9
@@ -126,7 +127,8 @@ def _tier_table(plan: Plan, budgets: zero_cache.TierBudgets, device: torch.devic
     if plan.params_sharded or plan.param_home:
         kind = "shards" if plan.group_size > 1 else "chunks"
         params = {DEVICE: f"{plan.param_home.count(DEVICE)} {kind} at home, {plan.cache_slots} groups live",
-                  HOST: f"{plan.param_home.count(HOST)} {kind} at home (streamed in on use)", NVME: "-"}
+                  **{tier: f"{plan.param_home.count(tier)} {kind} at home (streamed in on use)" if tier in plan.param_home
+                     else "-" for tier in (HOST, NVME)}}
     else:
         params = {DEVICE: "all resident", HOST: "-", NVME: "-"}
     budget = {DEVICE: budgets.device_bytes, HOST: budgets.host_bytes, NVME: budgets.nvme_bytes}
@@ -160,9 +162,13 @@ def _step_floors(plan: Plan, compute_s: float | None, tokens: int, tflops: float
                       f"{rates.host_adam_elements_per_s / 1e9:.1f} G/s", stream_s["host Adam"]),
     ]
     if plan.nvme_bytes:
-        floors.append(("NVMe", f"{zero_cache.format_bytes(plan.nvme_bytes)} read and written at "
+        # Optimizer groups there are read and written once a step; param shards at home there move
+        # traffic.disk_bytes (a read per gather, a write per update), counted at the slower read rate.
+        groups = plan.nvme_bytes - plan.param_nvme_bytes
+        shards = f" + {zero_cache.format_bytes(traffic.disk_bytes)} of param shards" if traffic.disk_bytes else ""
+        floors.append(("NVMe", f"{zero_cache.format_bytes(groups)} read and written{shards} at "
                                f"{DISK_READ_BYTES_PER_S / 1e9:.1f}/{DISK_WRITE_BYTES_PER_S / 1e9:.1f} GB/s",
-                       plan.nvme_bytes / DISK_READ_BYTES_PER_S + plan.nvme_bytes / DISK_WRITE_BYTES_PER_S))
+                       (groups + traffic.disk_bytes) / DISK_READ_BYTES_PER_S + groups / DISK_WRITE_BYTES_PER_S))
     name, _, seconds = max(floors, key=lambda floor: floor[2])
     unseen = [] if compute_s else ["compute (not estimated on a CPU)"]
     unseen += ["the NCCL collectives"] if plan.group_size > 1 else []

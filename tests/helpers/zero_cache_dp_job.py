@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--param-home", default="auto", help="zero_cache.param_home (host: shards streamed from the host)")
     parser.add_argument("--least-working-set", action="store_true", help="with --shard-params --param-home host: a "
                         "device budget of the least working set (2 gradient buckets, not 3; zero_cache.working_set)")
+    parser.add_argument("--nvme-path", help="zero_cache.nvme_path (with --param-home nvme: shards homed on the disk)")
     parser.add_argument("--device-steps", default="auto", help="zero_cache.device_steps (a count: host groups stepped "
                         "on the device after backward)")
     args = parser.parse_args()
@@ -101,20 +102,23 @@ def main() -> None:
                              "update_in_backward": False if args.after_backward else "auto",
                              "host_memory_budget": 64 * 2**20, "param_home": args.param_home,
                              "device_steps": args.device_steps if args.device_steps == "auto" else int(args.device_steps)}}
+    if args.nvme_path:
+        config["zero_cache"]["nvme_path"] = args.nvme_path
     if args.hosts_of:
         config["zero_cache"].update(hierarchical=True, ranks_per_host=args.hosts_of)
     engine, optimizer, loader, _ = angelptm.initialize(model=model, training_data=RandomTokens(args.data_seed),
                                                        config=config)
     tiers = {group.tier for group in optimizer.store.groups}
     # Shards at home on the host update there: no optimizer group on the device.
-    expected = ({"host"} if args.param_home == "host" else {"device", "host"}) | ({"remote"} if world_size > 1 else set())
+    expected = ({"host"} if args.param_home in ("host", "nvme") else {"device", "host"}) | ({"remote"} if world_size > 1 else set())
     # (On CUDA the first plan keeps a share of the device for activations: its split differs.)
     assert tiers == expected or engine.device.type == "cuda", f"rank {rank}: groups in {tiers}, expected {expected}"
     # During backward (clipping included: zero_cache.revision), except for ranks that accumulate micro-batches.
     assert optimizer.update_in_backward == (not args.after_backward and (args.accumulation == 1 or world_size == 1))
-    assert optimizer.params_sharded == (shard_params or args.param_home == "host")  # one rank streams them too
-    if args.param_home == "host":
-        assert set(optimizer.store.param_home) == {"host"}, optimizer.store.param_home
+    # one rank streams them too
+    assert optimizer.params_sharded == (shard_params or args.param_home in ("host", "nvme"))
+    if args.param_home in ("host", "nvme"):
+        assert set(optimizer.store.param_home) == {args.param_home}, optimizer.store.param_home
     if args.device_steps != "auto":  # every owned host group, or the count asked for
         owned = sum(group.tier == "host" for group in optimizer.store.groups)
         assert len(optimizer.device_stepped) == min(owned, int(args.device_steps)) > 0, optimizer.device_stepped

@@ -31,7 +31,7 @@ def test_pack_places_every_tensor_inside_its_chunk_without_overlap(seed):
     layout = pack(shapes, chunk_numel=largest + rng.randint(0, 3 * largest))
     assert [s.name for s in layout.slots] == [n for n, _ in shapes]
     for chunk in range(layout.num_chunks):
-        slots = layout.chunk_slots(chunk)
+        slots = [slot for slot in layout.slots if slot.chunk == chunk]
         assert slots, "no empty chunks"
         end = 0
         for slot in slots:
@@ -39,7 +39,7 @@ def test_pack_places_every_tensor_inside_its_chunk_without_overlap(seed):
             end = slot.offset + slot.numel
         assert end <= layout.chunk_numel
         if chunk + 1 < layout.num_chunks:  # next-fit: the next chunk's first tensor did not fit here
-            first_next = layout.chunk_slots(chunk + 1)[0]
+            first_next = next(slot for slot in layout.slots if slot.chunk == chunk + 1)
             aligned_end = -(-end // ALIGN_NUMEL) * ALIGN_NUMEL
             assert aligned_end + first_next.numel > layout.chunk_numel
 

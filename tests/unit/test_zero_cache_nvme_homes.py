@@ -1,0 +1,208 @@
+"""Params homed on NVMe (zero_cache.homes.NvmeHome), one rank on CPU, fp32.
+
+A shard at home on NVMe takes the path of one at home on the host (copied in on use, its reduced gradient
+taken home over it, updated by the host's Adam) through a swap file and a few pinned buffers instead of a
+pinned copy per shard: the same arithmetic on the same values, so the two runs are bitwise equal. Both
+are checked against a hand-written fp32 AdamW loop too.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+import angelptm
+from angelptm.config import load_config
+from angelptm.models import ModelConfig, build_model
+from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop, train_steps
+from zero_cache.homes import NVME_HELD, NVME_STAGING_BUFFERS, NvmeHome
+from zero_cache.planner import PlanError, PlanInputs, make_plan
+from zero_cache.tier_names import HOST, NVME
+
+CHUNK_NUMEL = 8192
+
+
+def tiny_gpt(seed: int, *, tied: bool = True) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return build_model(ModelConfig(flavour="gpt2", vocab_size=VOCAB, max_seq_len=SEQ, num_layers=4, hidden_size=32,
+                                   num_heads=4, tie_embeddings=tied, activation_checkpointing=True))
+
+
+def config(param_home: str, nvme_path: Path | None = None, *, clip: float = 1.0, accumulation: int = 1,
+           **zero_cache) -> dict:
+    zero_cache.update({"enabled": True, "chunk_size": CHUNK_NUMEL, "param_home": param_home,
+                       "device_memory_budget": "auto", "host_memory_budget": "1GiB"})
+    if nvme_path is not None:
+        zero_cache["nvme_path"] = str(nvme_path)
+    return ds_config(gradient_clipping=clip, gradient_accumulation_steps=accumulation, zero_cache=zero_cache)
+
+
+def open_files_under(directory: Path) -> int:
+    """This process's descriptors of files under ``directory`` (a nameless swap file shows as "<dir>/#n (deleted)")."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith(str(directory))
+        except OSError:
+            continue
+    return count
+
+
+@pytest.mark.parametrize("accumulation, clip, tied, in_backward", [(1, 1.0, True, "auto"), (1, 0.0, False, "auto"),
+                                                                 (1, 1.0, True, False), (3, 1.0, True, "auto")])
+def test_params_homed_on_nvme_train_bit_for_bit_like_params_homed_on_the_host(tmp_path, accumulation, clip, tied,
+                                                                               in_backward):
+    """(1, 1.0): updated during backward, clipped steps revised; (1, 0.0): untied head, nothing clipped; after
+    backward: more gradients wait than buffers hold, the oldest on disk; (3, 1.0): micro-batches accumulate in
+    fp32 on the host, updated after backward."""
+    seed = torch.randint(0, 10_000, ()).item()
+    batches = random_batches(seed, count=3 * accumulation, batch=2)
+    options = dict(clip=clip, accumulation=accumulation, update_in_backward=in_backward)
+    host_engine, host_optimizer, _, _ = angelptm.initialize(model=tiny_gpt(seed, tied=tied),
+                                                            config=config("host", **options))
+    host_losses = train_steps(host_engine, batches)
+    engine, optimizer, _, _ = angelptm.initialize(model=tiny_gpt(seed, tied=tied),
+                                                  config=config("nvme", tmp_path, **options))
+    store = optimizer.store
+    assert store.shard_params and set(store.param_home) == {NVME} and all(s is None for s in store.shards)
+    assert all(group.tier == HOST for group in store.groups)
+    losses = train_steps(engine, batches)
+    assert losses == host_losses
+    expected = host_optimizer.master_state_dict()
+    masters = optimizer.master_state_dict()
+    start = dict(tiny_gpt(seed, tied=tied).named_parameters())
+    assert max((expected[n] - start[n].detach()).abs().max().item() for n in expected) > 1e-3, "training must move"
+    assert all(torch.equal(masters[name], value) for name, value in expected.items())
+    # Host memory holds the staging buffers, not the shards; the shards went through the swap file.
+    home: NvmeHome = store.homes[NVME]
+    shard_bytes = CHUNK_NUMEL * 4
+    saved = host_optimizer.store.tiers[HOST].used_bytes - store.tiers[HOST].used_bytes
+    assert saved >= len(store.shards) * shard_bytes - NVME_STAGING_BUFFERS * (shard_bytes + 2 * 4096)
+    report = optimizer.report()  # (the optimizer's swap file is empty: every group is on the host)
+    assert report["zero_cache_nvme_bytes"] == home.disk.used_bytes == len(store.shards) * home.disk.slot_bytes
+    reads, writes = report["zero_cache_nvme_read_bytes"], report["zero_cache_nvme_write_bytes"]
+    assert reads >= 2 * len(batches) * len(store.shards) * home.disk.slot_bytes and writes > 0, report
+    assert home.reads_ahead_used >= len(batches), "reads must start ahead along the trace"
+    if in_backward is False and accumulation == 1:  # every gradient waits for step(): most of them on disk
+        assert home.gradients_to_disk >= len(batches) * (len(store.shards) - NVME_HELD)
+    assert not list(tmp_path.iterdir()), "swap files have no name while they are used"
+
+
+def test_params_homed_on_nvme_follow_a_plain_fp32_adamw_loop(tmp_path):
+    """Fresh random inputs, clipping at 1.0: the engine against torch AdamW over fp32 masters."""
+    seed = torch.randint(0, 10_000, ()).item()
+    batches = random_batches(seed, count=5, batch=4)
+    engine, optimizer, _, _ = angelptm.initialize(model=tiny_gpt(seed), config=config("nvme", tmp_path))
+    losses = train_steps(engine, batches)
+    expected_losses, expected = reference_loop(tiny_gpt(seed), batches, dtype=torch.float32, accumulation=1,
+                                               lr=3e-3, clip=1.0)
+    assert expected_losses[-1] < expected_losses[0], f"the reference must learn: {expected_losses}"
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    masters = optimizer.master_state_dict()
+    start = dict(tiny_gpt(seed).named_parameters())
+    moved = max((value - start[name].detach()).abs().max().item() for name, value in expected.items())
+    assert moved > 1e-2, f"training moved the weights by only {moved}"
+    # Two Adam implementations round differently: a bias element whose gradient is rounding noise shows it at a few
+    # 1e-6, a thousandth of one step's movement; a stale or lost shard would differ by whole steps (lr 3e-3).
+    for name, value in expected.items():
+        torch.testing.assert_close(masters[name], value, rtol=1e-4, atol=1e-5)
+    # fp32 params are their masters: refreshing the masters from the shards on disk changes no bit.
+    optimizer.refresh_masters_from_params()
+    assert all(torch.equal(value, masters[name]) for name, value in optimizer.master_state_dict().items())
+
+
+def test_deepspeeds_offload_param_nvme_homes_params_on_the_disk_and_frees_them_when_dropped(tmp_path):
+    """A DeepSpeed ZeRO-Infinity config (params and optimizer offloaded, params to NVMe) as a user has it."""
+    seed = torch.randint(0, 10_000, ()).item()
+    ds = ds_config(gradient_clipping=1.0, zero_optimization={
+        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+        "offload_optimizer": {"device": "cpu"}})
+    parsed = load_config(ds)
+    assert parsed.zero_cache.enabled and parsed.zero_cache.param_home == NVME
+    assert parsed.zero_cache.nvme_path == str(tmp_path)
+    by_hand = load_config({**ds, "zero_cache": {"enabled": True}}).zero_cache  # (its path still comes along)
+    assert by_hand.param_home == NVME and by_hand.nvme_path == str(tmp_path)
+    batches = random_batches(seed, count=3, batch=4)
+    engine, optimizer, _, _ = angelptm.initialize(model=tiny_gpt(seed), config=ds)
+    assert set(optimizer.store.param_home) == {NVME}
+    losses = train_steps(engine, batches)
+    expected_losses, _ = reference_loop(tiny_gpt(seed), batches, dtype=torch.float32, accumulation=1, lr=3e-3, clip=1.0)
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    assert open_files_under(tmp_path) >= 2, "the optimizer's swap file and the param homes'"
+    optimizer.finish_pending()  # until the worker's last update ends, it holds the store
+    alive = weakref.ref(optimizer)
+    del engine, optimizer
+    gc.collect()
+    assert alive() is None
+    assert open_files_under(tmp_path) == 0 and not list(tmp_path.iterdir()), "a dropped engine frees its swap files"
+
+
+def test_a_run_with_params_homed_on_nvme_resumes_exactly(tmp_path):
+    """Saved after 2 of 4 steps and loaded into a fresh engine (another seed's weights): the last 2 steps' losses are
+    the uninterrupted run's, bit for bit; loading only the module rewrites the shards on disk from it too."""
+    seed = torch.randint(0, 10_000, ()).item()
+    batches = random_batches(seed, count=4, batch=2)
+    cfg = config("nvme", tmp_path / "swap")
+    (tmp_path / "swap").mkdir()
+    straight, _, _, _ = angelptm.initialize(model=tiny_gpt(seed), config=cfg)
+    expected = train_steps(straight, batches)
+    first, _, _, _ = angelptm.initialize(model=tiny_gpt(seed), config=cfg)
+    train_steps(first, batches[:2])
+    first.save_checkpoint(tmp_path / "ckpt")
+    resumed, _, _, _ = angelptm.initialize(model=tiny_gpt(seed + 1), config=cfg)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    assert train_steps(resumed, batches[2:]) == expected[2:]
+    weights_only, _, _, _ = angelptm.initialize(model=tiny_gpt(seed + 2), config=cfg)
+    weights_only.load_checkpoint(tmp_path / "ckpt", load_module_only=True)
+    assert train_steps(weights_only, batches[2:3]) == expected[2:3]  # (its moments start afresh after that)
+
+
+def test_params_homed_on_nvme_need_a_swap_directory(tmp_path):
+    with pytest.raises(angelptm.ConfigError, match=r"param_home is \"nvme\" but no swap directory is set: set "
+                                                     r"zero_cache.nvme_path"):
+        angelptm.initialize(model=tiny_gpt(0), config=config("nvme"))
+    with pytest.raises(angelptm.ConfigError, match=r"nvme_path: .*missing.* is not an existing directory.*mkdir -p"):
+        angelptm.initialize(model=tiny_gpt(0), config=config("nvme", tmp_path / "missing"))
+
+
+def test_params_homed_on_nvme_need_a_writable_swap_directory(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if os.access(locked, os.W_OK):
+        pytest.skip("running as a user who may write anywhere (root)")
+    with pytest.raises(angelptm.ConfigError, match=r"nvme_path: .*locked.* is not writable"):
+        angelptm.initialize(model=tiny_gpt(0), config=config("nvme", locked))
+
+
+def nvme_inputs(**overrides) -> PlanInputs:
+    """One rank, 10 chunks of 1,000 bf16 elements (2,000 B shards, 4,096 B on disk), room for 3 live groups."""
+    values = dict(num_chunks=10, chunk_numel=1000, param_bytes_per_element=2, device_budget_bytes=10**6,
+                  host_budget_bytes=10**6, trace=tuple(range(10)) + tuple(reversed(range(10))), margin_fraction=0.0,
+                  param_chunks_held=10, param_home=NVME, live_groups=3, min_live_groups=3,
+                  exchange_buffer_bytes=3 * 2_000, grad_bytes_per_element=0, nvme_budget_bytes=10**6,
+                  nvme_path_set=True)
+    values.update(overrides)
+    return PlanInputs(**values)
+
+
+def test_the_plan_puts_every_shard_on_disk_and_counts_its_buffers_and_traffic():
+    plan = make_plan(nvme_inputs())
+    assert plan.param_home == (NVME,) * 10 and plan.optimizer_tier == (HOST,) * 10 and plan.cache_slots == 3
+    # host: the staging buffers (a 4 KiB slot each, plus alignment slack), the optimizer groups, the fp32 scratch
+    assert plan.host_bytes == NVME_STAGING_BUFFERS * (4096 + 4096) + 10 * 12_000 + 4_000
+    assert plan.nvme_bytes == plan.param_nvme_bytes == 10 * 4096
+    # each shard read twice (forward, backward) and its new params written once
+    assert plan.traffic.disk_bytes == (10 * 2 + 10) * 4096 and "disk" in plan.traffic.floors
+    assert plan.device_stepped == ()  # a shard on disk is updated by the host
+
+
+def test_a_disk_too_small_for_the_shards_is_refused_with_the_shortfall():
+    with pytest.raises(PlanError, match=r"the nvme tier needs 40.00 KiB but its budget is 20.00 KiB .*param shards"):
+        make_plan(nvme_inputs(nvme_budget_bytes=20 * 1024))
+    with pytest.raises(PlanError, match=r"add an NVMe tier \(zero_cache.nvme_path\)"):
+        make_plan(nvme_inputs(nvme_budget_bytes=0, nvme_path_set=False))
