@@ -18,7 +18,7 @@ import torch
 
 import angelptm
 from angelptm.config import load_config
-from angelptm.models import ModelConfig, build_model
+from angelptm.pretraining.models import ModelConfig, build_model
 from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop, train_steps
 from zero_cache.homes import NVME_HELD, NVME_STAGING_BUFFERS, NvmeHome
 from zero_cache.planner import PlanError, PlanInputs, make_plan
@@ -183,8 +183,8 @@ def nvme_inputs(**overrides) -> PlanInputs:
     """One rank, 10 chunks of 1,000 bf16 elements (2,000 B shards, 4,096 B on disk), room for 3 live groups."""
     values = dict(num_chunks=10, chunk_numel=1000, param_bytes_per_element=2, device_budget_bytes=10**6,
                   host_budget_bytes=10**6, trace=tuple(range(10)) + tuple(reversed(range(10))), margin_fraction=0.0,
-                  param_chunks_held=10, param_home=NVME, live_groups=3, min_live_groups=3,
-                  exchange_buffer_bytes=3 * 2_000, grad_bytes_per_element=0, nvme_budget_bytes=10**6,
+                  param_chunks_held=10, param_home=NVME, live_groups=3, gather_ahead=1,
+                  gradient_buckets=3, grad_bytes_per_element=0, nvme_budget_bytes=10**6,
                   nvme_path_set=True)
     values.update(overrides)
     return PlanInputs(**values)
