@@ -226,7 +226,8 @@ class Plan:
         params = "resident on the device"
         if self.params_sharded:
             kind = "sharded" if self.group_size > 1 else "gathered on use"
-            homes = " and ".join(sorted({h for h in self.param_home if home_class(h).streams})) or "the host"
+            homes = " and ".join(sorted({"the host" if h == HOST else h for h in self.param_home
+                                         if home_class(h).streams})) or "the host"
             params = (f"{kind}: {self.param_home.count(DEVICE)} of {len(self.param_home)} shards at home on the "
                       f"device, {self.streamed_groups} streamed from {homes}; {self.cache_slots} groups live at once, "
                       f"{self.gather_ahead} fetched ahead, {self.gradient_buckets} gradient buckets")
