@@ -1,9 +1,10 @@
 """Gathered params: a chunk group's full params exist on the device only while they are in use.
 
 Each rank keeps its own slot of every group (``ChunkStore.shards``) at its **home**: the device, pinned
-host memory or NVMe (:mod:`zero_cache.homes`, which carries out each kind's gather). A group is **live** while its gathered buffer exists: its parameters are views
-into it. Otherwise each parameter is a placeholder of the right shape holding no memory (one
-element, expanded with zero strides), so module code that reads ``weight.shape`` keeps working.
+host memory or NVMe (:mod:`zero_cache.homes`, which carries out each kind's gather). A group is
+**live** while its gathered buffer exists: its parameters are views into it. Otherwise each parameter
+is a placeholder of the right shape holding no memory (one element, expanded with zero strides), so
+module code that reads ``weight.shape`` keeps working.
 
 Where a group's buffer comes from depends on the shard's home and the ranks:
 
@@ -27,7 +28,8 @@ A group is acquired
 (:class:`AcquisitionTrace`); later iterations follow it with a cursor, start gathering the next
 ``ahead`` groups while this one computes, and, with ``max_live`` groups live, evict the one the plan's
 eviction rule picks (:mod:`zero_cache.eviction`: Belady's, the group whose next use along the trace is
-furthest away; during the warm-up, the least recently used one). The two groups acquired last are never evicted, nor the groups of a module
+furthest away; during the warm-up, the least recently used one). The two groups acquired last are never
+evicted, nor the groups of a module
 whose forward is running (:meth:`GatheredGroups.hold`). A buffer that autograd still holds (a
 checkpointed block's recomputed views) stays valid until it is released: eviction drops this
 object's reference, the memory goes with the last one.

@@ -90,8 +90,8 @@ def nvme_budget(config: ZeroCacheConfig, ranks_per_host: int = 1) -> tuple[Path 
     if config.nvme_path is None:
         if config.param_home == NVME:
             raise NvmeSetupError("zero_cache.param_home is \"nvme\" but no swap directory is set: set "
-                                 "zero_cache.nvme_path (or zero_optimization.offload_param.nvme_path) to a directory on "
-                                 "a local NVMe drive, or param_home to \"host\" or \"auto\"")
+                                 "zero_cache.nvme_path (or zero_optimization.offload_param.nvme_path) to a directory "
+                                 "on a local NVMe drive, or param_home to \"host\" or \"auto\"")
         return None, 0
     directory = check_directory(config.nvme_path)
     budget = config.nvme_budget_bytes

@@ -91,7 +91,8 @@ class OptimizerCheckpoint:
             for slots, states in self._chunk_states(write_back=True):
                 with self.store.open_params(slots[0].chunk) as values:  # (a home on NVMe: read in)
                     for slot in slots:
-                        self.store.state_view(slot, "master", states).copy_(values[slot.offset:slot.offset + slot.numel])
+                        master = self.store.state_view(slot, "master", states)
+                        master.copy_(values[slot.offset:slot.offset + slot.numel])
 
     def state_dict(self) -> dict[str, Any]:
         fields = self._read_fields(STATE_FIELDS)

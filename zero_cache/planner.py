@@ -384,10 +384,9 @@ def _traffic(inputs: PlanInputs, home: tuple[str, ...], owned: list[int], device
                            streamed_shards=len(streamed), owned_streamed=owned_streamed,
                            host_updated_resident=len(host_updated) - owned_streamed, host_updated=len(host_updated),
                            gathers_per_step=inputs.gathers_per_step, rates=inputs.rates)
-    disk = sum(home_class(name).disk_bytes_per_step(home.count(name), sum(1 for c in owned if home[c // inputs.group_size]
-                                                                          == name),
-                                                    inputs.param_chunk_bytes, inputs.gathers_per_step)
-               for name in set(home))
+    owned_in = {name: sum(1 for c in owned if home[c // inputs.group_size] == name) for name in set(home)}
+    disk = sum(home_class(name).disk_bytes_per_step(home.count(name), owned_in[name], inputs.param_chunk_bytes,
+                                                    inputs.gathers_per_step) for name in set(home))
     return replace(traffic, disk_bytes=disk) if disk else traffic
 
 

@@ -8,7 +8,7 @@ chunk store's tier table, the param homes (:mod:`zero_cache.homes`) and the repo
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 class TierName(StrEnum):
@@ -31,6 +31,7 @@ MEMORY_TIERS = (DEVICE, HOST)
 """Tiers that hand out tensors (the NVMe tier hands out slots of its swap file)."""
 
 
+@runtime_checkable
 class BudgetedTier(Protocol):
     """What every tier object has, whatever it stores (``tiers.Tier``: tensors; ``nvme.NvmeTier``: file slots):
     its name and byte budget with usage counters, which the plan is checked against and the reports read."""

@@ -357,9 +357,9 @@ def _zero_cache_section(parsed: edge.EdgeConfig) -> ZeroCacheConfig:
         # the path given for them (also when the zero_cache section is enabled by hand).
         section = dataclasses.replace(section, param_home="nvme",
                                       nvme_path=section.nvme_path or zero.offload_param.nvme_path)
-        logger.info("zero_optimization.offload_param.device is nvme: every param shard is homed in a swap file under "
-                    "the nvme_path, read through a few pinned buffers (zero_cache.param_home \"nvme\"; set it to \"host\" "
-                    "to keep them in host memory instead)")
+        logger.info("zero_optimization.offload_param.device is nvme: every param shard is homed in a swap file "
+                    "under the nvme_path, read through a few pinned buffers (zero_cache.param_home \"nvme\"; set it "
+                    "to \"host\" to keep them in host memory instead)")
     elif zero.offload_param is not None and zero.offload_param.device != "none" and section.param_home == "auto":
         # A permission, not a placement: the plan may stream params from the host, and keeps on the device those
         # that fit and pay (the plan's log line says which); zero_cache.param_home "host" forces them all there.

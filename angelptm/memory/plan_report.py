@@ -126,9 +126,9 @@ def _tier_table(plan: Plan, budgets: zero_cache.TierBudgets, device: torch.devic
     owned = sum(optimizer.values())
     if plan.params_sharded or plan.param_home:
         kind = "shards" if plan.group_size > 1 else "chunks"
-        params = {DEVICE: f"{plan.param_home.count(DEVICE)} {kind} at home, {plan.cache_slots} groups live",
-                  **{tier: f"{plan.param_home.count(tier)} {kind} at home (streamed in on use)" if tier in plan.param_home
-                     else "-" for tier in (HOST, NVME)}}
+        params = {DEVICE: f"{plan.param_home.count(DEVICE)} {kind} at home, {plan.cache_slots} groups live"}
+        params.update({tier: f"{plan.param_home.count(tier)} {kind} at home (streamed in on use)"
+                       if tier in plan.param_home else "-" for tier in (HOST, NVME)})
     else:
         params = {DEVICE: "all resident", HOST: "-", NVME: "-"}
     budget = {DEVICE: budgets.device_bytes, HOST: budgets.host_bytes, NVME: budgets.nvme_bytes}

@@ -109,15 +109,16 @@ def main() -> None:
     engine, optimizer, loader, _ = angelptm.initialize(model=model, training_data=RandomTokens(args.data_seed),
                                                        config=config)
     tiers = {group.tier for group in optimizer.store.groups}
-    # Shards at home on the host update there: no optimizer group on the device.
-    expected = ({"host"} if args.param_home in ("host", "nvme") else {"device", "host"}) | ({"remote"} if world_size > 1 else set())
+    # Shards at home on the host (or NVMe) update there: no optimizer group on the device.
+    off_device = args.param_home in ("host", "nvme")
+    expected = ({"host"} if off_device else {"device", "host"}) | ({"remote"} if world_size > 1 else set())
     # (On CUDA the first plan keeps a share of the device for activations: its split differs.)
     assert tiers == expected or engine.device.type == "cuda", f"rank {rank}: groups in {tiers}, expected {expected}"
     # During backward (clipping included: zero_cache.revision), except for ranks that accumulate micro-batches.
     assert optimizer.update_in_backward == (not args.after_backward and (args.accumulation == 1 or world_size == 1))
     # one rank streams them too
-    assert optimizer.params_sharded == (shard_params or args.param_home in ("host", "nvme"))
-    if args.param_home in ("host", "nvme"):
+    assert optimizer.params_sharded == (shard_params or off_device)
+    if off_device:
         assert set(optimizer.store.param_home) == {args.param_home}, optimizer.store.param_home
     if args.device_steps != "auto":  # every owned host group, or the count asked for
         owned = sum(group.tier == "host" for group in optimizer.store.groups)

@@ -20,15 +20,22 @@ def train(nproc: int, out: Path, data_seed: int, *extra: str) -> dict:
     return torch.load(out)
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> tuple[int, dict, dict]:
+    """(data seed, weights after 4 steps of one process with replicated params, weights after 0 steps)."""
+    root = tmp_path_factory.mktemp("one_process")
+    data_seed = torch.randint(0, 2**31, ()).item()
+    return (data_seed, train(1, root / "four.pt", data_seed)["weights"],
+            train(1, root / "zero.pt", data_seed, "--steps", "0")["weights"])
+
+
 @pytest.mark.parametrize("nproc, extra", [(1, ()), (2, ("--shard-params",))], ids=["one-rank", "two-ranks-sharded"])
-def test_params_homed_on_nvme_train_like_one_process(tmp_path, nproc, extra):
+def test_params_homed_on_nvme_train_like_one_process(tmp_path, one_process, nproc, extra):
     """Each rank's shards live in its own swap file (the job asserts every home is "nvme"), read in through a few
     pinned buffers before every gather and updated by the host's Adam; checkpointed blocks gather evicted groups
     again in backward. Equal to one process with replicated params up to summation order (see
     test_zero_cache_sharded.assert_same_weights), and nothing is left under the swap directory."""
-    data_seed = torch.randint(0, 2**31, ()).item()
-    expected = train(1, tmp_path / "one.pt", data_seed)["weights"]
-    start = train(1, tmp_path / "zero.pt", data_seed, "--steps", "0")["weights"]
+    data_seed, expected, start = one_process
     swap = tmp_path / "swap"
     swap.mkdir()
     result = train(nproc, tmp_path / "nvme.pt", data_seed, *extra, "--checkpointing", "--param-home", "nvme",
