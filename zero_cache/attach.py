@@ -25,9 +25,9 @@ from zero_cache.layout import ChunkLayout, pack, search_chunk_size
 from zero_cache.optimizer import ZeroCacheOptimizer
 from zero_cache.nvme import NvmeTier
 from zero_cache.planner import DEVICE_MARGIN_FRACTION, Plan, PlanError, PlanInputs, make_plan, with_device_step_count
-from zero_cache.shard_params import (candidate_plans, choose_shard_params, choose_streaming, decide_shard_params,
-                                     device_groups, gather_ahead_groups, gather_objects, max_live_groups,
-                                     register_saving_hooks, wanted_placement)
+from zero_cache.shard_params import (agree_working_set, candidate_plans, choose_shard_params, choose_streaming,
+                                     decide_shard_params, device_groups, gather_ahead_groups, gather_objects,
+                                     max_live_groups, register_saving_hooks, wanted_placement)
 from zero_cache.rates import measured_copies, with_host_adam
 from zero_cache.sharding import Sharding
 from zero_cache.step_cost import NOMINAL_RATES, Rates
@@ -285,12 +285,17 @@ class WarmupTracer:
                              sharding=store.sharding, shard_params=store.shard_params, in_backward=self.in_backward,
                              gpu=device_tier.device.type == "cuda", rates=self.rates)
         inputs = with_measured_gathers(inputs, optimizer)
+        plan, failure = None, "it failed on another data-parallel rank"
         try:
             plan = make_plan(inputs)
         except PlanError as err:  # the running plan works; a worse estimate must not stop the run
             # The text, not the error: a log record keeps its args, and the error's traceback would keep
             # this frame's optimizer (and its pinned memory and swap file) alive for as long as the record.
-            logger.warning("ZeRO-Cache re-plan after warm-up failed, keeping the current placement: %s", str(err))
+            failure = str(err)
+        # Each rank measured its own peak and rates: the ranks agree on one working set, or all keep the current one.
+        plan = agree_working_set(plan, gather_objects(store.sharding))
+        if plan is None:
+            logger.warning("ZeRO-Cache re-plan after warm-up failed, keeping the current placement: %s", failure)
             return None
         moved = self._apply(optimizer, plan)
         if optimizer.exchange is not None:
@@ -381,7 +386,8 @@ def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, 
         wanted = wanted_placement(config.shard_params)
         rank, error = next((r, errors[wanted]) for r, (_, errors) in enumerate(candidates) if wanted in errors)
         raise PlanError(f"rank {rank} of {world_size}: {error}")
-    return DryRun(resolved, candidates[0][0][choice])
+    plans = [rank_plans[choice] for rank_plans, _ in candidates]
+    return DryRun(resolved, agree_working_set(plans[0], lambda _own: [plan.working_set for plan in plans]))
 
 
 def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int, str], config: ZeroCacheConfig,
@@ -422,6 +428,7 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
 
     shard_params, plan = choose_shard_params(config, sharding, lambda shard: make_plan(inputs_for(shard)),
                                              gather_objects(sharding))
+    plan = agree_working_set(plan, gather_objects(sharding))
     inputs = inputs_for(shard_params)
     tiers = {DEVICE: device_tier, HOST: host_tier}
     if swap_directory is not None:  # even if this plan needs no disk: the re-plan after warm-up may

@@ -183,7 +183,7 @@ class Plan:
     """Where each chunk's states live, and how params move."""
 
     params_resident: bool
-    """No param shard streams from the host (replicated: every param chunk is on the device for good)."""
+    """No param shard streams from a home off the device (replicated: every param chunk is on the device for good)."""
     cache_slots: int
     """Gathered params: collective groups live on the device at once (0 for replicated params)."""
     optimizer_tier: tuple[str, ...]
@@ -199,7 +199,7 @@ class Plan:
     params_sharded: bool = False
     """This rank holds one param chunk per collective group (its shard); whole groups are gathered on use."""
     param_home: tuple[str, ...] = ()
-    """Gathered params: DEVICE or HOST per collective group, where this rank's shard lives."""
+    """Gathered params: per collective group, the home of this rank's shard (a tier name; :mod:`zero_cache.homes`)."""
     group_size: int = 1
     """Chunks per collective group (data-parallel ranks)."""
     traffic: StepTraffic = StepTraffic()
@@ -215,6 +215,11 @@ class Plan:
     """Gradient buckets on the device (the wanted count, or fewer where they did not fit)."""
     eviction: str = BeladyEviction.name
     """Gathered params: the rule that picks the live group to drop (:mod:`zero_cache.eviction`)."""
+
+    @property
+    def working_set(self) -> WorkingSet:
+        """Its live groups, prefetch depth and gradient buckets (:mod:`zero_cache.working_set`)."""
+        return WorkingSet(ahead=self.gather_ahead, live_groups=self.cache_slots, buckets=self.gradient_buckets)
 
     @property
     def streamed_groups(self) -> int:
@@ -422,7 +427,8 @@ def _finish(inputs: PlanInputs, working: WorkingSet, *, resident_bytes: int, liv
         tiers[chunk] = HOST if position < num_host else NVME
     device_bytes = (resident_bytes + live * inputs.live_group_bytes + len(device_optim) * inputs.optimizer_chunk_bytes
                     + inputs.scratch_bytes + working.buckets * inputs.live_group_bytes)
-    return Plan(params_resident=HOST not in home, cache_slots=live, optimizer_tier=tuple(tiers),
+    streams = any(home_class(where).streams for where in home)
+    return Plan(params_resident=not streams, cache_slots=live, optimizer_tier=tuple(tiers),
                 device_bytes=device_bytes, host_bytes=host_bytes,
                 nvme_bytes=num_nvme * inputs.swap_slot_bytes + homes_disk, param_nvme_bytes=homes_disk,
                 params_sharded=inputs.param_chunks_held is not None, param_home=home, group_size=inputs.group_size,

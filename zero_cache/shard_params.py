@@ -7,6 +7,7 @@ none, so each rank's plans are gathered and one rule decides (:func:`decide_shar
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -20,6 +21,7 @@ from zero_cache.planner import Plan, PlanError
 from zero_cache.sharding import Sharding
 from zero_cache.tier_names import DEVICE
 from zero_cache.units import AUTO
+from zero_cache.working_set import agreed
 
 
 def gather_ahead_groups(config: ZeroCacheConfig, layout: ChunkLayout, sharding: Sharding) -> int:
@@ -126,6 +128,15 @@ def decide_shard_params(setting: bool | str, outcomes: list[dict[bool, int]]) ->
     if fits[True] and fits[False]:
         return sum(o[True] for o in outcomes) > sum(o[False] for o in outcomes)
     return True if fits[True] else False if fits[False] else None
+
+
+def agree_working_set(plan: Plan | None, gather: Callable[[Any], list[Any]]) -> Plan | None:
+    """``plan`` with the working set every data-parallel rank holds (:func:`~zero_cache.working_set.agreed`; a
+    collective through ``gather``, which every rank must call); None on every rank when some rank has no plan."""
+    common = agreed(gather(None if plan is None else plan.working_set))
+    if plan is None or common is None:
+        return None
+    return replace(plan, cache_slots=common.live_groups, gather_ahead=common.ahead, gradient_buckets=common.buckets)
 
 
 def gather_objects(sharding: Sharding) -> Callable[[Any], list[Any]]:

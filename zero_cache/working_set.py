@@ -99,6 +99,19 @@ def live_groups_in(working: WorkingSet, room_bytes: int, group_bytes: int, strea
     return max(fewest, min(working.live_groups, streamed_groups, room_bytes // max(1, group_bytes)))
 
 
+def agreed(sets: list[WorkingSet | None]) -> WorkingSet | None:
+    """The working set every rank can hold: the fewest of each count over the ranks' own (each rank's fits its
+    device, so fewer fit too); None when some rank has none (its plan failed).
+
+    Which group a gather evicts, and so when it gathers again, follows from the live groups and the prefetch
+    depth along a trace every rank shares: with sharded params each gather is an all-gather, so ranks that
+    measured different peaks or rates must still run the same counts."""
+    if not sets or any(one is None for one in sets):
+        return None
+    return WorkingSet(ahead=min(one.ahead for one in sets), live_groups=min(one.live_groups for one in sets),
+                      buckets=min(one.buckets for one in sets))
+
+
 def reduction_lag(buckets: int, overlap_comm: bool) -> int:
     """Reductions left in flight behind backward: one where a bucket beyond the groups in use holds it."""
     return 1 if overlap_comm and buckets > GROUPS_IN_USE else 0

@@ -193,6 +193,7 @@ def nvme_inputs(**overrides) -> PlanInputs:
 def test_the_plan_puts_every_shard_on_disk_and_counts_its_buffers_and_traffic():
     plan = make_plan(nvme_inputs())
     assert plan.param_home == (NVME,) * 10 and plan.optimizer_tier == (HOST,) * 10 and plan.cache_slots == 3
+    assert not plan.params_resident  # they stream, from the disk
     # host: the staging buffers (a 4 KiB slot each, plus alignment slack), the optimizer groups, the fp32 scratch
     assert plan.host_bytes == NVME_STAGING_BUFFERS * (4096 + 4096) + 10 * 12_000 + 4_000
     assert plan.nvme_bytes == plan.param_nvme_bytes == 10 * 4096

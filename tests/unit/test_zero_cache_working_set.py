@@ -20,7 +20,9 @@ from angelptm.pretraining.models import ModelConfig, build_model
 from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop, train_steps
 from zero_cache.layout import pack
 from zero_cache.planner import DEVICE, DEVICE_MARGIN_FRACTION, HOST, PlanError, PlanInputs, make_plan
-from zero_cache.working_set import GRADIENT_BUCKETS, GROUPS_IN_USE, WorkingSet, budget_for_room, minimum, shrinking
+from zero_cache.shard_params import agree_working_set
+from zero_cache.working_set import (GRADIENT_BUCKETS, GROUPS_IN_USE, WorkingSet, agreed, budget_for_room, minimum,
+                                   shrinking)
 
 
 def test_shrinking_gives_up_the_lagged_bucket_then_the_prefetch_depth_one_group_at_a_time():
@@ -203,3 +205,35 @@ def test_a_budget_below_the_least_working_set_is_refused_with_the_bytes_that_wou
     expected, _ = reference_loop(fresh(model_config, seed), batches, dtype=torch.float32, accumulation=1, lr=3e-3,
                                  clip=1.0)
     assert losses == pytest.approx(expected, rel=1e-5) and optimizer.store.tiers[DEVICE].peak_bytes <= named
+
+
+def test_the_ranks_agree_on_the_fewest_of_each_count_or_on_none():
+    """Ranks that measured different peaks or rates run one working set: each count the fewest any rank planned
+    (which fits every rank), or the current plan everywhere when some rank's re-plan failed."""
+    for _ in range(200):
+        sets = []
+        for _ in range(random.randint(1, 8)):
+            ahead = random.randint(1, 4)
+            sets.append(WorkingSet(ahead=ahead, live_groups=ahead + GROUPS_IN_USE + random.randint(0, 5),
+                                   buckets=random.randint(2, 3)))
+        common = agreed(sets)
+        assert common == WorkingSet(ahead=min(s.ahead for s in sets), live_groups=min(s.live_groups for s in sets),
+                                    buckets=min(s.buckets for s in sets))
+        assert common.live_groups >= common.fewest_live  # still a working set that runs
+        assert all(common.device_bytes(1) <= s.device_bytes(1) for s in sets)
+        assert agreed([*sets, None]) is None
+
+
+def test_a_rank_plan_takes_the_agreed_working_set_and_keeps_the_rest():
+    rng = random.Random(random.randrange(10**6))
+    ahead = rng.randint(2, 3)
+    mine = make_plan(streamed_inputs(rng, needed_budget(ahead + GROUPS_IN_USE + GRADIENT_BUCKETS),
+                                     num_chunks=rng.randint(8, 16), ahead=ahead))
+    assert mine.working_set == WorkingSet(ahead=ahead, live_groups=ahead + GROUPS_IN_USE, buckets=GRADIENT_BUCKETS)
+    other = WorkingSet(ahead=1, live_groups=GROUPS_IN_USE + 1, buckets=2)
+    agreed_plan = agree_working_set(mine, lambda own: [own, other])
+    assert agreed_plan.working_set == agreed([mine.working_set, other])
+    assert dataclasses.replace(agreed_plan, cache_slots=mine.cache_slots, gather_ahead=mine.gather_ahead,
+                               gradient_buckets=mine.gradient_buckets) == mine
+    assert agree_working_set(mine, lambda own: [own, None]) is None
+    assert agree_working_set(None, lambda own: [other, own]) is None
