@@ -10,14 +10,13 @@ import atexit
 import datetime
 import logging
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from angelptm.errors import ConfigError
-from angelptm.launch.liveness import RankWatchdog
+from angelptm.launch.liveness import RankWatchdog, ended_by_exception, note_uncaught_exceptions
 
 logger = logging.getLogger(__name__)
 
@@ -151,17 +150,12 @@ def _destroy_at_clean_exit() -> None:
     """Destroy the default group when the process ends without an uncaught exception, as DeepSpeed's scripts
     rarely do themselves. Left to interpreter teardown, gloo's worker threads can outlive the interpreter and abort
     the process ("terminate called without an active exception", exit status -6) after its work succeeded. After a
-    crash the group is left alone: destroying it would wait for collectives the other ranks never join."""
-    crashed = []
-    previous_hook = sys.excepthook
-
-    def note_crash(*exc_info) -> None:
-        crashed.append(True)
-        previous_hook(*exc_info)
+    crash the group is left alone: destroying it would wait for collectives the other ranks never join.
+    (``pretrain.py`` destroys its group itself, on every path, before it returns.)"""
+    note_uncaught_exceptions()
 
     def destroy() -> None:
-        if not crashed and dist.is_initialized():
+        if not ended_by_exception() and dist.is_initialized():
             dist.destroy_process_group()
 
-    sys.excepthook = note_crash
     atexit.register(destroy)

@@ -41,6 +41,30 @@ GRACE_S = 5.0
 _LOST = "lost"
 
 
+_UNCAUGHT: list[BaseException] = []
+"""Uncaught exceptions of this process's main thread (seen by the hook :func:`note_uncaught_exceptions` chains)."""
+
+
+def note_uncaught_exceptions() -> None:
+    """Chain ``sys.excepthook`` (once) so that :func:`ended_by_exception` can tell an exit hook why the process ends."""
+    previous_hook = sys.excepthook
+    if getattr(previous_hook, "_angelptm_notes", False):
+        return
+
+    def note(*exc_info: Any) -> None:
+        _UNCAUGHT.append(exc_info[1])
+        previous_hook(*exc_info)
+
+    note._angelptm_notes = True
+    sys.excepthook = note
+
+
+def ended_by_exception() -> bool:
+    """Whether an uncaught exception is ending this process (in an ``atexit`` hook; needs
+    :func:`note_uncaught_exceptions` first)."""
+    return bool(_UNCAUGHT)
+
+
 class RankLostError(RuntimeError):
     """Another rank of the job is gone; the message names it."""
 
@@ -62,18 +86,11 @@ class RankWatchdog:
         self.lost: str | None = None
         """Why the job is over (a lost rank), once known."""
         self._stopped = threading.Event()
-        self._crashed = False
         self._store.add(f"beat/{rank}", 1)
         self._thread = threading.Thread(target=self._run, name="angelptm-heartbeat", daemon=True)
         self._thread.start()
-        previous_hook = sys.excepthook
-
-        def note_crash(*exc_info: Any) -> None:
-            self._crashed = True
-            previous_hook(*exc_info)
-
-        sys.excepthook = note_crash
-        atexit.register(lambda: self.stop(done=not self._crashed))
+        note_uncaught_exceptions()
+        atexit.register(lambda: self.stop(done=not ended_by_exception()))
 
     def stop(self, *, done: bool = True) -> None:
         """End the heartbeat; ``done``: this rank finished its work (its watcher must not report it lost)."""

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from launch import free_port  # tests/helpers
 
 distributed = importlib.import_module("angelptm.launch.distributed")
+liveness = importlib.import_module("angelptm.launch.liveness")
 
 
 @pytest.fixture
@@ -21,6 +22,7 @@ def exit_handler(monkeypatch):
     registered = []
     monkeypatch.setattr(atexit, "register", registered.append)
     monkeypatch.setattr(sys, "excepthook", lambda *exc_info: None)
+    monkeypatch.setattr(liveness, "_UNCAUGHT", [])  # (this test's exceptions only)
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
                         ("MASTER_PORT", str(free_port()))):
         monkeypatch.setenv(name, value)

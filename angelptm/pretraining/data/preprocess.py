@@ -211,6 +211,11 @@ def _encoded_batches(batches: Iterator[list[str]], tokenizer: Tokenizer,
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
+        # Let the workers finish and join them: the with-block's exit would terminate() them, and terminate races
+        # the pool's own thread re-spawning a worker, which then waits forever on the task queue's lock that
+        # terminate holds (a test run hung there, its pytest joining that worker).
+        pool.close()
+        pool.join()
 
 
 def preprocess(inputs: Sequence[str | os.PathLike[str]], output_prefix: str | os.PathLike[str],
