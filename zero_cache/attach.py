@@ -278,7 +278,7 @@ class WarmupTracer:
         # the next steps ran at 3.9 (2.7B on the lent H100: first touches of its states), so its rate is taken
         # from the steps after it.
         optimizer.host.adam_work.take()
-        self.rates = measured_copies(device_tier.device, self.rates)
+        self.rates = measured_copies(device_tier.device, host_tier, self.rates)
         inputs = plan_inputs(self.layout, self.config, self.compute_dtype, device_tier.budget_bytes,
                              host_tier.budget_bytes, self.accumulation_steps, tuple(self.trace), nonmodel,
                              nvme_budget=nvme_tier.budget_bytes + nvme_tier.split_bytes if nvme_tier is not None else 0,

@@ -5,7 +5,7 @@ lent H200's). Machines differ in the ratio that decides the placement: the lent 
 2.9 G elements/s against the H200's 4.3, so a plan made at the H200's rates stepped too many host groups on
 the device there and predicted a step 40% shorter than it ran. From the warm-up step on, plans use:
 
-- **copies**: a probe of :data:`PROBE_BYTES` each way between a pinned host buffer and the device, timed by
+- **copies**: a probe of :data:`PROBE_BYTES` each way between a buffer of the host tier and the device, timed by
   CUDA events, the fastest of :data:`PROBE_REPEATS` (the bus alone; the step's copies then run beside compute);
 - **host Adam**: the elements the host worker stepped over the seconds it spent in the update itself
   (inputs landed, before the new params leave), so contention with the copies and the training thread is in it;
@@ -23,10 +23,13 @@ from dataclasses import replace
 import torch
 
 from zero_cache.step_cost import NOMINAL_RATES, Rates
+from zero_cache.tiers import Tier
 
 PROBE_BYTES = 64 * 2**20
 """Bytes of one probe copy: enough to reach the bus's rate, little enough to fit beside any plan."""
 PROBE_REPEATS = 3
+MIN_PROBE_BYTES = 8 * 2**20
+"""A probe shorter than this would time the launch more than the bus: below it (a full host tier) none is run."""
 MIN_MEASURED_ELEMENTS = 1 << 20
 """Host Adam work below this many elements is too short to time; the rate it would give is not used."""
 
@@ -51,9 +54,13 @@ class Throughput:
         return taken
 
 
-def copy_rates(device: torch.device, nbytes: int = PROBE_BYTES) -> tuple[float, float]:
-    """(host->device, device->host) bytes per second of pinned copies to and from ``device`` (a GPU)."""
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+def copy_rates(device: torch.device, host_tier: Tier, nbytes: int = PROBE_BYTES) -> tuple[float, float] | None:
+    """(host->device, device->host) bytes per second of pinned copies to and from ``device`` (a GPU); the host
+    buffer comes from ``host_tier`` (pinned exactly, counted, given back after), None when it has no room."""
+    nbytes = min(nbytes, host_tier.free_bytes)
+    if nbytes < MIN_PROBE_BYTES:
+        return None
+    host = host_tier.allocate(nbytes, torch.uint8, zero=False)
     on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
     stream = torch.cuda.Stream(device)
     best = {"h2d": float("inf"), "d2h": float("inf")}
@@ -66,16 +73,18 @@ def copy_rates(device: torch.device, nbytes: int = PROBE_BYTES) -> tuple[float, 
                 end.record(stream)
                 end.synchronize()
                 best[way] = min(best[way], start.elapsed_time(end) / 1e3)
-    del on_device
+    host_tier.free(host)
     return nbytes / best["h2d"], nbytes / best["d2h"]
 
 
-def measured_copies(device: torch.device, known: Rates = NOMINAL_RATES) -> Rates:
-    """``known`` with the copy probe's rates on a GPU; unchanged on a CPU-only run (no bus)."""
+def measured_copies(device: torch.device, host_tier: Tier, known: Rates = NOMINAL_RATES) -> Rates:
+    """``known`` with the copy probe's rates on a GPU; unchanged on a CPU-only run (no bus) or without host room."""
     if device.type != "cuda":
         return known
-    h2d, d2h = copy_rates(device)
-    return replace(known, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, measured=True)
+    rates = copy_rates(device, host_tier)
+    if rates is None:
+        return known
+    return replace(known, h2d_bytes_per_s=rates[0], d2h_bytes_per_s=rates[1], measured=True)
 
 
 def with_host_adam(rates: Rates, host_adam: tuple[int, float]) -> Rates:

@@ -54,7 +54,7 @@ def test_the_host_adam_rate_is_taken_only_from_enough_work():
     assert with_host_adam(rates, (MIN_MEASURED_ELEMENTS - 1, seconds)) == rates  # too little to time
     assert with_host_adam(rates, (elements, 0.0)) == rates
     # No bus to probe on a CPU-only run: the rates stay what they were.
-    assert measured_copies(torch.device("cpu"), rates) == rates
+    assert measured_copies(torch.device("cpu"), None, rates) == rates
 
 
 def test_throughput_adds_from_several_threads_and_starts_again_when_taken():
