@@ -68,7 +68,7 @@ class StepTraffic:
     rates: Rates = NOMINAL_RATES
     """What the floors are worked out at."""
     disk_bytes: int = 0
-    """Param shards at home on NVMe read and written (``zero_cache.homes.NvmeHome``; the NVMe optimizer groups'
+    """Param shards at home on NVMe read and written (``zero_cache.nvme_home.NvmeHome``; the NVMe optimizer groups'
     own reads and writes are not counted here)."""
 
     @property

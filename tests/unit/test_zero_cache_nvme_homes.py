@@ -1,4 +1,4 @@
-"""Params homed on NVMe (zero_cache.homes.NvmeHome), one rank on CPU, fp32.
+"""Params homed on NVMe (zero_cache.nvme_home.NvmeHome), one rank on CPU, fp32.
 
 A shard at home on NVMe takes the path of one at home on the host (copied in on use, its reduced gradient
 taken home over it, updated by the host's Adam) through a swap file and a few pinned buffers instead of a
@@ -20,7 +20,7 @@ import angelptm
 from angelptm.config import load_config
 from angelptm.pretraining.models import ModelConfig, build_model
 from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop, train_steps
-from zero_cache.homes import NVME_HELD, NVME_STAGING_BUFFERS, NvmeHome
+from zero_cache.nvme_home import NVME_HELD, NVME_STAGING_BUFFERS, NvmeHome
 from zero_cache.planner import PlanError, PlanInputs, make_plan
 from zero_cache.tier_names import HOST, NVME
 
