@@ -20,11 +20,12 @@ from zero_cache.chunks import ChunkStore
 from zero_cache.config import ZeroCacheConfig
 from zero_cache.eviction import gathers_per_group
 from zero_cache.hardware import Hardware
+from zero_cache.homes import home_class
 from zero_cache.layout import ChunkLayout
 from zero_cache.optimizer import ZeroCacheOptimizer
 from zero_cache.nvme import NvmeTier
 from zero_cache.planner import Plan, PlanError, PlanInputs, make_plan, with_device_step_count
-from zero_cache.resolve import Resolved, plan_inputs, resolve
+from zero_cache.resolve import Resolved, activation_room_bytes, least_footprint_plan, plan_inputs, resolve
 from zero_cache.shard_params import (candidate_plans, choose_shard_params, choose_streaming, decide_shard_params,
                                      device_groups, gather_ahead_groups, gather_objects, register_saving_hooks,
                                      wanted_placement)
@@ -34,7 +35,7 @@ from zero_cache.step_cost import NOMINAL_RATES
 from zero_cache.tier_names import DEVICE, HOST, NVME
 from zero_cache.tiers import build_tiers, fragmentation_bytes, use_expandable_segments
 from zero_cache.tuning import DeviceStepTuner
-from zero_cache.units import AUTO
+from zero_cache.units import AUTO, format_bytes
 from zero_cache.working_set import WorkingSet, capped
 
 logger = logging.getLogger(__name__)
@@ -65,20 +66,24 @@ def working_set_given_up(inputs: PlanInputs, plan: Plan) -> str:
     return ", ".join(parts)
 
 
-def with_measured_gathers(inputs: PlanInputs, optimizer: ZeroCacheOptimizer) -> PlanInputs:
+def with_measured_gathers(inputs: PlanInputs, optimizer: ZeroCacheOptimizer,
+                          as_planned: tuple[int, frozenset[int]] | None = None) -> PlanInputs:
     """``inputs`` with how often a group is gathered per step, from the warm-up's recorded acquisitions (forward,
     recomputed blocks, backward) under the plan's eviction rule (one rank: only groups that stream take a slot).
     Of the live slots, ``ahead`` hold groups being gathered ahead of use, so ``max_live - ahead`` keep groups
     for reuse: with that capacity the rule's count is the runtime's (``tests/unit/test_zero_cache_eviction.py``).
-    Unchanged when nothing streams or nothing was recorded."""
+    ``as_planned``: that capacity and the streamed groups of the first plan, where the warm-up ran under another
+    placement (:meth:`WarmupTracer.warm_up_under`). Unchanged when nothing streams or nothing was recorded."""
     gathered = optimizer.exchange.gathered if optimizer.exchange is not None else None
     if gathered is None:
         return inputs
     store = optimizer.store
-    slotted = [g for g in gathered.trace.groups if store.sharding.sharded or store.group_home(g).streams]
+    reuse_slots, streams = ((gathered.max_live - gathered.ahead, lambda g: store.group_home(g).streams)
+                            if as_planned is None else (as_planned[0], as_planned[1].__contains__))
+    slotted = [g for g in gathered.trace.groups if store.sharding.sharded or streams(g)]
     if not slotted:
         return inputs
-    return dataclasses.replace(inputs, gathers_per_step=gathers_per_group(slotted, gathered.max_live - gathered.ahead))
+    return dataclasses.replace(inputs, gathers_per_step=gathers_per_group(slotted, reuse_slots))
 
 
 PREDICTION_TOLERANCE = 0.10
@@ -88,6 +93,13 @@ PREDICTION_TOLERANCE = 0.10
 def tunes_on(device: torch.device) -> bool:
     """Whether "auto" device steps are tuned by measured step time on ``device``: on a GPU, where they exist."""
     return device.type == "cuda"
+
+
+def warms_up_at_least_footprint(config: ZeroCacheConfig, device: torch.device) -> bool:
+    """Whether the warm-up step runs under the plan's least device footprint (:func:`~zero_cache.resolve.
+    least_footprint_plan`): on a GPU with ``activation_memory: "auto"``, where the reserve is a guess. A configured
+    reserve is the user's; a CPU run measures no activations (its re-plan sees none)."""
+    return config.activation_memory == AUTO and device.type == "cuda"
 
 
 def _rank() -> int:
@@ -111,6 +123,20 @@ class WarmupTracer:
         """The inputs of the plan in force (the re-plan's)."""
         self.rates = NOMINAL_RATES
         """The rates plans are made at: measured on this machine from the warm-up step on (:mod:`zero_cache.rates`)."""
+        self.gathers_as_planned: tuple[int, frozenset[int]] | None = None
+        """Gathered params, where the warm-up ran under another placement than the first plan's: that plan's slots
+        that keep groups for reuse, and its streamed groups (the re-plan estimates gathers as it would have)."""
+
+    def warm_up_under(self, optimizer: ZeroCacheOptimizer, first: Plan, warmup: Plan) -> None:
+        """Run the warm-up step with ``warmup``'s working set and device steps (its placement is the store's),
+        where ``optimizer`` was built for the ``first`` plan: the re-plan estimates gathers as under that plan."""
+        gathered = optimizer.exchange.gathered if optimizer.exchange is not None else None
+        if gathered is not None:
+            self.gathers_as_planned = (gathered.max_live - gathered.ahead, frozenset(
+                g for g, home in enumerate(first.param_home) if home_class(home).streams))
+        if optimizer.exchange is not None:
+            optimizer.exchange.apply_working_set(warmup)
+        optimizer.device_stepped = frozenset(warmup.device_stepped)
 
     def record(self, chunks: list[int]) -> None:
         if self.recording:
@@ -139,7 +165,7 @@ class WarmupTracer:
                              nvme_budget=nvme_tier.budget_bytes + nvme_tier.split_bytes if nvme_tier is not None else 0,
                              sharding=store.sharding, shard_params=store.shard_params, in_backward=self.in_backward,
                              gpu=device_tier.device.type == "cuda", rates=self.rates)
-        inputs = with_measured_gathers(inputs, optimizer)
+        inputs = with_measured_gathers(inputs, optimizer, self.gathers_as_planned)
         try:
             plan = make_plan(inputs)
         except PlanError as err:  # the running plan works; a worse estimate must not stop the run
@@ -288,8 +314,10 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     if given_up:
         logger.info("ZeRO-Cache: the device budget does not hold the config's working set; planned %s. A larger "
                     "zero_cache.device_memory_budget keeps it", given_up)
-    store = ChunkStore(layout, [p for _, p in params], plan, tiers, compute_dtype, accumulate=accumulation_steps > 1,
-                       sharding=sharding, shard_params=shard_params)
+    warmup = (_warmup_plan(inputs, plan, resolved.activation_reserve_bytes)
+              if warms_up_at_least_footprint(config, device) else plan)
+    store = ChunkStore(layout, [p for _, p in params], warmup, tiers, compute_dtype,
+                       accumulate=accumulation_steps > 1, sharding=sharding, shard_params=shard_params)
     hybrid = ZeroCacheOptimizer(store, optimizer, names, decoupled_weight_decay=decoupled_weight_decay,
                                 loss_scaler=loss_scaler, gradient_clipping=gradient_clipping,
                                 update_in_backward=in_backward,
@@ -300,6 +328,8 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
                                 max_live_groups=plan.cache_slots, gradient_buckets=plan.gradient_buckets,
                                 device_stepped=plan.device_stepped)
     tracer = WarmupTracer(layout, config, compute_dtype, accumulation_steps, in_backward, device)
+    if warmup is not plan:
+        tracer.warm_up_under(hybrid, plan, warmup)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # the warm-up measures the non-model peak from here
     if shard_params:
@@ -307,6 +337,18 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     _register_forward_hooks(module, store, hybrid, tracer)
     hybrid.after_first_step = lambda: tracer.replan(hybrid)
     return hybrid
+
+
+def _warmup_plan(inputs: PlanInputs, plan: Plan, guess_bytes: int) -> Plan:
+    """The placement the warm-up step runs under: ``plan``'s mode and layout at its least device footprint, so
+    the activations it has not measured yet get all the room there is (the re-plan after it places by them)."""
+    warmup = least_footprint_plan(inputs)
+    logger.info("ZeRO-Cache warm-up: the first step runs at the plan's least device footprint, leaving %s of the "
+                "device for activations (the first plan, made with activation_memory \"auto\"'s fixed guess of %s, "
+                "leaves %s); the re-plan after it places by the measured peak. Warm-up placement: %s",
+                format_bytes(activation_room_bytes(inputs, warmup)), format_bytes(guess_bytes),
+                format_bytes(activation_room_bytes(inputs, plan)), warmup.summary())
+    return warmup
 
 
 def _register_forward_hooks(module: nn.Module, store: ChunkStore, hybrid: ZeroCacheOptimizer,

@@ -7,7 +7,7 @@ activation reserve, the chunk layout and the update timing, and the planner's in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -16,7 +16,7 @@ from zero_cache.config import ZeroCacheConfig
 from zero_cache.hardware import Hardware, TierBudgets, tier_budgets
 from zero_cache.host_update import STAGING_BUFFERS
 from zero_cache.layout import ChunkLayout, pack, search_chunk_size
-from zero_cache.planner import DEVICE_MARGIN_FRACTION, PlanInputs
+from zero_cache.planner import DEVICE_MARGIN_FRACTION, Plan, PlanError, PlanInputs, make_plan
 from zero_cache.shard_params import gather_ahead_groups, max_live_groups
 from zero_cache.sharding import Sharding
 from zero_cache.step_cost import NOMINAL_RATES, Rates
@@ -38,6 +38,42 @@ def warmup_reserve(config: ZeroCacheConfig, device: torch.device, device_budget:
     if device.type != "cuda":
         return 0
     return int(max(WARMUP_ACTIVATION_RESERVE * device_budget, min(device_budget / 2, WARMUP_ACTIVATION_FLOOR_BYTES)))
+
+
+
+def activation_room_bytes(inputs: PlanInputs, plan: Plan) -> int:
+    """Device bytes ``plan`` leaves for activations and workspace: the budget after the margin, less every byte
+    it places there (params, live groups, optimizer groups, the update scratch, the gradient buckets)."""
+    return int(inputs.device_budget_bytes * (1 - inputs.margin_fraction)) - plan.device_bytes
+
+
+def least_footprint_plan(inputs: PlanInputs) -> Plan:
+    """The placement of ``inputs`` that leaves the device the most room for activations: the plan
+    :func:`~zero_cache.planner.make_plan` makes for the largest ``nonmodel_peak_bytes`` (at least ``inputs``') it
+    still fits, found by bisection to the byte.
+
+    The warm-up step runs under it when its activations are not known yet (``activation_memory: "auto"`` on a
+    GPU), so a guessed reserve cannot run it out of memory; the layout and whether params are gathered are
+    decided before, with the guess, and the re-plan after the step places everything by the measured peak.
+    Whatever the device gives up goes to the host (then NVMe): where those cannot take it, the plan keeps
+    what they cannot hold on the device. Everything else (params gathered or not, homes allowed, the chunks'
+    order) is ``inputs``'.
+
+    Raises:
+        PlanError: ``inputs`` itself does not fit (``make_plan``'s message).
+    """
+    plan = make_plan(inputs)
+    # Feasibility only falls as the reserve grows: every placement's device room shrinks, and what leaves the
+    # device adds to the host and disk. A budget's worth cannot fit (the room is negative), so bisection holds
+    # "fits" <= the largest that fits < "too_much".
+    fits, too_much = inputs.nonmodel_peak_bytes, inputs.device_budget_bytes + 1
+    while too_much - fits > 1:
+        middle = (fits + too_much) // 2
+        try:
+            plan, fits = make_plan(replace(inputs, nonmodel_peak_bytes=middle)), middle
+        except PlanError:
+            too_much = middle
+    return plan
 
 
 def build_layout(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig,
