@@ -55,14 +55,17 @@ def least_footprint_plan(inputs: PlanInputs) -> Plan:
     The warm-up step runs under it when its activations are not known yet (``activation_memory: "auto"`` on a
     GPU), so a guessed reserve cannot run it out of memory; the layout and whether params are gathered are
     decided before, with the guess, and the re-plan after the step places everything by the measured peak.
-    Whatever the device gives up goes to the host (then NVMe): where those cannot take it, the plan keeps
-    what they cannot hold on the device. Everything else (params gathered or not, homes allowed, the chunks'
-    order) is ``inputs``'.
+    What the device gives up goes to the host, and to the disk no more than the plan made with ``inputs`` puts
+    there (moving groups onto the disk for one step costs it writes and reads, and the host bounce buffers
+    they take stay allocated while the re-plan moves groups back into host memory); what they cannot hold
+    stays on the device. Everything else (params gathered or not, homes allowed, the chunks' order) is
+    ``inputs``'.
 
     Raises:
         PlanError: ``inputs`` itself does not fit (``make_plan``'s message).
     """
     plan = make_plan(inputs)
+    inputs = replace(inputs, nvme_budget_bytes=min(inputs.nvme_budget_bytes, plan.nvme_bytes))
     # Feasibility only falls as the reserve grows: every placement's device room shrinks, and what leaves the
     # device adds to the host and disk. A budget's worth cannot fit (the room is negative), so bisection holds
     # "fits" <= the largest that fits < "too_much".
