@@ -47,6 +47,9 @@ class DryRun:
 
     resolved: Resolved
     plan: Plan
+    warmup_room_bytes: int | None = None
+    """Device bytes the warm-up step leaves for activations, where it runs at the plan's least device footprint
+    (:func:`warms_up_at_least_footprint`); None where it runs under ``plan``."""
 
     @property
     def layout(self) -> ChunkLayout:
@@ -253,8 +256,14 @@ def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, 
         return make_plan(resolved.plan_inputs(config, compute_dtype, accumulation_steps, sharding, shard_params,
                                               gpu=device.type == "cuda"))
 
+    def found(shard_params: bool, plan: Plan, sharding: Sharding) -> DryRun:
+        if not warms_up_at_least_footprint(config, device):
+            return DryRun(resolved, plan)
+        inputs = resolved.plan_inputs(config, compute_dtype, accumulation_steps, sharding, shard_params, gpu=True)
+        return DryRun(resolved, plan, activation_room_bytes(inputs, least_footprint_plan(inputs)))
+
     if world_size == 1:
-        return DryRun(resolved, choose_streaming(config, functools.partial(plan_for, Sharding()))[1])
+        return found(*choose_streaming(config, functools.partial(plan_for, Sharding())), Sharding())
     ranks = [Sharding(rank=rank, world_size=world_size, ranks_per_host=per_host) for rank in range(world_size)]
     candidates = [candidate_plans(config, functools.partial(plan_for, sharding)) for sharding in ranks]
     choice = decide_shard_params(config.shard_params, [device_groups(plans) for plans, _ in candidates])
@@ -262,7 +271,7 @@ def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, 
         wanted = wanted_placement(config.shard_params)
         rank, error = next((r, errors[wanted]) for r, (_, errors) in enumerate(candidates) if wanted in errors)
         raise PlanError(f"rank {rank} of {world_size}: {error}")
-    return DryRun(resolved, candidates[0][0][choice])
+    return found(choice, candidates[0][0][choice], ranks[0])
 
 
 def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int, str], config: ZeroCacheConfig,

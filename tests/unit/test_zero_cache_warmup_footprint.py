@@ -12,9 +12,12 @@ import pytest
 import torch
 
 import angelptm
+import zero_cache
 from reference import random_batches, train_steps
 from test_zero_cache_streamed import CHUNK_NUMEL, assert_close_to, config, state_bytes, tiny_gpt
-from zero_cache.planner import DEVICE, HOST, NVME, PlanError, PlanInputs, make_plan
+from zero_cache.config import ZeroCacheConfig
+from zero_cache.planner import (DEVICE, DEVICE_MARGIN_FRACTION, HOST, NVME, PlanError, PlanInputs,
+                                make_plan)
 from zero_cache.resolve import activation_room_bytes, least_footprint_plan
 
 
@@ -158,3 +161,29 @@ def test_the_first_step_runs_at_the_least_footprint_and_trains_as_the_normal_fir
     optimizer.finish_pending()
     assert losses == pytest.approx(expected, rel=1e-6)
     assert_close_to(optimizer.master_state_dict(), reference_optimizer.master_state_dict(), start, rtol=1e-6)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_dry_run_reports_the_warmup_room_on_a_gpu_with_an_auto_reserve(world_size):
+    """``pretrain.py --plan`` for a GPU: the room the warm-up step leaves is its least footprint's, at least the
+    first plan's; an explicit activation_memory keeps the first plan for the warm-up (no room reported), and so
+    does planning for this CPU."""
+    rng = random.Random(random.randrange(10**6))
+    hidden, layers = rng.choice([1024, 2048]), rng.randint(8, 24)
+    shapes = [("embed", (32000, hidden))] + [(f"h{i}.{k}", (hidden, hidden)) for i in range(layers) for k in "qkvo"]
+    machine = zero_cache.Hardware(device_bytes=rng.choice([8, 16, 24]) * 2**30, host_bytes=256 * 2**30,
+                                  gpus_per_host=world_size)
+    auto = ZeroCacheConfig(enabled=True)
+    run = zero_cache.dry_run(shapes, auto, compute_dtype=torch.bfloat16, device=torch.device("cpu"),
+                             world_size=world_size, hardware=machine)
+    reserve = run.resolved.activation_reserve_bytes
+    planned_room = int(run.resolved.budgets.device_bytes * (1 - DEVICE_MARGIN_FRACTION)) - run.plan.device_bytes
+    assert run.warmup_room_bytes >= planned_room >= reserve > 0
+    configured = zero_cache.dry_run(shapes, dataclasses.replace(auto, activation_memory=reserve),
+                                    compute_dtype=torch.bfloat16, device=torch.device("cpu"), world_size=world_size,
+                                    hardware=machine)
+    assert configured.warmup_room_bytes is None and configured.plan == run.plan
+    on_cpu = zero_cache.dry_run(shapes, dataclasses.replace(auto, device_memory_budget=8 * 2**30,
+                                                            host_memory_budget=16 * 2**30),
+                                compute_dtype=torch.float32, device=torch.device("cpu"), world_size=world_size)
+    assert on_cpu.warmup_room_bytes is None
