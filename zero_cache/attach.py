@@ -25,7 +25,8 @@ from zero_cache.layout import ChunkLayout
 from zero_cache.optimizer import ZeroCacheOptimizer
 from zero_cache.nvme import NvmeTier
 from zero_cache.planner import Plan, PlanError, PlanInputs, make_plan, with_device_step_count
-from zero_cache.resolve import Resolved, activation_room_bytes, least_footprint_plan, plan_inputs, resolve
+from zero_cache.resolve import (Resolved, activation_room_bytes, least_footprint_inputs, least_footprint_plan,
+                                plan_inputs, resolve)
 from zero_cache.shard_params import (candidate_plans, choose_shard_params, choose_streaming, decide_shard_params,
                                      device_groups, gather_ahead_groups, gather_objects, register_saving_hooks,
                                      wanted_placement)
@@ -49,7 +50,8 @@ class DryRun:
     plan: Plan
     warmup_room_bytes: int | None = None
     """Device bytes the warm-up step leaves for activations, where it runs at the plan's least device footprint
-    (:func:`warms_up_at_least_footprint`); None where it runs under ``plan``."""
+    (:func:`warms_up_at_least_footprint`): rank 0's own (several ranks run it at the least of theirs); None where
+    it runs under ``plan``."""
 
     @property
     def layout(self) -> ChunkLayout:
@@ -323,7 +325,7 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     if given_up:
         logger.info("ZeRO-Cache: the device budget does not hold the config's working set; planned %s. A larger "
                     "zero_cache.device_memory_budget keeps it", given_up)
-    warmup = (_warmup_plan(inputs, plan, resolved.activation_reserve_bytes)
+    warmup = (_warmup_plan(inputs, plan, resolved.activation_reserve_bytes, sharding)
               if warms_up_at_least_footprint(config, device) else plan)
     store = ChunkStore(layout, [p for _, p in params], warmup, tiers, compute_dtype,
                        accumulate=accumulation_steps > 1, sharding=sharding, shard_params=shard_params)
@@ -348,10 +350,15 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     return hybrid
 
 
-def _warmup_plan(inputs: PlanInputs, plan: Plan, guess_bytes: int) -> Plan:
+def _warmup_plan(inputs: PlanInputs, plan: Plan, guess_bytes: int, sharding: Sharding) -> Plan:
     """The placement the warm-up step runs under: ``plan``'s mode and layout at its least device footprint, so
-    the activations it has not measured yet get all the room there is (the re-plan after it places by them)."""
-    warmup = least_footprint_plan(inputs)
+    the activations it has not measured yet get all the room there is (the re-plan after it places by them).
+    Several ranks take the least of their reserves (each fits it): they gather groups together, and plan their
+    working sets alike only from the same reserve, as the first plan does."""
+    warm = least_footprint_inputs(inputs)
+    if sharding.world_size > 1:
+        warm = replace(warm, nonmodel_peak_bytes=min(gather_objects(sharding)(warm.nonmodel_peak_bytes)))
+    warmup = make_plan(warm)
     logger.info("ZeRO-Cache warm-up: the first step runs at the plan's least device footprint, leaving %s of the "
                 "device for activations (the first plan, made with activation_memory \"auto\"'s fixed guess of %s, "
                 "leaves %s); the re-plan after it places by the measured peak. Warm-up placement: %s",

@@ -49,17 +49,27 @@ def activation_room_bytes(inputs: PlanInputs, plan: Plan) -> int:
 
 def least_footprint_plan(inputs: PlanInputs) -> Plan:
     """The placement of ``inputs`` that leaves the device the most room for activations: the plan
-    :func:`~zero_cache.planner.make_plan` makes for the largest ``nonmodel_peak_bytes`` (at least ``inputs``') it
-    still fits, found by bisection to the byte.
+    :func:`~zero_cache.planner.make_plan` makes for :func:`least_footprint_inputs`.
 
     The warm-up step runs under it when its activations are not known yet (``activation_memory: "auto"`` on a
     GPU), so a guessed reserve cannot run it out of memory; the layout and whether params are gathered are
     decided before, with the guess, and the re-plan after the step places everything by the measured peak.
+
+    Raises:
+        PlanError: ``inputs`` itself does not fit (``make_plan``'s message).
+    """
+    return make_plan(least_footprint_inputs(inputs))
+
+
+def least_footprint_inputs(inputs: PlanInputs) -> PlanInputs:
+    """``inputs`` with the largest ``nonmodel_peak_bytes`` (at least their own) that ``make_plan`` still fits,
+    found by bisection to the byte.
+
     What the device gives up goes to the host, and to the disk no more than the plan made with ``inputs`` puts
-    there (moving groups onto the disk for one step costs it writes and reads, and the host bounce buffers
-    they take stay allocated while the re-plan moves groups back into host memory); what they cannot hold
-    stays on the device. Everything else (params gathered or not, homes allowed, the chunks' order) is
-    ``inputs``'.
+    there (the disk budget is capped at that: moving groups onto the disk for one step costs it writes and reads,
+    and the host bounce buffers they take stay allocated while the re-plan moves groups back into host memory);
+    what they cannot hold stays on the device. Everything else (params gathered or not, homes allowed, the
+    chunks' order) is ``inputs``'. Any smaller reserve fits too, so ranks may agree on the least of theirs.
 
     Raises:
         PlanError: ``inputs`` itself does not fit (``make_plan``'s message).
@@ -73,10 +83,11 @@ def least_footprint_plan(inputs: PlanInputs) -> Plan:
     while too_much - fits > 1:
         middle = (fits + too_much) // 2
         try:
-            plan, fits = make_plan(replace(inputs, nonmodel_peak_bytes=middle)), middle
+            make_plan(replace(inputs, nonmodel_peak_bytes=middle))
+            fits = middle
         except PlanError:
             too_much = middle
-    return plan
+    return replace(inputs, nonmodel_peak_bytes=fits)
 
 
 def build_layout(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig,
