@@ -157,7 +157,9 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
         logging.getLogger("zero_cache").setLevel(logging.INFO)  # the plan, the IO backend, the re-plan
         engine, optimizer, *_ = angelptm.initialize(model=model, config=zero_cache_config)
         tiers = [group.tier for group in optimizer.store.groups]
-        print(f"zero_cache: optimizer groups {tiers.count('device')} device / {tiers.count('host')} host / "
+        # (at attach: the warm-up step's placement, which with activation_memory "auto" on a GPU is the plan's least
+        # device footprint; the re-plan after step 1 moves groups, and the result's groups_device_host_nvme is after it)
+        print(f"zero_cache: warm-up optimizer groups {tiers.count('device')} device / {tiers.count('host')} host / "
               f"{tiers.count('nvme')} nvme of {len(tiers)}, "
               f"host optimizer {optimizer.host_adam.name}, host chunks update "
               f"{'during' if optimizer.update_in_backward else 'after'} backward", file=sys.stderr)

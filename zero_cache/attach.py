@@ -16,173 +16,30 @@ from typing import Any
 import torch
 from torch import nn
 
-from zero_cache.chunks import SWAP_BUFFERS, ChunkStore
+from zero_cache.chunks import ChunkStore
 from zero_cache.config import ZeroCacheConfig
 from zero_cache.eviction import gathers_per_group
-from zero_cache.hardware import Hardware, TierBudgets, tier_budgets
-from zero_cache.host_update import STAGING_BUFFERS
-from zero_cache.layout import ChunkLayout, pack, search_chunk_size
+from zero_cache.hardware import Hardware
+from zero_cache.homes import home_class
+from zero_cache.layout import ChunkLayout
 from zero_cache.optimizer import ZeroCacheOptimizer
 from zero_cache.nvme import NvmeTier
-from zero_cache.planner import DEVICE_MARGIN_FRACTION, Plan, PlanError, PlanInputs, make_plan, with_device_step_count
+from zero_cache.planner import Plan, PlanError, PlanInputs, make_plan, with_device_step_count
+from zero_cache.resolve import (Resolved, activation_room_bytes, least_footprint_inputs, least_footprint_plan,
+                                plan_inputs, resolve)
 from zero_cache.shard_params import (agree_working_set, candidate_plans, choose_shard_params, choose_streaming,
                                      decide_shard_params, device_groups, gather_ahead_groups, gather_objects,
-                                     max_live_groups, register_saving_hooks, wanted_placement)
+                                     register_saving_hooks, wanted_placement)
 from zero_cache.rates import measured_copies, with_host_adam
 from zero_cache.sharding import Sharding
-from zero_cache.step_cost import NOMINAL_RATES, Rates
+from zero_cache.step_cost import NOMINAL_RATES
 from zero_cache.tier_names import DEVICE, HOST, NVME
 from zero_cache.tiers import build_tiers, fragmentation_bytes, use_expandable_segments
 from zero_cache.tuning import DeviceStepTuner
-from zero_cache.units import AUTO, parse_budget
-from zero_cache.working_set import GRADIENT_BUCKETS, GROUPS_IN_USE, WorkingSet, capped
+from zero_cache.units import AUTO, format_bytes
+from zero_cache.working_set import WorkingSet, capped
 
 logger = logging.getLogger(__name__)
-
-WARMUP_ACTIVATION_RESERVE = 0.1
-"""Share of the device budget held back for activations until the warm-up has measured them..."""
-WARMUP_ACTIVATION_FLOOR_BYTES = 12 * 2**30
-"""...and at least this much (or half the budget, if less): a 13B model's activations at micro-batch 8, sequence
-1024, with checkpointing. A small GPU must not run out of memory in the first step."""
-
-
-def warmup_reserve(config: ZeroCacheConfig, device: torch.device, device_budget: int) -> int:
-    """Device bytes for activations in the first plan (``zero_cache.activation_memory``; none on CPU)."""
-    configured = parse_budget(config.activation_memory, name="zero_cache.activation_memory")
-    if configured is not None:
-        return configured
-    if device.type != "cuda":
-        return 0
-    return int(max(WARMUP_ACTIVATION_RESERVE * device_budget, min(device_budget / 2, WARMUP_ACTIVATION_FLOOR_BYTES)))
-
-
-def build_layout(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig,
-                 max_chunk_numel: int | None = None) -> ChunkLayout:
-    """Pack parameters ((name, shape) in model order) into chunks of the configured or searched size (searched at
-    most ``max_chunk_numel`` when a larger tensor does not force more)."""
-    if config.chunk_size != "auto":
-        return pack(shapes, int(config.chunk_size))
-    return pack(shapes, search_chunk_size(shapes, max_numel=max_chunk_numel))
-
-
-def chunk_numel_cap(config: ZeroCacheConfig, device_budget: int, reserve: int, compute_dtype: torch.dtype,
-                    sharding: Sharding) -> int:
-    """The largest chunk whose fixed device share still fits the budget with streamed params: the fp32 scratch
-    chunk and the wanted working set's gradient buckets and fewest live groups, each ``world_size`` chunks wide.
-
-    A small device must get small chunks, or the few slots a streamed model needs do not fit at all (and where
-    they still do not, at the floor the largest tensor sets, the planner shrinks the working set).
-    """
-    param_bytes = torch.empty((), dtype=compute_dtype).element_size()
-    ahead = max(1, config.prefetch_depth) if not sharding.sharded else 1
-    wanted = WorkingSet(ahead=ahead, live_groups=0, buckets=GRADIENT_BUCKETS)
-    per_element = 4 + (wanted.buckets + wanted.fewest_live) * sharding.world_size * param_bytes
-    room = int(device_budget * (1 - DEVICE_MARGIN_FRACTION)) - reserve
-    return max(1, room // per_element)
-
-
-def grad_bytes_per_element(accumulation_steps: int) -> int:
-    """fp32 accumulators when micro-batches accumulate; none when gradients are written over the params."""
-    return 4 if accumulation_steps > 1 else 0
-
-
-def resolve_update_in_backward(config: ZeroCacheConfig, *, accumulation_steps: int, world_size: int) -> bool:
-    """Whether host chunks update during backward ("auto": wherever it is built). The update stays exact
-    under clipping, loss scaling and skipped steps by keeping each such chunk's gradient
-    (:mod:`zero_cache.revision`); data-parallel ranks that accumulate micro-batches update after backward."""
-    if accumulation_steps > 1 and world_size > 1:
-        if config.update_in_backward is True:
-            raise ValueError(f"zero_cache.update_in_backward is true, but with {world_size} data-parallel ranks and "
-                             f"gradient_accumulation_steps {accumulation_steps} host chunks update after backward "
-                             "(the update during the last micro-batch's backward is built for one rank). Set it "
-                             "to \"auto\" or false")
-        return False
-    return config.update_in_backward in (True, AUTO)
-
-
-def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: torch.dtype, device_budget: int,
-                host_budget: int, accumulation_steps: int, trace: tuple[int, ...] = (),
-                nonmodel_peak_bytes: int = 0, nvme_budget: int = 0, sharding: Sharding = Sharding(),
-                shard_params: bool = False, in_backward: bool = False, gpu: bool = False,
-                rates: Rates = NOMINAL_RATES) -> PlanInputs:
-    """What the planner needs; ``shard_params``: params are gathered on use (sharded over the ranks, or, on one
-    rank, streamed from homes on the host); ``in_backward``: host chunks update during backward (one
-    micro-batch per step: each wants a kept gradient); ``gpu``: the device is a GPU (host groups may be
-    stepped there); ``rates``: what placements are compared at."""
-    param_bytes = torch.empty((), dtype=compute_dtype).element_size()
-    buckets = GRADIENT_BUCKETS if shard_params or (sharding.sharded and accumulation_steps > 1) else 0
-    live = 0
-    ahead = gather_ahead_groups(config, layout, sharding)
-    if shard_params:
-        # One rank: more live groups than the fewest would only spare a few re-fetches in backward, and
-        # every one of them is room not given to a resident shard or an optimizer group.
-        live = max_live_groups(config, layout, sharding) if sharding.sharded else ahead + GROUPS_IN_USE
-    return PlanInputs(num_chunks=layout.num_chunks, chunk_numel=layout.chunk_numel,
-                      owned=sharding.owned(layout.num_chunks), gradient_buckets=buckets,
-                      param_chunks_held=sharding.num_groups(layout.num_chunks) if shard_params else None,
-                      group_size=sharding.world_size, param_home=config.param_home, live_groups=live,
-                      gather_ahead=ahead,
-                      padding_chunks=sharding.padded_chunks(layout.num_chunks) - layout.num_chunks,
-                      param_bytes_per_element=param_bytes,
-                      grad_bytes_per_element=grad_bytes_per_element(accumulation_steps),
-                      device_budget_bytes=device_budget, host_budget_bytes=host_budget, trace=trace,
-                      nonmodel_peak_bytes=nonmodel_peak_bytes,
-                      # (accumulating: a second pool stages the micro-batch gradients, see HostUpdater.gradient_pool)
-                      staging_buffers=STAGING_BUFFERS * (2 if accumulation_steps > 1 else 1),
-                      nvme_budget_bytes=nvme_budget, nvme_path_set=config.nvme_path is not None,
-                      swap_buffers=SWAP_BUFFERS,
-                      kept_bytes_per_element=param_bytes if in_backward and accumulation_steps == 1 else 0,
-                      device_steps=(None if gpu else 0) if config.device_steps == AUTO else config.device_steps,
-                      rates=rates)
-
-
-@dataclass(frozen=True, slots=True)
-class Resolved:
-    """A ``zero_cache`` section's "auto" values resolved for one rank before its first plan (:func:`resolve`):
-    what :func:`attach` builds from and :func:`dry_run` plans from, worked out in one place."""
-
-    budgets: TierBudgets
-    """The tiers' byte budgets ("auto": measured here, or from a described machine)."""
-    activation_reserve_bytes: int
-    """Device bytes held back for activations until the warm-up measures them (:func:`warmup_reserve`)."""
-    layout: ChunkLayout
-    """The chunks, of the configured size or the one searched under the device's cap (:func:`chunk_numel_cap`)."""
-    update_in_backward: bool
-    """Host chunks update during backward (:func:`resolve_update_in_backward`)."""
-
-    def plan_inputs(self, config: ZeroCacheConfig, compute_dtype: torch.dtype, accumulation_steps: int,
-                    sharding: Sharding, shard_params: bool, gpu: bool) -> PlanInputs:
-        """The first plan's inputs for ``sharding``'s rank, params gathered on use or not."""
-        return plan_inputs(self.layout, config, compute_dtype, self.budgets.device_bytes, self.budgets.host_bytes,
-                           accumulation_steps, nonmodel_peak_bytes=self.activation_reserve_bytes,
-                           nvme_budget=self.budgets.nvme_bytes, sharding=sharding, shard_params=shard_params,
-                           in_backward=self.update_in_backward, gpu=gpu)
-
-
-def resolve(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, *, compute_dtype: torch.dtype,
-            device: torch.device, accumulation_steps: int, sharding: Sharding, hardware: Hardware | None = None,
-            moving_device_bytes: int = 0, moving_host_bytes: int = 0) -> Resolved:
-    """Budgets, activation reserve, layout and update timing of one rank, from the config and the parameter shapes.
-
-    Args:
-        shapes: (name, shape) of the trainable parameters in model order.
-        sharding: the data-parallel ranks (its ``ranks_per_host`` share a host's RAM and disk).
-        hardware, moving_device_bytes, moving_host_bytes: as for :func:`~zero_cache.hardware.tier_budgets`.
-
-    Raises:
-        NvmeSetupError: measuring here, and nvme_path is missing or not writable.
-        ValueError: a configured chunk size below the largest parameter, or an update timing the ranks refuse.
-    """
-    budgets = tier_budgets(config, device, sharding.ranks_per_host, hardware, moving_device_bytes=moving_device_bytes,
-                           moving_host_bytes=moving_host_bytes)
-    # Before the warm-up has measured activations, keep part of the device for them; the re-plan
-    # after the first step replaces this guess with the measured peak (and moves groups back).
-    reserve = warmup_reserve(config, device, budgets.device_bytes)
-    layout = build_layout(shapes, config, chunk_numel_cap(config, budgets.device_bytes, reserve, compute_dtype,
-                                                          sharding))
-    in_backward = resolve_update_in_backward(config, accumulation_steps=accumulation_steps,
-                                             world_size=sharding.world_size)
-    return Resolved(budgets, reserve, layout, in_backward)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +48,10 @@ class DryRun:
 
     resolved: Resolved
     plan: Plan
+    warmup_room_bytes: int | None = None
+    """Device bytes the warm-up step leaves for activations, where it runs at the plan's least device footprint
+    (:func:`warms_up_at_least_footprint`): rank 0's own (several ranks run it at the least of theirs); None where
+    it runs under ``plan``."""
 
     @property
     def layout(self) -> ChunkLayout:
@@ -210,20 +71,24 @@ def working_set_given_up(inputs: PlanInputs, plan: Plan) -> str:
     return ", ".join(parts)
 
 
-def with_measured_gathers(inputs: PlanInputs, optimizer: ZeroCacheOptimizer) -> PlanInputs:
+def with_measured_gathers(inputs: PlanInputs, optimizer: ZeroCacheOptimizer,
+                          as_planned: tuple[int, frozenset[int]] | None = None) -> PlanInputs:
     """``inputs`` with how often a group is gathered per step, from the warm-up's recorded acquisitions (forward,
     recomputed blocks, backward) under the plan's eviction rule (one rank: only groups that stream take a slot).
     Of the live slots, ``ahead`` hold groups being gathered ahead of use, so ``max_live - ahead`` keep groups
     for reuse: with that capacity the rule's count is the runtime's (``tests/unit/test_zero_cache_eviction.py``).
-    Unchanged when nothing streams or nothing was recorded."""
+    ``as_planned``: that capacity and the streamed groups of the first plan, where the warm-up ran under another
+    placement (:meth:`WarmupTracer.warm_up_under`). Unchanged when nothing streams or nothing was recorded."""
     gathered = optimizer.exchange.gathered if optimizer.exchange is not None else None
     if gathered is None:
         return inputs
     store = optimizer.store
-    slotted = [g for g in gathered.trace.groups if store.sharding.sharded or store.group_home(g).streams]
+    reuse_slots, streams = ((gathered.max_live - gathered.ahead, lambda g: store.group_home(g).streams)
+                            if as_planned is None else (as_planned[0], as_planned[1].__contains__))
+    slotted = [g for g in gathered.trace.groups if store.sharding.sharded or streams(g)]
     if not slotted:
         return inputs
-    return dataclasses.replace(inputs, gathers_per_step=gathers_per_group(slotted, gathered.max_live - gathered.ahead))
+    return dataclasses.replace(inputs, gathers_per_step=gathers_per_group(slotted, reuse_slots))
 
 
 PREDICTION_TOLERANCE = 0.10
@@ -233,6 +98,13 @@ PREDICTION_TOLERANCE = 0.10
 def tunes_on(device: torch.device) -> bool:
     """Whether "auto" device steps are tuned by measured step time on ``device``: on a GPU, where they exist."""
     return device.type == "cuda"
+
+
+def warms_up_at_least_footprint(config: ZeroCacheConfig, device: torch.device) -> bool:
+    """Whether the warm-up step runs under the plan's least device footprint (:func:`~zero_cache.resolve.
+    least_footprint_plan`): on a GPU with ``activation_memory: "auto"``, where the reserve is a guess. A configured
+    reserve is the user's; a CPU run measures no activations (its re-plan sees none)."""
+    return config.activation_memory == AUTO and device.type == "cuda"
 
 
 def _rank() -> int:
@@ -256,6 +128,20 @@ class WarmupTracer:
         """The inputs of the plan in force (the re-plan's)."""
         self.rates = NOMINAL_RATES
         """The rates plans are made at: measured on this machine from the warm-up step on (:mod:`zero_cache.rates`)."""
+        self.gathers_as_planned: tuple[int, frozenset[int]] | None = None
+        """Gathered params, where the warm-up ran under another placement than the first plan's: that plan's slots
+        that keep groups for reuse, and its streamed groups (the re-plan estimates gathers as it would have)."""
+
+    def warm_up_under(self, optimizer: ZeroCacheOptimizer, first: Plan, warmup: Plan) -> None:
+        """Run the warm-up step with ``warmup``'s working set and device steps (its placement is the store's),
+        where ``optimizer`` was built for the ``first`` plan: the re-plan estimates gathers as under that plan."""
+        gathered = optimizer.exchange.gathered if optimizer.exchange is not None else None
+        if gathered is not None:
+            self.gathers_as_planned = (gathered.max_live - gathered.ahead, frozenset(
+                g for g, home in enumerate(first.param_home) if home_class(home).streams))
+        if optimizer.exchange is not None:
+            optimizer.exchange.apply_working_set(warmup)
+        optimizer.device_stepped = frozenset(warmup.device_stepped)
 
     def record(self, chunks: list[int]) -> None:
         if self.recording:
@@ -284,7 +170,7 @@ class WarmupTracer:
                              nvme_budget=nvme_tier.budget_bytes + nvme_tier.split_bytes if nvme_tier is not None else 0,
                              sharding=store.sharding, shard_params=store.shard_params, in_backward=self.in_backward,
                              gpu=device_tier.device.type == "cuda", rates=self.rates)
-        inputs = with_measured_gathers(inputs, optimizer)
+        inputs = with_measured_gathers(inputs, optimizer, self.gathers_as_planned)
         plan, failure = None, "it failed on another data-parallel rank"
         try:
             plan = make_plan(inputs)
@@ -377,8 +263,14 @@ def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, 
         return make_plan(resolved.plan_inputs(config, compute_dtype, accumulation_steps, sharding, shard_params,
                                               gpu=device.type == "cuda"))
 
+    def found(shard_params: bool, plan: Plan, sharding: Sharding) -> DryRun:
+        if not warms_up_at_least_footprint(config, device):
+            return DryRun(resolved, plan)
+        inputs = resolved.plan_inputs(config, compute_dtype, accumulation_steps, sharding, shard_params, gpu=True)
+        return DryRun(resolved, plan, activation_room_bytes(inputs, least_footprint_plan(inputs)))
+
     if world_size == 1:
-        return DryRun(resolved, choose_streaming(config, functools.partial(plan_for, Sharding()))[1])
+        return found(*choose_streaming(config, functools.partial(plan_for, Sharding())), Sharding())
     ranks = [Sharding(rank=rank, world_size=world_size, ranks_per_host=per_host) for rank in range(world_size)]
     candidates = [candidate_plans(config, functools.partial(plan_for, sharding)) for sharding in ranks]
     choice = decide_shard_params(config.shard_params, [device_groups(plans) for plans, _ in candidates])
@@ -387,7 +279,7 @@ def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, 
         rank, error = next((r, errors[wanted]) for r, (_, errors) in enumerate(candidates) if wanted in errors)
         raise PlanError(f"rank {rank} of {world_size}: {error}")
     plans = [rank_plans[choice] for rank_plans, _ in candidates]
-    return DryRun(resolved, agree_working_set(plans[0], lambda _own: [plan.working_set for plan in plans]))
+    return found(choice, agree_working_set(plans[0], lambda _own: [plan.working_set for plan in plans]), ranks[0])
 
 
 def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int, str], config: ZeroCacheConfig,
@@ -440,8 +332,10 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     if given_up:
         logger.info("ZeRO-Cache: the device budget does not hold the config's working set; planned %s. A larger "
                     "zero_cache.device_memory_budget keeps it", given_up)
-    store = ChunkStore(layout, [p for _, p in params], plan, tiers, compute_dtype, accumulate=accumulation_steps > 1,
-                       sharding=sharding, shard_params=shard_params)
+    warmup = (_warmup_plan(inputs, plan, resolved.activation_reserve_bytes, sharding)
+              if warms_up_at_least_footprint(config, device) else plan)
+    store = ChunkStore(layout, [p for _, p in params], warmup, tiers, compute_dtype,
+                       accumulate=accumulation_steps > 1, sharding=sharding, shard_params=shard_params)
     hybrid = ZeroCacheOptimizer(store, optimizer, names, decoupled_weight_decay=decoupled_weight_decay,
                                 loss_scaler=loss_scaler, gradient_clipping=gradient_clipping,
                                 update_in_backward=in_backward,
@@ -452,6 +346,8 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
                                 max_live_groups=plan.cache_slots, gradient_buckets=plan.gradient_buckets,
                                 device_stepped=plan.device_stepped)
     tracer = WarmupTracer(layout, config, compute_dtype, accumulation_steps, in_backward, device)
+    if warmup is not plan:
+        tracer.warm_up_under(hybrid, plan, warmup)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # the warm-up measures the non-model peak from here
     if shard_params:
@@ -459,6 +355,23 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     _register_forward_hooks(module, store, hybrid, tracer)
     hybrid.after_first_step = lambda: tracer.replan(hybrid)
     return hybrid
+
+
+def _warmup_plan(inputs: PlanInputs, plan: Plan, guess_bytes: int, sharding: Sharding) -> Plan:
+    """The placement the warm-up step runs under: ``plan``'s mode and layout at its least device footprint, so
+    the activations it has not measured yet get all the room there is (the re-plan after it places by them).
+    Several ranks take the least of their reserves (each fits it): they gather groups together, and plan their
+    working sets alike only from the same reserve, as the first plan does."""
+    warm = least_footprint_inputs(inputs)
+    if sharding.world_size > 1:
+        warm = replace(warm, nonmodel_peak_bytes=min(gather_objects(sharding)(warm.nonmodel_peak_bytes)))
+    warmup = agree_working_set(make_plan(warm), gather_objects(sharding))  # (it fits every rank: none is None)
+    logger.info("ZeRO-Cache warm-up: the first step runs at the plan's least device footprint, leaving %s of the "
+                "device for activations (the first plan, made with activation_memory \"auto\"'s fixed guess of %s, "
+                "leaves %s); the re-plan after it places by the measured peak. Warm-up placement: %s",
+                format_bytes(activation_room_bytes(inputs, warmup)), format_bytes(guess_bytes),
+                format_bytes(activation_room_bytes(inputs, plan)), warmup.summary())
+    return warmup
 
 
 def _register_forward_hooks(module: nn.Module, store: ChunkStore, hybrid: ZeroCacheOptimizer,

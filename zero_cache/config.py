@@ -64,8 +64,11 @@ class ZeroCacheConfig:
     activation_memory: int | str = AUTO
     """Device bytes held back for activations until the first step has measured them (same forms as
     device_memory_budget; "auto": a tenth of the device budget, and at least half of it up to 12 GiB, what
-    a 13B model at micro-batch 8 and sequence 1024 with activation checkpointing peaks at). The re-plan after
-    the first step uses the measured peak instead."""
+    a 13B model at micro-batch 8 and sequence 1024 with activation checkpointing peaks at). The chunk size and
+    whether params are gathered are decided with it. A configured reserve is also what the first (warm-up)
+    step runs with; with "auto" on a GPU, where it is only a guess, the warm-up step runs at the plan's least
+    device footprint instead (:func:`~zero_cache.resolve.least_footprint_plan`: every byte the host can take
+    leaves the device). The re-plan after the first step uses the measured peak either way."""
 
     prefetch_depth: int = 2
     """How many chunks ahead of use, along the warm-up trace, to start copying to the device."""

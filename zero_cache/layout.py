@@ -109,7 +109,7 @@ def search_chunk_size(tensors: Sequence[tuple[str, tuple[int, ...]]], *, max_chu
         candidates_per_octave: geometric resolution of the search.
         range_factor: the largest candidate over the smallest.
         waste_tolerance: padding (a fraction of capacity) worth giving up for a smaller chunk.
-        max_numel: the device's cap on a chunk (see ``zero_cache.attach.chunk_numel_cap``): the range ends
+        max_numel: the device's cap on a chunk (see ``zero_cache.resolve.chunk_numel_cap``): the range ends
             there, and ``max_chunks`` yields to it; the largest tensor still sets the floor.
 
     Returns:

@@ -100,8 +100,7 @@ def plan_report(cfg: EngineConfig, request: PlanRequest) -> tuple[str, bool]:
         f"({100 * layout.waste_fraction:.1f}% padding){groups}",
         "",
         *_tier_table(plan, budgets, device),
-        *([f"{zero_cache.format_bytes(reserve)} of the device budget is held back for activations until the warm-up "
-           f"measures them (zero_cache.activation_memory)"] if reserve else []),
+        *_reserve_lines(reserve, run.warmup_room_bytes),
         "",
         *_step_floors(plan, compute_s, tokens, request.tflops),
         f"summary   {plan.summary()}",
@@ -118,6 +117,18 @@ def _describe_machine(hardware: zero_cache.Hardware | None, ranks: int, per_host
     disk = f", NVMe {zero_cache.format_bytes(hardware.nvme_bytes)}" if hardware.nvme_bytes else ", no NVMe"
     return (f"named: {hardware.gpus_per_host} x GPU {zero_cache.format_bytes(hardware.device_bytes)} per host, "
             f"host RAM {zero_cache.format_bytes(hardware.host_bytes)}{disk}; {layout}")
+
+
+def _reserve_lines(reserve_bytes: int, warmup_room_bytes: int | None) -> list[str]:
+    """What the plan holds back for activations, and what the warm-up step leaves them where it runs at the
+    plan's least device footprint (activation_memory "auto" on a GPU: the reserve is a guess)."""
+    if warmup_room_bytes is not None:
+        return [f"{zero_cache.format_bytes(reserve_bytes)} of the device budget is held back for activations in this "
+                "plan (zero_cache.activation_memory \"auto\", a guess); the warm-up step runs at its least device "
+                f"footprint, leaving {zero_cache.format_bytes(warmup_room_bytes)} for them, and the re-plan after it "
+                "uses the measured peak"]
+    return [f"{zero_cache.format_bytes(reserve_bytes)} of the device budget is held back for activations until the "
+            "warm-up measures them (zero_cache.activation_memory)"] if reserve_bytes else []
 
 
 def _tier_table(plan: Plan, budgets: zero_cache.TierBudgets, device: torch.device) -> list[str]:

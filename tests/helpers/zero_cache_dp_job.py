@@ -12,6 +12,7 @@ split over the device and the host tier.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -80,7 +81,11 @@ def main() -> None:
     parser.add_argument("--nvme-path", help="zero_cache.nvme_path (with --param-home nvme: shards homed on the disk)")
     parser.add_argument("--device-steps", default="auto", help="zero_cache.device_steps (a count: host groups stepped "
                         "on the device after backward)")
+    parser.add_argument("--warmup-least-footprint", action="store_true", help="the warm-up step at the plan's least "
+                        "device footprint (a GPU's activation_memory \"auto\"), forced on this CPU")
     args = parser.parse_args()
+    if args.warmup_least_footprint:
+        importlib.import_module("zero_cache.attach").warms_up_at_least_footprint = lambda config, device: True
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     torch.manual_seed(0 if rank == 0 else 100 + rank)  # initialize() must broadcast rank 0's weights
@@ -113,7 +118,10 @@ def main() -> None:
     off_device = args.param_home in ("host", "nvme")
     expected = ({"host"} if off_device else {"device", "host"}) | ({"remote"} if world_size > 1 else set())
     # (On CUDA the first plan keeps a share of the device for activations: its split differs.)
-    assert tiers == expected or engine.device.type == "cuda", f"rank {rank}: groups in {tiers}, expected {expected}"
+    if args.warmup_least_footprint:  # the warm-up keeps none on the device: the host takes them all
+        assert "device" not in tiers, f"rank {rank}: the warm-up keeps groups in {tiers}"
+    else:
+        assert tiers == expected or engine.device.type == "cuda", f"rank {rank}: groups in {tiers}, expected {expected}"
     # During backward (clipping included: zero_cache.revision), except for ranks that accumulate micro-batches.
     assert optimizer.update_in_backward == (not args.after_backward and (args.accumulation == 1 or world_size == 1))
     # one rank streams them too
@@ -138,6 +146,9 @@ def main() -> None:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+    if args.warmup_least_footprint and args.steps:  # the re-plan after it placed them as the first plan does
+        tiers = {group.tier for group in optimizer.store.groups}
+        assert tiers == expected, f"rank {rank}: after the re-plan, groups in {tiers}, expected {expected}"
     if args.save_dir:
         engine.save_checkpoint(args.save_dir)
     weights = engine.consolidated_state_dict()  # every rank: the masters are gathered

@@ -91,15 +91,17 @@ HOST_HOME = ("--param-home", "host")
 @pytest.mark.parametrize("nproc, extra", [(2, ["--checkpointing"]), (2, ["--no-overlap"]), (4, ["--hosts-of", "2"]),
                                           (2, ["--checkpointing", *HOST_HOME]),
                                           (2, ["--checkpointing", *HOST_HOME, "--device-steps", "1000"]),
-                                          (2, ["--checkpointing", *HOST_HOME, "--least-working-set"])],
+                                          (2, ["--checkpointing", *HOST_HOME, "--least-working-set"]),
+                                          (2, ["--checkpointing", "--warmup-least-footprint"])],
                          ids=["2-recompute", "2-no-overlap", "4-hierarchical", "2-streamed-recompute",
-                              "2-streamed-device-steps", "2-streamed-least-working-set"])
+                              "2-streamed-device-steps", "2-streamed-least-working-set", "2-warmup-least-footprint"])
 def test_sharded_params_train_like_one_process(tmp_path, data_seed, unsharded, nproc, extra):
     """ZeRO-3: each rank stores one chunk of each group; at 2 ranks only 3 of the 5 groups may be live, so
     forward, the recompute of checkpointed blocks and backward gather evicted groups again. Streamed: each
     rank's shards live in pinned host memory, copied in before every gather and updated there (or, with device
     steps, their optimizer groups stepped through the device's scratch after backward; or, on a device of the
-    least working set, through two gradient buckets, each reduction waited for at once)."""
+    least working set, through two gradient buckets, each reduction waited for at once; or with the warm-up step
+    at the plan's least device footprint, the ranks agreeing on its reserve, then re-planned)."""
     expected, start = unsharded
     result = train(nproc, tmp_path / "sharded.pt", data_seed, 4, SHARD, *extra)
     assert_same_weights(result["weights"], expected, start)
