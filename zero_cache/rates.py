@@ -1,9 +1,10 @@
 """This machine's rates for the plan's cost model: PCIe copies timed by a probe, the host's Adam by its own work.
 
 A plan made before the first step compares placements at :data:`~zero_cache.step_cost.NOMINAL_RATES` (the
-lent H200's). Machines differ in the ratio that decides the placement: the lent H100's host ran the Adam at
-2.9 G elements/s against the H200's 4.3, so a plan made at the H200's rates stepped too many host groups on
-the device there and predicted a step 40% shorter than it ran. From the warm-up step on, plans use:
+lent H200's). Machines differ in the ratio that decides the placement: on the lent H100 the host's Adam ran
+3.9 G elements/s over training steps against the H200's 4.3, and the floor of a 2.7B plan under a 22 GB cap
+was 0.367 s at the nominal rates and 0.443 s at the measured ones (the step ran 0.537 s at best). From the
+warm-up step on, plans use:
 
 - **copies**: a probe of :data:`PROBE_BYTES` each way between a buffer of the host tier and the device, timed by
   CUDA events, the fastest of :data:`PROBE_REPEATS` (the bus alone; the step's copies then run beside compute);
