@@ -28,7 +28,7 @@ run nvme_2p7b 420 python3 bench/user_workloads.py --steps 4 "${cap[@]}" "${both[
     --configs $c/zero_nvme.json
 # Params and optimizer states on NVMe (issue 30): DeepSpeed ZeRO-Infinity against this engine's NVMe homes, a
 # workstation's budget (22 GB GPU, 32 GiB of host memory for our tiers; DeepSpeed has no such key), the local disk.
-run nvme_params_2p7b 500 python3 bench/user_workloads.py --steps 4 "${cap[@]}" "${both[@]}" --models nngpt \
+run nvme_params_2p7b 500 python3 bench/user_workloads.py --steps 4 "${cap[@]}" --engines angelptm deepspeed --models nngpt \
     --sizes 2.7b --configs $c/zero_infinity_nvme.json --set angelptm:zero_cache.host_memory_budget=32GiB
 # The newest DeepSpeed offloads at the same size and cap (DeepSpeed only; compare with nngpt_2p7b's zero_offload).
 run ds_newest_2p7b 400 "${bench[@]}" "${cap[@]}" --engines deepspeed --models nngpt --sizes 2.7b \

@@ -104,8 +104,8 @@ def train(kind: str, size: str, config: dict, engine_name: str, steps: int, trac
         engine.step()
         return loss
 
-    times, losses = timed_steps(step, steps, config, size, device, f"{kind} {size} {engine_name}")
-    result = {**timings(kind, size, engine_name, num_params, times, losses, config),
+    times, losses, disk = timed_steps(step, steps, config, size, device, f"{kind} {size} {engine_name}")
+    result = {**timings(kind, size, engine_name, num_params, times, losses, disk, config),
               "built_s": built_s, "init_s": init_s}
     plan = getattr(getattr(optimizer, "store", None), "plan", None)
     if plan is not None:  # this engine: what its plan predicted the step would cost
@@ -136,12 +136,22 @@ def train_plain(kind: str, size: str, config: dict, steps: int) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    times, losses = timed_steps(step, steps, config, size, torch.device("cuda"), f"{kind} {size} torch")
-    return timings(kind, size, "torch", num_params, times, losses, config)
+    times, losses, disk = timed_steps(step, steps, config, size, torch.device("cuda"), f"{kind} {size} torch")
+    return timings(kind, size, "torch", num_params, times, losses, disk, config)
+
+
+def disk_bytes() -> tuple[int, int]:
+    """(read, written) bytes this process has made the storage layer fetch or send (``/proc/self/io``: every
+    thread's, async IO included; reads served from the page cache are not counted); (0, 0) where unknown."""
+    try:
+        fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    except OSError:
+        return 0, 0
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
 
 
 def timed_steps(step: Any, steps: int, config: dict, size: str, device: Any, label: str
-                ) -> tuple[list[float], list[float]]:
+                ) -> tuple[list[float], list[float], list[tuple[int, int]]]:
     """Run ``step(ids, index)`` on ``steps`` batches of random tokens; returns each step's seconds and loss.
 
     A step is timed from one loss reaching the host to the next: what a step queues after its loss (device steps'
@@ -152,25 +162,31 @@ def timed_steps(step: Any, steps: int, config: dict, size: str, device: Any, lab
 
     micro, (seq, vocab) = config["train_micro_batch_size_per_gpu"], _tokens(size)
     generator = torch.Generator(device=device).manual_seed(1)
-    times, losses = [], []
+    times, losses, disk = [], [], []
     if device.type == "cuda":
         torch.cuda.synchronize()
-    last = time.perf_counter()
+    last, last_disk = time.perf_counter(), disk_bytes()
     for index in range(steps):
         ids = torch.randint(0, vocab, (micro, seq + 1), device=device, generator=generator)
         losses.append(step(ids, index).item())  # .item() waits for this step's loss
         times.append(time.perf_counter() - last)
         last += times[-1]
-        print(f"bench: {label} step {index} {times[-1]:.3f} s loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
-    return times, losses
+        now_disk = disk_bytes()
+        disk.append((now_disk[0] - last_disk[0], now_disk[1] - last_disk[1]))
+        last_disk = now_disk
+        print(f"bench: {label} step {index} {times[-1]:.3f} s loss {losses[-1]:.4f} disk read "
+              f"{disk[-1][0] / 2**30:.2f} GiB written {disk[-1][1] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+    return times, losses, disk
 
 
 def timings(kind: str, size: str, engine_name: str, num_params: int, times: list[float], losses: list[float],
-            config: dict) -> dict:
-    """The result line: the median of the last steps (past warm-up and tuning), throughput and memory peaks."""
+            disk: list[tuple[int, int]], config: dict) -> dict:
+    """The result line: the median of the last steps (past warm-up and tuning), throughput, the mean disk bytes
+    of those steps and memory peaks."""
     import torch
 
-    step_s = statistics.median(times[-max(1, min(5, len(times) - 3)):])
+    last = max(1, min(5, len(times) - 3))
+    step_s = statistics.median(times[-last:])
     layers, hidden = user_models.shape_of(kind, size)
     seq, _ = _tokens(size)
     tokens = config["train_micro_batch_size_per_gpu"] * seq
@@ -180,12 +196,32 @@ def timings(kind: str, size: str, engine_name: str, num_params: int, times: list
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
             # ru_maxrss: the process's peak resident set (KiB on Linux), pinned host memory included
             "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "disk_read_gib": statistics.mean(read for read, _ in disk[-last:]) / 2**30,
+            "disk_written_gib": statistics.mean(written for _, written in disk[-last:]) / 2**30,
             "losses": [round(x, 4) for x in losses]}
 
 
 def _tokens(size: str) -> tuple[int, int]:
     """(sequence length, vocabulary) of a size: the protocol's, or small ones for the CPU test of the harness."""
     return (64, 512) if size == "tiny" else (user_models.SEQ, user_models.VOCAB)
+
+
+def swap_dirs(config: dict) -> set[Path]:
+    """The directories a config swaps to: DeepSpeed's offload nvme_paths and ZeRO-Cache's nvme_path."""
+    zero = config.get("zero_optimization") or {}
+    offloads = [zero.get("offload_param") or {}, zero.get("offload_optimizer") or {}]
+    paths = [o.get("nvme_path") for o in offloads if o.get("device") == "nvme"]
+    paths.append((config.get("zero_cache") or {}).get("nvme_path"))
+    return {Path(p) for p in paths if p}
+
+
+def remove_new_entries(dirs: set[Path], before: set[Path]) -> None:
+    """Delete what a run left in its swap directories (a child ends with os._exit, so neither engine's exit hooks
+    run), so that the next run has the disk's space and the table's disk bytes are its own."""
+    import shutil
+
+    for entry in {e for d in dirs if d.is_dir() for e in d.iterdir()} - before:
+        shutil.rmtree(entry) if entry.is_dir() else entry.unlink(missing_ok=True)
 
 
 def run_child(command: list[str]) -> tuple[int, list[str], list[str]]:
@@ -204,7 +240,8 @@ def run_child(command: list[str]) -> tuple[int, list[str], list[str]]:
 
 def table(results: list[dict], anchor: str) -> str:
     lines = [f"| model | size | config | engine | params | s/step | tokens/s | TFLOPS | vs {anchor} | plan floor s "
-             "| peak GPU GiB | host RSS GiB |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| peak GPU GiB | host RSS GiB | disk read / written GiB per step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         base = next((a for a in results if a["engine"] == anchor and
                      (a["model"], a["size"], a["config"]) == (r["model"], r["size"], r["config"])), None)
@@ -212,7 +249,8 @@ def table(results: list[dict], anchor: str) -> str:
         floor = f"{r['predicted_floor_s']:.3f}" if "predicted_floor_s" in r else ""
         lines.append(f"| {r['model']} | {r['size']} | {r['config']} | {r['engine']} | {r['params'] / 1e9:.2f}B "
                      f"| {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | {ratio} | {floor} "
-                     f"| {r['peak_gib']:.1f} | {r['host_rss_gib']:.1f} |")
+                     f"| {r['peak_gib']:.1f} | {r['host_rss_gib']:.1f} "
+                     f"| {r.get('disk_read_gib', 0.0):.2f} / {r.get('disk_written_gib', 0.0):.2f} |")
     return "\n".join(lines)
 
 
@@ -255,7 +293,10 @@ def main() -> None:
         command += ["--memory-cap", args.memory_cap] if args.memory_cap else []
         command += [arg for edit in args.edits for arg in ("--set", edit)]
         command += ["--trace", str(Path(args.trace) / Path(config_path).stem)] if args.trace else []
+        dirs = swap_dirs(json.loads(Path(config_path).read_text()))
+        before = {e for d in dirs if d.is_dir() for e in d.iterdir()}
         returncode, lines, tail = run_child(command)
+        remove_new_entries(dirs, before)
         if returncode or not lines:
             print(f"{kind} {size} {Path(config_path).stem} {engine_name}: failed (exit {returncode})\n"
                   + "\n".join(tail), flush=True)
