@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+import logging
+import re
+
 import pytest
 import torch
 
@@ -9,30 +13,63 @@ import angelptm
 from angelptm.pretraining.models import ModelConfig, build_model
 from reference import SEQ, VOCAB, assert_masters_close, ds_config, random_batches, reference_loop, train_steps
 from zero_cache.layout import pack
-from zero_cache.planner import DEVICE, HOST, NVME
+from zero_cache.planner import DEVICE, DEVICE_MARGIN_FRACTION, HOST, NVME
 
 pytestmark = pytest.mark.gpu
+CHUNK = 131072
 
 
 def model(seed: int) -> torch.nn.Module:
+    """Model states of about 22 MB: the budgets below split them, next to tens of MiB of cuBLAS workspaces."""
     torch.manual_seed(seed)
-    return build_model(ModelConfig(flavour="llama", vocab_size=VOCAB, max_seq_len=SEQ, num_layers=6, hidden_size=32,
+    return build_model(ModelConfig(flavour="llama", vocab_size=VOCAB, max_seq_len=SEQ, num_layers=6, hidden_size=128,
                                    num_heads=4))
 
 
+def model_state_bytes(seed: int) -> int:
+    """Every chunk's bf16 param, fp32 gradient staging and fp32 master, exp_avg and exp_avg_sq (18 bytes)."""
+    layout = pack([(n, tuple(p.shape)) for n, p in model(seed).named_parameters()], CHUNK)
+    return layout.num_chunks * layout.chunk_numel * 18
+
+
+def nonmodel_peak_bytes(seed: int, config: dict, batch: dict, caplog: pytest.LogCaptureFixture) -> int:
+    """What the re-plan after warm-up measures on this GPU beside the model states (activations, cuBLAS's
+    workspaces, fragmentation), read from a probe engine whose device budget holds everything: a budget under it
+    leaves no room for any model state, whatever the card."""
+    caplog.set_level(logging.INFO, logger="zero_cache.attach")
+    caplog.clear()
+    engine, *_ = angelptm.initialize(model=model(seed), config=config)
+    train_steps(engine, [batch])
+    measured = re.search(r"re-plan after warm-up \(non-model peak (\d+) MiB", caplog.text)
+    assert measured, caplog.text[-2000:]
+    del engine, _
+    gc.collect()
+    torch._C._cuda_clearCublasWorkspaces()  # the next engine's streams get their own, as this one's did
+    torch.cuda.empty_cache()
+    return (int(measured.group(1)) + 1) * 2**20
+
+
+def split_budget(nonmodel: int, model_bytes: int) -> int:
+    """A device budget that holds the measured non-model peak and about half the model states."""
+    return int((nonmodel + model_bytes // 2) / (1 - DEVICE_MARGIN_FRACTION))
+
+
 @pytest.mark.parametrize("accumulation, clip", [(1, 1.0), (2, 1.0), (1, 0.0)])
-def test_split_tiers_on_cuda_track_the_reference_over_20_steps(accumulation, clip):
+def test_split_tiers_on_cuda_track_the_reference_over_20_steps(accumulation, clip, caplog):
     """(1, 1.0): gradients written over the params, host chunks updated during backward and revised at the
     step when it clips (zero_cache.revision); (2, 1.0): fp32 accumulation on the worker, the last micro-batch's
     backward updating; (1, 0.0): host chunks updated during backward, no clipping."""
     seed = torch.randint(0, 10_000, ()).item()
     batches = random_batches(seed, count=20 * accumulation, batch=8)
-    layout = pack([(n, tuple(p.shape)) for n, p in model(seed).named_parameters()], 8192)
-    total = layout.num_chunks * layout.chunk_numel * 18
-    config = ds_config(bf16={"enabled": True}, gradient_clipping=clip, gradient_accumulation_steps=accumulation,
-                       zero_cache={"enabled": True, "chunk_size": 8192, "device_memory_budget": total // 4,
-                                   "host_memory_budget": total})
-    engine, optimizer, _, _ = angelptm.initialize(model=model(seed), config=config)
+    total = model_state_bytes(seed)
+
+    def config(device_budget: int) -> dict:
+        return ds_config(bf16={"enabled": True}, gradient_clipping=clip, gradient_accumulation_steps=accumulation,
+                         zero_cache={"enabled": True, "chunk_size": CHUNK, "device_memory_budget": device_budget,
+                                     "host_memory_budget": total})
+
+    nonmodel = nonmodel_peak_bytes(seed, config(4 * total + 2**30), batches[0], caplog)
+    engine, optimizer, _, _ = angelptm.initialize(model=model(seed), config=config(split_budget(nonmodel, total)))
     # activation_memory "auto": the warm-up step runs at the least device footprint (the host takes what it
     # holds), and the re-plan after it, by the measured activations, brings groups to the device.
     warmup = [group.tier for group in optimizer.store.groups].count(DEVICE)
@@ -48,16 +85,20 @@ def test_split_tiers_on_cuda_track_the_reference_over_20_steps(accumulation, cli
 
 
 @pytest.mark.parametrize("clip", [1.0, 0.0])
-def test_three_tiers_on_cuda_track_the_reference_over_20_steps(tmp_path, clip):
+def test_three_tiers_on_cuda_track_the_reference_over_20_steps(tmp_path, clip, caplog):
     """Optimizer states on the GPU, in pinned host memory and on disk (O_DIRECT into pinned bounce buffers)."""
     seed = torch.randint(0, 10_000, ()).item()
     batches = random_batches(seed, count=20, batch=8)
-    layout = pack([(n, tuple(p.shape)) for n, p in model(seed).named_parameters()], 8192)
-    total = layout.num_chunks * layout.chunk_numel * 14
-    config = ds_config(bf16={"enabled": True}, gradient_clipping=clip,
-                       zero_cache={"enabled": True, "chunk_size": 8192, "device_memory_budget": total // 4,
-                                   "host_memory_budget": total // 2, "nvme_path": str(tmp_path)})
-    engine, optimizer, _, _ = angelptm.initialize(model=model(seed), config=config)
+    total = model_state_bytes(seed)
+
+    def config(device_budget: int, host_budget: int) -> dict:
+        return ds_config(bf16={"enabled": True}, gradient_clipping=clip,
+                         zero_cache={"enabled": True, "chunk_size": CHUNK, "device_memory_budget": device_budget,
+                                     "host_memory_budget": host_budget, "nvme_path": str(tmp_path)})
+
+    nonmodel = nonmodel_peak_bytes(seed, config(4 * total + 2**30, 2 * total), batches[0], caplog)
+    engine, optimizer, _, _ = angelptm.initialize(model=model(seed),
+                                                  config=config(split_budget(nonmodel, total // 2), total // 3))
     warmup = [group.tier for group in optimizer.store.groups].count(DEVICE)  # the warm-up's least footprint
     losses = train_steps(engine, batches)
     assert {group.tier for group in optimizer.store.groups} == {DEVICE, HOST, NVME}
