@@ -232,6 +232,7 @@ def _finish(inputs: PlanInputs, working: WorkingSet, *, resident_bytes: int, liv
     on_host = off_device[:num_host]
     traffic, stepped, kept, host_bytes = _device_steps_and_kept(inputs, traffic, off_device, on_host, home, host_bytes,
                                                                 inputs.device_steps)
+    traffic = _with_swapped_states(inputs, traffic, num_nvme)
     tiers = [REMOTE] * inputs.num_chunks
     for chunk in device_optim:
         tiers[chunk] = DEVICE
@@ -293,7 +294,14 @@ def with_device_step_count(inputs: PlanInputs, plan: Plan, count: int) -> Plan:
     without_kept = plan.host_bytes - len(plan.kept_gradients) * inputs.chunk_numel * inputs.kept_bytes_per_element
     traffic, stepped, kept, host_bytes = _device_steps_and_kept(inputs, traffic, off_device, on_host, plan.param_home,
                                                                 without_kept, min(count, len(on_host)))
+    traffic = _with_swapped_states(inputs, traffic, len(off_device) - len(on_host))
     return replace(plan, traffic=traffic, device_stepped=stepped, kept_gradients=kept, host_bytes=host_bytes)
+
+
+def _with_swapped_states(inputs: PlanInputs, traffic: StepTraffic, swapped: int) -> StepTraffic:
+    """``traffic`` with the disk reads and writes of ``swapped`` optimizer groups on NVMe: each step reads a
+    group's states into a bounce buffer and writes them back (:mod:`zero_cache.host_update`)."""
+    return replace(traffic, disk_bytes=traffic.disk_bytes + 2 * swapped * inputs.swap_slot_bytes) if swapped else traffic
 
 
 def _split_host_and_nvme(inputs: PlanInputs, off_device: int, host_fixed: int, staged: bool, nvme_fixed: int = 0

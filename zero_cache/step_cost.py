@@ -68,8 +68,10 @@ class StepTraffic:
     rates: Rates = NOMINAL_RATES
     """What the floors are worked out at."""
     disk_bytes: int = 0
-    """Param shards at home on NVMe read and written (``zero_cache.nvme_home.NvmeHome``; the NVMe optimizer groups'
-    own reads and writes are not counted here)."""
+    """Disk bytes read and written: param shards at home on NVMe (``zero_cache.nvme_home.NvmeHome``) and the states
+    of the optimizer groups on NVMe, read and written back once each. Not counted, as the plan cannot know them:
+    gradients spilled to the homes' disk while more wait than staging buffers hold, and on a step that clips or
+    skips, a second read of each NVMe group whose update in backward was deferred."""
 
     @property
     def floors(self) -> dict[str, float]:

@@ -20,12 +20,14 @@ import torch
 
 import angelptm
 from angelptm.telemetry.monitor import format_tiers
-from reference import random_batches, reference_loop, train_steps
+from angelptm.pretraining.models import ModelConfig, build_model
+from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop, train_steps
 from zero_cache.aio import NativeFileIO, ThreadFileIO, open_file_io
 from zero_cache.config import AioConfig
 from zero_cache.nvme import ALIGN_BYTES, SWAP_PREFIX, NvmeTier, check_directory
 from zero_cache.planner import DEVICE, HOST, NVME
-from zero_cache_setup import budgets, six_layer_llama, zero_cache_config
+from zero_cache.layout import pack
+from zero_cache_setup import CHUNK_NUMEL, budgets, six_layer_llama, zero_cache_config
 
 BACKENDS = ("native", "deepspeed", "libaio", "threads")
 
@@ -189,6 +191,45 @@ def test_states_beyond_device_and_host_train_like_the_reference(tmp_path, clip):
     gc.collect()
     assert alive() is None, f"the dropped optimizer is still held by {holders(alive())}"
     assert not swap.exists(), "a dropped engine removes its swap file"
+
+
+@pytest.mark.parametrize("in_backward", [True, False])
+def test_the_plan_counts_the_disk_bytes_of_the_optimizer_groups_on_nvme(tmp_path, in_backward):
+    """An unclipped step reads each NVMe group's states once and writes them back once: the plan's disk bytes per
+    step, which its floor prices at the disk's rate, are exactly what the swap file moves (untied embeddings: a
+    tied chunk's second update in backward reads its states once more, which the plan does not count)."""
+    seed = torch.randint(0, 10_000, ()).item()
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return build_model(ModelConfig(flavour="llama", vocab_size=VOCAB, max_seq_len=SEQ, num_layers=4,
+                                       hidden_size=32, num_heads=4, tie_embeddings=False))
+
+    layout = pack([(n, tuple(p.shape)) for n, p in model().named_parameters()], CHUNK_NUMEL)
+    states = layout.num_chunks * layout.chunk_numel * 16  # fp32: param, master, exp_avg, exp_avg_sq
+    config = ds_config(gradient_clipping=0.0, zero_cache={
+        "enabled": True, "chunk_size": CHUNK_NUMEL, "device_memory_budget": states // 4,
+        "host_memory_budget": states // 2, "nvme_path": str(tmp_path), "update_in_backward": in_backward})
+    engine, optimizer, _, _ = angelptm.initialize(model=model(), config=config)
+    batches = random_batches(seed, count=4, batch=2)
+    train_steps(engine, batches[:1])  # the warm-up, and the re-plan after it
+    optimizer.finish_pending()
+    optimizer.report()
+    plan = optimizer.store.plan
+    on_disk = sum(group.tier == NVME for group in optimizer.store.groups)
+    assert on_disk >= 2 and plan.optimizer_tier.count(NVME) == on_disk
+    for batch in batches[1:]:
+        train_steps(engine, [batch])
+        optimizer.finish_pending()
+        report = optimizer.report()
+        moved = report["zero_cache_nvme_read_bytes"] + report["zero_cache_nvme_write_bytes"]
+        assert moved == plan.traffic.disk_bytes == 2 * on_disk * plan_slot_bytes(optimizer)
+    assert plan.traffic.floors["disk"] == plan.traffic.disk_bytes / plan.traffic.rates.disk_bytes_per_s
+
+
+def plan_slot_bytes(optimizer) -> int:
+    """One NVMe group's slot in the swap file: its fp32 states in whole 4 KiB blocks."""
+    return optimizer.store.tiers[NVME].slot_bytes
 
 
 def holders(obj) -> list[str]:
