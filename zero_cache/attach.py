@@ -30,7 +30,7 @@ from zero_cache.resolve import (Resolved, activation_room_bytes, least_footprint
 from zero_cache.shard_params import (agree_working_set, candidate_plans, choose_shard_params, choose_streaming,
                                      decide_shard_params, device_groups, gather_ahead_groups, gather_objects,
                                      register_saving_hooks, wanted_placement)
-from zero_cache.rates import measured_copies, with_host_adam
+from zero_cache.rates import measured_copies, measured_disk, with_host_adam
 from zero_cache.sharding import Sharding
 from zero_cache.step_cost import NOMINAL_RATES
 from zero_cache.tier_names import DEVICE, HOST, NVME
@@ -165,6 +165,13 @@ class WarmupTracer:
         # from the steps after it.
         optimizer.host.adam_work.take()
         self.rates = measured_copies(device_tier.device, host_tier, self.rates)
+        # The disk through a swap bounce buffer where groups are on disk (their buffers are in the host's plan).
+        bounce = store.swap_buffers.try_acquire() if NVME in store.plan.optimizer_tier else None
+        try:
+            self.rates = measured_disk(nvme_tier, host_tier, self.rates, bounce)
+        finally:
+            if bounce is not None:
+                store.swap_buffers.release(bounce)
         inputs = plan_inputs(self.layout, self.config, self.compute_dtype, device_tier.budget_bytes,
                              host_tier.budget_bytes, self.accumulation_steps, tuple(self.trace), nonmodel,
                              nvme_budget=nvme_tier.budget_bytes + nvme_tier.split_bytes if nvme_tier is not None else 0,

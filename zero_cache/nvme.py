@@ -26,6 +26,7 @@ import secrets
 import shutil
 import socket
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -281,6 +282,29 @@ class NvmeTier:
         with self._lock:
             self._writes[offset] = request
         return request
+
+    def time_io(self, buffer: torch.Tensor) -> tuple[float, float] | None:
+        """Seconds to write an aligned uint8 ``buffer`` (at most a slot) to a free slot and read it back, through
+        this tier's own IO; None when no slot is free. The slot is free again after."""
+        if buffer.numel() > self.slot_bytes or buffer.data_ptr() % ALIGN_BYTES or buffer.numel() % ALIGN_BYTES:
+            raise ValueError("the timed buffer must be aligned and fit a slot")
+        try:
+            offset = self.allocate_slot()
+        except TierFullError:
+            return None
+        with self._lock:  # (a slot freed with its last write in flight)
+            pending = self._writes.pop(offset, None)
+        if pending is not None:
+            pending.wait()
+        try:
+            seconds = []
+            for write in (True, False):
+                started = time.perf_counter()
+                self.io.submit(self.file.path, self.file.fd, buffer, offset, write=write).wait()
+                seconds.append(time.perf_counter() - started)
+        finally:
+            self.free_slot(offset)
+        return seconds[0], seconds[1]
 
     def flush(self) -> None:
         """Wait for every write in flight; raise the first failure (e.g. the disk filled up)."""

@@ -38,10 +38,12 @@ class Rates:
     host_adam_elements_per_s: float
     """CPU Adam over fp32 masters and moments (with its reads and writes of the chunk's gradient and params)."""
     disk_bytes_per_s: float = 1.0e9
-    """A local NVMe drive through O_DIRECT, reads and writes together (DESIGN.md: reads 0.9-1.3, writes 1.6-2.2
-    GB/s on the lent H200's machine; not measured here)."""
+    """The swap files' disk, reads and writes together (DESIGN.md: reads 0.9-1.3, writes 1.6-2.2 GB/s through
+    O_DIRECT on the lent H200's machine)."""
     measured: bool = False
     """The bus and the host's Adam measured on this machine (else the nominal figures)."""
+    disk_measured: bool = False
+    """The disk's rate measured on this machine's swap directory (:func:`zero_cache.rates.measured_disk`)."""
 
     def describe(self) -> str:
         return (f"H2D {self.h2d_bytes_per_s / 2**30:.0f} GiB/s, D2H {self.d2h_bytes_per_s / 2**30:.0f} GiB/s, "
@@ -100,7 +102,8 @@ class StepTraffic:
         return (f"H2D {format_bytes(self.h2d_bytes)}, D2H {format_bytes(self.d2h_bytes)}, host Adam over "
                 f"{_count(self.host_adam_elements)} elements{stepped} (at least {self.seconds:.3f} s at "
                 f"{self.rates.describe()}"
-                + (f", disk {self.rates.disk_bytes_per_s / 1e9:.1f} GB/s)" if self.disk_bytes else ")"))
+                + (f", disk {self.rates.disk_bytes_per_s / 1e9:.1f} GB/s "
+                   f"({'measured here' if self.rates.disk_measured else 'nominal'}))" if self.disk_bytes else ")"))
 
 
 def _count(elements: int) -> str:

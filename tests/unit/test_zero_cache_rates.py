@@ -14,9 +14,13 @@ from reference import random_batches, train_steps
 from test_zero_cache_device_steps import tiny_llama
 from test_zero_cache_streamed import config
 from test_zero_cache_tuning import random_inputs
+from zero_cache.config import AioConfig
+from zero_cache.nvme import ALIGN_BYTES, NvmeTier, check_directory
 from zero_cache.planner import HOST, make_plan
-from zero_cache.rates import MIN_MEASURED_ELEMENTS, Throughput, measured_copies, with_host_adam
+from zero_cache.rates import (MIN_MEASURED_ELEMENTS, MIN_PROBE_BYTES, Throughput, measured_copies, measured_disk,
+                              with_host_adam)
 from zero_cache.step_cost import NOMINAL_RATES, Rates
+from zero_cache.tiers import Tier
 
 
 def random_rates(rng: random.Random) -> Rates:
@@ -94,3 +98,46 @@ def test_the_host_worker_times_the_elements_the_plan_counts(update_in_backward):
     assert host_groups >= 3 and seconds > 0
     assert elements == 2 * plan.traffic.host_adam_elements == 2 * host_groups * optimizer.store.layout.chunk_numel
     assert plan.traffic.rates == NOMINAL_RATES  # a CPU-only run plans at the nominal rates
+
+
+def test_the_disk_probe_writes_and_reads_a_free_slot_through_the_tier_and_gives_it_back(tmp_path):
+    """The probe's bytes go to the swap file and come back (the tier's counters are the step's, untouched), its
+    slot and host buffer are free again after, and the rate is the bytes over the seconds the IO took."""
+    host = Tier("host", torch.device("cpu"), 64 * 2**20)
+    slot = MIN_PROBE_BYTES + 3 * ALIGN_BYTES
+    nvme = NvmeTier(check_directory(tmp_path), slot, 3 * slot, AioConfig())
+    taken = nvme.allocate_slot()  # one group on disk already
+    seen = []
+    submit = nvme.io.submit
+
+    def timed_submit(path, fd, buffer, offset, *, write):
+        seen.append((offset, buffer.numel(), write))
+        return submit(path, fd, buffer, offset, write=write)
+
+    nvme.io.submit = timed_submit
+    rates = measured_disk(nvme, host, NOMINAL_RATES)
+    assert rates.disk_measured and not rates.measured and rates.disk_bytes_per_s > 0
+    assert rates.h2d_bytes_per_s == NOMINAL_RATES.h2d_bytes_per_s  # only the disk's rate is measured
+    assert [(offset, write) for offset, _, write in seen] == [(slot, True), (slot, False)] and seen[0][0] != taken
+    assert seen[0][1] == slot  # the whole slot: it is under PROBE_BYTES
+    assert nvme.used_bytes == nvme.slot_bytes and host.used_bytes == 0
+    assert nvme.traffic.take() == {"read": 0, "write": 0}
+    assert nvme.allocate_slot() == slot  # free again
+    nvme.free_slot(slot)
+    seen.clear()
+    full_host = Tier("host", torch.device("cpu"), 0)
+    bounce = host.allocate_aligned(slot, ALIGN_BYTES)  # a swap bounce buffer: the probe borrows it
+    assert measured_disk(nvme, full_host, NOMINAL_RATES, bounce).disk_measured
+    assert [(buffer, write) for _, buffer, write in seen] == [(slot, True), (slot, False)]
+    assert measured_disk(nvme, full_host, NOMINAL_RATES) == NOMINAL_RATES  # no bounce buffer, no host room
+
+
+def test_no_disk_probe_without_a_free_slot_or_a_slot_long_enough_to_time(tmp_path):
+    host = Tier("host", torch.device("cpu"), 64 * 2**20)
+    full = NvmeTier(check_directory(tmp_path), MIN_PROBE_BYTES, MIN_PROBE_BYTES, AioConfig())
+    full.allocate_slot()
+    assert measured_disk(full, host, NOMINAL_RATES) == NOMINAL_RATES
+    small = NvmeTier(check_directory(tmp_path), MIN_PROBE_BYTES - ALIGN_BYTES, 4 * MIN_PROBE_BYTES, AioConfig())
+    assert measured_disk(small, host, NOMINAL_RATES) == NOMINAL_RATES
+    assert measured_disk(None, host, NOMINAL_RATES) == NOMINAL_RATES
+    assert host.used_bytes == 0
