@@ -28,8 +28,14 @@ run nvme_2p7b 420 python3 bench/user_workloads.py --steps 4 "${cap[@]}" "${both[
     --configs $c/zero_nvme.json
 # Params and optimizer states on NVMe (issue 30): DeepSpeed ZeRO-Infinity against this engine's NVMe homes, a
 # workstation's budget (22 GB GPU, 32 GiB of host memory for our tiers; DeepSpeed has no such key), the local disk.
-run nvme_params_2p7b 500 python3 bench/user_workloads.py --steps 4 "${cap[@]}" --engines angelptm deepspeed --models nngpt \
-    --sizes 2.7b --configs $c/zero_infinity_nvme.json --set angelptm:zero_cache.host_memory_budget=32GiB
+# DeepSpeed's param swapper needs more buffers than the JSON's 5 ("Not enough buffers 0 for swapping 1" at step 1).
+nvme_json=(--configs $c/zero_infinity_nvme.json --set angelptm:zero_cache.host_memory_budget=32GiB
+           --set deepspeed:zero_optimization.offload_param.buffer_count=32
+           --set deepspeed:zero_optimization.offload_param.buffer_size=110000000)
+run nvme_params_1p3b 560 python3 bench/user_workloads.py --steps 3 --tuning-steps 3 "${cap[@]}" \
+    --engines angelptm deepspeed --models nngpt --sizes 1.3b "${nvme_json[@]}"
+run nvme_params_2p7b 560 python3 bench/user_workloads.py --steps 8 --tuning-steps 0 "${cap[@]}" --engines angelptm \
+    --anchor angelptm --models nngpt --sizes 2.7b "${nvme_json[@]}"
 # The newest DeepSpeed offloads at the same size and cap (DeepSpeed only; compare with nngpt_2p7b's zero_offload).
 run ds_newest_2p7b 400 "${bench[@]}" "${cap[@]}" --engines deepspeed --models nngpt --sizes 2.7b \
     --configs $c/zero_superoffload.json $c/zero_zenflow.json
