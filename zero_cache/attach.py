@@ -160,6 +160,7 @@ class WarmupTracer:
             # allocator held unallocated at its peak (fragmentation) is room the plan cannot count on either.
             nonmodel = max(0, torch.cuda.max_memory_allocated(device_tier.device) - device_tier.peak_bytes)
             nonmodel += fragmentation_bytes(device_tier.device)
+        optimizer.nonmodel_peak_bytes = nonmodel
         # The bus now (after the peak was read). Not the host's Adam: in the warm-up it ran at 1.0 G elements/s where
         # the next steps ran at 3.9 (2.7B on the lent H100: first touches of its states), so its rate is taken
         # from the steps after it.

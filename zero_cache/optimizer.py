@@ -165,6 +165,9 @@ class ZeroCacheOptimizer(ShardedGradients, OptimizerCheckpoint, torch.optim.Opti
         """Called once after the first applied step (the warm-up re-plan)."""
         self.after_step: Any = None
         """Called after each later applied step with its measured seconds (the device-step count's tuning)."""
+        self.nonmodel_peak_bytes: int | None = None
+        """Device bytes the warm-up's re-plan measured beside the model states (activations, library workspaces,
+        fragmentation): what its plan leaves room for."""
         self.clock = time.perf_counter
         """What step times are read from (a fake one in tests)."""
         self._synced_at: float | None = None  # when the last step's norm reached the host
