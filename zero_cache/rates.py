@@ -98,9 +98,9 @@ def measured_disk(nvme: NvmeTier | None, host_tier: Tier, known: Rates = NOMINAL
                   bounce: torch.Tensor | None = None) -> Rates:
     """``known`` with the disk's rate from a probe of the optimizer groups' swap file (:meth:`NvmeTier.time_io`):
     bytes written and read back over the seconds both took. The probe's buffer is ``bounce`` (a free swap bounce
-    buffer, where the plan has groups on disk and the host tier is full), else taken from the host tier's room and
-    given back. Unchanged without a swap file or a free slot in it, or where a slot or the buffer is under
-    :data:`MIN_PROBE_BYTES` (too short to time)."""
+    buffer, already in the host's plan where groups are on disk, so a full host tier does not stop the probe), else
+    taken from the host tier's room and given back. Unchanged without a swap file or a free slot in it, or where a
+    slot or the buffer is under :data:`MIN_PROBE_BYTES` (too short to time)."""
     if nvme is None:
         return known
     room = bounce.numel() if bounce is not None else host_tier.free_bytes - ALIGN_BYTES

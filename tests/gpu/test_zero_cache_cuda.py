@@ -18,7 +18,7 @@ CHUNK = 32768
 
 
 def model(seed: int) -> torch.nn.Module:
-    """Model states of about 6 MiB: the budgets below split them, next to tens of MiB of cuBLAS workspaces."""
+    """Model states of about 7 MiB: the budgets below split them, next to tens of MiB of cuBLAS workspaces."""
     torch.manual_seed(seed)
     return build_model(ModelConfig(flavour="llama", vocab_size=VOCAB, max_seq_len=SEQ, num_layers=6, hidden_size=64,
                                    num_heads=4))

@@ -102,7 +102,7 @@ def test_the_host_worker_times_the_elements_the_plan_counts(update_in_backward):
 
 def test_the_disk_probe_writes_and_reads_a_free_slot_through_the_tier_and_gives_it_back(tmp_path):
     """The probe's bytes go to the swap file and come back (the tier's counters are the step's, untouched), its
-    slot and host buffer are free again after, and the rate is the bytes over the seconds the IO took."""
+    slot and host buffer are free again after, and only the disk's rate is measured."""
     host = Tier("host", torch.device("cpu"), 64 * 2**20)
     slot = MIN_PROBE_BYTES + 3 * ALIGN_BYTES
     nvme = NvmeTier(check_directory(tmp_path), slot, 3 * slot, AioConfig())
@@ -110,11 +110,11 @@ def test_the_disk_probe_writes_and_reads_a_free_slot_through_the_tier_and_gives_
     seen = []
     submit = nvme.io.submit
 
-    def timed_submit(path, fd, buffer, offset, *, write):
+    def recorded_submit(path, fd, buffer, offset, *, write):
         seen.append((offset, buffer.numel(), write))
         return submit(path, fd, buffer, offset, write=write)
 
-    nvme.io.submit = timed_submit
+    nvme.io.submit = recorded_submit
     rates = measured_disk(nvme, host, NOMINAL_RATES)
     assert rates.disk_measured and not rates.measured and rates.disk_bytes_per_s > 0
     assert rates.h2d_bytes_per_s == NOMINAL_RATES.h2d_bytes_per_s  # only the disk's rate is measured
