@@ -224,9 +224,22 @@ def remove_new_entries(dirs: set[Path], before: set[Path]) -> None:
         shutil.rmtree(entry) if entry.is_dir() else entry.unlink(missing_ok=True)
 
 
+def die_with_parent() -> None:
+    """In a child, before it runs: the kernel kills it when its parent dies, so a ``timeout`` around this script
+    does not leave a training process behind on the GPU (Linux; elsewhere nothing)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def run_child(command: list[str]) -> tuple[int, list[str], list[str]]:
     """One run in its own process (its peak memory is its own); its notes are printed as they come."""
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=die_with_parent)
     tail: collections.deque[str] = collections.deque(maxlen=30)
     for line in proc.stderr:
         line = line.rstrip("\n")
