@@ -306,7 +306,7 @@ def main() -> None:
         command += ["--memory-cap", args.memory_cap] if args.memory_cap else []
         command += [arg for edit in args.edits for arg in ("--set", edit)]
         command += ["--trace", str(Path(args.trace) / Path(config_path).stem)] if args.trace else []
-        dirs = swap_dirs(json.loads(Path(config_path).read_text()))
+        dirs = swap_dirs(edited_config(config_path, args.edits, engine_name))
         before = {e for d in dirs if d.is_dir() for e in d.iterdir()}
         returncode, lines, tail = run_child(command)
         remove_new_entries(dirs, before)
