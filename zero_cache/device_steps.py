@@ -51,7 +51,7 @@ class DeviceSteps:
 
     Args:
         store: the chunk storage (its device scratch is the ring).
-        transfers: host<->device copies (:class:`~zero_cache.host_update.Transfers`), which count the traffic.
+        transfers: host<->device copies (:class:`~zero_cache.transfers.Transfers`), which count the traffic.
         adam: the device's Adam over lists of fp32 tensors (``torch_fused_adam`` with its weight-decay mode).
     """
 

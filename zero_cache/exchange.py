@@ -51,7 +51,7 @@ class ChunkExchange:
             open until the end of backward); with no more than the groups in use, each reduction is waited for
             as soon as it is issued, so no bucket is held by one in flight.
         overlap_comm: leave a reduction in flight behind backward where a bucket is planned for it.
-        transfers: host<->device copies (:class:`~zero_cache.host_update.Transfers`), for shards at home on the host.
+        transfers: host<->device copies (:class:`~zero_cache.transfers.Transfers`), for shards at home on the host.
     """
 
     def __init__(self, store: ChunkStore, wait_owner: Callable[[int], None], *, accumulate: bool,

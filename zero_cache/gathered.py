@@ -135,7 +135,7 @@ class GatheredGroups:
         max_live: groups live at once (at least ``ahead + 2``: in use, being gathered, one spare).
         ahead: groups gathered ahead of use, along the recorded trace.
         wait_owned: blocks until the pending updates of this rank's chunks in a group have landed in its shard.
-        transfers: the host<->device copies (:class:`~zero_cache.host_update.Transfers`), for shards at home
+        transfers: the host<->device copies (:class:`~zero_cache.transfers.Transfers`), for shards at home
             on the host.
         eviction: the plan's eviction rule.
     """

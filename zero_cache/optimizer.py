@@ -54,13 +54,14 @@ from zero_cache.chunks import ChunkStore
 from zero_cache.device_steps import DeviceSteps
 from zero_cache.exchange import ChunkExchange
 from zero_cache.host_adam import HostAdam, torch_fused_adam
-from zero_cache.host_update import ChunkUpdate, HostUpdater, Transfers, adam_step, fp32_gradient
+from zero_cache.host_update import ChunkUpdate, HostUpdater, adam_step, fp32_gradient
 from zero_cache.layout import TensorSlot
 from zero_cache.optimizer_gradients import GradientIntake
 from zero_cache.optimizer_sharded import ShardedGradients
 from zero_cache.optimizer_state import OptimizerCheckpoint
 from zero_cache.revision import SpeculationWindow
 from zero_cache.tier_names import DEVICE, HOST, NVME, OFF_DEVICE
+from zero_cache.transfers import Transfers
 from zero_cache.working_set import GRADIENT_BUCKETS
 
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from zero_cache.chunks import ChunkStore
 from zero_cache.gathered import RECENT, AcquisitionTrace, GatheredGroups
-from zero_cache.host_update import Transfers
+from zero_cache.transfers import Transfers
 from zero_cache.layout import pack
 from zero_cache.planner import DEVICE, HOST, PlanInputs, make_plan
 from zero_cache.sharding import Sharding
