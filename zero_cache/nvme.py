@@ -284,26 +284,31 @@ class NvmeTier:
         return request
 
     def time_io(self, buffer: torch.Tensor) -> tuple[float, float] | None:
-        """Seconds to write an aligned uint8 ``buffer`` (at most a slot) to a free slot and read it back, through
-        this tier's own IO; None when no slot is free. The slot is free again after."""
+        """Seconds to write an aligned uint8 ``buffer`` (at most a slot) where the next slot goes and read it back,
+        through this tier's own IO; None when the budget has no room for it. A freed slot is used if there is one;
+        else the file grows by the buffer alone (a whole slot could be gigabytes, and ``posix_fallocate`` writes
+        zeros where the filesystem cannot allocate), which the next slot allocated covers."""
         if buffer.numel() > self.slot_bytes or buffer.data_ptr() % ALIGN_BYTES or buffer.numel() % ALIGN_BYTES:
             raise ValueError("the timed buffer must be aligned and fit a slot")
-        try:
-            offset = self.allocate_slot()
-        except TierFullError:
+        if buffer.numel() > self.free_bytes:
             return None
-        with self._lock:  # (a slot freed with its last write in flight)
-            pending = self._writes.pop(offset, None)
-        if pending is not None:
-            pending.wait()
-        try:
-            seconds = []
-            for write in (True, False):
-                started = time.perf_counter()
-                self.io.submit(self.file.path, self.file.fd, buffer, offset, write=write).wait()
-                seconds.append(time.perf_counter() - started)
-        finally:
-            self.free_slot(offset)
+        if self._free_offsets:
+            offset = self._free_offsets[-1]
+            with self._lock:  # (a slot freed with its last write in flight)
+                pending = self._writes.pop(offset, None)
+            if pending is not None:
+                pending.wait()
+        else:
+            offset = self._end
+            try:
+                self.file.reserve(offset + buffer.numel())
+            except TierFullError:
+                return None
+        seconds = []
+        for write in (True, False):
+            started = time.perf_counter()
+            self.io.submit(self.file.path, self.file.fd, buffer, offset, write=write).wait()
+            seconds.append(time.perf_counter() - started)
         return seconds[0], seconds[1]
 
     def flush(self) -> None:

@@ -8,8 +8,8 @@ warm-up step on, plans use:
 
 - **copies**: a probe of :data:`PROBE_BYTES` each way between a buffer of the host tier and the device, timed by
   CUDA events, the fastest of :data:`PROBE_REPEATS` (the bus alone; the step's copies then run beside compute);
-- **disk** (where there is a swap file): a probe of up to :data:`PROBE_BYTES` written to a free slot of the
-  optimizer groups' swap file and read back through the tier's own IO, timed on the host (reads and writes
+- **disk** (where there is a swap file): a probe of up to :data:`PROBE_BYTES` written where the next slot of the
+  optimizer groups' swap file goes and read back through the tier's own IO, timed on the host (reads and writes
   together, as the plan counts the step's disk bytes). On the lent H100's machine the steps with params on NVMe
   moved 9.0 GiB in 5.0 s where the nominal 1.0 GB/s priced them at 8.0 s;
 - **host Adam**: the elements the host worker stepped over the seconds it spent in the update itself
@@ -99,7 +99,7 @@ def measured_disk(nvme: NvmeTier | None, host_tier: Tier, known: Rates = NOMINAL
     """``known`` with the disk's rate from a probe of the optimizer groups' swap file (:meth:`NvmeTier.time_io`):
     bytes written and read back over the seconds both took. The probe's buffer is ``bounce`` (a free swap bounce
     buffer, already in the host's plan where groups are on disk, so a full host tier does not stop the probe), else
-    taken from the host tier's room and given back. Unchanged without a swap file or a free slot in it, or where a
+    taken from the host tier's room and given back. Unchanged without a swap file or room in its budget, or where a
     slot or the buffer is under :data:`MIN_PROBE_BYTES` (too short to time)."""
     if nvme is None:
         return known

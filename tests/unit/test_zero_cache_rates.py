@@ -17,8 +17,8 @@ from test_zero_cache_tuning import random_inputs
 from zero_cache.config import AioConfig
 from zero_cache.nvme import ALIGN_BYTES, NvmeTier, check_directory
 from zero_cache.planner import HOST, make_plan
-from zero_cache.rates import (MIN_MEASURED_ELEMENTS, MIN_PROBE_BYTES, Throughput, measured_copies, measured_disk,
-                              with_host_adam)
+from zero_cache.rates import (MIN_MEASURED_ELEMENTS, MIN_PROBE_BYTES, PROBE_BYTES, Throughput, measured_copies,
+                              measured_disk, with_host_adam)
 from zero_cache.step_cost import NOMINAL_RATES, Rates
 from zero_cache.tiers import Tier
 
@@ -100,7 +100,7 @@ def test_the_host_worker_times_the_elements_the_plan_counts(update_in_backward):
     assert plan.traffic.rates == NOMINAL_RATES  # a CPU-only run plans at the nominal rates
 
 
-def test_the_disk_probe_writes_and_reads_a_free_slot_through_the_tier_and_gives_it_back(tmp_path):
+def test_the_disk_probe_writes_and_reads_the_next_slot_through_the_tier_and_takes_nothing(tmp_path):
     """The probe's bytes go to the swap file and come back (the tier's counters are the step's, untouched), its
     slot and host buffer are free again after, and only the disk's rate is measured."""
     host = Tier("host", torch.device("cpu"), 64 * 2**20)
@@ -132,7 +132,7 @@ def test_the_disk_probe_writes_and_reads_a_free_slot_through_the_tier_and_gives_
     assert measured_disk(nvme, full_host, NOMINAL_RATES) == NOMINAL_RATES  # no bounce buffer, no host room
 
 
-def test_no_disk_probe_without_a_free_slot_or_a_slot_long_enough_to_time(tmp_path):
+def test_no_disk_probe_without_room_in_the_disk_budget_or_a_slot_long_enough_to_time(tmp_path):
     host = Tier("host", torch.device("cpu"), 64 * 2**20)
     full = NvmeTier(check_directory(tmp_path), MIN_PROBE_BYTES, MIN_PROBE_BYTES, AioConfig())
     full.allocate_slot()
@@ -141,3 +141,14 @@ def test_no_disk_probe_without_a_free_slot_or_a_slot_long_enough_to_time(tmp_pat
     assert measured_disk(small, host, NOMINAL_RATES) == NOMINAL_RATES
     assert measured_disk(None, host, NOMINAL_RATES) == NOMINAL_RATES
     assert host.used_bytes == 0
+
+
+def test_the_disk_probe_grows_the_swap_file_by_its_own_bytes_not_by_a_slot(tmp_path):
+    """A slot can be gigabytes, and reserving one may write zeros where the filesystem cannot allocate."""
+    host = Tier("host", torch.device("cpu"), 2 * PROBE_BYTES)
+    slot = 2 * PROBE_BYTES
+    nvme = NvmeTier(check_directory(tmp_path), slot, 4 * slot, AioConfig())
+    taken = nvme.allocate_slot()
+    assert measured_disk(nvme, host, NOMINAL_RATES).disk_measured
+    assert nvme.file.reserved_bytes == slot + PROBE_BYTES and nvme.used_bytes == slot
+    assert nvme.allocate_slot() == taken + slot and nvme.file.reserved_bytes == 2 * slot
