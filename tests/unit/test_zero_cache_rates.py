@@ -101,7 +101,7 @@ def test_the_host_worker_times_the_elements_the_plan_counts(update_in_backward):
 
 
 def test_the_disk_probe_writes_and_reads_the_next_slot_through_the_tier_and_takes_nothing(tmp_path):
-    """The probe's bytes go to the swap file and come back (the tier's counters are the step's, untouched), its
+    """The probe's bytes go to the swap file and come back (the tier's counters are the step's, untouched), the
     probe takes no slot, its host buffer is given back, and only the disk's rate is measured."""
     host = Tier("host", torch.device("cpu"), 64 * 2**20)
     slot = MIN_PROBE_BYTES + 3 * ALIGN_BYTES
