@@ -215,12 +215,17 @@ def swap_dirs(config: dict) -> set[Path]:
     return {Path(p) for p in paths if p}
 
 
+def entries(dirs: set[Path]) -> set[Path]:
+    """What the directories hold now (those that exist)."""
+    return {entry for directory in dirs if directory.is_dir() for entry in directory.iterdir()}
+
+
 def remove_new_entries(dirs: set[Path], before: set[Path]) -> None:
     """Delete what a run left in its swap directories (a child ends with os._exit, so neither engine's exit hooks
     run), so that the next run has the disk's space and the table's disk bytes are its own."""
     import shutil
 
-    for entry in {e for d in dirs if d.is_dir() for e in d.iterdir()} - before:
+    for entry in entries(dirs) - before:
         shutil.rmtree(entry) if entry.is_dir() else entry.unlink(missing_ok=True)
 
 
@@ -307,7 +312,7 @@ def main() -> None:
         command += [arg for edit in args.edits for arg in ("--set", edit)]
         command += ["--trace", str(Path(args.trace) / Path(config_path).stem)] if args.trace else []
         dirs = swap_dirs(edited_config(config_path, args.edits, engine_name))
-        before = {e for d in dirs if d.is_dir() for e in d.iterdir()}
+        before = entries(dirs)
         returncode, lines, tail = run_child(command)
         remove_new_entries(dirs, before)
         if returncode or not lines:

@@ -55,7 +55,7 @@ def test_what_a_run_leaves_in_the_swap_directories_of_its_edited_config_is_remov
     assert "zero_cache" not in config  # another engine's edit
     dirs = bench.swap_dirs(config)
     assert dirs == {ours, theirs}
-    before = {entry for directory in dirs for entry in directory.iterdir()}
+    before = bench.entries(dirs)
     (ours / "zero_stage_3").mkdir()
     (ours / "zero_stage_3" / "params.swp").write_bytes(b"x" * 4096)
     (theirs / "optimizer.swp").write_bytes(b"x" * 4096)
