@@ -30,6 +30,8 @@ SHAPES = {  # layers, hidden, heads (GPT-2 shapes; Llama takes the same with an 
     "4.4b": (36, 3072, 24),
     "6.9b": (32, 4096, 32),
     "10b": (48, 4096, 32),
+    "11b": (52, 4096, 32),
+    "12b": (56, 4096, 32),
     "13b": (40, 5120, 40),
 }
 MODELS = ("nngpt", "hf_llama", "hf_gpt2")
