@@ -14,8 +14,9 @@ step asks each home five things, and nothing else in the runtime knows which kin
   the home itself, or a disk write).
 
 And the planner asks the class what a home costs: host bytes, disk bytes, and disk bytes moved per
-step, gradients that wait for the step on disk included (PCIe bytes are the same for every home off the device: :mod:`zero_cache.step_cost`). A new
-kind of home is one subclass; it registers itself under its tier name (:func:`home_class`).
+step, gradients that wait for the step on disk included (PCIe bytes are the same for every home off
+the device: :mod:`zero_cache.step_cost`). A new kind of home is one subclass; it registers itself
+under its tier name (:func:`home_class`).
 """
 
 from __future__ import annotations

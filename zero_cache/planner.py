@@ -35,7 +35,8 @@ The plan decides, in this order of value per device byte:
 6. with host memory left, a **kept gradient** (one param chunk's bytes) for as many host-updated
    chunks as it holds, again those used last in the forward: a chunk updated during backward keeps
    its gradient until the step knows the global norm, so the update can be taken back or redone
-   exactly (:mod:`zero_cache.revision`). A chunk without one is updated after backward instead;
+   exactly (:mod:`zero_cache.revision`). A chunk without one is updated after backward instead (its gradient
+   waits in its home: one at home on NVMe, beyond a few buffers, on disk and back, which the step's disk bytes count);
 7. of the host groups, those the next forward needs first may be **stepped on the device** after
    backward (their states copied in and back out through the device's update scratch), as many as
    lower the step's floor: the host's Adam is then left fewer groups while PCIe has room
