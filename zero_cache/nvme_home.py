@@ -19,16 +19,19 @@ from zero_cache.tiers import BufferPool, wait
 NVME_STAGING_BUFFERS = 8
 """Pinned buffers of one shard each through which NVMe homes are read and written: the host worker holds up to
 three (the update's gradient, the next update's, a revision's output), the training thread one (a gather or a
-gradient arriving), and the rest hold reads started ahead along the trace and gradients waiting for their update."""
+gradient arriving), and the rest (:data:`NVME_HELD`) are held between calls."""
 NVME_HELD = NVME_STAGING_BUFFERS - 4
-"""Buffers held between calls by reads started ahead and gradients waiting for an update after backward together
-(never more, so the worker and the training thread always find one)..."""
+"""Buffers held between calls: :data:`NVME_READS_AHEAD` reads started ahead and :data:`NVME_HELD_GRADIENTS` gradients
+waiting for their update after backward, each kind in its own share (neither drops the other for room, so what a
+step moves does not depend on timing, and the plan counts it: :meth:`NvmeHome.gradients_to_disk_per_step`). A
+gradient that an update during backward takes comes on top: it is the worker's next input, and while the worker
+lags, the training thread waits for a buffer rather than send that gradient to disk and back."""
 NVME_READS_AHEAD = 2
-"""...of them, reads started ahead (:meth:`NvmeHome.prefetch`: one more than the gathers' default window reaches)..."""
+"""Reads started ahead (:meth:`NvmeHome.prefetch`): the slots of the next window beyond the groups being gathered,
+as wide as the default ``prefetch_depth`` (2)."""
 NVME_HELD_GRADIENTS = NVME_HELD - NVME_READS_AHEAD
-"""...and gradients waiting for their update after backward: one more waiting goes to its slot on disk. Each kind
-has its own share, so neither drops the other: the bytes a step moves do not depend on timing, and the plan counts
-them (:meth:`NvmeHome.gradients_to_disk_per_step`)."""
+"""Gradients waiting in buffers for their update after backward (the last backward writes, which the step updates
+first); the oldest beyond them waits in its slot on disk."""
 
 
 class NvmeHome(ParamHome):
