@@ -127,9 +127,15 @@ class ZeroCacheConfig:
     that home and updated there by the host Adam (DeepSpeed's ``offload_param: {device: cpu}`` carries
     over to this). "auto": as many chunks stay home on the GPU as the plan finds worth it by what the
     step costs (PCIe bytes against CPU Adam), the rest stream from the host; a model whose weights fit
-    beside their optimizer states keeps them all on the GPU. "nvme": every chunk's params at home in a swap
+    beside their optimizer states keeps them all on the GPU (and, with ``nvme_param_homes``, the disk takes
+    those the host has no room for or that cost less there). "nvme": every chunk's params at home in a swap
     file under ``nvme_path`` (which must be set), host memory holding only a few pinned buffers they are
-    read and written through (DeepSpeed's ``offload_param: {device: nvme}`` carries over to this)."""
+    read and written through."""
+
+    nvme_param_homes: bool = False
+    """With ``param_home`` "auto": shards may also be homed on NVMe (``nvme_path`` must be set), where the plan
+    finds that cheaper than the host or the host has no room for them. DeepSpeed's ``offload_param: {device:
+    nvme}`` sets it: a permission, as ``offload_param: {device: cpu}`` is for the host."""
 
     max_live_elements: int = 1_000_000_000
     """Sharded params: parameter elements gathered at once (rounded down to whole chunk groups, at least
@@ -167,6 +173,11 @@ class ZeroCacheConfig:
                 raise ValueError(f"zero_cache.{key}: expected true, false or 'auto', got {value!r}")
         if self.param_home not in PARAM_HOMES:
             raise ValueError(f"zero_cache.param_home: must be one of {PARAM_HOMES}, got {self.param_home!r}")
+        if not isinstance(self.nvme_param_homes, bool):
+            raise ValueError(f"zero_cache.nvme_param_homes: expected true or false, got {self.nvme_param_homes!r}")
+        if self.nvme_param_homes and self.nvme_path is None:
+            raise ValueError("zero_cache.nvme_param_homes is true but no swap directory is set: set zero_cache.nvme_path "
+                             "(or offload_param.nvme_path) to a directory on a local disk")
         if not isinstance(self.hierarchical, bool) and self.hierarchical != AUTO:
             raise ValueError(f"zero_cache.hierarchical: expected true, false or 'auto', got {self.hierarchical!r}")
         if self.ranks_per_host is not None and self.ranks_per_host < 1:

@@ -260,6 +260,15 @@ class NvmeTier:
         self.split_bytes += budget_bytes
         return NvmeTier(self._directory, slot_bytes, budget_bytes, self._aio, self._rank)
 
+    def lend(self, split: "NvmeTier", budget_bytes: int) -> None:
+        """Give a tier :meth:`split` off this one ``budget_bytes`` more of this tier's budget."""
+        if budget_bytes > self.free_bytes:
+            raise TierFullError(f"nvme tier: another {format_bytes(budget_bytes)} of swap for param homes exceeds its "
+                                f"budget ({format_bytes(self.used_bytes)} of {format_bytes(self.budget_bytes)} in use)")
+        self.budget_bytes -= budget_bytes
+        self.split_bytes += budget_bytes
+        split.budget_bytes += budget_bytes
+
     def free_slot(self, offset: int) -> None:
         self._free_offsets.append(offset)
         self.used_bytes -= self.slot_bytes

@@ -78,7 +78,8 @@ class NvmeHome(ParamHome):
             raise ValueError("params homed on NVMe need an NVMe tier: set zero_cache.nvme_path (or "
                              "offload_param.nvme_path) to a directory on a local disk")
         self.value_bytes = numel * torch.empty((), dtype=dtype).element_size()
-        self.disk: NvmeTier = tiers[NVME].split(self.value_bytes, self.disk_bytes(num_shards, self.value_bytes))
+        self._tier: NvmeTier = tiers[NVME]
+        self.disk: NvmeTier = self._tier.split(self.value_bytes, self.disk_bytes(num_shards, self.value_bytes))
         """The homes' own swap file (its slots are shard-sized), its bytes taken from the NVMe tier's budget."""
         host = tiers[HOST]
         self.pool = BufferPool(NVME_STAGING_BUFFERS, lambda: host.allocate_aligned(self.disk.slot_bytes, ALIGN_BYTES))
@@ -96,6 +97,8 @@ class NvmeHome(ParamHome):
         """Gradients that waited for their update on disk (more were waiting than buffers hold)."""
 
     def allocate(self, group: int) -> torch.Tensor | None:
+        if self.disk.slot_bytes > self.disk.free_bytes:  # a re-plan homes more shards here than the first plan did
+            self._tier.lend(self.disk, self.disk.slot_bytes)
         self._offsets[group] = self.disk.allocate_slot()
         return None
 

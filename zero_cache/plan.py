@@ -67,7 +67,10 @@ class PlanInputs:
     param_home: str = DEVICE
     """Gathered params: where this rank's shards may live: "device" (all resident), "host" (all in pinned
     host memory, copied in on use: DeepSpeed's ``offload_param``), "nvme" (all in the NVMe tier's swap, read
-    through a few pinned buffers), or "auto" (device or host, by what the step costs)."""
+    through a few pinned buffers), or "auto" (the device or a home of ``param_homes_off_device``, by what the
+    step costs)."""
+    param_homes_off_device: tuple[str, ...] = (HOST,)
+    """The homes "auto" may give a shard off the device: the host, and NVMe where the config permits it."""
     live_groups: int = 0
     """Gathered params: groups wanted live on the device at once (``max_live_elements``), at least the fewest
     that work (``gather_ahead`` + the groups in use)..."""

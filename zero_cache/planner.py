@@ -19,7 +19,8 @@ The plan decides, in this order of value per device byte:
    The live groups and gradient buckets are the **working set** (:mod:`zero_cache.working_set`): where the
    config's does not fit, it shrinks (the spare groups, the lagged bucket, the prefetch depth) before a
    plan is refused, and a plan that keeps the config's has the same counts it always had.
-   Which shards stay home on the device is chosen by what the step costs
+   Which shards stay home on the device is chosen by what the step costs, and where NVMe homes are permitted
+   (``offload_param: nvme``), which of the others live in host memory and which on the disk
    (:mod:`zero_cache.step_cost`): a streamed shard costs PCIe bytes every time it is used, a
    device byte given to it is not given to optimizer groups, and a host optimizer group costs
    CPU Adam time and PCIe bytes of its own;
@@ -49,7 +50,7 @@ tier and what to change, before a single byte is allocated (for the device, agai
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
 from zero_cache.eviction import belady_misses  # noqa: F401  (re-exported: the rule over a trace)
 from zero_cache.homes import home_class
@@ -134,12 +135,9 @@ def _plan_gathered(inputs: PlanInputs, room: int, working: WorkingSet) -> Plan:
     groups_in_order = list(dict.fromkeys(c // size for c in first_use_order(inputs.trace, inputs.num_chunks)))
     groups_in_order += [g for g in range(held) if g not in groups_in_order]
     owned = _owned_in_use_order(inputs)
-    # "auto" weighs device homes against host ones; a named home takes every shard.
-    if inputs.param_home == AUTO:
-        off_home, resident_options = HOST, range(held, -1, -1)
-    else:
-        streams = home_class(inputs.param_home).streams
-        off_home, resident_options = (inputs.param_home, [0]) if streams else (HOST, [held])
+    # "auto" weighs device homes against those off the device it permits; a named home takes every shard.
+    resident_options = range(held, -1, -1) if inputs.param_home == AUTO else (
+        [0] if home_class(inputs.param_home).streams else [held])
     best: tuple | None = None
     failure: PlanError | None = None
     for resident in resident_options:
@@ -153,23 +151,76 @@ def _plan_gathered(inputs: PlanInputs, room: int, working: WorkingSet) -> Plan:
         home_on_device = set(groups_in_order[:resident])
         eligible = [c for c in owned if c // size in home_on_device]  # device Adam needs the shard on the device
         device_optim = min(len(eligible), left // inputs.optimizer_chunk_bytes)
-        home = tuple(DEVICE if g in home_on_device else off_home for g in range(held))
-        try:
-            plan = _finish(inputs, working, resident_bytes=resident * shard_bytes, live=live,
-                           device_optim=eligible[:device_optim], home=home,
-                           host_params_bytes=home_class(off_home).host_bytes(streamed, shard_bytes),
-                           traffic=_traffic(inputs, home, owned, device_optim, eligible))
-        except PlanError as err:
-            failure = failure or err
-            continue
-        key = (plan.traffic.seconds, -resident, -device_optim)
-        if best is None or key < best[0]:
-            best = (key, plan)
+
+        def placed(home: tuple[str, ...]) -> Plan | None:
+            nonlocal failure
+            try:
+                return _finish(inputs, working, resident_bytes=resident * shard_bytes, live=live,
+                               device_optim=eligible[:device_optim], home=home,
+                               host_params_bytes=sum(home_class(name).host_bytes(home.count(name), shard_bytes)
+                                                     for name in set(home) if name != DEVICE),
+                               traffic=_traffic(inputs, home, owned, device_optim, eligible))
+            except PlanError as err:
+                failure = failure or err
+                return None
+
+        for plan in _streamed_placements(inputs, groups_in_order, resident, placed):
+            key = (plan.traffic.seconds, -resident, -device_optim, plan.param_home.count(NVME))
+            if best is None or key < best[0]:
+                best = (key, plan)
     if best is not None:
         return best[1]
     if failure is not None:
         raise failure
     raise PlanError(_working_set_shortfall(inputs, working))
+
+
+def _streamed_placements(inputs: PlanInputs, groups_in_order: list[int], resident: int,
+                         placed: Callable[[tuple[str, ...]], Plan | None]) -> Iterator[Plan]:
+    """The plans to weigh with the first ``resident`` groups of ``groups_in_order`` at home on the device
+    (``placed``: the plan of given homes, None where it does not fit). A named home takes every other shard; "auto"
+    puts them on the host, or, where the config permits params on NVMe (DeepSpeed's ``offload_param: nvme``), the
+    first of them on the host and the rest on NVMe.
+
+    A shard's host bytes save the disk three times their number a step (two reads and a write), an optimizer
+    group's twice theirs: so the most host homes that fit is weighed (found by bisection: each more takes host
+    memory), beside all on the host, none and halfway; ``make_plan`` keeps the cheapest.
+    """
+    on_device = set(groups_in_order[:resident])
+    streamed = [g for g in groups_in_order if g not in on_device]
+
+    if inputs.param_home == AUTO:
+        last = NVME if NVME in inputs.param_homes_off_device else HOST
+    else:
+        last = inputs.param_home if home_class(inputs.param_home).streams else HOST
+
+    def homes(on_host: int) -> tuple[str, ...]:
+        host = set(streamed[:on_host])  # (the first used: host groups can be stepped on the device)
+        return tuple(DEVICE if g in on_device else HOST if g in host else last for g in range(inputs.param_chunks_held))
+
+    if inputs.param_home != AUTO or last != NVME or not streamed:
+        plan = placed(homes(0))
+        if plan is not None:
+            yield plan
+        return
+    tried: dict[int, Plan | None] = {}
+
+    def tried_with(on_host: int) -> Plan | None:
+        if on_host not in tried:
+            tried[on_host] = placed(homes(on_host))
+        return tried[on_host]
+
+    low, high = 0, len(streamed)
+    while low < high:  # the most host homes that fit (or none)
+        middle = (low + high + 1) // 2
+        if tried_with(middle) is not None:
+            low = middle
+        else:
+            high = middle - 1
+    for on_host in sorted({len(streamed), low, low // 2, 0}, reverse=True):
+        plan = tried_with(on_host)
+        if plan is not None:
+            yield plan
 
 
 def _working_set_shortfall(inputs: PlanInputs, working: WorkingSet) -> str:

@@ -352,20 +352,18 @@ def _zero_cache_section(parsed: edge.EdgeConfig) -> ZeroCacheConfig:
             single_submit=aio.single_submit, overlap_events=aio.overlap_events))
     section = dataclasses.replace(section, **_carried_tuning(zero, section))
     offloads = [o for o in (zero.offload_param, zero.offload_optimizer) if o is not None and o.device != "none"]
-    if zero.offload_param is not None and zero.offload_param.device == "nvme" and section.param_home == "auto":
-        # DeepSpeed's user asked for the params' host memory to stay free: every shard is homed on the disk, under
-        # the path given for them (also when the zero_cache section is enabled by hand).
-        section = dataclasses.replace(section, param_home="nvme",
-                                      nvme_path=section.nvme_path or zero.offload_param.nvme_path)
-        logger.info("zero_optimization.offload_param.device is nvme: every param shard is homed in a swap file "
-                    "under the nvme_path, read through a few pinned buffers (zero_cache.param_home \"nvme\"; set it "
-                    "to \"host\" to keep them in host memory instead)")
-    elif zero.offload_param is not None and zero.offload_param.device != "none" and section.param_home == "auto":
-        # A permission, not a placement: the plan may stream params from the host, and keeps on the device those
-        # that fit and pay (the plan's log line says which); zero_cache.param_home "host" forces them all there.
-        logger.info("zero_optimization.offload_param.device is %s: params may live in host memory; the plan keeps on "
-                    "the device those that fit and pay (set zero_cache.param_home to \"host\" to force every one "
-                    "there)", zero.offload_param.device)
+    if zero.offload_param is not None and zero.offload_param.device != "none" and section.param_home == "auto":
+        # A permission, not a placement: the plan may stream params from the host (and the disk, for nvme), and
+        # keeps on the device and in host memory those that fit and pay (the plan's log line says which);
+        # zero_cache.param_home "host" or "nvme" forces them all there.
+        device = zero.offload_param.device
+        if device == "nvme":
+            section = dataclasses.replace(section, nvme_param_homes=True,
+                                          nvme_path=section.nvme_path or zero.offload_param.nvme_path)
+        logger.info("zero_optimization.offload_param.device is %s: params may live %s; the plan keeps on the device "
+                    "and in host memory those that fit and pay (set zero_cache.param_home to \"%s\" to force every "
+                    "one there)", device, "in host memory or on NVMe" if device == "nvme" else "in host memory",
+                    device if device == "nvme" else "host")
     if section.enabled or zero.stage != 3 or not offloads:
         return section
     nvme = next((o.nvme_path for o in offloads if o.device == "nvme"), None)

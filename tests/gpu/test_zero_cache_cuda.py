@@ -14,13 +14,16 @@ from zero_cache.layout import pack
 from zero_cache.planner import DEVICE, DEVICE_MARGIN_FRACTION, HOST, NVME
 
 pytestmark = pytest.mark.gpu
-CHUNK = 32768
+CHUNK = 2**19
 
 
 def model(seed: int) -> torch.nn.Module:
-    """Model states of about 7 MiB: the budgets below split them, next to tens of MiB of cuBLAS workspaces."""
+    """Model states of about 130 MiB in 14 chunks: the budgets below split them. Their halves stay well apart
+    next to what the GPU holds beside them (tens of MiB of cuBLAS workspaces), which differs by some MiB from one
+    engine to the next: with 7 MiB of states, a budget sized from one engine's measurement put every group of
+    the next on the device."""
     torch.manual_seed(seed)
-    return build_model(ModelConfig(flavour="llama", vocab_size=VOCAB, max_seq_len=SEQ, num_layers=6, hidden_size=64,
+    return build_model(ModelConfig(flavour="llama", vocab_size=VOCAB, max_seq_len=SEQ, num_layers=6, hidden_size=320,
                                    num_heads=4))
 
 
@@ -30,12 +33,12 @@ def model_state_bytes(seed: int) -> int:
     return layout.num_chunks * layout.chunk_numel * 18
 
 
-def nonmodel_peak_bytes(seed: int, config: dict, batch: dict) -> int:
+def nonmodel_peak_bytes(seed: int, config: dict, batches: list[dict]) -> int:
     """What the re-plan after warm-up measures on this GPU beside the model states (activations, cuBLAS's
     workspaces, fragmentation), from a probe engine whose device budget holds everything: a budget under it
     leaves no room for any model state, whatever the card."""
     engine, optimizer, _, _ = angelptm.initialize(model=model(seed), config=config)
-    train_steps(engine, [batch])
+    train_steps(engine, batches)  # (one optimizer step: the config's micro-batches)
     measured = optimizer.nonmodel_peak_bytes
     assert measured is not None, "the warm-up step re-plans"
     optimizer.finish_pending()  # (the host worker's last update holds the store until it ends)
@@ -65,7 +68,7 @@ def test_split_tiers_on_cuda_track_the_reference_over_20_steps(accumulation, cli
                          zero_cache={"enabled": True, "chunk_size": CHUNK, "device_memory_budget": device_budget,
                                      "host_memory_budget": total})
 
-    nonmodel = nonmodel_peak_bytes(seed, config(4 * total + 2**30), batches[0])
+    nonmodel = nonmodel_peak_bytes(seed, config(4 * total + 2**30), batches[:accumulation])
     engine, optimizer, _, _ = angelptm.initialize(model=model(seed), config=config(split_budget(nonmodel, total)))
     # activation_memory "auto": the warm-up step runs at the least device footprint (the host takes what it
     # holds), and the re-plan after it, by the measured activations, brings groups to the device.
@@ -93,7 +96,7 @@ def test_three_tiers_on_cuda_track_the_reference_over_20_steps(tmp_path, clip):
                          zero_cache={"enabled": True, "chunk_size": CHUNK, "device_memory_budget": device_budget,
                                      "host_memory_budget": host_budget, "nvme_path": str(tmp_path)})
 
-    nonmodel = nonmodel_peak_bytes(seed, config(4 * total + 2**30, 2 * total), batches[0])
+    nonmodel = nonmodel_peak_bytes(seed, config(4 * total + 2**30, 2 * total), batches[:1])
     # The device holds about half the states after the re-plan, the host a few groups beside its bounce buffers.
     engine, optimizer, _, _ = angelptm.initialize(model=model(seed),
                                                   config=config(split_budget(nonmodel, total), total // 3))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+from dataclasses import replace
 import weakref
 from pathlib import Path
 
@@ -20,9 +21,12 @@ import angelptm
 from angelptm.config import load_config
 from angelptm.pretraining.models import ModelConfig, build_model
 from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop, train_steps
+from zero_cache.config import AioConfig
+from zero_cache.nvme import NvmeTier
 from zero_cache.nvme_home import NVME_HELD_GRADIENTS, NVME_STAGING_BUFFERS, NvmeHome
 from zero_cache.planner import PlanError, PlanInputs, make_plan
 from zero_cache.tier_names import HOST, NVME
+from zero_cache.tiers import Tier, TierFullError
 
 CHUNK_NUMEL = 8192
 
@@ -116,21 +120,29 @@ def test_params_homed_on_nvme_follow_a_plain_fp32_adamw_loop(tmp_path):
     assert all(torch.equal(value, masters[name]) for name, value in optimizer.master_state_dict().items())
 
 
-def test_deepspeeds_offload_param_nvme_homes_params_on_the_disk_and_frees_them_when_dropped(tmp_path):
-    """A DeepSpeed ZeRO-Infinity config (params and optimizer offloaded, params to NVMe) as a user has it."""
+def test_deepspeeds_offload_param_nvme_permits_disk_homes_for_what_memory_cannot_hold(tmp_path):
+    """A DeepSpeed ZeRO-Infinity config (params and optimizer states to NVMe) as a user has it: a permission, not a
+    placement. With room for about half the shards in host memory beside the disk's staging buffers, the first ones
+    the forward uses live there and the rest on the disk; it trains like plain fp32 AdamW, and a dropped engine
+    leaves nothing on the disk."""
     seed = torch.randint(0, 10_000, ()).item()
     ds = ds_config(gradient_clipping=1.0, zero_optimization={
         "stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
-        "offload_optimizer": {"device": "cpu"}})
-    parsed = load_config(ds)
-    assert parsed.zero_cache.enabled and parsed.zero_cache.param_home == NVME
-    assert parsed.zero_cache.nvme_path == str(tmp_path)
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}},
+        zero_cache={"chunk_size": 4096, "device_memory_budget": 100 * 1024, "host_memory_budget": 500 * 1024})
+    parsed = load_config(ds).zero_cache
+    assert parsed.enabled and parsed.param_home == "auto" and parsed.nvme_param_homes
+    assert parsed.nvme_path == str(tmp_path)
     by_hand = load_config({**ds, "zero_cache": {"enabled": True}}).zero_cache  # (its path still comes along)
-    assert by_hand.param_home == NVME and by_hand.nvme_path == str(tmp_path)
-    batches = random_batches(seed, count=3, batch=4)
+    assert by_hand.nvme_param_homes and by_hand.nvme_path == str(tmp_path)
+    batches = random_batches(seed, count=4, batch=4)
     engine, optimizer, _, _ = angelptm.initialize(model=tiny_gpt(seed), config=ds)
-    assert set(optimizer.store.param_home) == {NVME}
+    homes = optimizer.store.param_home
+    assert set(homes) == {HOST, NVME}, homes
+    in_order = list(range(len(homes)))  # (no trace before the first step: the chunks' order)
+    assert sorted(in_order, key=lambda g: homes[g] == NVME) == in_order, "the first used live in host memory"
     losses = train_steps(engine, batches)
+    assert set(optimizer.store.param_home) == {HOST, NVME}  # (after the re-plan too)
     expected_losses, _ = reference_loop(tiny_gpt(seed), batches, dtype=torch.float32, accumulation=1, lr=3e-3, clip=1.0)
     assert losses == pytest.approx(expected_losses, rel=1e-5)
     assert open_files_under(tmp_path) >= 2, "the optimizer's swap file and the param homes'"
@@ -168,6 +180,9 @@ def test_params_homed_on_nvme_need_a_swap_directory(tmp_path):
         angelptm.initialize(model=tiny_gpt(0), config=config("nvme"))
     with pytest.raises(angelptm.ConfigError, match=r"nvme_path: .*missing.* is not an existing directory.*mkdir -p"):
         angelptm.initialize(model=tiny_gpt(0), config=config("nvme", tmp_path / "missing"))
+    no_path = ds_config(zero_optimization={"stage": 3, "offload_param": {"device": "nvme"}})
+    with pytest.raises(angelptm.ConfigError, match=r"nvme_param_homes is true but no swap directory is set"):
+        angelptm.initialize(model=tiny_gpt(0), config=no_path)
 
 
 def test_params_homed_on_nvme_need_a_writable_swap_directory(tmp_path):
@@ -217,3 +232,49 @@ def test_a_disk_too_small_for_the_shards_is_refused_with_the_shortfall():
         make_plan(nvme_inputs(nvme_budget_bytes=20 * 1024))
     with pytest.raises(PlanError, match=r"add an NVMe tier \(zero_cache.nvme_path\)"):
         make_plan(nvme_inputs(nvme_budget_bytes=0, nvme_path_set=False))
+
+
+def test_auto_homes_fill_the_host_with_shards_and_put_the_rest_on_disk_where_that_is_permitted():
+    """"auto" with NVMe permitted (offload_param: nvme), 60 shards of 2,000 B: a host budget of 150,000 B holds the
+    disk's staging buffers (64 KiB), the update scratch and bounce buffers, and some shards. Those the forward uses
+    first live there, the rest on the disk; without the permission the plan is refused, and forcing every shard
+    onto the disk moves more bytes a step."""
+    inputs = nvme_inputs(num_chunks=60, param_chunks_held=60, trace=tuple(range(60)) + tuple(reversed(range(60))),
+                         param_home="auto", param_homes_off_device=(HOST, NVME), host_budget_bytes=150_000,
+                         device_budget_bytes=16_000, nvme_budget_bytes=10**7)
+    plan = make_plan(inputs)
+    on_host = plan.param_home.count(HOST)
+    assert 0 < on_host < 60 and plan.param_home == (HOST,) * on_host + (NVME,) * (60 - on_host), plan.summary()
+    assert plan.host_bytes <= 150_000
+    # One more shard in host memory does not fit: the host holds as many as it can.
+    assert plan.host_bytes + 2000 > 150_000 - 4096  # (a shard, less the alignment slack the disk's slot adds)
+    all_on_disk = make_plan(replace(inputs, param_home=NVME))
+    assert plan.traffic.disk_bytes < all_on_disk.traffic.disk_bytes
+    assert plan.traffic.seconds < all_on_disk.traffic.seconds
+    with pytest.raises(PlanError, match="host tier needs"):
+        make_plan(replace(inputs, param_homes_off_device=(HOST,)))
+
+
+def test_a_home_given_more_shards_than_it_was_made_for_takes_them_from_the_disk_tiers_budget(tmp_path):
+    """A re-plan may home more shards on the disk than the first plan made the home for: each further slot comes
+    out of the NVMe tier's budget (the disk's total stays the budget the plan was made with), and a slot the
+    budget has no room for is refused."""
+    host = Tier(HOST, torch.device("cpu"), 2**20)
+    disk = NvmeTier(tmp_path, 12 * 4096, 3 * 12 * 4096, AioConfig())
+    home = NvmeHome({HOST: host, NVME: disk}, 1000, torch.float32, num_shards=1)
+    whole = disk.budget_bytes + disk.split_bytes
+    values = {group: torch.randn(1000) for group in range(3)}
+    for group, value in values.items():  # 4 KiB slots: the first was planned, two more fit the tier's budget
+        home.allocate(group)
+        with home.open(group, None, fresh=True, write_back=True) as shard:
+            shard.copy_(value)
+    assert home.disk.used_bytes == 3 * home.disk.slot_bytes and disk.budget_bytes + disk.split_bytes == whole
+    for group, value in values.items():
+        with home.open(group, None) as shard:
+            assert torch.equal(shard, value)
+    for extra in range(disk.free_bytes // home.disk.slot_bytes):
+        home.allocate(len(values) + extra)
+    with pytest.raises(TierFullError, match="swap for param homes exceeds its budget"):
+        home.allocate(-1)
+    home.close()
+    disk.close()
