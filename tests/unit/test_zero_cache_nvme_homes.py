@@ -248,6 +248,9 @@ def test_auto_homes_fill_the_host_with_shards_and_put_the_rest_on_disk_where_tha
     assert plan.host_bytes <= 150_000
     # One more shard in host memory does not fit: the host holds as many as it can.
     assert plan.host_bytes + 2000 > 150_000 - 4096  # (a shard, less the alignment slack the disk's slot adds)
+    # No kept gradients, none stepped on the device: every gradient waits for the step, those homed on the host in
+    # host memory, those homed on the disk in its held buffers (the last NVME_HELD_GRADIENTS) or on the disk.
+    assert plan.traffic.gradients_to_disk == 60 - on_host - NVME_HELD_GRADIENTS
     all_on_disk = make_plan(replace(inputs, param_home=NVME))
     assert plan.traffic.disk_bytes < all_on_disk.traffic.disk_bytes
     assert plan.traffic.seconds < all_on_disk.traffic.seconds
