@@ -142,8 +142,10 @@ class ChunkExchange:
                     self._open[group] = self._take_bucket()
                 self.reduce(group)
 
-    def completed(self, keep_in_flight: int = 0) -> list[int]:
-        """Wait for the oldest reductions, leaving ``keep_in_flight`` in flight; returns their groups in order."""
+    def completed(self, keep_in_flight: int = 0, updated_now: Callable[[int], bool] | None = None) -> list[int]:
+        """Wait for the oldest reductions, leaving ``keep_in_flight`` in flight; returns their groups in order.
+        ``updated_now``: whether a group's owned chunk is updated as soon as it returns (during backward), so its
+        gradient does not wait for the step in its home (None: every one waits)."""
         waiting = list(self._reductions)
         done = waiting[:max(0, len(waiting) - keep_in_flight)]
         for group in done:
@@ -154,20 +156,23 @@ class ChunkExchange:
                 # The sum goes into the shard, over the params: the group must not be gathered again before the
                 # step (releasing it waits for a gather still in flight, which reads the shard).
                 self.gathered.release(group, closed=True)
-                self.release_bucket(group, self._write_home(group) if self._home_target(group) is None else None)
+                waits = updated_now is None or not updated_now(group)
+                self.release_bucket(group, self._write_home(group, waits) if self._home_target(group) is None
+                                    else None)
         return done
 
     def _home_target(self, group: int) -> torch.Tensor | None:
         """Where the reduce-scatter writes this rank's slice itself (a shard in device memory), else None."""
         return self.store.group_home(group).reduce_target(self.store.shards[group])
 
-    def _write_home(self, group: int) -> Any:
-        """Take this rank's reduced slice to its shard's home off the device; returns the transfer's token."""
+    def _write_home(self, group: int, waits: bool) -> Any:
+        """Take this rank's reduced slice to its shard's home off the device (``waits``: for an update after
+        backward); returns the transfer's token."""
         reduced = self.sharding.mine(self._open[group])
         if self.sharding.sharded:  # (one rank sums its squares per parameter, from the gradient hook)
             self.reduced_squares[group] = torch.linalg.vector_norm(reduced, dtype=torch.float32).square()
         self.landed[group] = self.store.group_home(group).write_gradient(group, self.store.shards[group], reduced,
-                                                                         self.transfers)
+                                                                         self.transfers, waits=waits)
         return self.landed[group]
 
     def reduced_slice(self, group: int) -> torch.Tensor:

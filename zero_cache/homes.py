@@ -14,8 +14,9 @@ step asks each home five things, and nothing else in the runtime knows which kin
   the home itself, or a disk write).
 
 And the planner asks the class what a home costs: host bytes, disk bytes, and disk bytes moved per
-step (PCIe bytes are the same for every home off the device: :mod:`zero_cache.step_cost`). A new
-kind of home is one subclass; it registers itself under its tier name (:func:`home_class`).
+step, gradients that wait for the step on disk included (PCIe bytes are the same for every home off
+the device: :mod:`zero_cache.step_cost`). A new kind of home is one subclass; it registers itself
+under its tier name (:func:`home_class`).
 """
 
 from __future__ import annotations
@@ -73,8 +74,15 @@ class ParamHome:
         return 0
 
     @classmethod
-    def disk_bytes_per_step(cls, shards: int, owned: int, shard_bytes: int, gathers_per_step: float) -> int:
-        """Disk bytes one step moves for ``shards`` homes, ``owned`` of them updated by this rank."""
+    def disk_bytes_per_step(cls, shards: int, owned: int, shard_bytes: int, gathers_per_step: float,
+                            waiting: int = 0) -> int:
+        """Disk bytes one step moves for ``shards`` homes, ``owned`` of them updated by this rank, ``waiting`` of
+        those after backward (their gradients wait for the step: :meth:`gradients_to_disk_per_step`)."""
+        return 0
+
+    @classmethod
+    def gradients_to_disk_per_step(cls, waiting: int) -> int:
+        """Of ``waiting`` gradients (owned chunks updated after backward), how many wait for their update on disk."""
         return 0
 
     # ------------------------------------------------------------------ the runtime's questions
@@ -106,8 +114,10 @@ class ParamHome:
         the bucket and :meth:`write_gradient` takes it home."""
         return None
 
-    def write_gradient(self, group: int, shard: torch.Tensor | None, reduced: torch.Tensor, transfers: Any) -> Any:
-        """Take this rank's reduced gradient slice (on the device) home, over the params; returns its token."""
+    def write_gradient(self, group: int, shard: torch.Tensor | None, reduced: torch.Tensor, transfers: Any, *,
+                       waits: bool = True) -> Any:
+        """Take this rank's reduced gradient slice (on the device) home, over the params; returns its token.
+        ``waits``: its update runs after backward (else during backward, from the gradient soon)."""
         raise NotImplementedError
 
     def fetch_gradient(self, group: int, param_chunk: torch.Tensor | None, pool: BufferPool, transfers: Any, *,
@@ -168,7 +178,8 @@ class DeviceHome(ParamHome):
     def reduce_target(self, shard: torch.Tensor | None) -> torch.Tensor | None:
         return shard
 
-    def write_gradient(self, group: int, shard: torch.Tensor | None, reduced: torch.Tensor, transfers: Any) -> Any:
+    def write_gradient(self, group: int, shard: torch.Tensor | None, reduced: torch.Tensor, transfers: Any, *,
+                       waits: bool = True) -> Any:
         return None  # the reduce-scatter wrote it (reduce_target)
 
 
@@ -188,7 +199,8 @@ class HostHome(ParamHome):
                transfers: Any) -> Any:
         return copy_in_and_gather(shard, buffer, sharding, transfers)[1]
 
-    def write_gradient(self, group: int, shard: torch.Tensor | None, reduced: torch.Tensor, transfers: Any) -> Any:
+    def write_gradient(self, group: int, shard: torch.Tensor | None, reduced: torch.Tensor, transfers: Any, *,
+                       waits: bool = True) -> Any:
         return transfers.copy(shard, reduced, "d2h", after=transfers.mark())
 
     def fetch_gradient(self, group: int, param_chunk: torch.Tensor | None, pool: BufferPool, transfers: Any, *,

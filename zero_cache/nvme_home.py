@@ -19,10 +19,19 @@ from zero_cache.tiers import BufferPool, wait
 NVME_STAGING_BUFFERS = 8
 """Pinned buffers of one shard each through which NVMe homes are read and written: the host worker holds up to
 three (the update's gradient, the next update's, a revision's output), the training thread one (a gather or a
-gradient arriving), and the rest hold reads started ahead along the trace and gradients waiting for their update."""
+gradient arriving), and the rest (:data:`NVME_HELD`) are held between calls."""
 NVME_HELD = NVME_STAGING_BUFFERS - 4
-"""Buffers held between calls, reads started ahead and gradients together (never more, so the worker and the
-training thread always find one)."""
+"""Buffers held between calls: :data:`NVME_READS_AHEAD` reads started ahead and :data:`NVME_HELD_GRADIENTS` gradients
+waiting for their update after backward, each kind in its own share (neither drops the other for room, so what a
+step moves does not depend on timing, and the plan counts it: :meth:`NvmeHome.gradients_to_disk_per_step`). A
+gradient that an update during backward takes comes on top: it is the worker's next input, and while the worker
+lags, the training thread waits for a buffer rather than send that gradient to disk and back."""
+NVME_READS_AHEAD = 2
+"""Reads started ahead (:meth:`NvmeHome.prefetch`): the slots of the next window beyond the groups being gathered,
+as wide as the default ``prefetch_depth`` (2)."""
+NVME_HELD_GRADIENTS = NVME_HELD - NVME_READS_AHEAD
+"""Gradients waiting in buffers for their update after backward (the last backward writes, which the step updates
+first); the oldest beyond them waits in its slot on disk."""
 
 
 class NvmeHome(ParamHome):
@@ -32,10 +41,13 @@ class NvmeHome(ParamHome):
     A gather reads the slot into a buffer (started ahead along the recorded trace, through the same asynchronous
     IO as the NVMe optimizer states, :mod:`zero_cache.aio`) and copies it in. The reduced gradient is copied into a
     buffer, where the host's Adam takes it (updates run during backward: soon), writes the new params over it, and
-    the buffer goes to the slot (written behind: a later read of the slot waits for it). Gradients waiting beyond
-    :data:`NVME_HELD` buffers (updates after backward) go to the slot over the params, as a host home keeps them,
-    and are read back for their update. Per step that is a read per gather and a write per updated shard (plus a
-    write and a read per gradient that had to wait on disk).
+    the buffer goes to the slot (written behind: a later read of the slot waits for it). A gradient whose update
+    waits until after backward waits in a buffer, at most :data:`NVME_HELD_GRADIENTS` of them (the last ones
+    backward writes, which the step updates first); the oldest beyond them goes to the slot over the params, as a
+    host home keeps them, and is read back for its update. A gradient whose update runs during backward stays in its
+    buffer until the worker takes it (a write then waits for a buffer rather than send it to disk). Per step that is
+    a read per gather and a write per updated shard, plus a write and a read per gradient that waited on disk
+    (:meth:`gradients_to_disk_per_step`).
     """
 
     name = NVME
@@ -51,8 +63,14 @@ class NvmeHome(ParamHome):
         return shards * align_up(shard_bytes)
 
     @classmethod
-    def disk_bytes_per_step(cls, shards: int, owned: int, shard_bytes: int, gathers_per_step: float) -> int:
-        return int((shards * gathers_per_step + owned) * align_up(shard_bytes))
+    def disk_bytes_per_step(cls, shards: int, owned: int, shard_bytes: int, gathers_per_step: float,
+                            waiting: int = 0) -> int:
+        return int((shards * gathers_per_step + owned + 2 * cls.gradients_to_disk_per_step(waiting))
+                   * align_up(shard_bytes))
+
+    @classmethod
+    def gradients_to_disk_per_step(cls, waiting: int) -> int:
+        return max(0, waiting - NVME_HELD_GRADIENTS)
 
     def __init__(self, tiers: dict[str, Any], numel: int, dtype: torch.dtype, num_shards: int = 0) -> None:
         super().__init__(tiers, numel, dtype)
@@ -68,7 +86,9 @@ class NvmeHome(ParamHome):
         self._offsets: dict[int, int] = {}  # group -> its slot
         self._raw: dict[int, torch.Tensor] = {}  # a buffer's address -> the whole aligned buffer (IO moves whole slots)
         self._ahead: dict[int, tuple[torch.Tensor, Any]] = {}  # group -> (buffer, read) started by prefetch
-        self._gradients: dict[int, tuple[torch.Tensor, Any]] = {}  # group -> (buffer, d2h copy): gradients held
+        self._gradients: dict[int, tuple[torch.Tensor, Any]] = {}  # group -> (buffer, d2h copy): gradients held...
+        self._waiting: set[int] = set()  # ...of them, those whose update runs after backward (the others: soon)
+        self._stale: set[int] = set()  # groups whose slot's params a gradient replaced, until new params are written
         # Orders reads, writes and the held buffers of one slot between the training thread and the worker.
         self._lock = threading.Lock()
         self.reads_ahead_used = 0
@@ -102,13 +122,16 @@ class NvmeHome(ParamHome):
         return values, self.disk.read(self._offsets[group], self._raw[values.data_ptr()])
 
     def _write(self, group: int, values: torch.Tensor) -> Any:
-        """Write ``values`` (a staging buffer) to the group's slot and give the buffer back behind the write."""
+        """Write ``values`` (the group's params, in a staging buffer) to its slot and give the buffer back behind
+        the write."""
         with self._lock:
+            self._stale.discard(group)
             return self._write_locked(group, values)
 
     def _write_locked(self, group: int, values: torch.Tensor) -> Any:
         # A read started ahead before this write would keep the old values, a gradient held for the slot is
         # superseded (an update that only restored the params): both dropped.
+        self._waiting.discard(group)
         for held in (self._ahead.pop(group, None), self._gradients.pop(group, None)):
             if held is not None:
                 self._release(*held)
@@ -137,7 +160,8 @@ class NvmeHome(ParamHome):
 
     def prefetch(self, group: int) -> None:
         with self._lock:  # (never blocks on a buffer: the worker may hold them, and takes this lock to write)
-            if group in self._ahead or len(self._ahead) + len(self._gradients) >= NVME_HELD:
+            # A slot whose new params are not written yet would be read for nothing (the write drops the read).
+            if group in self._ahead or group in self._stale or len(self._ahead) >= NVME_READS_AHEAD:
                 return
             raw = self.pool.try_acquire()
             if raw is not None:
@@ -155,6 +179,9 @@ class NvmeHome(ParamHome):
         """Release the read started ahead for ``group`` (and, with ``gradient``, its held gradient)."""
         with self._lock:
             held = [self._ahead.pop(group, None), self._gradients.pop(group, None) if gradient else None]
+            if gradient:
+                self._waiting.discard(group)
+                self._stale.discard(group)
         for buffer_and_token in held:
             if buffer_and_token is not None:
                 self._release(*buffer_and_token)
@@ -171,16 +198,18 @@ class NvmeHome(ParamHome):
         self._release(values, copied)
         return work
 
-    def write_gradient(self, group: int, shard: torch.Tensor | None, reduced: torch.Tensor, transfers: Any) -> Any:
-        values = self._acquire()
+    def write_gradient(self, group: int, shard: torch.Tensor | None, reduced: torch.Tensor, transfers: Any, *,
+                       waits: bool = True) -> Any:
+        values = self._acquire()  # (all in use: gradients taken soon by the worker, which gives buffers back)
         copied = transfers.copy(values, reduced, "d2h", after=transfers.mark())
         with self._lock:
             self._gradients[group] = values, copied
-            while len(self._ahead) + len(self._gradients) > NVME_HELD:  # the oldest waits on disk
-                if self._ahead:
-                    self._release(*self._ahead.pop(next(iter(self._ahead))))
-                    continue
-                oldest = next(iter(self._gradients))
+            self._stale.add(group)
+            if waits:
+                self._waiting.add(group)
+            while len(self._waiting) > NVME_HELD_GRADIENTS:  # the oldest waits on disk
+                oldest = next(g for g in self._gradients if g in self._waiting)
+                self._waiting.discard(oldest)
                 held, held_copy = self._gradients.pop(oldest)
                 wait(held_copy)
                 self._write_locked(oldest, held)
@@ -191,6 +220,7 @@ class NvmeHome(ParamHome):
                        written: Any, landed: Any) -> tuple[torch.Tensor, Any]:
         with self._lock:
             held = self._gradients.pop(group, None)
+            self._waiting.discard(group)
         if held is not None:
             return held
         values = self._acquire()

@@ -33,7 +33,8 @@ class ShardedGradients:
         # Lagged by one group, so the compute stream rarely waits for NCCL (the wait orders what follows).
         # Sharded params cannot keep every bucket until the step: without overlap each is waited for at once.
         # (With no bucket planned for it, none stays in flight either: see ChunkExchange.reduction_lag.)
-        done = self.exchange.completed(keep_in_flight=self.exchange.reduction_lag)
+        updated_now = None if self.store.grads_in_accumulators or not self._speculating else self._updated_now
+        done = self.exchange.completed(keep_in_flight=self.exchange.reduction_lag, updated_now=updated_now)
         if self.store.grads_in_accumulators:
             self._accumulate_reduced(done)
         elif self._speculating:
@@ -99,6 +100,10 @@ class ShardedGradients:
                 if chunk not in self._queued:  # a queued chunk's squares are in; its update may be overwriting it
                     self._chunk_squares[chunk] = self._owned_square(chunk)
         self.sharding.all_reduce_sum(self._chunk_squares)
+
+    def _updated_now(self, group: int) -> bool:
+        """Whether :meth:`_update_reduced` queues an owned chunk of ``group`` as soon as its reduction is done."""
+        return any(self._speculates(chunk) for chunk in self._owned_in(group))
 
     def _update_reduced(self, groups: list[int]) -> None:
         """Queue the host updates of the owned chunks of reduced groups (update during backward)."""

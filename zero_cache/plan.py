@@ -196,6 +196,9 @@ class Plan:
         disk = f", nvme {format_bytes(self.nvme_bytes)}" if self.nvme_bytes else ""
         notes = [f"{len(self.kept_gradients)} keep their gradient"] if self.kept_gradients else []
         notes += [f"{len(self.device_stepped)} stepped on the device"] if self.device_stepped else []
+        spilled = self.traffic.gradients_to_disk  # (for their update after backward: a write and a read each)
+        if spilled:
+            notes.append(f"{spilled} gradients wait on disk" if spilled > 1 else "1 gradient waits on disk")
         kept = f" ({', '.join(notes)})" if notes else ""
         owned = len(self.optimizer_tier) - self.optimizer_tier.count(REMOTE)
         return (f"params {params}; optimizer states of {owned} chunks: {counts[DEVICE]} on the "

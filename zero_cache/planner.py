@@ -36,7 +36,8 @@ The plan decides, in this order of value per device byte:
 6. with host memory left, a **kept gradient** (one param chunk's bytes) for as many host-updated
    chunks as it holds, again those used last in the forward: a chunk updated during backward keeps
    its gradient until the step knows the global norm, so the update can be taken back or redone
-   exactly (:mod:`zero_cache.revision`). A chunk without one is updated after backward instead;
+   exactly (:mod:`zero_cache.revision`). A chunk without one is updated after backward instead (its gradient
+   waits in its home: one at home on NVMe, beyond a few buffers, on disk and back, which the step's disk bytes count);
 7. of the host groups, those the next forward needs first may be **stepped on the device** after
    backward (their states copied in and back out through the device's update scratch), as many as
    lower the step's floor: the host's Adam is then left fewer groups while PCIe has room
@@ -252,10 +253,39 @@ def _traffic(inputs: PlanInputs, home: tuple[str, ...], owned: list[int], device
                            streamed_shards=len(streamed), owned_streamed=owned_streamed,
                            host_updated_resident=len(host_updated) - owned_streamed, host_updated=len(host_updated),
                            gathers_per_step=inputs.gathers_per_step, rates=inputs.rates)
-    owned_in = {name: sum(1 for c in owned if home[c // inputs.group_size] == name) for name in set(home)}
-    disk = sum(home_class(name).disk_bytes_per_step(home.count(name), owned_in[name], inputs.param_chunk_bytes,
-                                                    inputs.gathers_per_step) for name in set(home))
+    disk = _home_disk_bytes(inputs, home, owned, {})
     return replace(traffic, disk_bytes=disk) if disk else traffic
+
+
+def _home_disk_bytes(inputs: PlanInputs, home: tuple[str, ...], owned: list[int], waiting: dict[str, int]) -> int:
+    """Disk bytes the param homes move per step (:meth:`~zero_cache.homes.ParamHome.disk_bytes_per_step`), with
+    ``waiting`` gradients per kind of home waiting for their update after backward."""
+    owned_in = {name: sum(1 for c in owned if home[c // inputs.group_size] == name) for name in set(home)}
+    return sum(home_class(name).disk_bytes_per_step(home.count(name), owned_in[name], inputs.param_chunk_bytes,
+                                                    inputs.gathers_per_step, waiting.get(name, 0))
+               for name in set(home))
+
+
+def _with_waiting_gradients(inputs: PlanInputs, traffic: StepTraffic, home: tuple[str, ...], owned: list[int],
+                            off_device: list[int], kept: tuple[int, ...], stepped: tuple[int, ...]) -> StepTraffic:
+    """``traffic`` (its disk bytes the homes' alone, as :func:`_traffic` counts them) with what the gradients cost
+    that wait in their homes for an update after backward: those of the host-updated chunks (``off_device``)
+    neither kept (updated during backward, :mod:`zero_cache.revision`) nor stepped on the device, with one
+    micro-batch per step (accumulated gradients go to the fp32 accumulators, not home). A home may hold only so
+    many of them and send the rest to disk and back (:meth:`~zero_cache.homes.ParamHome.gradients_to_disk_per_step`).
+    Counted for a step after an unclipped one: after a clipped step the kept chunks wait too."""
+    if not home or inputs.grad_bytes_per_element:
+        return traffic
+    updated_early = set(kept) | set(stepped)
+    waiting: dict[str, int] = {}
+    for chunk in off_device:
+        if chunk not in updated_early:
+            name = home[chunk // inputs.group_size]
+            waiting[name] = waiting.get(name, 0) + 1
+    to_disk = sum(home_class(name).gradients_to_disk_per_step(count) for name, count in waiting.items())
+    if not to_disk:
+        return traffic
+    return replace(traffic, disk_bytes=_home_disk_bytes(inputs, home, owned, waiting), gradients_to_disk=to_disk)
 
 
 def _finish(inputs: PlanInputs, working: WorkingSet, *, resident_bytes: int, live: int, device_optim: list[int],
@@ -283,6 +313,7 @@ def _finish(inputs: PlanInputs, working: WorkingSet, *, resident_bytes: int, liv
     on_host = off_device[:num_host]
     traffic, stepped, kept, host_bytes = _device_steps_and_kept(inputs, traffic, off_device, on_host, home, host_bytes,
                                                                 inputs.device_steps)
+    traffic = _with_waiting_gradients(inputs, traffic, home, owned, off_device, kept, stepped)
     traffic = _with_swapped_states(inputs, traffic, num_nvme)
     tiers = [REMOTE] * inputs.num_chunks
     for chunk in device_optim:
@@ -345,6 +376,7 @@ def with_device_step_count(inputs: PlanInputs, plan: Plan, count: int) -> Plan:
     without_kept = plan.host_bytes - len(plan.kept_gradients) * inputs.chunk_numel * inputs.kept_bytes_per_element
     traffic, stepped, kept, host_bytes = _device_steps_and_kept(inputs, traffic, off_device, on_host, plan.param_home,
                                                                 without_kept, min(count, len(on_host)))
+    traffic = _with_waiting_gradients(inputs, traffic, plan.param_home, owned, off_device, kept, stepped)
     traffic = _with_swapped_states(inputs, traffic, len(off_device) - len(on_host))
     return replace(plan, traffic=traffic, device_stepped=stepped, kept_gradients=kept, host_bytes=host_bytes)
 

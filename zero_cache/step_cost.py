@@ -70,13 +70,17 @@ class StepTraffic:
     rates: Rates = NOMINAL_RATES
     """What the floors are worked out at."""
     disk_bytes: int = 0
-    """Disk bytes read and written: param shards at home on NVMe (``zero_cache.nvme_home.NvmeHome``) and the states
-    of the optimizer groups on NVMe, read and written back once each: a floor. Not counted, as they depend on how far
-    the host's updates lag backward: gradients spilled to the homes' disk while more wait than staging buffers hold
-    (a write and a read of a shard each), reads started ahead and dropped to make room for them, and on a step that
-    clips or skips, a second read of each NVMe group whose update in backward was deferred. On CPU, 4 of 41 shards'
-    gradients waited in buffers and 37 on disk when NVMe optimizer groups slowed the host (25% over the floor); none
-    spilled with the states in host memory."""
+    """Disk bytes read and written: param shards at home on NVMe (``zero_cache.nvme_home.NvmeHome``: a read per
+    gather, a write per update, and a write and a read per gradient that waits for its update on disk,
+    :attr:`gradients_to_disk`) and the states of the optimizer groups on NVMe, read and written back once each: a
+    floor. Gathers are the eviction rule's estimate over the warm-up's trace (``gathers_per_step``), which the runtime
+    can miss by a few (CPU, 82 chunks: 145 gathers where the plan counts 146). Not counted: on a step after a clipped
+    one, the kept chunks' gradients wait for the step too (more of them on disk); on a step that clips or skips, a
+    second read of each NVMe group whose update in backward was deferred; a tied chunk's second update in backward;
+    a re-plan's moves."""
+    gradients_to_disk: int = 0
+    """Gradients of chunks at home on NVMe that wait for their update after backward beyond what the homes' staging
+    buffers hold, so on disk (counted in :attr:`disk_bytes`)."""
 
     @property
     def floors(self) -> dict[str, float]:

@@ -23,7 +23,7 @@ from angelptm.pretraining.models import ModelConfig, build_model
 from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop, train_steps
 from zero_cache.config import AioConfig
 from zero_cache.nvme import NvmeTier
-from zero_cache.nvme_home import NVME_HELD, NVME_STAGING_BUFFERS, NvmeHome
+from zero_cache.nvme_home import NVME_HELD_GRADIENTS, NVME_STAGING_BUFFERS, NvmeHome
 from zero_cache.planner import PlanError, PlanInputs, make_plan
 from zero_cache.tier_names import HOST, NVME
 from zero_cache.tiers import Tier, TierFullError
@@ -93,7 +93,7 @@ def test_params_homed_on_nvme_train_bit_for_bit_like_params_homed_on_the_host(tm
     assert reads >= 2 * len(batches) * len(store.shards) * home.disk.slot_bytes and writes > 0, report
     assert home.reads_ahead_used >= len(batches), "reads must start ahead along the trace"
     if in_backward is False and accumulation == 1:  # every gradient waits for step(): most of them on disk
-        assert home.gradients_to_disk >= len(batches) * (len(store.shards) - NVME_HELD)
+        assert home.gradients_to_disk >= len(batches) * (len(store.shards) - NVME_HELD_GRADIENTS)
     assert not list(tmp_path.iterdir()), "swap files have no name while they are used"
 
 
@@ -212,9 +212,19 @@ def test_the_plan_puts_every_shard_on_disk_and_counts_its_buffers_and_traffic():
     # host: the staging buffers (a 4 KiB slot each, plus alignment slack), the optimizer groups, the fp32 scratch
     assert plan.host_bytes == NVME_STAGING_BUFFERS * (4096 + 4096) + 10 * 12_000 + 4_000
     assert plan.nvme_bytes == plan.param_nvme_bytes == 10 * 4096
-    # each shard read twice (forward, backward) and its new params written once
-    assert plan.traffic.disk_bytes == (10 * 2 + 10) * 4096 and "disk" in plan.traffic.floors
+    # each shard read twice (forward, backward) and its new params written once; no kept gradient (none wanted): all
+    # 10 gradients wait for the step, the last NVME_HELD_GRADIENTS of backward in buffers, the rest on disk and back
+    spilled = 10 - NVME_HELD_GRADIENTS
+    assert plan.traffic.gradients_to_disk == spilled and f"{spilled} gradients wait on disk" in plan.summary()
+    assert plan.traffic.disk_bytes == (10 * 2 + 10 + 2 * spilled) * 4096 and "disk" in plan.traffic.floors
     assert plan.device_stepped == ()  # a shard on disk is updated by the host
+    # A kept gradient per chunk (room for all): each is updated during backward, none waits.
+    kept = make_plan(nvme_inputs(kept_bytes_per_element=2))
+    assert len(kept.kept_gradients) == 10 and kept.traffic.gradients_to_disk == 0
+    assert kept.traffic.disk_bytes == (10 * 2 + 10) * 4096 and "wait on disk" not in kept.summary()
+    # Accumulating micro-batches: gradients go to the fp32 accumulators, never home.
+    accumulating = make_plan(nvme_inputs(grad_bytes_per_element=4))
+    assert accumulating.traffic.gradients_to_disk == 0 and accumulating.traffic.disk_bytes == (10 * 2 + 10) * 4096
 
 
 def test_a_disk_too_small_for_the_shards_is_refused_with_the_shortfall():
@@ -238,6 +248,9 @@ def test_auto_homes_fill_the_host_with_shards_and_put_the_rest_on_disk_where_tha
     assert plan.host_bytes <= 150_000
     # One more shard in host memory does not fit: the host holds as many as it can.
     assert plan.host_bytes + 2000 > 150_000 - 4096  # (a shard, less the alignment slack the disk's slot adds)
+    # No kept gradients, none stepped on the device: every gradient waits for the step, those homed on the host in
+    # host memory, those homed on the disk in its held buffers (the last NVME_HELD_GRADIENTS) or on the disk.
+    assert plan.traffic.gradients_to_disk == 60 - on_host - NVME_HELD_GRADIENTS
     all_on_disk = make_plan(replace(inputs, param_home=NVME))
     assert plan.traffic.disk_bytes < all_on_disk.traffic.disk_bytes
     assert plan.traffic.seconds < all_on_disk.traffic.seconds
