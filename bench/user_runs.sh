@@ -26,16 +26,26 @@ run nngpt_4p4b 420 "${bench[@]}" "${cap[@]}" "${both[@]}" --models nngpt --sizes
 # states on the disk; here offload_optimizer nvme permits the disk, and the plan keeps on the host what fits.
 run nvme_2p7b 420 python3 bench/user_workloads.py --steps 4 "${cap[@]}" "${both[@]}" --models nngpt --sizes 2.7b \
     --configs $c/zero_nvme.json
-# Params and optimizer states on NVMe (issue 30): DeepSpeed ZeRO-Infinity against this engine's NVMe homes, a
-# workstation's budget (22 GB GPU, 32 GiB of host memory for our tiers; DeepSpeed has no such key), the local disk.
-# DeepSpeed's param swapper needs more buffers than the JSON's 5 ("Not enough buffers 0 for swapping 1" at step 1).
+# Params and optimizer states on NVMe (issue 30): DeepSpeed ZeRO-Infinity against this engine, a workstation's
+# budget (22 GB GPU, 32 GiB of host memory for our tiers; DeepSpeed has no such key), the local disk. DeepSpeed's
+# param swapper needs more buffers than the JSON's 5 ("Not enough buffers 0 for swapping 1" at step 1), each as
+# large as the embedding (1.4e8 elements at 2.7B). Here offload_param nvme is a permission: the nvme_auto runs take
+# the JSON as it is, the nvme_params runs force every shard onto the disk (zero_cache.param_home "nvme").
 nvme_json=(--configs $c/zero_infinity_nvme.json --set angelptm:zero_cache.host_memory_budget=32GiB
            --set deepspeed:zero_optimization.offload_param.buffer_count=32
-           --set deepspeed:zero_optimization.offload_param.buffer_size=110000000)
+           --set deepspeed:zero_optimization.offload_param.buffer_size=140000000)
+homes_on_disk=(--set 'angelptm:zero_cache.param_home="nvme"')
+run nvme_auto_2p7b 560 python3 bench/user_workloads.py --steps 3 --tuning-steps 3 "${cap[@]}" \
+    --engines angelptm deepspeed --models nngpt --sizes 2.7b "${nvme_json[@]}"
+run nvme_auto_4p4b 560 python3 bench/user_workloads.py --steps 8 --tuning-steps 0 "${cap[@]}" --engines angelptm \
+    --anchor angelptm --models nngpt --sizes 4.4b "${nvme_json[@]}"
 run nvme_params_1p3b 560 python3 bench/user_workloads.py --steps 3 --tuning-steps 3 "${cap[@]}" \
-    --engines angelptm deepspeed --models nngpt --sizes 1.3b "${nvme_json[@]}"
+    --engines angelptm deepspeed --models nngpt --sizes 1.3b "${nvme_json[@]}" "${homes_on_disk[@]}"
 run nvme_params_2p7b 560 python3 bench/user_workloads.py --steps 8 --tuning-steps 0 "${cap[@]}" --engines angelptm \
-    --anchor angelptm --models nngpt --sizes 2.7b "${nvme_json[@]}"
+    --anchor angelptm --models nngpt --sizes 2.7b "${nvme_json[@]}" "${homes_on_disk[@]}"
+# The whole host and the disk under the cap: the largest the plan fits on the lent H100 machine (11.7B).
+run nvme_whole_host_12b 560 python3 bench/user_workloads.py --steps 3 --tuning-steps 0 "${cap[@]}" \
+    --engines angelptm --anchor angelptm --models nngpt --sizes 12b --configs $c/zero_infinity_nvme.json
 # The newest DeepSpeed offloads at the same size and cap (DeepSpeed only; compare with nngpt_2p7b's zero_offload).
 run ds_newest_2p7b 400 "${bench[@]}" "${cap[@]}" --engines deepspeed --models nngpt --sizes 2.7b \
     --configs $c/zero_superoffload.json $c/zero_zenflow.json
