@@ -16,6 +16,10 @@ from zero_cache.planner import DEVICE, DEVICE_MARGIN_FRACTION, HOST, NVME
 
 pytestmark = pytest.mark.gpu
 CHUNK = 2**20
+LR = 1e-3
+"""At 3e-3 this model's 20 steps are chaotic: in fp32 on CPU the engine and the reference agree to 4 digits for 10
+steps, then rounding differences grow to 3% of the loss; at 1e-3 they agree within 1e-4 over all 20."""
+OPTIMIZER = {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95], "weight_decay": 0.1}}
 
 
 def model(seed: int) -> torch.nn.Module:
@@ -76,6 +80,7 @@ def test_split_tiers_on_cuda_track_the_reference_over_20_steps(accumulation, cli
 
     def config(device_budget: int) -> dict:
         return ds_config(bf16={"enabled": True}, gradient_clipping=clip, gradient_accumulation_steps=accumulation,
+                         optimizer=OPTIMIZER,
                          zero_cache={"enabled": True, "chunk_size": CHUNK, "device_memory_budget": device_budget,
                                      "host_memory_budget": total})
 
@@ -86,11 +91,9 @@ def test_split_tiers_on_cuda_track_the_reference_over_20_steps(accumulation, cli
     losses += train_steps(engine, batches[accumulation:])
     assert {group.tier for group in optimizer.store.groups} == {DEVICE, HOST}
     ref_losses, ref_masters = reference_loop(model(seed), batches, dtype=torch.bfloat16, accumulation=accumulation,
-                                             lr=3e-3, clip=clip, device="cuda")
+                                             lr=LR, clip=clip, device="cuda")
     assert losses[-1] < losses[0] - 0.5
-    # bf16 on both sides, summed in other orders: a few steps of 20 differ by up to 4% in the loss (H100) where
-    # the run's trajectory stays the reference's; the masters show it (within a tenth of how far they moved).
-    assert losses == pytest.approx(ref_losses, rel=6e-2)
+    assert losses == pytest.approx(ref_losses, rel=5e-2)  # (bf16 on both sides, summed in other orders)
     assert_masters_close(optimizer.master_state_dict(), ref_masters, dict(model(seed).named_parameters()))
 
 
@@ -101,18 +104,18 @@ def test_three_tiers_on_cuda_track_the_reference_over_20_steps(tmp_path, clip):
     batches = random_batches(seed, count=20, batch=8)
     total = model_state_bytes(seed)
 
-    def config(device_budget: int) -> dict:  # (the host holds a few groups beside its bounce buffers)
-        return ds_config(bf16={"enabled": True}, gradient_clipping=clip,
+    def config(device_budget: int) -> dict:  # (the host holds a few groups beside 3 bounce buffers of one each)
+        return ds_config(bf16={"enabled": True}, gradient_clipping=clip, optimizer=OPTIMIZER,
                          zero_cache={"enabled": True, "chunk_size": CHUNK, "device_memory_budget": device_budget,
-                                     "host_memory_budget": total // 3, "nvme_path": str(tmp_path)})
+                                     "host_memory_budget": total // 2, "nvme_path": str(tmp_path)})
 
     engine, optimizer, losses = split_engine(seed, config, total, batches[:1], {DEVICE, HOST, NVME})
     losses += train_steps(engine, batches[1:])
     assert {group.tier for group in optimizer.store.groups} == {DEVICE, HOST, NVME}
     ref_losses, ref_masters = reference_loop(model(seed), batches, dtype=torch.bfloat16, accumulation=1,
-                                             lr=3e-3, clip=clip, device="cuda")
+                                             lr=LR, clip=clip, device="cuda")
     assert losses[-1] < losses[0] - 0.5
-    assert losses == pytest.approx(ref_losses, rel=6e-2)
+    assert losses == pytest.approx(ref_losses, rel=5e-2)
     assert_masters_close(optimizer.master_state_dict(), ref_masters, dict(model(seed).named_parameters()))
 
 
