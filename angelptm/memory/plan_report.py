@@ -19,10 +19,6 @@ from angelptm.pretraining.models import build_model
 from zero_cache.planner import Plan
 from zero_cache.tier_names import DEVICE, HOST, NVME
 
-DISK_READ_BYTES_PER_S = 1.1e9
-DISK_WRITE_BYTES_PER_S = 1.9e9
-"""The lent H200 machine's disk with O_DIRECT 1 MiB blocks (DESIGN.md: read 0.9-1.3, write 1.6-2.2 GB/s): each
-optimizer group on NVMe is read and written once a step, both on the same drive."""
 DEFAULT_TFLOPS = 400.0
 """Model TFLOPS one GPU sustains, for the compute floor: the lent H200's bf16 GPT figures are 419-472
 (DESIGN.md); an A100 or a 24 GB card sustains less, so pass ``--tflops`` for them."""
@@ -172,14 +168,16 @@ def _step_floors(plan: Plan, compute_s: float | None, tokens: int, tflops: float
         ("host Adam", f"{_count(traffic.host_adam_elements)} elements at "
                       f"{rates.host_adam_elements_per_s / 1e9:.1f} G/s", stream_s["host Adam"]),
     ]
-    if plan.nvme_bytes:
-        # Optimizer groups there are read and written once a step; param shards at home there move
-        # traffic.disk_bytes (a read per gather, a write per update), counted at the slower read rate.
-        groups = plan.nvme_bytes - plan.param_nvme_bytes
-        shards = f" + {zero_cache.format_bytes(traffic.disk_bytes)} of param shards" if traffic.disk_bytes else ""
-        floors.append(("NVMe", f"{zero_cache.format_bytes(groups)} read and written{shards} at "
-                               f"{DISK_READ_BYTES_PER_S / 1e9:.1f}/{DISK_WRITE_BYTES_PER_S / 1e9:.1f} GB/s",
-                       (groups + traffic.disk_bytes) / DISK_READ_BYTES_PER_S + groups / DISK_WRITE_BYTES_PER_S))
+    if traffic.disk_bytes:
+        # Optimizer groups there are read and written once a step; param shards at home there are read per gather
+        # and written per update (and gradients waiting on disk, a write and a read each): all in disk_bytes.
+        groups = 2 * (plan.nvme_bytes - plan.param_nvme_bytes)
+        shards = traffic.disk_bytes - groups
+        parts = [f"{zero_cache.format_bytes(groups)} of optimizer states" if groups else "",
+                 f"{zero_cache.format_bytes(shards)} of param shards" if shards else ""]
+        floors.append(("NVMe", f"{zero_cache.format_bytes(traffic.disk_bytes)} read and written "
+                               f"({', '.join(part for part in parts if part)}) at "
+                               f"{rates.disk_bytes_per_s / 1e9:.1f} GB/s", stream_s["disk"]))
     name, _, seconds = max(floors, key=lambda floor: floor[2])
     unseen = [] if compute_s else ["compute (not estimated on a CPU)"]
     unseen += ["the NCCL collectives"] if plan.group_size > 1 else []

@@ -27,6 +27,7 @@ from zero_cache.nvme_home import NVME_HELD_GRADIENTS, NVME_STAGING_BUFFERS, Nvme
 from zero_cache.planner import PlanError, PlanInputs, make_plan
 from zero_cache.tier_names import HOST, NVME
 from zero_cache.tiers import Tier, TierFullError
+from zero_cache.units import format_bytes
 
 CHUNK_NUMEL = 8192
 
@@ -281,3 +282,26 @@ def test_a_home_given_more_shards_than_it_was_made_for_takes_them_from_the_disk_
         home.allocate(-1)
     home.close()
     disk.close()
+
+
+def test_the_plan_report_prices_the_disk_once_at_the_plans_rate():
+    """`pretrain.py --plan`'s NVMe floor is the plan's: its disk bytes (optimizer groups read and written once, param
+    shards per gather and update) at the plan's disk rate, the optimizer groups not counted twice."""
+    from angelptm.memory.plan_report import _step_floors
+
+    plan = make_plan(nvme_inputs(host_budget_bytes=NvmeHome.host_bytes(10, 2000) + 4000 + 3 * 12_288 + 5 * 12_000))
+    groups_on_disk = plan.optimizer_tier.count(NVME)
+    assert groups_on_disk and NVME in plan.param_home
+    lines = _step_floors(plan, None, 1024, 400.0)
+    nvme = next(line for line in lines if line.strip().startswith("NVMe"))
+    seconds = plan.traffic.disk_bytes / plan.traffic.rates.disk_bytes_per_s
+    assert f"{seconds * 1e3:.2f} ms" in nvme, (nvme, seconds)
+    assert plan.traffic.floors["disk"] == seconds
+    states = 2 * groups_on_disk * plan_slot(plan)
+    assert f"({format_bytes(states)} of optimizer states, {format_bytes(plan.traffic.disk_bytes - states)} of param " \
+           "shards)" in nvme, nvme
+
+
+def plan_slot(plan) -> int:
+    """One optimizer group's slot on disk in a plan: its share of the plan's NVMe bytes beside the shards."""
+    return (plan.nvme_bytes - plan.param_nvme_bytes) // plan.optimizer_tier.count(NVME)
