@@ -10,9 +10,11 @@ ZeRO-3 config builds the model under ``deepspeed.zero.Init(config_dict_or_path=.
 and transformers do for large models. ``--set KEY=VALUE`` edits the config for one engine's runs only
 (``angelptm:zero_cache.device_steps=0``), to try the settings a user would otherwise have to find.
 
-Prints one JSON line per run and a table of s/step, tokens/s, model TFLOPS (6N + 12 L H S per token, recompute
-not counted), the ratio against the anchor engine on the same model, size and config, peak device memory and
-host RSS; for this engine also the plan's predicted step floor and what bounded it.
+Prints one JSON line per run and a table of s/step (the median of the last steps, and their mean with the work
+the last one left pending drained: an engine whose host updates run into the next step alternates short and long
+steps), tokens/s, model TFLOPS (6N + 12 L H S per token, recompute not counted), the ratio against the anchor
+engine on the same model, size and config, peak device memory, host RSS and disk bytes per step; for this engine
+also the plan's predicted step floor and what bounded it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -104,8 +106,10 @@ def train(kind: str, size: str, config: dict, engine_name: str, steps: int, trac
         engine.step()
         return loss
 
-    times, losses, disk = timed_steps(step, steps, config, size, device, f"{kind} {size} {engine_name}")
-    result = {**timings(kind, size, engine_name, num_params, times, losses, disk, config),
+    finish_pending = getattr(optimizer, "finish_pending", None)  # (this engine's host worker)
+    times, losses, disk, drained = timed_steps(step, steps, config, size, device, f"{kind} {size} {engine_name}",
+                                               drain=finish_pending)
+    result = {**timings(kind, size, engine_name, num_params, times, losses, disk, drained, config),
               "built_s": built_s, "init_s": init_s}
     plan = getattr(getattr(optimizer, "store", None), "plan", None)
     if plan is not None:  # this engine: what its plan predicted the step would cost
@@ -136,8 +140,9 @@ def train_plain(kind: str, size: str, config: dict, steps: int) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    times, losses, disk = timed_steps(step, steps, config, size, torch.device("cuda"), f"{kind} {size} torch")
-    return timings(kind, size, "torch", num_params, times, losses, disk, config)
+    times, losses, disk, drained = timed_steps(step, steps, config, size, torch.device("cuda"),
+                                               f"{kind} {size} torch")
+    return timings(kind, size, "torch", num_params, times, losses, disk, drained, config)
 
 
 def disk_bytes() -> tuple[int, int]:
@@ -150,13 +155,15 @@ def disk_bytes() -> tuple[int, int]:
     return int(fields["read_bytes"]), int(fields["write_bytes"])
 
 
-def timed_steps(step: Any, steps: int, config: dict, size: str, device: Any, label: str
-                ) -> tuple[list[float], list[float], list[tuple[int, int]]]:
-    """Run ``step(ids, index)`` on ``steps`` batches of random tokens; returns each step's seconds and loss.
+def timed_steps(step: Any, steps: int, config: dict, size: str, device: Any, label: str,
+                drain: Callable[[], None] | None = None
+                ) -> tuple[list[float], list[float], list[tuple[int, int]], tuple[float, tuple[int, int]]]:
+    """Run ``step(ids, index)`` on ``steps`` batches of random tokens; returns each step's seconds, loss and disk
+    bytes, and the seconds and disk bytes of ``drain`` (the engine's work still pending after the last step).
 
     A step is timed from one loss reaching the host to the next: what a step queues after its loss (device steps'
     copies, host updates, the optimizer's kernels) lands in the next one. A synchronize before each step would
-    leave that work out of every step's time.
+    leave that work out of every step's time; the last step's lands in the drain.
     """
     import torch
 
@@ -176,17 +183,27 @@ def timed_steps(step: Any, steps: int, config: dict, size: str, device: Any, lab
         last_disk = now_disk
         print(f"bench: {label} step {index} {times[-1]:.3f} s loss {losses[-1]:.4f} disk read "
               f"{disk[-1][0] / 2**30:.2f} GiB written {disk[-1][1] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
-    return times, losses, disk
+    if drain is not None:
+        drain()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    drained_s, now_disk = time.perf_counter() - last, disk_bytes()
+    drained = drained_s, (now_disk[0] - last_disk[0], now_disk[1] - last_disk[1])
+    print(f"bench: {label} pending work after the last step {drained_s:.3f} s, disk read {drained[1][0] / 2**30:.2f} "
+          f"GiB written {drained[1][1] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+    return times, losses, disk, drained
 
 
 def timings(kind: str, size: str, engine_name: str, num_params: int, times: list[float], losses: list[float],
-            disk: list[tuple[int, int]], config: dict) -> dict:
-    """The result line: the median of the last steps (past warm-up and tuning), throughput, the mean disk bytes
-    of those steps and memory peaks."""
+            disk: list[tuple[int, int]], drained: tuple[float, tuple[int, int]], config: dict) -> dict:
+    """The result line: the median of the last steps (past warm-up and tuning), throughput, memory peaks, and
+    the mean seconds and disk bytes of those steps with the work still pending after the last one added (an engine
+    whose steps hand work to the next one alternates short and long steps, which a median hides)."""
     import torch
 
     last = max(1, min(5, len(times) - 3))
     step_s = statistics.median(times[-last:])
+    drained_s, (drained_read, drained_written) = drained
     layers, hidden = user_models.shape_of(kind, size)
     seq, _ = _tokens(size)
     tokens = config["train_micro_batch_size_per_gpu"] * seq
@@ -196,8 +213,9 @@ def timings(kind: str, size: str, engine_name: str, num_params: int, times: list
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
             # ru_maxrss: the process's peak resident set (KiB on Linux), pinned host memory included
             "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            "disk_read_gib": statistics.mean(read for read, _ in disk[-last:]) / 2**30,
-            "disk_written_gib": statistics.mean(written for _, written in disk[-last:]) / 2**30,
+            "mean_step_s": (sum(times[-last:]) + drained_s) / last,
+            "disk_read_gib": (sum(read for read, _ in disk[-last:]) + drained_read) / last / 2**30,
+            "disk_written_gib": (sum(written for _, written in disk[-last:]) + drained_written) / last / 2**30,
             "losses": [round(x, 4) for x in losses]}
 
 
@@ -257,16 +275,16 @@ def run_child(command: list[str]) -> tuple[int, list[str], list[str]]:
 
 
 def table(results: list[dict], anchor: str) -> str:
-    lines = [f"| model | size | config | engine | params | s/step | tokens/s | TFLOPS | vs {anchor} | plan floor s "
-             "| peak GPU GiB | host RSS GiB | disk read / written GiB per step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| model | size | config | engine | params | s/step | mean s/step, pending work in | tokens/s | TFLOPS "
+             f"| vs {anchor} | plan floor s | peak GPU GiB | host RSS GiB | disk read / written GiB per step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         base = next((a for a in results if a["engine"] == anchor and
                      (a["model"], a["size"], a["config"]) == (r["model"], r["size"], r["config"])), None)
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "n/a"
         floor = f"{r['predicted_floor_s']:.3f}" if "predicted_floor_s" in r else ""
         lines.append(f"| {r['model']} | {r['size']} | {r['config']} | {r['engine']} | {r['params'] / 1e9:.2f}B "
-                     f"| {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | {ratio} | {floor} "
+                     f"| {r['step_s']:.3f} | {r.get('mean_step_s', r['step_s']):.3f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | {ratio} | {floor} "
                      f"| {r['peak_gib']:.1f} | {r['host_rss_gib']:.1f} "
                      f"| {r.get('disk_read_gib', 0.0):.2f} / {r.get('disk_written_gib', 0.0):.2f} |")
     return "\n".join(lines)
