@@ -18,9 +18,9 @@ from zero_cache.host_update import STAGING_BUFFERS
 from zero_cache.layout import ChunkLayout, pack, search_chunk_size
 from zero_cache.planner import DEVICE_MARGIN_FRACTION, Plan, PlanError, PlanInputs, make_plan
 from zero_cache.shard_params import gather_ahead_groups, max_live_groups
-from zero_cache.tier_names import HOST, NVME
 from zero_cache.sharding import Sharding
 from zero_cache.step_cost import NOMINAL_RATES, Rates
+from zero_cache.tier_names import HOST, NVME
 from zero_cache.units import AUTO, parse_budget
 from zero_cache.working_set import GRADIENT_BUCKETS, GROUPS_IN_USE, WorkingSet
 
@@ -156,7 +156,7 @@ def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: tor
                       owned=sharding.owned(layout.num_chunks), gradient_buckets=buckets,
                       param_chunks_held=sharding.num_groups(layout.num_chunks) if shard_params else None,
                       group_size=sharding.world_size, param_home=config.param_home, live_groups=live,
-                      param_homes_off_device=(HOST, NVME) if config.nvme_param_homes and config.nvme_path else (HOST,),
+                      param_homes_off_device=(HOST, NVME) if config.nvme_param_homes else (HOST,),
                       gather_ahead=ahead,
                       padding_chunks=sharding.padded_chunks(layout.num_chunks) - layout.num_chunks,
                       param_bytes_per_element=param_bytes,
