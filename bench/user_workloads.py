@@ -155,6 +155,11 @@ def disk_bytes() -> tuple[int, int]:
     return int(fields["read_bytes"]), int(fields["write_bytes"])
 
 
+def disk_delta(now: tuple[int, int], before: tuple[int, int]) -> tuple[int, int]:
+    """(read, written) bytes between two :func:`disk_bytes` readings."""
+    return now[0] - before[0], now[1] - before[1]
+
+
 def timed_steps(step: Any, steps: int, config: dict, size: str, device: Any, label: str,
                 drain: Callable[[], None] | None = None
                 ) -> tuple[list[float], list[float], list[tuple[int, int]], tuple[float, tuple[int, int]]]:
@@ -179,7 +184,7 @@ def timed_steps(step: Any, steps: int, config: dict, size: str, device: Any, lab
         times.append(time.perf_counter() - last)
         last += times[-1]
         now_disk = disk_bytes()
-        disk.append((now_disk[0] - last_disk[0], now_disk[1] - last_disk[1]))
+        disk.append(disk_delta(now_disk, last_disk))
         last_disk = now_disk
         print(f"bench: {label} step {index} {times[-1]:.3f} s loss {losses[-1]:.4f} disk read "
               f"{disk[-1][0] / 2**30:.2f} GiB written {disk[-1][1] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
@@ -187,9 +192,8 @@ def timed_steps(step: Any, steps: int, config: dict, size: str, device: Any, lab
         drain()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    drained_s, now_disk = time.perf_counter() - last, disk_bytes()
-    drained = drained_s, (now_disk[0] - last_disk[0], now_disk[1] - last_disk[1])
-    print(f"bench: {label} pending work after the last step {drained_s:.3f} s, disk read {drained[1][0] / 2**30:.2f} "
+    drained = time.perf_counter() - last, disk_delta(disk_bytes(), last_disk)
+    print(f"bench: {label} pending work after the last step {drained[0]:.3f} s, disk read {drained[1][0] / 2**30:.2f} "
           f"GiB written {drained[1][1] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
     return times, losses, disk, drained
 
@@ -284,9 +288,9 @@ def table(results: list[dict], anchor: str) -> str:
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "n/a"
         floor = f"{r['predicted_floor_s']:.3f}" if "predicted_floor_s" in r else ""
         lines.append(f"| {r['model']} | {r['size']} | {r['config']} | {r['engine']} | {r['params'] / 1e9:.2f}B "
-                     f"| {r['step_s']:.3f} | {r.get('mean_step_s', r['step_s']):.3f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | {ratio} | {floor} "
-                     f"| {r['peak_gib']:.1f} | {r['host_rss_gib']:.1f} "
-                     f"| {r.get('disk_read_gib', 0.0):.2f} / {r.get('disk_written_gib', 0.0):.2f} |")
+                     f"| {r['step_s']:.3f} | {r['mean_step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} "
+                     f"| {ratio} | {floor} | {r['peak_gib']:.1f} | {r['host_rss_gib']:.1f} "
+                     f"| {r['disk_read_gib']:.2f} / {r['disk_written_gib']:.2f} |")
     return "\n".join(lines)
 
 

@@ -158,7 +158,7 @@ def _plan_gathered(inputs: PlanInputs, room: int, working: WorkingSet) -> Plan:
                 return _finish(inputs, working, resident_bytes=resident * shard_bytes, live=live,
                                device_optim=eligible[:device_optim], home=home,
                                host_params_bytes=sum(home_class(name).host_bytes(home.count(name), shard_bytes)
-                                                     for name in set(home) if name != DEVICE),
+                                                     for name in set(home)),
                                traffic=_traffic(inputs, home, owned, device_optim, eligible))
             except PlanError as err:
                 failure = failure or err
@@ -384,7 +384,9 @@ def with_device_step_count(inputs: PlanInputs, plan: Plan, count: int) -> Plan:
 def _with_swapped_states(inputs: PlanInputs, traffic: StepTraffic, swapped: int) -> StepTraffic:
     """``traffic`` with the disk reads and writes of ``swapped`` optimizer groups on NVMe: each step reads a
     group's states into a bounce buffer and writes them back (:mod:`zero_cache.host_update`)."""
-    return replace(traffic, disk_bytes=traffic.disk_bytes + 2 * swapped * inputs.swap_slot_bytes) if swapped else traffic
+    if not swapped:
+        return traffic
+    return replace(traffic, disk_bytes=traffic.disk_bytes + 2 * swapped * inputs.swap_slot_bytes)
 
 
 def _split_host_and_nvme(inputs: PlanInputs, off_device: int, host_fixed: int, staged: bool, nvme_fixed: int = 0
