@@ -82,3 +82,37 @@ def test_the_mean_step_counts_the_work_the_last_step_left_pending():
     assert result["mean_step_s"] == pytest.approx((sum(last) + 24.0) / 4)
     assert result["disk_read_gib"] == pytest.approx((53 + 25 + 30) / 4)
     assert result["disk_written_gib"] == pytest.approx((52 + 21 + 28) / 4)
+
+
+def test_the_measured_window_holds_its_own_steps_work_and_no_earlier_ones(monkeypatch):
+    """A step that leaves its host work (10 s, 5 GiB of disk) to the next one: the mean of the measured steps with
+    the drain is what a step costs (1 s of its own and 10 s of host work) only if the work pending before the window
+    is drained first, untimed (at 11.7B on NVMe the last step with the drain held two steps' work)."""
+    import torch
+
+    bench = user_workloads()
+    clock, disk, pending = [0.0], [0], [0.0]
+
+    def finish() -> None:  # the previous step's host work: its time, and 5 GiB of disk per 10 s
+        clock[0] += pending[0]
+        disk[0] += int(pending[0] / 10 * 5 * 2**30)
+        pending[0] = 0.0
+
+    def step(ids, index):
+        finish()
+        clock[0] += 1.0
+        pending[0] = 10.0
+        return torch.tensor(1.0)
+
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(bench, "disk_bytes", lambda: (disk[0], 0))
+    steps = 7
+    times, _, _, drained = bench.timed_steps(step, steps, {"train_micro_batch_size_per_gpu": 1}, "tiny",
+                                             torch.device("cpu"), "fake", drain=finish)
+    window = bench.measured_steps(steps)
+    assert window == 4 and times[:-window] == [1.0] + [11.0] * (steps - window - 1)
+    assert times[-window] == 1.0  # the work of the step before the window was drained, untimed
+    result = bench.timings("nngpt", "tiny", "angelptm", 10**6, times, [1.0] * steps, [(0, 0)] * steps, drained,
+                           {"train_micro_batch_size_per_gpu": 1})
+    assert result["mean_step_s"] == pytest.approx(11.0)
+    assert drained[1][0] == 5 * 2**30
