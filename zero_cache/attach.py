@@ -359,8 +359,8 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # the warm-up measures the non-model peak from here
     if shard_params:
-        register_saving_hooks(module, hybrid.exchange.gathered)
-    _register_forward_hooks(module, store, hybrid, tracer)
+        hybrid.hooks += register_saving_hooks(module, hybrid.exchange.gathered)
+    hybrid.hooks += _register_forward_hooks(module, store, hybrid, tracer)
     hybrid.after_first_step = lambda: tracer.replan(hybrid)
     return hybrid
 
@@ -383,9 +383,12 @@ def _warmup_plan(inputs: PlanInputs, plan: Plan, guess_bytes: int, sharding: Sha
 
 
 def _register_forward_hooks(module: nn.Module, store: ChunkStore, hybrid: ZeroCacheOptimizer,
-                            tracer: WarmupTracer) -> None:
+                            tracer: WarmupTracer) -> list[Any]:
+    """Before each module with trained params: its chunks made ready (and, gathered, held until after it);
+    returns the hooks' handles."""
     chunk_of = {id(p): slot.chunk for p, slot in zip(store.params, store.slots)}
     gathered = hybrid.exchange.gathered if hybrid.exchange is not None else None
+    handles = []
     for submodule in module.modules():
         chunks = sorted({chunk_of[id(p)] for p in submodule.parameters(recurse=False) if id(p) in chunk_of})
         if not chunks:
@@ -402,9 +405,10 @@ def _register_forward_hooks(module: nn.Module, store: ChunkStore, hybrid: ZeroCa
             for chunk in chunks:
                 gathered.unhold(store.sharding.group_of(chunk))
 
-        submodule.register_forward_pre_hook(before_forward)
+        handles.append(submodule.register_forward_pre_hook(before_forward))
         if gathered is not None:
-            submodule.register_forward_hook(after_forward, always_call=True)
+            handles.append(submodule.register_forward_hook(after_forward, always_call=True))
+    return handles
 
 
 def _bytes_on(params: list[tuple[str, nn.Parameter]], device: torch.device) -> int:

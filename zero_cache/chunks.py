@@ -304,6 +304,24 @@ class ChunkStore:
         for home in self.homes.values():
             home.flush()
 
+    def close(self) -> None:
+        """Free the optimizer states, the buffers, the shards at home off the device, the homes' and the NVMe
+        tier's swap files (:mod:`zero_cache.release`). Replicated param chunks stay the storage of the module's
+        parameters, which view them. The store cannot be used again."""
+        self.flush()
+        for group in self.groups:
+            self._free_group(group)
+        for name, scratch in self.scratch.items():
+            self.tiers[name].free(scratch)
+        for group, shard in enumerate(self.shards):
+            self.group_home(group).free(group, shard)
+        for home in self.homes.values():
+            home.close()
+        if NVME in self.tiers:
+            self.tiers[NVME].close()
+        self.groups, self.scratch, self.shards, self.param_chunks, self.group_buffers = [], {}, [], [], []
+        self.swap_buffers, self.homes = None, {}
+
     def apply_plan(self, plan: Plan) -> int:
         """Move shards and optimizer groups whose tier changed; returns the number moved.
 

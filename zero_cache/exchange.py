@@ -93,6 +93,14 @@ class ChunkExchange:
             return 1 if self.overlap_comm else 0
         return reduction_lag(self.buckets, self.overlap_comm)
 
+    def close(self) -> None:
+        """Drop every gathered group (its params become placeholders) and gradient bucket
+        (:mod:`zero_cache.release`)."""
+        if self.gathered is not None:
+            self.gathered.release_all()
+        self._open.clear()
+        self._free.clear()
+
     def apply_working_set(self, plan: Any) -> None:
         """A new plan's gradient buckets, prefetch depth and live groups, from the next use on."""
         self.buckets = plan.gradient_buckets

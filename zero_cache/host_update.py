@@ -123,7 +123,14 @@ class HostUpdater:
         self._thread = threading.Thread(target=_serve, args=(self._jobs, weakref.ref(self)), name="zero-cache-host",
                                         daemon=True)
         self._thread.start()
-        weakref.finalize(self, _stop, self._jobs, self._thread)
+        self._stop_worker = weakref.finalize(self, _stop, self._jobs, self._thread)
+
+    def close(self) -> None:
+        """Stop the worker thread (after the jobs queued before) and drop the staging buffers: the updater cannot
+        run again (:mod:`zero_cache.release`)."""
+        self._stop_worker()
+        self.pool = self.gradient_pool = None
+        self.unfolded.clear()
 
     # ------------------------------------------------------------------ queueing
     def submit_update(self, update: ChunkUpdate) -> None:

@@ -59,6 +59,7 @@ from zero_cache.layout import TensorSlot
 from zero_cache.optimizer_gradients import GradientIntake
 from zero_cache.optimizer_sharded import ShardedGradients
 from zero_cache.optimizer_state import OptimizerCheckpoint
+from zero_cache.release import release
 from zero_cache.revision import SpeculationWindow
 from zero_cache.tier_names import DEVICE, HOST, NVME, OFF_DEVICE
 from zero_cache.transfers import Transfers
@@ -174,9 +175,16 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         self._synced_at: float | None = None  # when the last step's norm reached the host
         self._params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         self._engine_backward = False  # gradients are taken only inside the engine's backward (accumulating())
-        for param, (_, slot) in zip(self._params, self.members):
-            param.register_post_accumulate_grad_hook(self._make_grad_hook(slot))
+        self.hooks: list[Any] = [param.register_post_accumulate_grad_hook(self._make_grad_hook(slot))
+                                 for param, (_, slot) in zip(self._params, self.members)]
+        """Handles of the hooks on the parameters and (added by :func:`~zero_cache.attach.attach`) the modules, which
+        :meth:`destroy` removes."""
         self._reset_window()
+
+    def destroy(self) -> None:
+        """Hand the module its weights, remove the hooks and free everything else now (``engine.destroy()``;
+        :mod:`zero_cache.release`). The optimizer cannot step again."""
+        release(self)
 
     # ------------------------------------------------------------------ torch.optim surface
     @property

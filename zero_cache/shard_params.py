@@ -152,8 +152,9 @@ def gather_objects(sharding: Sharding) -> Callable[[Any], list[Any]]:
     return gather
 
 
-def register_saving_hooks(module: nn.Module, gathered: GatheredGroups) -> None:
-    """Around the model's forward: a new iteration of the gather trace, and autograd saving params by position."""
+def register_saving_hooks(module: nn.Module, gathered: GatheredGroups) -> list[Any]:
+    """Around the model's forward: a new iteration of the gather trace, and autograd saving params by position;
+    returns the hooks' handles."""
     saving = contextlib.ExitStack()
 
     def enter(_module: nn.Module, _inputs: Any) -> None:
@@ -163,5 +164,5 @@ def register_saving_hooks(module: nn.Module, gathered: GatheredGroups) -> None:
     def leave(_module: nn.Module, _inputs: Any, _output: Any) -> None:
         saving.close()
 
-    module.register_forward_pre_hook(enter, prepend=True)
-    module.register_forward_hook(leave, always_call=True)
+    return [module.register_forward_pre_hook(enter, prepend=True),
+            module.register_forward_hook(leave, always_call=True)]

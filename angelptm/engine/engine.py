@@ -21,6 +21,7 @@ from angelptm.checkpoints.engine_state import EngineCheckpoints
 from angelptm.config.typed import EngineConfig
 from angelptm.engine.deepspeed_methods import DeepSpeedEngineMethods
 from angelptm.engine.expert_parallel import ExpertParallel
+from angelptm.engine.gathered_params import unregister
 from angelptm.engine.mixed_precision import MixedPrecisionOptimizer
 from angelptm.launch.distributed import DistContext
 from angelptm.memory.oom import explained_oom
@@ -78,6 +79,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
         self._timings: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self.monitor = MetricsSink(config.monitor.csv_dir, config.monitor.tensorboard_dir) if ctx.is_main else None
         self._loss_sum: torch.Tensor | None = None  # this step's micro-batch losses, kept on the device
+        self._destroyed = False
         # ZeRO-Cache's timeline also records its copies, host jobs and disk requests; otherwise compute only.
         self._tracer = StepTracer(getattr(optimizer, "timeline", None) or Timeline(ctx.device))
 
@@ -179,6 +181,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
         Returns:
             The loss divided by the accumulation steps (with ``scale_wrt_gas``), as DeepSpeed does.
         """
+        self._check_not_destroyed("backward")
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}"
                              f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
@@ -207,6 +210,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """End a micro-step; at an accumulation boundary, update the weights and the schedule."""
+        self._check_not_destroyed("step")
         if self.optimizer is None:
             raise RuntimeError("engine.step() needs an optimizer: add an \"optimizer\" section to the config "
                                "or pass optimizer= to angelptm.initialize")
@@ -238,6 +242,31 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
             self._write_monitor()
         if self.global_steps % self.config.monitor.steps_per_print == 0 and self.ctx.is_main:
             self._print_progress()
+
+    def destroy(self) -> None:
+        """DeepSpeed's: release now what the engine holds beyond the module. The optimizer's hooks come off, and
+        its masters, states, buffers, swap files and worker thread are freed. The module keeps its current weights
+        as ordinary tensors (ZeRO-Cache's gathered params are bound to whole copies), so a new ``initialize()``
+        over it starts from them: transformers' ``Trainer.train()`` called again and accelerate's
+        ``free_memory()`` call this. The engine cannot train afterwards (its forward still runs the module); a
+        second call does nothing. A collective when ZeRO-Cache shards the params over ranks."""
+        if self._destroyed:
+            return
+        if self.optimizer is not None:
+            self.optimizer.destroy()
+        unregister(self)
+        self._loss_sum = None
+        self._destroyed = True
+
+    @property
+    def destroyed(self) -> bool:
+        """Whether :meth:`destroy` ran."""
+        return self._destroyed
+
+    def _check_not_destroyed(self, call: str) -> None:
+        if self._destroyed:
+            raise RuntimeError(f"engine.{call}() after engine.destroy(): the engine released its optimizer; build a "
+                               "new one with angelptm.initialize() over the module, which kept its weights")
 
     def _write_monitor(self) -> None:
         """DeepSpeed's per-step monitor scalars (rank 0; the loss is this rank's micro-batch mean)."""

@@ -42,6 +42,14 @@ def register(engine: Any) -> None:
         OWNERS[param] = ref
 
 
+def unregister(engine: Any) -> None:
+    """Forget ``engine`` as the owner of its module's parameters (``engine.destroy()``): they are whole again."""
+    for param in engine.module.parameters():
+        ref = OWNERS.get(param)
+        if ref is not None and ref() is engine:
+            del OWNERS[param]
+
+
 def as_param_list(params: Any) -> list[nn.Parameter]:
     """DeepSpeed's accepted forms: one tensor, or an iterable of them (None entries skipped), deduplicated."""
     items: Iterable = [params] if isinstance(params, torch.Tensor) else (params or [])

@@ -185,6 +185,19 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def finish_pending(self) -> None:
         """Nothing runs in the background: the module's weights are current after every step."""
 
+    def destroy(self) -> None:
+        """Remove the gradient hooks and free the fp32 masters, the gradient buffer and the optimizer states now
+        (``engine.destroy()``); the module keeps its weights, current after every step. It cannot step again."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        for param in self.params:
+            param.grad = None  # (an fp32 parameter's gradient is a view of the flat buffer)
+        self.optimizer.state.clear()
+        for param_group in self.optimizer.param_groups:
+            param_group["params"] = []
+        self.masters, self.grad_views, self.flat_grad = [], [], torch.empty(0)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the accumulated gradients (the buffer is reused, never freed)."""
         self.flat_grad.zero_()

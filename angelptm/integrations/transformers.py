@@ -71,6 +71,15 @@ class Trainer(transformers.Trainer):
         # patching accelerate or deepspeed for anyone else in the process.
         self.accelerator.__class__ = _EngineAccelerator
 
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+        # train() again: accelerate's free_memory() destroyed the engine the Trainer still holds as model_wrapped,
+        # and transformers would train on it as "already wrapped" (under DeepSpeed that ends in "'NoneType' object
+        # has no attribute 'backward'", transformers issue 24558). A new engine is built over the module instead,
+        # from the weights the old one handed back.
+        if isinstance(model, angelptm.Engine) and model.destroyed:
+            model = self.model
+        return super()._wrap_model(model, training, dataloader)
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write a ``save_pretrained`` directory of the engine's consolidated fp32 weights (rank 0 writes).
 

@@ -186,6 +186,12 @@ def main() -> None:
             "weight_bytes": sum(p.numel() * 4 for p in pretrained.model.parameters()),
             "param_homes": sorted(set(store.param_home)) if store.shard_params else [],
             "optimizer_tiers": sorted({str(group.tier) for group in store.groups})}
+        # train() again (DeepSpeed stops here: transformers issue 24558): accelerate's free_memory() destroys the
+        # engine, whose streamed params go back to the module whole, and a new engine trains on from them.
+        first, old = losses(pretrained), pretrained.deepspeed
+        pretrained.train()
+        results["train_again"] = {"first": first, "again": losses(pretrained), "old_destroyed": old.destroyed,
+                                  "new_engine": pretrained.deepspeed is not old}
     out.write_text(json.dumps(results))
 
 

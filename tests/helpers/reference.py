@@ -3,6 +3,9 @@ hand-written mixed-precision AdamW loop to compare the engine against."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -143,3 +146,14 @@ def train_on_seeded_tokens(engine, steps: int, vocab: int = 64) -> None:
         ids = torch.randint(0, vocab, (2, 17), generator=generator)
         engine.backward(engine(input_ids=ids[:, :-1], labels=ids[:, 1:]))
         engine.step()
+
+
+def open_files_under(directory: Path) -> int:
+    """This process's descriptors of files under ``directory`` (a nameless swap file shows as "<dir>/#n (deleted)")."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith(str(directory))
+        except OSError:
+            continue
+    return count

@@ -29,12 +29,15 @@ def one_process(tmp_path_factory) -> tuple[int, dict, dict]:
             train(1, root / "zero.pt", data_seed, "--steps", "0")["weights"])
 
 
-@pytest.mark.parametrize("nproc, extra", [(1, ()), (2, ("--shard-params",))], ids=["one-rank", "two-ranks-sharded"])
+@pytest.mark.parametrize("nproc, extra", [(1, ()), (2, ("--shard-params", "--destroy"))],
+                         ids=["one-rank", "two-ranks-sharded"])
 def test_params_homed_on_nvme_train_like_one_process(tmp_path, one_process, nproc, extra):
     """Each rank's shards live in its own swap file (the job asserts every home is "nvme"), read in through a few
     pinned buffers before every gather and updated by the host's Adam; checkpointed blocks gather evicted groups
     again in backward. Equal to one process with replicated params up to summation order (see
-    test_zero_cache_sharded.assert_same_weights), and nothing is left under the swap directory."""
+    test_zero_cache_sharded.assert_same_weights), and nothing is left under the swap directory. Two ranks end with
+    engine.destroy(): each rank's module then holds the whole weights (the masters of the shards the other rank owns
+    gathered), and no swap file is open."""
     data_seed, expected, start = one_process
     swap = tmp_path / "swap"
     swap.mkdir()

@@ -79,6 +79,16 @@ def test_zero_cache_config_trains_and_tracks_the_plain_engine(results):
     assert cached["losses"] == pytest.approx(cached["plain"], rel=1e-5)
 
 
+def test_training_again_destroys_the_engine_and_trains_on_from_its_weights(results):
+    """A second ``trainer.train()``: accelerate's ``free_memory()`` calls ``engine.destroy()``, and the Trainer builds
+    a new engine over the module (under DeepSpeed it trains on the destroyed one and stops with "'NoneType' object
+    has no attribute 'backward'"). The ZeRO-3 from_pretrained case streams its params from host memory, so the
+    module gets them back from the old engine whole: the new run starts below where the first one started."""
+    again = results["angelptm"]["train_again"]
+    assert again["old_destroyed"] and again["new_engine"]
+    assert len(again["again"]) == len(again["first"]) and again["again"][0] < again["first"][0]
+
+
 def test_training_arguments_without_deepspeed_are_refused(results):
     message = results["angelptm"]["refusal"]
     assert message.startswith("ConfigError") and "TrainingArguments(deepspeed=" in message

@@ -20,7 +20,7 @@ import torch
 import angelptm
 from angelptm.config import load_config
 from angelptm.pretraining.models import ModelConfig, build_model
-from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop, train_steps
+from reference import SEQ, VOCAB, ds_config, open_files_under, random_batches, reference_loop, train_steps
 from zero_cache.config import AioConfig
 from zero_cache.nvme import NvmeTier
 from zero_cache.nvme_home import NVME_HELD_GRADIENTS, NVME_STAGING_BUFFERS, NvmeHome
@@ -45,17 +45,6 @@ def config(param_home: str, nvme_path: Path | None = None, *, clip: float = 1.0,
     if nvme_path is not None:
         zero_cache["nvme_path"] = str(nvme_path)
     return ds_config(gradient_clipping=clip, gradient_accumulation_steps=accumulation, zero_cache=zero_cache)
-
-
-def open_files_under(directory: Path) -> int:
-    """This process's descriptors of files under ``directory`` (a nameless swap file shows as "<dir>/#n (deleted)")."""
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            count += os.readlink(f"/proc/self/fd/{fd}").startswith(str(directory))
-        except OSError:
-            continue
-    return count
 
 
 @pytest.mark.parametrize("accumulation, clip, tied, in_backward", [(1, 1.0, True, "auto"), (1, 0.0, False, "auto"),
