@@ -181,3 +181,8 @@ class DeviceSteps:
         wait(self._last_out)
         self._copies.clear()
 
+    def close(self) -> None:
+        """Let go of the device scratch (its ring), after what is queued here (:mod:`zero_cache.release`)."""
+        self.synchronize()
+        self._slots, self._slot_free = [], []
+

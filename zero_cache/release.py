@@ -39,6 +39,7 @@ def release(optimizer: Any) -> None:
         handle.remove()
     optimizer.hooks.clear()
     optimizer.host.close()
+    optimizer.device_steps.close()
     store.close()
 
 

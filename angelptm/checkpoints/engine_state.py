@@ -50,6 +50,7 @@ class EngineCheckpoints:
         """The full module state dict with fp32 weights on CPU, loadable into the plain model.
 
         With sharded ZeRO-Cache states every rank must call it (the masters are gathered)."""
+        self._check_not_destroyed("consolidated_state_dict")
         self._refuse_spread_experts()
         masters = self._named_master_weights()  # first: it waits for weights still landing from the last step
         self._sync_params()
@@ -65,6 +66,7 @@ class EngineCheckpoints:
         Returns:
             The checkpoint directory ``save_dir/tag``.
         """
+        self._check_not_destroyed("save_checkpoint")
         tag = tag or f"global_step{self.global_steps}"
         if self.micro_steps % self.gradient_accumulation_steps() and self.ctx.is_main:
             logger.warning("saving in the middle of gradient accumulation (micro-step %d of %d): the partial "
@@ -162,6 +164,7 @@ class EngineCheckpoints:
         Raises:
             CheckpointError: the checkpoint does not verify, or holds unsafe objects without the opt-in.
         """
+        self._check_not_destroyed("load_checkpoint")
         path = checkpoint.resolve(load_dir, tag, self.ctx)  # verified; without a tag, the newest that verifies
         if path is None:
             logger.warning("no checkpoint to load in %s (no 'latest' file)", load_dir)

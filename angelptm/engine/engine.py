@@ -248,8 +248,8 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
         its masters, states, buffers, swap files and worker thread are freed. The module keeps its current weights
         as ordinary tensors (ZeRO-Cache's gathered params are bound to whole copies), so a new ``initialize()``
         over it starts from them: transformers' ``Trainer.train()`` called again and accelerate's
-        ``free_memory()`` call this. The engine cannot train afterwards (its forward still runs the module); a
-        second call does nothing. A collective when ZeRO-Cache shards the params over ranks."""
+        ``free_memory()`` call this. The engine cannot train or checkpoint afterwards (its forward still runs the
+        module); a second call does nothing. A collective when ZeRO-Cache shards the params over ranks."""
         if self._destroyed:
             return
         if self.optimizer is not None:

@@ -61,6 +61,8 @@ def test_destroy_hands_the_module_its_weights_and_releases_the_rest(tmp_path, ki
         assert optimizer.masters == [] and not optimizer.optimizer.state
     with pytest.raises(RuntimeError, match=r"engine.step\(\) after engine.destroy\(\)"):
         engine.step()
+    with pytest.raises(RuntimeError, match="save_checkpoint"):  # the optimizer's states are gone: nothing to save
+        engine.save_checkpoint(str(tmp_path / "checkpoints"))
 
     # A new engine over the same module trains on from the handed-back weights, as one built from them would.
     again, _, _, _ = angelptm.initialize(model=model, config=engine_config(kind, tmp_path))
