@@ -34,9 +34,10 @@ from typing import Any, Callable
 
 import torch
 
+from zero_cache.chunk_adam import adam_step, fp32_gradient
 from zero_cache.chunks import STATE_FIELDS, ChunkStore, state_field
 from zero_cache.host_adam import HostAdam
-from zero_cache.jobs import GRADIENTS, JobQueue
+from zero_cache.jobs import GRADIENTS, JobQueue, serve, stop
 from zero_cache.layout import TensorSlot
 from zero_cache.rates import Throughput
 from zero_cache.revision import APPLIED, DEFERRED, SpeculationWindow, revision_scales
@@ -45,7 +46,6 @@ from zero_cache.tiers import BufferPool, wait
 from zero_cache.timeline import HOST_ADAM
 from zero_cache.transfers import Transfers
 
-_STOP = object()
 STAGING_BUFFERS = 4
 """Pinned chunk-sized buffers: one being fetched ahead, one under CPU Adam, the rest in H2D flight."""
 
@@ -120,10 +120,10 @@ class HostUpdater:
         # The thread holds only a weak reference, so a dropped optimizer (and its pinned memory) is
         # freed; the finalizer stops the thread then, or at interpreter exit, before teardown: a
         # thread frozen inside CPU Adam's OpenMP region during teardown aborts the process.
-        self._thread = threading.Thread(target=_serve, args=(self._jobs, weakref.ref(self)), name="zero-cache-host",
+        self._thread = threading.Thread(target=serve, args=(self._jobs, weakref.ref(self)), name="zero-cache-host",
                                         daemon=True)
         self._thread.start()
-        self._stop_worker = weakref.finalize(self, _stop, self._jobs, self._thread)
+        self._stop_worker = weakref.finalize(self, stop, self._jobs, self._thread)
 
     def close(self) -> None:
         """Stop the worker thread (after the jobs queued before) and drop the staging buffers: the updater cannot
@@ -176,8 +176,8 @@ class HostUpdater:
         if self.error is not None:
             raise self.error
 
-    # ------------------------------------------------------------------ the worker
-    def _start(self, job):
+    # ------------------------------------------------------------------ the worker (zero_cache.jobs.serve)
+    def start_job(self, job: Any) -> tuple[Any, Any]:
         """(job, what its prepare step returned): start a chunk update's gradient transfer."""
         if self.error is not None or not isinstance(job, ChunkUpdate):
             return job, None
@@ -187,7 +187,8 @@ class HostUpdater:
             self.error = self.error or err
             return job, None
 
-    def _run(self, job, prepared) -> None:
+    def run_job(self, job: Any, prepared: Any) -> None:
+        """Run ``job`` (a chunk update, or a gradient job's callable) with what :meth:`start_job` prepared."""
         if self.error is None:  # after a failure nothing else runs; waiters re-raise it
             start = time.perf_counter()
             try:
@@ -409,50 +410,3 @@ class Fetched:
             self.home.give_back(self.grads, pool, self.grads_copied)
         if self.swap is not None:
             swap_buffers.release(self.swap, self.swap_read)
-
-
-def _serve(jobs: JobQueue, updater_ref: weakref.ref) -> None:
-    """The worker thread: run jobs in order, starting the next job's transfer before running the current one."""
-    ahead = None  # (job, what its start returned): the next job, its transfer already started
-    while True:
-        if ahead is None:
-            job = jobs.get()  # blocks holding no reference to the updater
-            updater = updater_ref()
-            current = (job, None) if job is _STOP or updater is None else updater._start(job)
-        else:
-            current, ahead, updater = ahead, None, updater_ref()
-        if current[0] is _STOP or updater is None:
-            jobs.task_done(current[0])
-            return
-        following = jobs.get(block=False)
-        if following is not None:
-            ahead = (following, None) if following is _STOP else updater._start(following)
-        updater._run(*current)
-        jobs.task_done(current[0])
-        # Hold nothing of the optimizer while blocked: a job (a closure over the optimizer) left in a
-        # local would keep it, its pinned memory and its swap file alive after the engine is dropped.
-        updater = current = job = following = None
-
-
-def _stop(jobs: JobQueue, thread: threading.Thread) -> None:
-    jobs.put(_STOP)
-    if thread is not threading.current_thread():
-        thread.join()
-
-
-def fp32_gradient(source: torch.Tensor, scratch: torch.Tensor, grad_factor: float, *,
-                  in_place: bool = True) -> torch.Tensor:
-    """``source`` as fp32 (in place when it is fp32 and ``in_place``, else through ``scratch``), times ``grad_factor``."""
-    grads = source if source.dtype == torch.float32 and (in_place or grad_factor == 1.0) else scratch.copy_(source)
-    if grad_factor != 1.0:
-        grads.mul_(grad_factor)
-    return grads
-
-
-def adam_step(store: ChunkStore, slots: list[TensorSlot], grads: torch.Tensor, hyper: dict[str, Any], step: int,
-              kernel: Callable[..., None], states: torch.Tensor | None = None) -> None:
-    """One Adam step over ``slots`` (of one chunk and one param group); ``grads`` is the chunk's fp32 gradient,
-    ``states`` the chunk's states when they are not resident (read from NVMe)."""
-    views = {f: [store.state_view(s, f, states) for s in slots] for f in STATE_FIELDS}
-    grad_views = [grads[s.offset:s.offset + s.numel] for s in slots]
-    kernel(views["master"], grad_views, views["exp_avg"], views["exp_avg_sq"], step=step, **hyper)

@@ -1,4 +1,4 @@
-"""The host worker's job queue: two FIFO lanes, gradients before updates.
+"""The host worker's job queue (two FIFO lanes, gradients before updates) and the loop of its one thread.
 
 Gradient jobs (adding a staged micro-batch gradient into a host fp32 accumulator) are short, and
 ``step()`` needs all of them done to know the global norm; update jobs (CPU Adam over a chunk) are
@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import collections
 import threading
+import weakref
 from typing import Any, Callable
 
 GRADIENTS, UPDATES = "gradients", "updates"
+STOP = object()
+"""The job that ends :func:`serve`."""
 
 
 class JobQueue:
@@ -75,3 +78,34 @@ class JobQueue:
         with self._changed:
             while any(self._unfinished[name] for name in lanes):
                 self._changed.wait()
+
+
+def serve(jobs: JobQueue, worker_ref: weakref.ref) -> None:
+    """The worker thread's loop: run jobs in order, starting the next job's transfer (``start_job``) before running
+    the current one (``run_job``), until :func:`stop` or until the worker object is gone."""
+    ahead = None  # (job, what its start returned): the next job, its transfer already started
+    while True:
+        if ahead is None:
+            job = jobs.get()  # blocks holding no reference to the worker
+            worker = worker_ref()
+            current = (job, None) if job is STOP or worker is None else worker.start_job(job)
+        else:
+            current, ahead, worker = ahead, None, worker_ref()
+        if current[0] is STOP or worker is None:
+            jobs.task_done(current[0])
+            return
+        following = jobs.get(block=False)
+        if following is not None:
+            ahead = (following, None) if following is STOP else worker.start_job(following)
+        worker.run_job(*current)
+        jobs.task_done(current[0])
+        # Hold nothing of the optimizer while blocked: a job (a closure over the optimizer) left in a
+        # local would keep it, its pinned memory and its swap file alive after the engine is dropped.
+        worker = current = job = following = None
+
+
+def stop(jobs: JobQueue, thread: threading.Thread) -> None:
+    """End :func:`serve` after the jobs queued before, and wait for the thread (unless it is this one)."""
+    jobs.put(STOP)
+    if thread is not threading.current_thread():
+        thread.join()

@@ -50,11 +50,12 @@ from typing import Any
 
 import torch
 
+from zero_cache.chunk_adam import adam_step, fp32_gradient
 from zero_cache.chunks import ChunkStore
 from zero_cache.device_steps import DeviceSteps
 from zero_cache.exchange import ChunkExchange
 from zero_cache.host_adam import HostAdam, torch_fused_adam
-from zero_cache.host_update import ChunkUpdate, HostUpdater, adam_step, fp32_gradient
+from zero_cache.host_update import ChunkUpdate, HostUpdater
 from zero_cache.layout import TensorSlot
 from zero_cache.optimizer_gradients import GradientIntake
 from zero_cache.optimizer_sharded import ShardedGradients
