@@ -109,8 +109,8 @@ def train(kind: str, size: str, config: dict, engine_name: str, steps: int, trac
     finish_pending = getattr(optimizer, "finish_pending", None)  # (this engine's host worker)
     times, losses, disk, drained = timed_steps(step, steps, config, size, device, f"{kind} {size} {engine_name}",
                                                drain=finish_pending)
-    result = {**timings(kind, size, engine_name, num_params, times, losses, disk, drained, config),
-              "built_s": built_s, "init_s": init_s}
+    result = {**timings(kind, size, engine_name, num_params, times, losses, disk, drained, config,
+                        drained_before=finish_pending is not None), "built_s": built_s, "init_s": init_s}
     plan = getattr(getattr(optimizer, "store", None), "plan", None)
     if plan is not None:  # this engine: what its plan predicted the step would cost
         result["plan"] = plan.summary()
@@ -213,15 +213,22 @@ def timed_steps(step: Any, steps: int, config: dict, size: str, device: Any, lab
 
 
 def timings(kind: str, size: str, engine_name: str, num_params: int, times: list[float], losses: list[float],
-            disk: list[tuple[int, int]], drained: tuple[float, tuple[int, int]], config: dict) -> dict:
+            disk: list[tuple[int, int]], drained: tuple[float, tuple[int, int]], config: dict, *,
+            drained_before: bool = False) -> dict:
     """The result line: the median of the last steps (past warm-up and tuning), throughput, memory peaks, and
     the mean seconds and disk bytes of those steps with the work still pending after the last one added (an engine
-    whose steps hand work to the next one alternates short and long steps, which a median hides)."""
+    whose steps hand work to the next one alternates short and long steps, which a median hides).
+
+    ``drained_before``: the work pending before those steps was drained (:func:`timed_steps`), so the first of them
+    found nothing pending and is not a step like the others: the median leaves it out, and where fewer than two
+    steps are left, the mean stands in for it (throughput is read from it too)."""
     import torch
 
     last = measured_steps(len(times))
-    step_s = statistics.median(times[-last:])
     drained_s, (drained_read, drained_written) = drained
+    mean_step_s = (sum(times[-last:]) + drained_s) / last
+    steady = times[-last:][1:] if drained_before else times[-last:]
+    step_s = statistics.median(steady) if len(steady) >= 2 or not drained_before else mean_step_s
     layers, hidden = user_models.shape_of(kind, size)
     seq, _ = _tokens(size)
     tokens = config["train_micro_batch_size_per_gpu"] * seq
@@ -231,7 +238,7 @@ def timings(kind: str, size: str, engine_name: str, num_params: int, times: list
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
             # ru_maxrss: the process's peak resident set (KiB on Linux), pinned host memory included
             "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            "mean_step_s": (sum(times[-last:]) + drained_s) / last,
+            "mean_step_s": mean_step_s,
             "disk_read_gib": (sum(read for read, _ in disk[-last:]) + drained_read) / last / 2**30,
             "disk_written_gib": (sum(written for _, written in disk[-last:]) + drained_written) / last / 2**30,
             "losses": [round(x, 4) for x in losses]}

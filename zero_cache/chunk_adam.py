@@ -13,7 +13,8 @@ from zero_cache.layout import TensorSlot
 
 def fp32_gradient(source: torch.Tensor, scratch: torch.Tensor, grad_factor: float, *,
                   in_place: bool = True) -> torch.Tensor:
-    """``source`` as fp32 (in place when it is fp32 and ``in_place``, else through ``scratch``), times ``grad_factor``."""
+    """``source`` as fp32 (in place when it is fp32 and ``in_place``, else through ``scratch``), times
+    ``grad_factor``."""
     grads = source if source.dtype == torch.float32 and (in_place or grad_factor == 1.0) else scratch.copy_(source)
     if grad_factor != 1.0:
         grads.mul_(grad_factor)

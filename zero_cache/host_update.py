@@ -126,7 +126,7 @@ class HostUpdater:
         self._stop_worker = weakref.finalize(self, stop, self._jobs, self._thread)
 
     def close(self) -> None:
-        """Stop the worker thread (after the jobs queued before) and drop the staging buffers: the updater cannot
+        """Stop the worker thread (after the jobs already queued) and drop the staging buffers: the updater cannot
         run again (:mod:`zero_cache.release`)."""
         self._stop_worker()
         self.pool = self.gradient_pool = None

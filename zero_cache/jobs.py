@@ -105,7 +105,8 @@ def serve(jobs: JobQueue, worker_ref: weakref.ref) -> None:
 
 
 def stop(jobs: JobQueue, thread: threading.Thread) -> None:
-    """End :func:`serve` after the jobs queued before, and wait for the thread (unless it is this one)."""
+    """End :func:`serve` once the updates queued before have run (gradient jobs always run first), and wait for the
+    thread (unless it is this one)."""
     jobs.put(STOP)
     if thread is not threading.current_thread():
         thread.join()

@@ -180,12 +180,15 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
                                  for param, (_, slot) in zip(self._params, self.members)]
         """Handles of the hooks on the parameters and (added by :func:`~zero_cache.attach.attach`) the modules, which
         :meth:`destroy` removes."""
+        self.destroyed = False
+        """Whether :meth:`destroy` released everything (then it cannot step)."""
         self._reset_window()
 
     def destroy(self) -> None:
         """Hand the module its weights, remove the hooks and free everything else now (``engine.destroy()``;
         :mod:`zero_cache.release`). The optimizer cannot step again."""
         release(self)
+        self.destroyed = True
 
     # ------------------------------------------------------------------ torch.optim surface
     @property
@@ -253,6 +256,9 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
     # ------------------------------------------------------------------ step
     def step(self) -> bool:
         """Apply the accumulated gradients; False if skipped for non-finite gradients (e.g. fp16 overflow)."""
+        if self.destroyed:
+            raise RuntimeError("optimizer.step() after engine.destroy(), which released this optimizer's states: "
+                               "build a new engine with angelptm.initialize()")
         self.host.raise_if_failed()
         self._refuse_stray_gradients()
         scale = self.loss_scaler.scale if self.loss_scaler else 1.0

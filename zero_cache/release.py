@@ -7,12 +7,20 @@ referenced (by the Trainer, the accelerator). Its pinned host memory, device sta
 otherwise still be held while the second engine measures its "auto" budgets, and a worker thread would be left
 running per engine.
 
-What the module gets back: replicated params are views of their device chunks and keep that storage, which is
-the module's own from now on. Gathered params (sharded over ranks, or streamed from host memory or disk) are
-placeholders between uses; each is bound to a whole copy of its fp32 master in the compute dtype (what the
-engine's compute copy holds, and what a whole-weights read gives), on the device where this rank's shard of the
-group lived there, in host memory otherwise. Sharded masters travel from the rank that owns them, one chunk at a
-time (every rank calls this).
+What the module gets back, with the work of the last step landed first (and a window between ``backward()`` and
+``step()`` dropped, its updates during backward taken back, as ``zero_grad()`` does):
+
+* replicated params are views of their device chunks and keep that storage, which is the module's own from now
+  on; where the optimizer states are sharded over ranks, the chunks other ranks own are brought up to date first
+  (they held this rank's gradients since the step);
+* gathered params (sharded over ranks, or streamed from host memory or disk) are placeholders between uses; each
+  is bound to a whole copy of its fp32 master in the compute dtype (what the engine's compute copy holds), in host
+  memory: the whole model may not fit the device, which is why it was gathered. The masters travel from the rank
+  that owns them, one chunk at a time.
+
+Every rank calls it when the states are sharded (it syncs and gathers). Should settling the last step fail (the
+worker's error, e.g. a full disk), the worker thread is stopped and the error raised, and nothing is freed: the
+storage still holds what the failed step left.
 """
 
 from __future__ import annotations
@@ -22,29 +30,34 @@ from typing import Any
 import torch
 
 from zero_cache.shard_params import gather_objects
-from zero_cache.tier_names import DEVICE
 
 
 def release(optimizer: Any) -> None:
-    """Finish ``optimizer``'s pending work, hand its module the weights, remove its hooks and free its storage,
-    buffers, swap files and worker thread (a :class:`~zero_cache.optimizer.ZeroCacheOptimizer`; it cannot step
-    again). A collective over the data-parallel ranks when params are sharded."""
-    optimizer.finish_pending()
-    store = optimizer.store
+    """Settle ``optimizer`` (a :class:`~zero_cache.optimizer.ZeroCacheOptimizer`), hand its module the weights,
+    remove its hooks and free its storage, buffers, swap files and worker thread; it cannot step again."""
+    try:
+        if optimizer.gradients_pending:  # between backward() and step(): gradients sit where the weights go
+            optimizer.zero_grad()
+        optimizer.finish_pending()
+        optimizer.sync_params()
+    except BaseException:
+        optimizer.host.close()
+        raise
     if optimizer.exchange is not None:
-        optimizer.exchange.close()
-    if store.shard_params:
-        hand_back_gathered_params(optimizer)
+        optimizer.exchange.close()  # (gathered groups and buckets first: their device memory is not needed)
+    if optimizer.store.shard_params:
+        hand_back_gathered_params(optimizer)  # (reading the masters waits for the worker: it still runs)
+    optimizer.host.close()
+    optimizer.device_steps.close()
     for handle in optimizer.hooks:
         handle.remove()
     optimizer.hooks.clear()
-    optimizer.host.close()
-    optimizer.device_steps.close()
-    store.close()
+    optimizer.store.close()
 
 
 def hand_back_gathered_params(optimizer: Any) -> None:
-    """Bind each gathered parameter to a whole copy of its current weights (see the module docstring)."""
+    """Bind each gathered parameter to a whole copy of its current weights in host memory (see the module
+    docstring)."""
     store, gather = optimizer.store, gather_objects(optimizer.store.sharding)
     param_of = {slot.name: param for slot, param in zip(store.slots, store.params)}
     with torch.no_grad():
@@ -52,6 +65,5 @@ def hand_back_gathered_params(optimizer: Any) -> None:
             slots = store.slots_of(chunk)
             owned = optimizer.master_values([slot.name for slot in slots]) if store.sharding.owns(chunk) else {}
             masters = {name: value for part in gather(owned) for name, value in part.items()}
-            device = store.tiers[DEVICE].device if store.home_of(chunk) == DEVICE else torch.device("cpu")
             for slot in slots:
-                param_of[slot.name].data = masters[slot.name].to(device=device, dtype=store.compute_dtype)
+                param_of[slot.name].data = masters[slot.name].to(store.compute_dtype)

@@ -302,7 +302,12 @@ class EngineCheckpoints:
 
     def _state_dict_for_writer(self) -> dict[str, torch.Tensor] | None:
         """:meth:`consolidated_state_dict` on rank 0, None elsewhere (every rank calls it: sharded masters are
-        gathered by all; a model that cannot be consolidated is refused on every rank, before any collective)."""
+        gathered by all; a model that cannot be consolidated is refused on every rank, before any collective).
+        After :meth:`destroy` the module's own state dict: it holds the whole weights (in the compute dtype), and
+        the masters are gone."""
+        if self.destroyed:
+            return {key: value.detach().cpu() for key, value in self.module.state_dict().items()} \
+                if self.ctx.is_main else None
         self._refuse_spread_experts()
         if not (self.ctx.is_main or self.zero_cache_shards > 1):
             return None

@@ -153,6 +153,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
     # ----------------------------------------------------------------- forward / backward / step
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module; tensors move to the device (floating ones to the compute dtype with fp16.auto_cast)."""
+        self._check_not_destroyed("forward")
         start = self._clock()
         self._tracer.forward_starts()
         cast = self.compute_dtype if self.config.precision.cast_inputs else None
@@ -246,10 +247,14 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
     def destroy(self) -> None:
         """DeepSpeed's: release now what the engine holds beyond the module. The optimizer's hooks come off, and
         its masters, states, buffers, swap files and worker thread are freed. The module keeps its current weights
-        as ordinary tensors (ZeRO-Cache's gathered params are bound to whole copies), so a new ``initialize()``
-        over it starts from them: transformers' ``Trainer.train()`` called again and accelerate's
-        ``free_memory()`` call this. The engine cannot train or checkpoint afterwards (its forward still runs the
-        module); a second call does nothing. A collective when ZeRO-Cache shards the params over ranks."""
+        as ordinary tensors, so a new ``initialize()`` over it starts from them: accelerate's ``free_memory()``
+        calls this, and transformers' ``Trainer.train()`` called again. A window between ``backward()`` and
+        ``step()`` is dropped first (as ``zero_grad()`` drops it). ZeRO-Cache's gathered params (sharded or
+        streamed) come back as whole copies in host memory (see :mod:`zero_cache.release`).
+
+        Afterwards the engine cannot run, train or checkpoint (the module itself can); a second call does nothing.
+        Every rank calls it when ZeRO-Cache shards the states over ranks (unlike DeepSpeed's, it is a collective
+        there: the ranks' weights are gathered)."""
         if self._destroyed:
             return
         if self.optimizer is not None:

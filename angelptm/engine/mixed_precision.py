@@ -108,7 +108,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             self.grad_views.append(self.flat_grad[start:start + param.numel()].view_as(param))
             offsets[is_expert] += param.numel()
         self._engine_backward = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
+        self.hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
+        self.destroyed = False
+        """Whether :meth:`destroy` released the masters and states (then it cannot step)."""
         self.overflow = False
         self.last_grad_norm: float | None = None
 
@@ -188,15 +190,16 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def destroy(self) -> None:
         """Remove the gradient hooks and free the fp32 masters, the gradient buffer and the optimizer states now
         (``engine.destroy()``); the module keeps its weights, current after every step. It cannot step again."""
-        for hook in self._hooks:
+        for hook in self.hooks:
             hook.remove()
-        self._hooks = []
+        self.hooks = []
         for param in self.params:
             param.grad = None  # (an fp32 parameter's gradient is a view of the flat buffer)
         self.optimizer.state.clear()
         for param_group in self.optimizer.param_groups:
             param_group["params"] = []
         self.masters, self.grad_views, self.flat_grad = [], [], torch.empty(0)
+        self.destroyed = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the accumulated gradients (the buffer is reused, never freed)."""
@@ -210,6 +213,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         Returns:
             True if the update was applied, False if it was skipped for an fp16 overflow.
         """
+        if self.destroyed:
+            raise RuntimeError("optimizer.step() after engine.destroy(), which released this optimizer's masters and "
+                               "states: build a new engine with angelptm.initialize()")
         self.collect_gradients()
         self._all_reduce_mean()
         scale = self.loss_scaler.scale if self.loss_scaler else 1.0

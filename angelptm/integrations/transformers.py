@@ -81,15 +81,16 @@ class Trainer(transformers.Trainer):
         return super()._wrap_model(model, training, dataloader)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Write a ``save_pretrained`` directory of the engine's consolidated fp32 weights (rank 0 writes).
+        """Write a ``save_pretrained`` directory of the engine's consolidated fp32 weights (rank 0 writes); before
+        training, or after accelerate's ``free_memory()`` destroyed the engine, the module's own weights.
 
         Every rank must call it when ZeRO-Cache shards the weights (the masters are gathered).
         """
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        engine = self.deepspeed  # None before training: the module's own weights are current
+        engine = self.deepspeed
         state = None
         # Only writers build the fp32 copy (8 B/param of host memory), unless sharded masters need every rank.
-        if engine is not None and (self.args.should_save or engine.zero_cache_shards > 1):
+        if engine is not None and not engine.destroyed and (self.args.should_save or engine.zero_cache_shards > 1):
             state = engine.consolidated_state_dict()
         self._save(output_dir, state_dict=state)
         if self.args.push_to_hub and not _internal_call:

@@ -53,9 +53,9 @@ def split_engine(seed: int, config_for: Callable[[int], dict], model_bytes: int,
     The split depends on what the re-plan measures beside the model states on this GPU (activations, cuBLAS's
     workspaces, fragmentation), which only an engine can measure, and which differs between placements and with
     what earlier tests left allocated in the process. So the device budget starts where it holds everything, and
-    each attempt's own measurement sizes the next one's budget to hold about ``device_share`` of the states, until the re-plan
-    splits them (at most three attempts: one engine's measurement sizes the next within tens of MiB, the states
-    are 160 MiB)."""
+    each attempt's own measurement sizes the next one's budget to hold about ``device_share`` of the states, until
+    the re-plan splits them (at most three attempts: one engine's measurement sizes the next within tens of MiB, the
+    states are 160 MiB)."""
     budget = 4 * model_bytes + 2**30
     found: set = set()
     for _ in range(3):

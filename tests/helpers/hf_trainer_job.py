@@ -186,12 +186,17 @@ def main() -> None:
             "weight_bytes": sum(p.numel() * 4 for p in pretrained.model.parameters()),
             "param_homes": sorted(set(store.param_home)) if store.shard_params else [],
             "optimizer_tiers": sorted({str(group.tier) for group in store.groups})}
-        # train() again (DeepSpeed stops here: transformers issue 24558): accelerate's free_memory() destroys the
-        # engine, whose streamed params go back to the module whole, and a new engine trains on from them.
+        # train() again (DeepSpeed stops here: transformers issue 24558): accelerate's free_memory() (which train()
+        # calls first; called here to look in between) destroys the engine, whose streamed params go back to the
+        # module whole, and a new engine trains on from them.
         first, old = losses(pretrained), pretrained.deepspeed
+        trained = old.consolidated_state_dict()
+        pretrained.accelerator.free_memory()
+        handed_back = max((param.detach() - trained[name]).abs().max().item()
+                          for name, param in pretrained.model.named_parameters())
         pretrained.train()
         results["train_again"] = {"first": first, "again": losses(pretrained), "old_destroyed": old.destroyed,
-                                  "new_engine": pretrained.deepspeed is not old}
+                                  "new_engine": pretrained.deepspeed is not old, "handed_back_diff": handed_back}
     out.write_text(json.dumps(results))
 
 

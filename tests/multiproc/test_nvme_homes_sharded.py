@@ -36,8 +36,8 @@ def test_params_homed_on_nvme_train_like_one_process(tmp_path, one_process, npro
     pinned buffers before every gather and updated by the host's Adam; checkpointed blocks gather evicted groups
     again in backward. Equal to one process with replicated params up to summation order (see
     test_zero_cache_sharded.assert_same_weights), and nothing is left under the swap directory. Two ranks end with
-    engine.destroy(): each rank's module then holds the whole weights (the masters of the shards the other rank owns
-    gathered), and no swap file is open."""
+    engine.destroy(), and the weights compared are their module's then: whole, the masters of the shards the other
+    rank owns gathered (and no swap file is open after it)."""
     data_seed, expected, start = one_process
     swap = tmp_path / "swap"
     swap.mkdir()

@@ -73,11 +73,14 @@ def unsharded(tmp_path_factory, data_seed) -> tuple[dict, dict]:
     return (train(1, root / "four.pt", data_seed, 4)["weights"], train(1, root / "zero.pt", data_seed, 0)["weights"])
 
 
-@pytest.mark.parametrize("nproc, overlap", [(2, True), (4, True), (2, False)])
-def test_sharded_training_equals_one_process_with_the_same_global_batch(tmp_path, data_seed, unsharded, nproc, overlap):
-    """overlap: groups are reduced from backward, else all at step(); gathers run 2 chunks ahead."""
+@pytest.mark.parametrize("nproc, extra", [(2, ()), (4, ()), (2, ("--no-overlap",)), (2, ("--destroy",))],
+                         ids=["2", "4", "2-no-overlap", "2-destroy"])
+def test_sharded_training_equals_one_process_with_the_same_global_batch(tmp_path, data_seed, unsharded, nproc, extra):
+    """Groups are reduced from backward (--no-overlap: all at step()); gathers run 2 chunks ahead. --destroy: the
+    weights are the module's after engine.destroy(), where the chunks other ranks own held this rank's gradients
+    since the last step until destroy() gathered them."""
     expected, start = unsharded
-    result = train(nproc, tmp_path / "sharded.pt", data_seed, 4, *([] if overlap else ["--no-overlap"]))
+    result = train(nproc, tmp_path / "sharded.pt", data_seed, 4, *extra)
     assert result["world_size"] == nproc and result["global_steps"] == 4
     assert_same_weights(result["weights"], expected, start)
 

@@ -113,6 +113,13 @@ def test_the_measured_window_holds_its_own_steps_work_and_no_earlier_ones(monkey
     assert window == 4 and times[:-window] == [1.0] + [11.0] * (steps - window - 1)
     assert times[-window] == 1.0  # the work of the step before the window was drained, untimed
     result = bench.timings("nngpt", "tiny", "angelptm", 10**6, times, [1.0] * steps, [(0, 0)] * steps, drained,
-                           {"train_micro_batch_size_per_gpu": 1})
-    assert result["mean_step_s"] == pytest.approx(11.0)
+                           {"train_micro_batch_size_per_gpu": 1}, drained_before=True)
+    assert result["mean_step_s"] == pytest.approx(11.0) and result["step_s"] == pytest.approx(11.0)
     assert drained[1][0] == 5 * 2**30
+    # 5 steps measure the last 2, the first of which found nothing pending: the s/step is the mean, not 6 s.
+    pending[0] = 0.0
+    times, _, _, drained = bench.timed_steps(step, 5, {"train_micro_batch_size_per_gpu": 1}, "tiny",
+                                             torch.device("cpu"), "fake", drain=finish)
+    result = bench.timings("nngpt", "tiny", "angelptm", 10**6, times, [1.0] * 5, [(0, 0)] * 5, drained,
+                           {"train_micro_batch_size_per_gpu": 1}, drained_before=True)
+    assert times[-2:] == [1.0, 11.0] and result["step_s"] == pytest.approx(11.0)

@@ -86,6 +86,7 @@ def test_training_again_destroys_the_engine_and_trains_on_from_its_weights(resul
     module gets them back from the old engine whole: the new run starts below where the first one started."""
     again = results["angelptm"]["train_again"]
     assert again["old_destroyed"] and again["new_engine"]
+    assert again["handed_back_diff"] == 0.0, "the module must hold the weights the engine ended with (fp32 here)"
     assert len(again["again"]) == len(again["first"]) and again["again"][0] < again["first"][0]
 
 
