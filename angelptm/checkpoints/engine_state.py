@@ -22,7 +22,8 @@ logger = logging.getLogger("angelptm.engine.engine")
 
 
 class EngineCheckpoints:
-    """Checkpoint methods of :class:`~angelptm.engine.engine.Engine` (they use its module, optimizer and counters)."""
+    """Checkpoint methods of :class:`~angelptm.engine.engine.Engine` (they use its module, optimizer, counters and
+    whether it was destroyed)."""
 
     @property
     def zero_cache_shards(self) -> int:
