@@ -28,7 +28,7 @@ from torch import nn
 
 from zero_cache.homes import ParamHome, home_class
 from zero_cache.layout import ChunkLayout, TensorSlot
-from zero_cache.nvme import ALIGN_BYTES, NvmeTier
+from zero_cache.nvme import ALIGN_BYTES
 from zero_cache.planner import Plan
 from zero_cache.sharding import Sharding
 from zero_cache.tier_names import DEVICE, HOST, NVME, REMOTE, BudgetedTier
