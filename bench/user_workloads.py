@@ -227,8 +227,10 @@ def timings(kind: str, size: str, engine_name: str, num_params: int, times: list
     last = measured_steps(len(times))
     drained_s, (drained_read, drained_written) = drained
     mean_step_s = (sum(times[-last:]) + drained_s) / last
-    steady = times[-last:][1:] if drained_before else times[-last:]
-    step_s = statistics.median(steady) if len(steady) >= 2 or not drained_before else mean_step_s
+    if not drained_before:
+        step_s = statistics.median(times[-last:])
+    else:
+        step_s = statistics.median(times[-last + 1:]) if last >= 3 else mean_step_s
     layers, hidden = user_models.shape_of(kind, size)
     seq, _ = _tokens(size)
     tokens = config["train_micro_batch_size_per_gpu"] * seq

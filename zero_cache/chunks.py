@@ -307,14 +307,9 @@ class ChunkStore:
     def close(self) -> None:
         """Free the optimizer states, the buffers, the shards at home off the device, the homes' and the NVMe
         tier's swap files (:mod:`zero_cache.release`). Replicated param chunks stay the storage of the module's
-        parameters, which view them. The store cannot be used again."""
+        parameters, which view them. The store cannot be used again, so nothing is given back to the tiers' budgets
+        one by one: dropping the tensors frees them (pinned pages are unpinned with their last view)."""
         self.flush()
-        for group in self.groups:
-            self._free_group(group)
-        for name, scratch in self.scratch.items():
-            self.tiers[name].free(scratch)
-        for group, shard in enumerate(self.shards):
-            self.group_home(group).free(group, shard)
         for home in self.homes.values():
             home.close()
         if NVME in self.tiers:
