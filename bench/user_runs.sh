@@ -57,6 +57,11 @@ run full_2p7b 300 "${bench[@]}" --engines torch angelptm --anchor torch --models
 # Clipping on every step (random tokens: the norm is above 1 at every step) against none, the whole GPU.
 run clip_10b 560 "${bench[@]}" --engines angelptm --anchor angelptm --models nngpt --sizes 10b \
     --configs $c/zero_offload.json $c/zero_offload_noclip.json
+# 13B on the whole H200 (issue 27): the default (device steps "auto", tuned) against device_steps 0, same machine.
+run h200_13b_auto 300 "${bench[@]}" --engines angelptm --anchor angelptm --models nngpt --sizes 13b \
+    --configs $c/zero_offload.json
+run h200_13b_no_device_steps 260 "${bench[@]}" --tuning-steps 0 --engines angelptm --anchor angelptm --models nngpt \
+    --sizes 13b --configs $c/zero_offload.json --set angelptm:zero_cache.device_steps=0
 run gpu_user_model 400 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_user_model_cuda.py
 run gpu_tests 500 python3 -m pytest -q -p no:cacheprovider tests/gpu
 [ -d "$out/traces" ] && tar czf "$out/traces.tgz" -C "$out" traces && rm -rf "$out/traces"
