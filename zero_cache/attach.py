@@ -92,7 +92,7 @@ def with_measured_gathers(inputs: PlanInputs, optimizer: ZeroCacheOptimizer,
 
 
 PREDICTION_TOLERANCE = 0.10
-"""A measured step this far above the plan's floor is logged with what bounds it instead."""
+"""A measured step this far above the plan's prediction is logged as such."""
 
 
 def tunes_on(device: torch.device) -> bool:
@@ -213,7 +213,7 @@ class WarmupTracer:
 
     def _tune_step(self, optimizer: ZeroCacheOptimizer, step_seconds: float) -> None:
         """A step measured under the tuner's count: switch to the next count to try, or settle on the fastest."""
-        count = self.tuner.observe(step_seconds)
+        count = self.tuner.observe(step_seconds, optimizer.last_backward_seconds)
         if count is not None:
             self._apply(optimizer, with_device_step_count(self.inputs, optimizer.store.plan, count))
         if not self.tuner.done:
@@ -226,14 +226,28 @@ class WarmupTracer:
         self.inputs = replace(self.inputs, rates=self.rates)
         plan = with_device_step_count(self.inputs, optimizer.store.plan, self.tuner.best)
         self._apply(optimizer, plan)
-        measured, floor = self.tuner.measured[self.tuner.best], plan.traffic.seconds
-        # The floor counts each stream as if it overlapped compute; what it leaves out is compute itself and the
-        # copies that cannot overlap it (a device step's, after backward, overlap the forward alone).
-        above = measured > (1 + PREDICTION_TOLERANCE) * floor
-        logger.info("ZeRO-Cache: the step runs at %.3f s, %+.0f%% against the plan's floor of %.3f s (%s at %s)%s",
-                    measured, 100 * (measured / floor - 1) if floor else float("inf"), floor, plan.traffic.bound,
-                    self.rates.describe(), ": compute and the copies it cannot hide bound it, not the tiers"
-                    if above else "")
+        self._log_prediction(self.tuner.measured[self.tuner.best], self.tuner.backward.get(self.tuner.best), plan,
+                             updates_after_backward=optimizer.last_updates_after_backward)
+
+    def _log_prediction(self, measured: float, backward: float | None, plan: Plan, *,
+                        updates_after_backward: bool) -> None:
+        """The settled step against what the plan predicts for it once its backward is measured
+        (:meth:`~zero_cache.step_cost.StepTraffic.predicted_step`), and what bounds it."""
+        traffic = plan.traffic
+        if backward is None:  # (no backward timed: the floor alone)
+            predicted, bound = traffic.seconds, traffic.bound
+        else:
+            predicted, bound = traffic.predicted_step(backward, updates_after_backward=updates_after_backward)
+        off = measured / predicted - 1 if predicted else float("inf")
+        after = ", ".join(f"{stream} {seconds:.3f} s" for stream, seconds in traffic.after_backward_floors.items())
+        logger.info("ZeRO-Cache: the step runs at %.3f s; the plan predicts at least %.3f s (%+.0f%%), bound by %s "
+                    "(backward %s; the updates %s; after backward: %s; at %s)%s",
+                    measured, predicted, 100 * off, bound, "not timed" if backward is None else f"{backward:.3f} s",
+                    "waited for the global norm" if updates_after_backward else "ran in backward", after,
+                    self.rates.describe(),
+                    ": more than the tolerance above it, the forward's compute or waits the plan does not count "
+                    "bound it" if off > PREDICTION_TOLERANCE else ": below it, the plan's rates are slower than the "
+                    "step's" if off < -PREDICTION_TOLERANCE else "")
 
 
 def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, *, compute_dtype: torch.dtype,

@@ -177,6 +177,12 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         self.clock = time.perf_counter
         """What step times are read from (a fake one in tests)."""
         self._synced_at: float | None = None  # when the last step's norm reached the host
+        self._backward_started: torch.cuda.Event | float | None = None  # the window's last engine backward's start
+        self.last_backward_seconds: float | None = None
+        """The last step's backward, from the start of the window's last engine backward to the gradients' norm,
+        timed where it runs (the step's prediction, :meth:`~zero_cache.step_cost.StepTraffic.predicted_step`)."""
+        self.last_updates_after_backward = False
+        """Whether the last step's host updates waited for its backward to end (no speculation in backward)."""
         self._params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         self._engine_backward = False  # gradients are taken only inside the engine's backward (accumulating())
         self.hooks: list[Any] = [param.register_post_accumulate_grad_hook(self._make_grad_hook(slot))
@@ -268,11 +274,16 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         if self.exchange is not None:
             self._reduce_gradients()
             scale *= self.sharding.world_size  # the owners hold the sum of W ranks' gradients: step on the mean
+        backward_ended = self._mark_time()
         norm = self._grad_norm() / scale
         # The norm is the step's one sync with the device: from one to the next is a whole step as it runs.
         now = self.clock()
         step_seconds = None if self._synced_at is None else now - self._synced_at
         self._synced_at = now
+        self.last_backward_seconds = (None if self._backward_started is None
+                                      else self._seconds_between(self._backward_started, backward_ended))
+        self._backward_started = None
+        self.last_updates_after_backward = not self._speculating
         self.overflow = not math.isfinite(norm)  # a non-finite gradient skips the step in any precision
         if self.loss_scaler is not None:
             self.loss_scaler.update(self.overflow)

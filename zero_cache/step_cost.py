@@ -81,6 +81,12 @@ class StepTraffic:
     gradients_to_disk: int = 0
     """Gradients of chunks at home on NVMe that wait for their update after backward beyond what the homes' staging
     buffers hold, so on disk (counted in :attr:`disk_bytes`)."""
+    gather_bytes: int = 0
+    """Of :attr:`h2d_bytes`: the streamed shards' copies in, on use in forward and backward. The rest comes in after
+    the updates (new params, and the device steps' states)."""
+    device_step_d2h_bytes: int = 0
+    """Of :attr:`d2h_bytes`: the device steps' states (and params to a home on the host) going out after their
+    update. The rest are gradients, going out during backward."""
 
     @property
     def floors(self) -> dict[str, float]:
@@ -102,6 +108,35 @@ class StepTraffic:
         """The stream whose floor is :attr:`seconds`."""
         floors = self.floors
         return max(floors, key=floors.__getitem__)
+
+    @property
+    def after_backward_floors(self) -> dict[str, float]:
+        """Seconds of the work between a clipped step's backward and the next forward's use of its chunks: then the
+        updates wait for the global norm, and each chunk's, on the host or stepped on the device, comes before
+        the forward can use it. "host Adam", "H2D" (new params and the device steps' states in) and "D2H" (the
+        device steps' states out)."""
+        rates = self.rates
+        return {"host Adam": self.host_adam_elements / rates.host_adam_elements_per_s,
+                "H2D": (self.h2d_bytes - self.gather_bytes) / rates.h2d_bytes_per_s,
+                "D2H": self.device_step_d2h_bytes / rates.d2h_bytes_per_s}
+
+    def predicted_step(self, backward_seconds: float, *, updates_after_backward: bool) -> tuple[float, str]:
+        """The least step time this traffic allows once backward is measured, and what bounds it.
+
+        A step whose host updates wait for the global norm (it clips, or the speculation predicts so) runs its
+        backward, then the work of :attr:`after_backward_floors`, whose slowest stream the next forward waits on
+        (the forward's own compute hides in it unless it is longer). Otherwise the updates run under backward, and
+        the step is bound by backward or by the slowest stream's whole step (:attr:`seconds`). The forward's compute
+        is not counted: the prediction is a floor.
+        """
+        floors = {"backward": backward_seconds, **{f"{stream} (whole step)": seconds
+                                                   for stream, seconds in self.floors.items()}}
+        after = self.after_backward_floors
+        slowest = max(after, key=after.__getitem__)
+        if updates_after_backward and after[slowest] > 0:
+            floors[f"backward, then {slowest} after it"] = backward_seconds + after[slowest]
+        bound = max(floors, key=floors.__getitem__)
+        return floors[bound], bound
 
     def describe(self) -> str:
         stepped = f", {self.device_stepped} host groups stepped on the device" if self.device_stepped else ""
@@ -134,8 +169,9 @@ def step_traffic(*, chunk_numel: int, param_bytes_per_element: int, streamed_sha
         rates: what its floors are worked out at.
     """
     chunk_bytes = chunk_numel * param_bytes_per_element
+    gathers = int(streamed_shards * gathers_per_step * chunk_bytes)
     return StepTraffic(
-        h2d_bytes=int((streamed_shards * gathers_per_step + host_updated_resident) * chunk_bytes),
+        h2d_bytes=gathers + host_updated_resident * chunk_bytes, gather_bytes=gathers,
         d2h_bytes=(owned_streamed + host_updated_resident) * chunk_bytes,
         host_adam_elements=host_updated * chunk_numel, rates=rates)
 
@@ -159,17 +195,20 @@ def with_device_steps(traffic: StepTraffic, stepped: Sequence[HostChunk], *, chu
     the host, or are written on the device, where the host path would have sent its gradient out and its
     params back in.
     """
-    h2d = d2h = 0
+    h2d = d2h = out = 0
     for chunk in stepped:
         grad_in = 4 if chunk.accumulating else (param_bytes_per_element if chunk.params_home_on_host else 0)
         if chunk.params_home_on_host:  # the host would update it in place; from the device its params go home
             h2d += STATE_BYTES_PER_ELEMENT + grad_in
             d2h += STATE_BYTES_PER_ELEMENT + param_bytes_per_element
+            out += STATE_BYTES_PER_ELEMENT + param_bytes_per_element
         else:  # the host would take its gradient out and send its params back; the device writes them in place
             h2d += STATE_BYTES_PER_ELEMENT + grad_in - param_bytes_per_element
             d2h += STATE_BYTES_PER_ELEMENT - param_bytes_per_element
+            out += STATE_BYTES_PER_ELEMENT
     return replace(traffic, h2d_bytes=traffic.h2d_bytes + h2d * chunk_numel,
                    d2h_bytes=traffic.d2h_bytes + d2h * chunk_numel,
+                   device_step_d2h_bytes=traffic.device_step_d2h_bytes + out * chunk_numel,
                    host_adam_elements=traffic.host_adam_elements - len(stepped) * chunk_numel,
                    device_stepped=traffic.device_stepped + len(stepped))
 

@@ -50,6 +50,8 @@ class DeviceStepTuner:
     """The counts to try, in order."""
     measured: dict[int, float] = field(init=False, default_factory=dict)
     """Count -> its fastest measured step, seconds."""
+    backward: dict[int, float] = field(init=False, default_factory=dict)
+    """Count -> the backward of its fastest measured step, seconds, where one was timed."""
     _trial: int = field(init=False, default=0)
     _seen: int = field(init=False, default=0)
 
@@ -74,15 +76,19 @@ class DeviceStepTuner:
             return self.planned
         return min(self.measured, key=lambda count: (self.measured[count], count))
 
-    def observe(self, step_seconds: float) -> int | None:
-        """One step's measured time under :attr:`current`; returns the count to switch to now, or None to stay."""
+    def observe(self, step_seconds: float, backward_seconds: float | None = None) -> int | None:
+        """One step's measured time (and its backward's) under :attr:`current`; returns the count to switch to now,
+        or None to stay."""
         if self.done:
             return None
         self._seen += 1
         if self._seen <= SETTLE_STEPS:
             return None
         count = self.counts[self._trial]
-        self.measured[count] = min(step_seconds, self.measured.get(count, float("inf")))
+        if step_seconds < self.measured.get(count, float("inf")):
+            self.measured[count] = step_seconds
+            if backward_seconds is not None:
+                self.backward[count] = backward_seconds
         if self._seen < SETTLE_STEPS + MEASURED_STEPS:
             return None
         self._trial, self._seen = self._trial + 1, 0

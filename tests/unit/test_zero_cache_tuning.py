@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 import random
 
 import pytest
@@ -39,13 +40,15 @@ def test_the_tuner_settles_on_the_fastest_count_and_ignores_settling_steps():
             settling = tuner._seen < SETTLE_STEPS
             # A settling step pays for the switch (far slower); a measured one only ever runs slower than its count.
             seconds = 100.0 if settling else cost[current] * random.uniform(1.0, 1.05)
-            switch = tuner.observe(seconds)
+            switch = tuner.observe(seconds, backward_seconds=seconds * 0.4)
             if switch is not None:
                 switches.append(switch)
                 current = switch
         assert tuner.done and tuner.observe(1.0) is None
         assert switches[:len(tuner.counts) - 1] == tuner.counts[1:]
         assert set(tuner.measured) == set(tuner.counts) and max(tuner.measured.values()) < 100
+        # Each count keeps the backward of its fastest step, which the prediction is made from.
+        assert tuner.backward == {count: seconds * 0.4 for count, seconds in tuner.measured.items()}
         best = min(tuner.counts, key=lambda count: (cost[count], count))
         # Noise of 5% may swap two counts within 5% of each other, never more.
         assert cost[tuner.best] <= cost[best] * 1.05 and current == tuner.best
@@ -84,10 +87,11 @@ def test_a_device_step_count_keeps_the_placement_and_matches_the_plan_made_for_i
         assert changed.host_bytes <= inputs.host_budget_bytes
 
 
-def test_training_tunes_the_count_by_step_time_and_stays_exact(monkeypatch):
+def test_training_tunes_the_count_by_step_time_and_stays_exact(monkeypatch, caplog):
     """With the tuning on (a GPU's "auto", here on CPU) and a clock that makes one count fastest, the run ends on
     that count, switching between counts as it goes, and trains exactly as the host's updates do."""
     monkeypatch.setattr(importlib.import_module("zero_cache.attach"), "tunes_on", lambda device: True)
+    caplog.set_level(logging.INFO, logger="zero_cache")
     seed = torch.randint(0, 10_000, ()).item()
     start = {n: p.detach().clone() for n, p in tiny_llama(seed).named_parameters()}
     engine, optimizer, _, _ = angelptm.initialize(model=tiny_llama(seed), config=config("host"))
@@ -109,6 +113,9 @@ def test_training_tunes_the_count_by_step_time_and_stays_exact(monkeypatch):
         losses += train_steps(engine, [batch])
         seen.append(len(optimizer.device_stepped))
     assert optimizer.after_step is None, "the tuning ended"
+    # The backward is timed from the engine's backward to the norm: one tick of this clock, at the last count.
+    assert optimizer.last_backward_seconds == pytest.approx(cost[seen[-1]])
+    assert "the step runs at" in caplog.text and "the plan predicts at least" in caplog.text
     assert set(seen) == set(counts)
     assert seen[-1] == min(counts, key=lambda count: (cost[count], count))
     optimizer.finish_pending()

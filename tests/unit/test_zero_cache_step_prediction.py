@@ -1,0 +1,86 @@
+"""What a step is predicted to cost once its backward is measured (zero_cache.step_cost), against arithmetic
+written out here per stream."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from zero_cache.step_cost import (STATE_BYTES_PER_ELEMENT, HostChunk, Rates, step_traffic, with_device_steps)
+
+
+def random_rates() -> Rates:
+    return Rates(h2d_bytes_per_s=random.uniform(10, 60) * 2**30, d2h_bytes_per_s=random.uniform(10, 60) * 2**30,
+                 host_adam_elements_per_s=random.uniform(0.5, 6) * 1e9)
+
+
+def random_traffic():
+    """A random placement's traffic with some host groups stepped on the device, and the numbers it was made of."""
+    numel, pb = random.choice([1 << 20, 3 << 22, 1 << 25]), random.choice([2, 4])
+    streamed = random.randint(0, 6)
+    owned_streamed = random.randint(0, streamed)
+    resident = random.randint(0, 12)
+    gathers = random.uniform(1.0, 3.0)
+    rates = random_rates()
+    traffic = step_traffic(chunk_numel=numel, param_bytes_per_element=pb, streamed_shards=streamed,
+                           owned_streamed=owned_streamed, host_updated_resident=resident,
+                           host_updated=owned_streamed + resident, gathers_per_step=gathers, rates=rates)
+    # The first chunks the forward needs: those whose shard stays on the device, then those streamed.
+    candidates = [HostChunk(params_home_on_host=False, accumulating=False)] * resident + \
+        [HostChunk(params_home_on_host=True, accumulating=False)] * owned_streamed
+    stepped = random.randint(0, len(candidates))
+    stepped_resident = min(stepped, resident)
+    stepped_streamed = stepped - stepped_resident
+    traffic = with_device_steps(traffic, candidates[:stepped], chunk_numel=numel, param_bytes_per_element=pb)
+    return traffic, dict(numel=numel, pb=pb, streamed=streamed, gathers=gathers, resident=resident,
+                         owned_streamed=owned_streamed, stepped_resident=stepped_resident,
+                         stepped_streamed=stepped_streamed, rates=rates)
+
+
+def test_the_work_after_a_clipped_backward_is_the_updates_and_their_copies_not_the_gathers_or_gradients():
+    for _ in range(300):
+        traffic, n = random_traffic()
+        numel, pb, rates = n["numel"], n["pb"], n["rates"]
+        host_elements = (n["resident"] + n["owned_streamed"] - n["stepped_resident"] - n["stepped_streamed"]) * numel
+        # In after the norm: params of the resident chunks the host updates; states (and, for a streamed shard, its
+        # gradient from its home) of those stepped on the device. Out: the stepped ones' states (and params home).
+        h2d_after = ((n["resident"] - n["stepped_resident"]) * pb + n["stepped_resident"] * STATE_BYTES_PER_ELEMENT
+                     + n["stepped_streamed"] * (STATE_BYTES_PER_ELEMENT + pb)) * numel
+        d2h_after = (n["stepped_resident"] * STATE_BYTES_PER_ELEMENT
+                     + n["stepped_streamed"] * (STATE_BYTES_PER_ELEMENT + pb)) * numel
+        after = traffic.after_backward_floors
+        assert after["host Adam"] == pytest.approx(host_elements / rates.host_adam_elements_per_s)
+        assert after["H2D"] == pytest.approx(h2d_after / rates.h2d_bytes_per_s)
+        assert after["D2H"] == pytest.approx(d2h_after / rates.d2h_bytes_per_s)
+        # The gathers come in during forward and backward, the gradients go out during backward: whole-step streams.
+        gathers = int(n["streamed"] * n["gathers"] * numel * pb)
+        assert traffic.h2d_bytes == gathers + h2d_after
+        assert traffic.gather_bytes == gathers
+
+
+def test_a_clipped_step_is_predicted_as_its_backward_then_the_slowest_work_after_it():
+    for _ in range(300):
+        traffic, _ = random_traffic()
+        backward = random.uniform(0.05, 2.0)
+        predicted, bound = traffic.predicted_step(backward, updates_after_backward=True)
+        after = max(traffic.after_backward_floors.values())
+        assert predicted == pytest.approx(max(backward + after, traffic.seconds))
+        if after == 0:  # nothing waits for the norm
+            assert bound == ("backward" if backward >= traffic.seconds else f"{traffic.bound} (whole step)")
+        elif backward + after >= traffic.seconds:
+            slowest = max(traffic.after_backward_floors, key=traffic.after_backward_floors.get)
+            assert bound == f"backward, then {slowest} after it"
+        else:
+            assert bound == f"{traffic.bound} (whole step)"
+
+
+def test_a_step_updating_in_backward_is_bound_by_backward_or_a_whole_step_stream():
+    for _ in range(300):
+        traffic, _ = random_traffic()
+        backward = random.uniform(0.05, 2.0)
+        predicted, bound = traffic.predicted_step(backward, updates_after_backward=False)
+        assert predicted == pytest.approx(max(backward, traffic.seconds))
+        assert bound == ("backward" if backward >= traffic.seconds else f"{traffic.bound} (whole step)")
+        # Waiting for the norm never makes a step cheaper.
+        assert traffic.predicted_step(backward, updates_after_backward=True)[0] >= predicted
