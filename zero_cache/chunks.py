@@ -208,6 +208,17 @@ class ChunkStore:
         return OptimizerGroup(tier=tier, states=self.tiers[tier].allocate(len(STATE_FIELDS) * numel, torch.float32),
                               grad=grad)
 
+    def _has_room_for_group(self, tier: str) -> bool:
+        """Whether :meth:`_allocate_group` would find room on ``tier`` now."""
+        if tier == REMOTE:
+            return True
+        numel = self.layout.chunk_numel
+        needs = {tier: self.tiers[NVME].slot_bytes if tier == NVME else len(STATE_FIELDS) * numel * 4}
+        if self.grads_in_accumulators:  # (its fp32 accumulator: with its states, or on the host for NVMe groups)
+            grad_tier = HOST if tier == NVME else tier
+            needs[grad_tier] = needs.get(grad_tier, 0) + numel * 4
+        return all(self.tiers[name].free_bytes >= num_bytes for name, num_bytes in needs.items())
+
     def _allocate_kept(self) -> torch.Tensor:
         """A kept gradient (:attr:`OptimizerGroup.kept`): one param chunk in the compute dtype, on the host."""
         return self.tiers[HOST].allocate(self.layout.chunk_numel, self.compute_dtype, zero=False)
@@ -320,9 +331,10 @@ class ChunkStore:
     def apply_plan(self, plan: Plan) -> int:
         """Move shards and optimizer groups whose tier changed; returns the number moved.
 
-        Shards leaving the device go first (no group may be gathered meanwhile), then optimizer groups
-        leaving the device, then those leaving the host, so a tier receiving states has been emptied
-        of those it is giving away.
+        Shards leaving the device go first (no group may be gathered meanwhile). Then the optimizer groups move,
+        each as soon as its new tier has room for it: a move into a full tier waits for the moves out of it (a
+        group leaving the device for the host, while another leaves the host for the disk, goes second). The plan
+        fits once every move is made, so only a cycle of full tiers could stop them; then the first raises.
         """
         homes = sorted((g for g, home in enumerate(plan.param_home) if home != self.param_home[g]),
                        key=lambda g: self.param_home[g] != DEVICE)
@@ -341,9 +353,11 @@ class ChunkStore:
                 self.tiers[HOST].free(group.kept)
                 group.kept = None
         moves = [c for c, tier in enumerate(plan.optimizer_tier) if self.groups[c].tier != tier]
-        leaving = {DEVICE: 0, HOST: 1, NVME: 2}
-        moves.sort(key=lambda c: leaving[self.groups[c].tier])
-        for chunk in moves:
+        leaving = {DEVICE: 0, HOST: 1, NVME: 2}  # (among the moves with room: the device's first)
+        pending = sorted(moves, key=lambda c: leaving[self.groups[c].tier])
+        while pending:
+            chunk = next((c for c in pending if self._has_room_for_group(plan.optimizer_tier[c])), pending[0])
+            pending.remove(chunk)
             old = self.groups[chunk]
             with self.open_states(chunk) as states:
                 new = self._allocate_group(plan.optimizer_tier[chunk])
