@@ -73,14 +73,11 @@ class DeviceSteps:
         self._copies: dict[int, Any] = {}  # chunk -> its last copy (in or out) of host memory, until waited for
 
     # ------------------------------------------------------------------ one chunk
-    def begin(self, updates: torch.cuda.Stream | None = None) -> None:
-        """A step's updates follow: order them after what the current stream has queued (it wrote the gradients
-        read here), after the device groups' updates on ``updates`` when they run there (they used the scratch
-        last), and after the last step's copies out (the states read here)."""
+    def begin(self) -> None:
+        """A step's updates follow: order them after what the current stream has queued (it used the scratch
+        last, and wrote the gradients read here) and after the last step's copies out (the states read here)."""
         if self.cuda:
             self.h2d.wait_stream(torch.cuda.current_stream(self.store.tiers[DEVICE].device))
-            if updates is not None:
-                self.h2d.wait_stream(updates)
             if self._last_out is not None:
                 self.h2d.wait_event(self._last_out)
 
@@ -174,11 +171,10 @@ class DeviceSteps:
         accumulator or its home again)."""
         wait(self._copies.pop(chunk, None))
 
-    def fence(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Order ``stream`` (default: the current one) after every use of the scratch so far (before it writes the
-        scratch)."""
+    def fence(self) -> None:
+        """Order the current stream after every use of the scratch so far (before it writes the scratch)."""
         if self.cuda and self._last_out is not None:
-            (stream or torch.cuda.current_stream(self.store.tiers[DEVICE].device)).wait_event(self._last_out)
+            torch.cuda.current_stream(self.store.tiers[DEVICE].device).wait_event(self._last_out)
 
     def synchronize(self) -> None:
         """Block until everything queued here has landed (the copies out run in order: the last one is enough)."""

@@ -119,9 +119,6 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         self.device_stepped = frozenset(device_stepped)
         """Host-tier chunks updated by :attr:`device_steps` after backward instead of by the host worker (the plan's)."""
         self._stepped_ready: dict[int, torch.cuda.Event | None] = {}  # chunk -> its device step's params in place
-        self._update_stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda" and self.exchange is None
-                               else None)
-        """Where the device groups' Adam runs on one CUDA rank: beside the next forward, which waits per chunk."""
         self.timeline = self.transfers.timeline
         """The step's timeline (copies, host jobs, disk requests, waits); recording only while a step is traced."""
         if NVME in store.tiers:
@@ -302,7 +299,7 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         self.step_count += 1
         hypers = self._hypers()
         self._update_device_chunks(written, hypers, grad_factor)
-        self.device_steps.begin(self._update_stream)
+        self.device_steps.begin()
         for chunk in self._chunks_in(OFF_DEVICE, written):
             if chunk in self._queued:
                 self._queue_revision(chunk, grad_factor=grad_factor)
@@ -389,37 +386,15 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         return self.exchange.landed.get(self.sharding.group_of(chunk)) if self.exchange is not None else None
 
     def _update_device_chunks(self, written: frozenset, hypers: list[dict[str, Any]], grad_factor: float) -> None:
-        """Fused Adam over each written device chunk, then its param chunk rewritten from the masters.
-
-        On one CUDA rank this runs on :attr:`_update_stream`, chunk by chunk in forward order, and the next forward
-        waits for each chunk's update where it first uses the chunk (``wait_for_chunk``, as for a device step): the
-        update of the later chunks overlaps the forward of the earlier ones, where on the compute stream the whole
-        update came before the forward. Everything that reads the chunks otherwise calls ``finish_pending`` first.
-        Over several ranks the exchange gathers updated chunks on streams of its own, so it stays on the compute
-        stream there.
-        """
-        chunks = self._chunks_in(DEVICE, written)
-        stream = self._update_stream
-        if stream is None:
-            self.device_steps.fence()  # (the scratch, which the last step's device steps used)
-            for chunk in chunks:
-                self._update_device_chunk(chunk, written, hypers, grad_factor)
-            return
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # the gradients, written by backward
-        self.device_steps.fence(stream)
-        with torch.cuda.stream(stream):
-            for chunk in chunks:
-                self._update_device_chunk(chunk, written, hypers, grad_factor)
-                self._stepped_ready[chunk] = self.transfers.mark()
-
-    def _update_device_chunk(self, chunk: int, written: frozenset, hypers: list[dict[str, Any]],
-                             grad_factor: float) -> None:
-        group = self.store.groups[chunk]
-        source = group.grad if self.store.grads_in_accumulators else self.store.param_chunks[chunk]
-        grads = fp32_gradient(source, self.store.scratch[DEVICE], grad_factor)
-        for index, slots in self._step_members(chunk, written).items():
-            adam_step(self.store, slots, grads, hypers[index], self.step_count, self._device_adam)
-        self.store.param_chunks[chunk].copy_(group.field("master"))
+        """Fused Adam over each written device chunk, then its param chunk rewritten from the masters."""
+        self.device_steps.fence()  # (the scratch, which the last step's device steps used)
+        for chunk in self._chunks_in(DEVICE, written):
+            group = self.store.groups[chunk]
+            source = group.grad if self.store.grads_in_accumulators else self.store.param_chunks[chunk]
+            grads = fp32_gradient(source, self.store.scratch[DEVICE], grad_factor)
+            for index, slots in self._step_members(chunk, written).items():
+                adam_step(self.store, slots, grads, hypers[index], self.step_count, self._device_adam)
+            self.store.param_chunks[chunk].copy_(group.field("master"))
 
     def _restore_params(self, written: frozenset) -> None:
         """Rewrite param chunks that hold this window's gradients from their masters (no step taken; the
@@ -463,7 +438,7 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         self.host.settle_all()
         self.host.drain()
         self.store.flush()
-        for chunk in list(self._pending) + list(self._stepped_ready):
+        for chunk in list(self._pending):
             self.wait_for_chunk(chunk)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
