@@ -208,6 +208,29 @@ class ChunkStore:
         return OptimizerGroup(tier=tier, states=self.tiers[tier].allocate(len(STATE_FIELDS) * numel, torch.float32),
                               grad=grad)
 
+    def _move_shard(self, group: int, plan: Plan) -> None:
+        """Collective group ``group``'s shard to the home ``plan`` names."""
+        old, new = self.group_home(group), self._home_named(plan.param_home[group], plan)
+        shard = new.allocate(group)
+        with old.open(group, self.shards[group]) as values, \
+                new.open(group, shard, fresh=True, write_back=True) as destination:
+            destination.copy_(values)
+        old.free(group, self.shards[group])
+        self.shards[group], self.param_home[group] = shard, plan.param_home[group]
+
+    def _move_group(self, chunk: int, plan: Plan) -> None:
+        """``chunk``'s optimizer group (states, accumulator, kept gradient) to the tier ``plan`` names."""
+        old = self.groups[chunk]
+        with self.open_states(chunk) as states:
+            new = self._allocate_group(plan.optimizer_tier[chunk])
+            self.groups[chunk] = new
+            with self.open_states(chunk, write_back=True, fresh=True) as destination:
+                destination.copy_(states)
+        if old.grad is not None:
+            new.grad.copy_(old.grad)
+        new.kept, old.kept = old.kept, None  # (host memory either way)
+        self._free_group(old)
+
     def _has_room_for_group(self, tier: str) -> bool:
         """Whether :meth:`_allocate_group` would find room on ``tier`` now."""
         if tier == REMOTE:
@@ -331,43 +354,35 @@ class ChunkStore:
     def apply_plan(self, plan: Plan) -> int:
         """Move shards and optimizer groups whose tier changed; returns the number moved.
 
-        Shards leaving the device go first (no group may be gathered meanwhile). Then the optimizer groups move,
-        each as soon as its new tier has room for it: a move into a full tier waits for the moves out of it (a
-        group leaving the device for the host, while another leaves the host for the disk, goes second). The plan
-        fits once every move is made, so only a cycle of full tiers could stop them; then the first raises.
+        Each move goes as soon as its new tier has room for it: a move into a full tier waits for the moves out of
+        it (a group leaving the device for the host, while another leaves the host for the disk, goes second; a
+        shard leaving the device for the host waits for groups going the other way). Among the moves with room,
+        shards leaving the device go first, then groups leaving the device, the host, the disk. Kept gradients the
+        plan drops are freed before anything moves. The plan fits once every move is made, so only a cycle of full
+        tiers could stop them; then the first raises.
         """
-        homes = sorted((g for g, home in enumerate(plan.param_home) if home != self.param_home[g]),
-                       key=lambda g: self.param_home[g] != DEVICE)
-        for group in homes:
-            old, new = self.group_home(group), self._home_named(plan.param_home[group], plan)
-            shard = new.allocate(group)
-            with old.open(group, self.shards[group]) as values, \
-                    new.open(group, shard, fresh=True, write_back=True) as destination:
-                destination.copy_(values)
-            old.free(group, self.shards[group])
-            self.shards[group], self.param_home[group] = shard, plan.param_home[group]
-        if homes:
-            self._index_param_chunks()
         for chunk, group in enumerate(self.groups):  # between steps, no kept gradient is in use
             if group.kept is not None and chunk not in plan.kept_gradients:
                 self.tiers[HOST].free(group.kept)
                 group.kept = None
-        moves = [c for c, tier in enumerate(plan.optimizer_tier) if self.groups[c].tier != tier]
-        leaving = {DEVICE: 0, HOST: 1, NVME: 2}  # (among the moves with room: the device's first)
-        pending = sorted(moves, key=lambda c: leaving[self.groups[c].tier])
+        leaving = {DEVICE: 0, HOST: 1, NVME: 2}
+        homes = sorted((g for g, home in enumerate(plan.param_home) if home != self.param_home[g]),
+                       key=lambda g: self.param_home[g] != DEVICE)
+        moves = sorted((c for c, tier in enumerate(plan.optimizer_tier) if self.groups[c].tier != tier),
+                       key=lambda c: leaving[self.groups[c].tier])
+
+        def has_room(kind: str, index: int) -> bool:
+            if kind == "shard":
+                return self._home_named(plan.param_home[index], plan).has_room()
+            return self._has_room_for_group(plan.optimizer_tier[index])
+
+        pending = [("shard", g) for g in homes] + [("group", c) for c in moves]
         while pending:
-            chunk = next((c for c in pending if self._has_room_for_group(plan.optimizer_tier[c])), pending[0])
-            pending.remove(chunk)
-            old = self.groups[chunk]
-            with self.open_states(chunk) as states:
-                new = self._allocate_group(plan.optimizer_tier[chunk])
-                self.groups[chunk] = new
-                with self.open_states(chunk, write_back=True, fresh=True) as destination:
-                    destination.copy_(states)
-            if old.grad is not None:
-                new.grad.copy_(old.grad)
-            new.kept, old.kept = old.kept, None  # (host memory either way)
-            self._free_group(old)
+            kind, index = next((move for move in pending if has_room(*move)), pending[0])
+            pending.remove((kind, index))
+            (self._move_shard if kind == "shard" else self._move_group)(index, plan)
+        if homes:
+            self._index_param_chunks()
         for chunk in plan.kept_gradients:
             if self.groups[chunk].kept is None:
                 self.groups[chunk].kept = self._allocate_kept()

@@ -97,6 +97,10 @@ class ParamHome:
     def free(self, group: int, shard: torch.Tensor | None) -> None:
         self.tiers[self.name].free(shard)
 
+    def has_room(self) -> bool:
+        """Whether :meth:`allocate` would find room for another shard now (a re-plan orders its moves by it)."""
+        return self.tiers[self.name].free_bytes >= self.numel * torch.empty((), dtype=self.dtype).element_size()
+
     @contextlib.contextmanager
     def open(self, group: int, shard: torch.Tensor | None, *, fresh: bool = False,
              write_back: bool = False) -> Iterator[torch.Tensor]:

@@ -106,6 +106,10 @@ class NvmeHome(ParamHome):
         self._drop(group, gradient=True)
         self.disk.free_slot(self._offsets.pop(group))
 
+    def has_room(self) -> bool:
+        """A slot free in the homes' swap file, or the NVMe tier's budget to lend one (:meth:`allocate`)."""
+        return max(self.disk.free_bytes, self._tier.free_bytes) >= self.disk.slot_bytes
+
     def _values(self, raw: torch.Tensor) -> torch.Tensor:
         values = raw[:self.value_bytes].view(self.dtype)
         self._raw[values.data_ptr()] = raw

@@ -8,6 +8,8 @@ import torch
 
 import angelptm
 from reference import random_batches, train_steps
+from test_zero_cache_device_steps import resident_budget, tiny_llama
+from test_zero_cache_streamed import config
 from zero_cache.chunks import STATE_FIELDS
 from zero_cache.planner import DEVICE, HOST, NVME
 from zero_cache_setup import budgets, six_layer_llama, zero_cache_config
@@ -50,3 +52,47 @@ def test_a_group_moves_into_a_full_host_once_another_has_left_it_for_the_disk(tm
     optimizer.finish_pending()
     assert all(torch.isfinite(torch.tensor(losses)))
     assert any(not torch.equal(before[n], value) for n, value in optimizer.master_state_dict().items())
+
+
+def test_a_shard_moves_into_a_full_host_once_a_group_has_left_it_for_the_device():
+    """Streamed params: a shard leaving the device for the host, while an optimizer group leaves the host for the
+    device. The shard fits only after the group has gone (13B on the H200 with device_steps 0: the warm-up's
+    re-plan stopped with "host tier: allocating 600.23 MiB exceeds its budget")."""
+    seed = torch.randint(0, 10_000, ()).item()
+    budget = int(0.7 * resident_budget(tiny_llama(seed)))
+    engine, optimizer, _, _ = angelptm.initialize(model=tiny_llama(seed), config=config("auto", budget, clip=0.0))
+    batches = random_batches(seed, count=3, batch=2)
+    train_steps(engine, batches[:2])
+    optimizer.finish_pending()
+    store = optimizer.store
+    assert DEVICE in store.param_home and HOST in [group.tier for group in store.groups], store.param_home
+    shard, group = store.param_home.index(DEVICE), [g.tier for g in store.groups].index(HOST)
+    homes, tiers = list(store.plan.param_home), list(store.plan.optimizer_tier)
+    homes[shard], tiers[group] = HOST, DEVICE
+    plan = dataclasses.replace(store.plan, param_home=tuple(homes), optimizer_tier=tuple(tiers),
+                               device_stepped=tuple(c for c in store.plan.device_stepped if c != group),
+                               kept_gradients=tuple(c for c in store.plan.kept_gradients if c != group))
+    shard_bytes = store.layout.chunk_numel * store.param_chunks[0].element_size()
+    store.tiers[HOST].budget_bytes = store.tiers[HOST].used_bytes + shard_bytes - 1
+    assert store.tiers[DEVICE].free_bytes >= len(STATE_FIELDS) * store.layout.chunk_numel * 4
+    params_before = [params.clone() for params in chunk_params(store)]
+    masters_before = {name: value.clone() for name, value in optimizer.master_state_dict().items()}
+
+    assert store.apply_plan(plan) == 2
+    optimizer.device_stepped = frozenset(plan.device_stepped)
+    assert list(store.param_home) == homes and [g.tier for g in store.groups] == tiers
+    assert all(torch.equal(a, b) for a, b in zip(params_before, chunk_params(store)))
+    masters = optimizer.master_state_dict()
+    assert all(torch.equal(masters_before[name], masters[name]) for name in masters_before)
+    losses = train_steps(engine, batches[2:])
+    optimizer.finish_pending()
+    assert all(torch.isfinite(torch.tensor(losses)))
+
+
+def chunk_params(store) -> list[torch.Tensor]:
+    """Every chunk's params as they are at home (copies)."""
+    values = []
+    for chunk in range(store.layout.num_chunks):
+        with store.open_params(chunk) as params:
+            values.append(params.clone())
+    return values
