@@ -239,7 +239,8 @@ class WarmupTracer:
         else:
             predicted, bound = traffic.predicted_step(backward, updates_after_backward=updates_after_backward)
         off = measured / predicted - 1 if predicted else float("inf")
-        after = ", ".join(f"{stream} {seconds:.3f} s" for stream, seconds in traffic.after_backward_floors.items())
+        after = ", ".join(f"{stream} {seconds:.3f} s" for stream, seconds in traffic.after_backward_floors(
+            backward or 0.0, updates_after_backward=updates_after_backward).items())
         logger.info("ZeRO-Cache: the step runs at %.3f s; the plan predicts at least %.3f s (%+.0f%%), bound by %s "
                     "(backward %s; the updates %s; after backward: %s; at %s)%s",
                     measured, predicted, 100 * off, bound, "not timed" if backward is None else f"{backward:.3f} s",

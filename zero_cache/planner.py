@@ -355,6 +355,10 @@ def _device_steps_and_kept(inputs: PlanInputs, traffic: StepTraffic, off_device:
     num_kept = 0 if not kept_chunk_bytes else max(0, min(len(keepers),
                                                          (inputs.host_budget_bytes - host_bytes) // kept_chunk_bytes))
     kept = tuple(sorted(keepers[len(keepers) - num_kept:]))
+    # Updated during backward when the step is predicted not to clip: those keeping their gradient, or, with
+    # accumulators on the host, every host-updated chunk.
+    speculated = traffic.host_adam_elements if inputs.grad_bytes_per_element > 0 else len(kept) * inputs.chunk_numel
+    traffic = replace(traffic, speculated_elements=speculated)
     return traffic, tuple(on_host[:stepping]), kept, host_bytes + num_kept * kept_chunk_bytes
 
 

@@ -84,6 +84,9 @@ class StepTraffic:
     gather_bytes: int = 0
     """Of :attr:`h2d_bytes`: the streamed shards' copies in, on use in forward and backward. The rest comes in after
     the updates (new params, and the device steps' states)."""
+    speculated_elements: int = 0
+    """Of :attr:`host_adam_elements`: those the host may update during backward, when the step is predicted not to
+    clip (chunks that keep their gradient, :mod:`zero_cache.revision`); the others wait for the global norm."""
     device_step_d2h_bytes: int = 0
     """Of :attr:`d2h_bytes`: the device steps' states (and params to a home on the host) going out after their
     update. The rest are gradients, going out during backward."""
@@ -109,31 +112,35 @@ class StepTraffic:
         floors = self.floors
         return max(floors, key=floors.__getitem__)
 
-    @property
-    def after_backward_floors(self) -> dict[str, float]:
-        """Seconds of the work between a clipped step's backward and the next forward's use of its chunks: then the
-        updates wait for the global norm, and each chunk's, on the host or stepped on the device, comes before
-        the forward can use it. "host Adam", "H2D" (new params and the device steps' states in) and "D2H" (the
-        device steps' states out)."""
+    def after_backward_floors(self, backward_seconds: float = 0.0, *,
+                              updates_after_backward: bool = True) -> dict[str, float]:
+        """Seconds of the work between backward and the next forward's use of the chunks: "host Adam" (what the host
+        has left to update: every host-updated chunk where the updates wait for the global norm; else those that do
+        not keep their gradient, and what of the others' updates during ``backward_seconds`` did not fit), "H2D" (new
+        params and the device steps' states in) and "D2H" (the device steps' states out). Each chunk's update, on
+        the host or stepped on the device, comes before the next forward can use it."""
         rates = self.rates
-        return {"host Adam": self.host_adam_elements / rates.host_adam_elements_per_s,
-                "H2D": (self.h2d_bytes - self.gather_bytes) / rates.h2d_bytes_per_s,
+        host = self.host_adam_elements / rates.host_adam_elements_per_s
+        if not updates_after_backward:
+            during = self.speculated_elements / rates.host_adam_elements_per_s
+            host -= min(during, backward_seconds)
+        return {"host Adam": host, "H2D": (self.h2d_bytes - self.gather_bytes) / rates.h2d_bytes_per_s,
                 "D2H": self.device_step_d2h_bytes / rates.d2h_bytes_per_s}
 
     def predicted_step(self, backward_seconds: float, *, updates_after_backward: bool) -> tuple[float, str]:
         """The least step time this traffic allows once backward is measured, and what bounds it.
 
-        A step whose host updates wait for the global norm (it clips, or the speculation predicts so) runs its
-        backward, then the work of :attr:`after_backward_floors`, whose slowest stream the next forward waits on
-        (the forward's own compute hides in it unless it is longer). Otherwise the updates run under backward, and
-        the step is bound by backward or by the slowest stream's whole step (:attr:`seconds`). The forward's compute
-        is not counted: the prediction is a floor.
+        The step is its backward, then the slowest of :meth:`after_backward_floors`, which the next forward waits
+        on (its own compute hides in it unless it is longer), and never less than a stream's whole-step traffic
+        (:attr:`seconds`). Where the updates wait for the global norm (the step clips, or the last one did), the
+        host's Adam starts after backward; otherwise the chunks that keep their gradient are updated during it. The
+        forward's compute is not counted: the prediction is a floor.
         """
         floors = {"backward": backward_seconds, **{f"{stream} (whole step)": seconds
                                                    for stream, seconds in self.floors.items()}}
-        after = self.after_backward_floors
+        after = self.after_backward_floors(backward_seconds, updates_after_backward=updates_after_backward)
         slowest = max(after, key=after.__getitem__)
-        if updates_after_backward and after[slowest] > 0:
+        if after[slowest] > 0:
             floors[f"backward, then {slowest} after it"] = backward_seconds + after[slowest]
         bound = max(floors, key=floors.__getitem__)
         return floors[bound], bound

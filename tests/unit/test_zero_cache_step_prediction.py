@@ -3,11 +3,12 @@ written out here per stream."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
-from zero_cache.step_cost import (STATE_BYTES_PER_ELEMENT, HostChunk, Rates, step_traffic, with_device_steps)
+from zero_cache.step_cost import STATE_BYTES_PER_ELEMENT, HostChunk, Rates, step_traffic, with_device_steps
 
 
 def random_rates() -> Rates:
@@ -33,7 +34,9 @@ def random_traffic():
     stepped_resident = min(stepped, resident)
     stepped_streamed = stepped - stepped_resident
     traffic = with_device_steps(traffic, candidates[:stepped], chunk_numel=numel, param_bytes_per_element=pb)
-    return traffic, dict(numel=numel, pb=pb, streamed=streamed, gathers=gathers, resident=resident,
+    kept = random.randint(0, resident + owned_streamed - stepped)  # (those updated in backward, unless it clips)
+    traffic = dataclasses.replace(traffic, speculated_elements=kept * numel)
+    return traffic, dict(kept=kept, numel=numel, pb=pb, streamed=streamed, gathers=gathers, resident=resident,
                          owned_streamed=owned_streamed, stepped_resident=stepped_resident,
                          stepped_streamed=stepped_streamed, rates=rates)
 
@@ -49,7 +52,7 @@ def test_the_work_after_a_clipped_backward_is_the_updates_and_their_copies_not_t
                      + n["stepped_streamed"] * (STATE_BYTES_PER_ELEMENT + pb)) * numel
         d2h_after = (n["stepped_resident"] * STATE_BYTES_PER_ELEMENT
                      + n["stepped_streamed"] * (STATE_BYTES_PER_ELEMENT + pb)) * numel
-        after = traffic.after_backward_floors
+        after = traffic.after_backward_floors()
         assert after["host Adam"] == pytest.approx(host_elements / rates.host_adam_elements_per_s)
         assert after["H2D"] == pytest.approx(h2d_after / rates.h2d_bytes_per_s)
         assert after["D2H"] == pytest.approx(d2h_after / rates.d2h_bytes_per_s)
@@ -64,23 +67,30 @@ def test_a_clipped_step_is_predicted_as_its_backward_then_the_slowest_work_after
         traffic, _ = random_traffic()
         backward = random.uniform(0.05, 2.0)
         predicted, bound = traffic.predicted_step(backward, updates_after_backward=True)
-        after = max(traffic.after_backward_floors.values())
-        assert predicted == pytest.approx(max(backward + after, traffic.seconds))
-        if after == 0:  # nothing waits for the norm
+        after = traffic.after_backward_floors()
+        slowest = max(after, key=after.get)
+        assert predicted == pytest.approx(max(backward + after[slowest], traffic.seconds))
+        if after[slowest] == 0:  # nothing waits for the norm
             assert bound == ("backward" if backward >= traffic.seconds else f"{traffic.bound} (whole step)")
-        elif backward + after >= traffic.seconds:
-            slowest = max(traffic.after_backward_floors, key=traffic.after_backward_floors.get)
+        elif backward + after[slowest] >= traffic.seconds:
             assert bound == f"backward, then {slowest} after it"
         else:
             assert bound == f"{traffic.bound} (whole step)"
 
 
-def test_a_step_updating_in_backward_is_bound_by_backward_or_a_whole_step_stream():
+def test_updating_in_backward_leaves_after_it_what_did_not_fit_in_it_and_the_chunks_that_keep_no_gradient():
     for _ in range(300):
-        traffic, _ = random_traffic()
-        backward = random.uniform(0.05, 2.0)
-        predicted, bound = traffic.predicted_step(backward, updates_after_backward=False)
-        assert predicted == pytest.approx(max(backward, traffic.seconds))
-        assert bound == ("backward" if backward >= traffic.seconds else f"{traffic.bound} (whole step)")
+        traffic, n = random_traffic()
+        rates = n["rates"]
+        backward = random.uniform(0.01, 1.0)
+        kept_seconds = n["kept"] * n["numel"] / rates.host_adam_elements_per_s
+        other_seconds = traffic.host_adam_elements / rates.host_adam_elements_per_s - kept_seconds
+        host_after = max(0.0, kept_seconds - backward) + other_seconds
+        after = traffic.after_backward_floors(backward, updates_after_backward=False)
+        assert after["host Adam"] == pytest.approx(host_after, abs=1e-12)
+        assert {k: v for k, v in after.items() if k != "host Adam"} == \
+            {k: v for k, v in traffic.after_backward_floors().items() if k != "host Adam"}
+        predicted, _ = traffic.predicted_step(backward, updates_after_backward=False)
+        assert predicted == pytest.approx(max(backward + max(after.values()), traffic.seconds))
         # Waiting for the norm never makes a step cheaper.
-        assert traffic.predicted_step(backward, updates_after_backward=True)[0] >= predicted
+        assert traffic.predicted_step(backward, updates_after_backward=True)[0] >= predicted - 1e-12

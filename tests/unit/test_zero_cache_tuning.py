@@ -84,6 +84,8 @@ def test_a_device_step_count_keeps_the_placement_and_matches_the_plan_made_for_i
         order = [c for c in dict.fromkeys(inputs.trace) if plan.optimizer_tier[c] == HOST]
         assert list(changed.device_stepped) == order[:count]
         assert not set(changed.kept_gradients) & set(changed.device_stepped)
+        # The chunks keeping their gradient are those the host may update during backward.
+        assert changed.traffic.speculated_elements == len(changed.kept_gradients) * inputs.chunk_numel
         assert changed.host_bytes <= inputs.host_budget_bytes
 
 
