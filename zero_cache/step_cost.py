@@ -13,6 +13,9 @@ only while the shard's copies stay cheaper than that; on the lent H100's host th
 A host-held optimizer group can also be stepped on the device (:mod:`zero_cache.device_steps`): its
 states cross PCIe both ways instead of costing CPU Adam, so while the copies have room the host's
 share of the step shrinks; :func:`cheapest_device_steps` picks how many by the same floor.
+
+Once the step runs, :meth:`StepTraffic.predicted_step` puts the measured backward in front of the work the next
+forward waits on after it, which the engine logs against the measured step.
 """
 
 from __future__ import annotations
