@@ -37,6 +37,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import user_models  # noqa: E402  (bench/ is not a package)
+from zero_cache.tuning import MEASURED_STEPS, SETTLE_STEPS  # noqa: E402
+
+TUNING_STEPS = 1 + 5 * (SETTLE_STEPS + MEASURED_STEPS)
+"""The warm-up and the device-step tuner's trials: five counts at the most (:func:`zero_cache.tuning.trial_counts`)."""
 
 
 def edited_config(path: str, edits: list[str], engine: str) -> dict:
@@ -325,7 +329,7 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=["deepspeed", "angelptm"])
     parser.add_argument("--anchor", default="deepspeed")
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--tuning-steps", type=int, default=16,
+    parser.add_argument("--tuning-steps", type=int, default=TUNING_STEPS,
                         help="steps added to this engine's runs for its device-step tuning (the median is of the last 5)")
     parser.add_argument("--memory-cap", help="torch.cuda.set_per_process_memory_fraction to this many bytes")
     parser.add_argument("--set", dest="edits", action="append", default=[],

@@ -47,11 +47,28 @@ def test_the_tuner_settles_on_the_fastest_count_and_ignores_settling_steps():
         assert tuner.done and tuner.observe(1.0) is None
         assert switches[:len(tuner.counts) - 1] == tuner.counts[1:]
         assert set(tuner.measured) == set(tuner.counts) and max(tuner.measured.values()) < 100
-        # Each count keeps the backward of its fastest step, which the prediction is made from.
-        assert tuner.backward == {count: seconds * 0.4 for count, seconds in tuner.measured.items()}
+        # Each count keeps the mean backward of its steps, which the prediction is made from.
+        assert tuner.backward == pytest.approx({count: seconds * 0.4 for count, seconds in tuner.measured.items()})
         best = min(tuner.counts, key=lambda count: (cost[count], count))
         # Noise of 5% may swap two counts within 5% of each other, never more.
         assert cost[tuner.best] <= cost[best] * 1.05 and current == tuner.best
+
+
+def test_a_count_whose_steps_leave_work_to_the_next_is_measured_by_its_mean_not_its_fastest_step():
+    """One count's steps alternate fast and slow (a step leaves the host's work to the next, which pays for it); the
+    other's are steady and faster on the whole. The steady one wins, though the other has the fastest step."""
+    for _ in range(50):
+        # Any three of the alternating steps average 1.0 s or more; the steady ones take 0.6-0.93 s.
+        steady, fast, slow = random.uniform(0.6, 0.9), random.uniform(0.4, 0.5), random.uniform(2.2, 2.4)
+        tuner = DeviceStepTuner(3, 3)  # tries 3, 2, 1, 0, (4 is out of range)
+        alternating = tuner.counts[random.randrange(len(tuner.counts))]
+        seen = 0
+        while not tuner.done:
+            count, seen = tuner.current, seen + 1
+            step = (fast if seen % 2 else slow) if count == alternating else steady * (1 + 0.01 * count)
+            tuner.observe(step)
+        assert tuner.best != alternating or len(tuner.counts) == 1
+        assert tuner.measured[alternating] >= 1.0 > max(tuner.measured[c] for c in tuner.counts if c != alternating)
 
 
 def test_a_planned_count_outside_the_host_groups_is_refused():
