@@ -64,4 +64,4 @@ run h200_13b_no_device_steps 260 "${bench[@]}" --tuning-steps 0 --engines angelp
     --sizes 13b --configs $c/zero_offload.json --set angelptm:zero_cache.device_steps=0
 run gpu_user_model 400 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_user_model_cuda.py
 run gpu_tests 500 python3 -m pytest -q -p no:cacheprovider tests/gpu
-[ -d "$out/traces" ] && tar czf "$out/traces.tgz" -C "$out" traces && rm -rf "$out/traces"
+if [ -d "$out/traces" ]; then tar czf "$out/traces.tgz" -C "$out" traces && rm -rf "$out/traces"; fi

@@ -352,7 +352,7 @@ def main() -> None:
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                        ("MASTER_PORT", "29511")):
         os.environ.setdefault(key, value)
-    results = []
+    results, failed = [], 0
     for kind, size, config_path, engine_name in itertools.product(args.models, args.sizes, args.configs, args.engines):
         # This engine settles its device-step count by measuring (zero_cache.tuning): time it after that.
         steps = args.steps + (args.tuning_steps if engine_name == "angelptm" else 0)
@@ -367,10 +367,13 @@ def main() -> None:
         if returncode or not lines:
             print(f"{kind} {size} {Path(config_path).stem} {engine_name}: failed (exit {returncode})\n"
                   + "\n".join(tail), flush=True)
+            failed += 1
             continue
         results.append(json.loads(lines[-1].removeprefix("RESULT ")))
         print(json.dumps(results[-1]), flush=True)
     print("\n" + table(results, args.anchor))
+    if failed:  # (the table has the others; the exit status says that not every run gave a row)
+        sys.exit(f"{failed} run(s) failed")
 
 
 if __name__ == "__main__":

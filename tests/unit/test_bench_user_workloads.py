@@ -45,6 +45,23 @@ def test_the_nvme_json_runs_and_reports_disk_bytes(tmp_path):
     assert sorted(p.name for p in swap.iterdir()) == ["a_file_of_someone_else"]
 
 
+def test_a_failed_run_keeps_the_others_rows_and_makes_the_bench_exit_non_zero(tmp_path):
+    """Two configs, one refused by the engine (an unknown ZeRO stage): the other's row is printed, the failure is
+    named, and the bench exits non-zero, so a script running it sees that a row is missing."""
+    refused = json.loads((ROOT / "bench/configs/zero_offload.json").read_text())
+    refused["zero_optimization"]["stage"] = 7
+    (tmp_path / "refused.json").write_text(json.dumps(refused))
+    done = subprocess.run([sys.executable, str(ROOT / "bench/user_workloads.py"), "--sizes", "tiny", "--engines",
+                           "angelptm", "--anchor", "angelptm", "--steps", "2", "--tuning-steps", "0", "--configs",
+                           str(tmp_path / "refused.json"), str(ROOT / "bench/configs/zero_offload.json")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "nngpt tiny refused angelptm: failed (exit 1)" in done.stdout
+    assert "1 run(s) failed" in done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| nngpt")]
+    assert len(rows) == 1 and "| zero_offload |" in rows[0]
+
+
 def test_what_a_run_leaves_in_the_swap_directories_of_its_edited_config_is_removed(tmp_path):
     bench = user_workloads()
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
