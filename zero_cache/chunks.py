@@ -28,6 +28,7 @@ from torch import nn
 
 from zero_cache.homes import ParamHome, home_class
 from zero_cache.layout import ChunkLayout, TensorSlot
+from zero_cache.moves import Move, fits, next_move
 from zero_cache.nvme import ALIGN_BYTES
 from zero_cache.planner import Plan
 from zero_cache.sharding import Sharding
@@ -231,16 +232,18 @@ class ChunkStore:
         new.kept, old.kept = old.kept, None  # (host memory either way)
         self._free_group(old)
 
-    def _has_room_for_group(self, tier: str) -> bool:
-        """Whether :meth:`_allocate_group` would find room on ``tier`` now."""
+    def _group_bytes(self, tier: str) -> dict[str, int]:
+        """Tier -> bytes an optimizer group on ``tier`` holds in the tiers' budgets (what :meth:`_allocate_group`
+        takes there, and freeing one gives back): its states (a slot on NVMe), and its fp32 accumulator where
+        micro-batches accumulate (with its states, or on the host for NVMe groups)."""
         if tier == REMOTE:
-            return True
+            return {}
         numel = self.layout.chunk_numel
-        needs = {tier: self.tiers[NVME].slot_bytes if tier == NVME else len(STATE_FIELDS) * numel * 4}
-        if self.grads_in_accumulators:  # (its fp32 accumulator: with its states, or on the host for NVMe groups)
+        held = {tier: self.tiers[NVME].slot_bytes if tier == NVME else len(STATE_FIELDS) * numel * 4}
+        if self.grads_in_accumulators:
             grad_tier = HOST if tier == NVME else tier
-            needs[grad_tier] = needs.get(grad_tier, 0) + numel * 4
-        return all(self.tiers[name].free_bytes >= num_bytes for name, num_bytes in needs.items())
+            held[grad_tier] = held.get(grad_tier, 0) + numel * 4
+        return held
 
     def _allocate_kept(self) -> torch.Tensor:
         """A kept gradient (:attr:`OptimizerGroup.kept`): one param chunk in the compute dtype, on the host."""
@@ -354,12 +357,12 @@ class ChunkStore:
     def apply_plan(self, plan: Plan) -> int:
         """Move shards and optimizer groups whose tier changed; returns the number moved.
 
-        Each move goes as soon as its new tier has room for it: a move into a full tier waits for the moves out of
-        it (a group leaving the device for the host, while another leaves the host for the disk, goes second; a
-        shard leaving the device for the host waits for groups going the other way). Among the moves with room,
-        shards leaving the device go first, then groups leaving the device, the host, the disk. Kept gradients the
-        plan drops are freed before anything moves. The plan fits once every move is made, so only a cycle of full
-        tiers could stop them; then the first raises.
+        Each move goes when its new tier has room for it, and of those that could go, the one after which the most
+        others fit goes first (:mod:`zero_cache.moves`): a group leaving the device for a full host waits for one
+        leaving the host for the disk, and a shard leaving the device for the host waits for groups going the other
+        way. Among equals, shards leaving the device go first, then groups leaving the device, the host, the disk.
+        Kept gradients the plan drops are freed before anything moves. Where nothing can go, the first move raises
+        with the tier that is short.
         """
         for chunk, group in enumerate(self.groups):  # between steps, no kept gradient is in use
             if group.kept is not None and chunk not in plan.kept_gradients:
@@ -368,23 +371,26 @@ class ChunkStore:
         leaving = {DEVICE: 0, HOST: 1, NVME: 2}
         homes = sorted((g for g, home in enumerate(plan.param_home) if home != self.param_home[g]),
                        key=lambda g: self.param_home[g] != DEVICE)
-        moves = sorted((c for c, tier in enumerate(plan.optimizer_tier) if self.groups[c].tier != tier),
-                       key=lambda c: leaving[self.groups[c].tier])
+        groups = sorted((c for c, tier in enumerate(plan.optimizer_tier) if self.groups[c].tier != tier),
+                        key=lambda c: leaving[self.groups[c].tier])
+        pending = [Move("shard", g, needs=self._home_named(plan.param_home[g], plan).held_bytes(),
+                        frees=self.group_home(g).held_bytes()) for g in homes]
+        pending += [Move("group", c, needs=self._group_bytes(plan.optimizer_tier[c]),
+                         frees=self._group_bytes(self.groups[c].tier)) for c in groups]
 
-        def has_room(kind: str, index: int) -> bool:
-            if kind == "shard":
-                return self._home_named(plan.param_home[index], plan).has_room()
-            return self._has_room_for_group(plan.optimizer_tier[index])
+        def ready(move: Move) -> bool:
+            if move.kind == "shard":
+                return self._home_named(plan.param_home[move.index], plan).has_room()
+            return fits(move.needs, {name: tier.free_bytes for name, tier in self.tiers.items()})
 
-        pending = [("shard", g) for g in homes] + [("group", c) for c in moves]
         while pending:
-            kind, index = next((move for move in pending if has_room(*move)), pending[0])
-            pending.remove((kind, index))
-            (self._move_shard if kind == "shard" else self._move_group)(index, plan)
+            move = next_move(pending, {name: tier.free_bytes for name, tier in self.tiers.items()}, ready)
+            pending.remove(move)
+            (self._move_shard if move.kind == "shard" else self._move_group)(move.index, plan)
         if homes:
             self._index_param_chunks()
         for chunk in plan.kept_gradients:
             if self.groups[chunk].kept is None:
                 self.groups[chunk].kept = self._allocate_kept()
         self.plan = plan
-        return len(moves) + len(homes)
+        return len(groups) + len(homes)

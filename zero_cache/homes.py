@@ -97,9 +97,13 @@ class ParamHome:
     def free(self, group: int, shard: torch.Tensor | None) -> None:
         self.tiers[self.name].free(shard)
 
+    def held_bytes(self) -> dict[str, int]:
+        """Tier -> bytes one shard here holds in the tiers' budgets (what moving one here takes, or away frees)."""
+        return {self.name: self.numel * torch.empty((), dtype=self.dtype).element_size()}
+
     def has_room(self) -> bool:
         """Whether :meth:`allocate` would find room for another shard now (a re-plan orders its moves by it)."""
-        return self.tiers[self.name].free_bytes >= self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return all(self.tiers[tier].free_bytes >= num_bytes for tier, num_bytes in self.held_bytes().items())
 
     @contextlib.contextmanager
     def open(self, group: int, shard: torch.Tensor | None, *, fresh: bool = False,

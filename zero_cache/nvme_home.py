@@ -106,6 +106,9 @@ class NvmeHome(ParamHome):
         self._drop(group, gradient=True)
         self.disk.free_slot(self._offsets.pop(group))
 
+    def held_bytes(self) -> dict[str, int]:
+        return {}  # (a slot of the homes' own swap file, which keeps its slots once lent them)
+
     def has_room(self) -> bool:
         """A slot free in the homes' swap file, or the NVMe tier's budget to lend one (:meth:`allocate`)."""
         return max(self.disk.free_bytes, self._tier.free_bytes) >= self.disk.slot_bytes

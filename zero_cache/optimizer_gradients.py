@@ -181,9 +181,12 @@ class GradientIntake:
         return event
 
     @staticmethod
-    def _seconds_between(start: torch.cuda.Event | float, end: torch.cuda.Event | float) -> float:
-        """Seconds from one :meth:`_mark_time` to a later one (both reached, for events)."""
-        return start.elapsed_time(end) / 1e3 if isinstance(start, torch.cuda.Event) else end - start
+    def _seconds_between(start: torch.cuda.Event | float, end: torch.cuda.Event | float) -> float | None:
+        """Seconds from one :meth:`_mark_time` to a later one; None where the device has not reached ``end`` yet
+        (the step's norm read only host memory: waiting for it here would stall the step)."""
+        if not isinstance(start, torch.cuda.Event):
+            return end - start
+        return start.elapsed_time(end) / 1e3 if end.query() else None
 
     def _reset_window(self) -> None:
         self._written.clear()
