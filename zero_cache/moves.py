@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Move:
-    """One shard or group to move: what its new place takes and its old place gives back, per budgeted tier."""
+    """One shard or group to move: what its new place takes and its old place gives back, per budgeted tier (each
+    move is itself: compared and hashed by identity)."""
 
     kind: str
     """"shard" or "group"."""
