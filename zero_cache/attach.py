@@ -239,16 +239,16 @@ class WarmupTracer:
         else:
             predicted, bound = traffic.predicted_step(backward, updates_after_backward=updates_after_backward)
         off = measured / predicted - 1 if predicted else float("inf")
-        after = ", ".join(f"{stream} {seconds:.3f} s" for stream, seconds in traffic.after_backward_floors(
-            backward or 0.0, updates_after_backward=updates_after_backward).items())
+        after = traffic.after_backward_floors(backward or 0.0, updates_after_backward=updates_after_backward)
+        verdict = ("" if abs(off) <= PREDICTION_TOLERANCE else
+                   ": more than the tolerance above it, the forward's compute or waits the plan does not count bound it"
+                   if off > 0 else ": below it, the plan's rates are slower than the step's")
         logger.info("ZeRO-Cache: the step runs at %.3f s; the plan predicts at least %.3f s (%+.0f%%), bound by %s "
                     "(backward %s; the updates %s; after backward: %s; at %s)%s",
                     measured, predicted, 100 * off, bound, "not timed" if backward is None else f"{backward:.3f} s",
-                    "waited for the global norm" if updates_after_backward else "ran in backward", after,
-                    self.rates.describe(),
-                    ": more than the tolerance above it, the forward's compute or waits the plan does not count "
-                    "bound it" if off > PREDICTION_TOLERANCE else ": below it, the plan's rates are slower than the "
-                    "step's" if off < -PREDICTION_TOLERANCE else "")
+                    "waited for the global norm" if updates_after_backward else "ran in backward",
+                    ", ".join(f"{stream} {seconds:.3f} s" for stream, seconds in after.items()),
+                    self.rates.describe(), verdict)
 
 
 def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, *, compute_dtype: torch.dtype,

@@ -377,14 +377,10 @@ class ChunkStore:
                         frees=self.group_home(g).held_bytes()) for g in homes]
         pending += [Move("group", c, needs=self._group_bytes(plan.optimizer_tier[c]),
                          frees=self._group_bytes(self.groups[c].tier)) for c in groups]
-
-        def ready(move: Move) -> bool:
-            if move.kind == "shard":
-                return self._home_named(plan.param_home[move.index], plan).has_room()
-            return fits(move.needs, {name: tier.free_bytes for name, tier in self.tiers.items()})
-
         while pending:
-            move = next_move(pending, {name: tier.free_bytes for name, tier in self.tiers.items()}, ready)
+            free = {name: tier.free_bytes for name, tier in self.tiers.items()}
+            move = next_move(pending, free, lambda move: fits(move.needs, free) if move.kind == "group"
+                             else self._home_named(plan.param_home[move.index], plan).has_room())
             pending.remove(move)
             (self._move_shard if move.kind == "shard" else self._move_group)(move.index, plan)
         if homes:
