@@ -10,6 +10,11 @@ NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
 DROP_POLICIES = (None, "position", "probs", "random")
 
 
+MAX_LOSS_COEF = 1e3
+"""Largest router loss weight accepted: beyond it the router's loss outweighs the language-model loss a
+thousandfold and more (1e30 gave a loss of 2e30 and no language modelling at all)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class MoEConfig:
     """Mixture-of-experts layers and how their tokens travel between expert-parallel ranks.
@@ -104,8 +109,10 @@ class MoEConfig:
             )
         if self.noisy_gate_policy not in NOISY_GATE_POLICIES:
             raise ValueError(f"moe.noisy_gate_policy: must be one of {NOISY_GATE_POLICIES}, got {self.noisy_gate_policy!r}")
-        if self.aux_loss_coef < 0 or self.z_loss_coef < 0:
-            raise ValueError("moe.aux_loss_coef and moe.z_loss_coef must be >= 0")
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            if not 0 <= getattr(self, name) <= MAX_LOSS_COEF:
+                raise ValueError(f"moe.{name}: must be between 0 and {MAX_LOSS_COEF:g} (typical: 0.01 for the "
+                                 f"balancing loss, 0.001 for the z-loss), got {getattr(self, name):g}")
         if self.moe_every < 1:
             raise ValueError(f"moe.moe_every: must be >= 1, got {self.moe_every}")
         if isinstance(self.hierarchical_all_to_all, str) and self.hierarchical_all_to_all != "auto":

@@ -336,7 +336,8 @@ def _walk(data: Any, schema: type, prefix: str) -> list[str]:
         if annotation is None:
             continue  # unknown keys are reported before this walk
         path = f"{prefix}{key}"
-        if schema is SchedulerSection and key == "params" and data.get("type") in SCHEDULER_PARAMS:
+        if (schema is SchedulerSection and key == "params" and isinstance(data.get("type"), str)
+                and data["type"] in SCHEDULER_PARAMS):  # a type given as a list is pydantic's to name
             problems += _walk(value, SCHEDULER_PARAMS[data["type"]], f"{path}.")
         else:
             problems += _check_value(value, annotation, path)

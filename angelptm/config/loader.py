@@ -186,7 +186,24 @@ def _scheduler(section: edge.SchedulerSection | None) -> typed.SchedulerConfig |
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
     if params.warmup_num_steps <= 0:
         raise ConfigError(f"scheduler.params.warmup_num_steps: must be a positive integer, got {params.warmup_num_steps}")
+    _check_schedule(params)
     return typed.SchedulerConfig(type=section.type, params=params.model_dump())
+
+
+def _check_schedule(params: Any) -> None:
+    """Learning rates and ratios below zero (gradient ascent) and a decay that ends before its warm-up does."""
+    for key in ("warmup_min_lr", "warmup_max_lr", "warmup_min_ratio", "cos_min_ratio"):
+        value = getattr(params, key, None)
+        values = value if isinstance(value, list) else [value]
+        bad = [v for v in values if v is not None and v < 0]
+        if bad:
+            raise ConfigError(f"scheduler.params.{key}: must be >= 0 (a negative learning rate climbs the loss), "
+                              f"got {value}")
+    total = getattr(params, "total_num_steps", None)
+    if total is not None and total < max(1, params.warmup_num_steps):
+        raise ConfigError(f"scheduler.params.total_num_steps: must be >= warmup_num_steps "
+                          f"({params.warmup_num_steps}) and >= 1, got {total}; set it to the run's steps "
+                          f"(train.steps) or lower warmup_num_steps")
 
 
 def resolve_batch_sizes(
@@ -314,6 +331,10 @@ def _to_typed(parsed: edge.EdgeConfig, scheduler: typed.SchedulerConfig | None, 
         ignored = ignored + ("wandb",)
     if parsed.gradient_clipping < 0:
         raise ConfigError(f"gradient_clipping: must be >= 0 (0 = off), got {parsed.gradient_clipping}")
+    if parsed.data.seq_len is not None and parsed.data.seq_len > parsed.model.max_seq_len:
+        raise ConfigError(f"data.seq_len: {parsed.data.seq_len} is longer than the model takes (model.max_seq_len "
+                          f"{parsed.model.max_seq_len}); use at most {parsed.model.max_seq_len}, or raise "
+                          "model.max_seq_len")
     return typed.EngineConfig(
         batch=resolve_batch_sizes(parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu,
                                   parsed.gradient_accumulation_steps, _data_parallel_ranks(parsed, world_size)),

@@ -15,6 +15,19 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "mlp": ("gelu", "swiglu"),
 }
 
+MAX_SIZES: dict[str, int] = {
+    "num_layers": 16_384,
+    "hidden_size": 2**20,
+    "ffn_hidden_size": 2**22,
+    "num_heads": 2**16,
+    "num_kv_heads": 2**16,
+    "vocab_size": 2**24,
+    "max_seq_len": 2**24,
+}
+"""Upper bounds of the sizes, far above any model trained (a 1T-parameter GPT has ~128 layers of width ~25k):
+a typo such as ``num_layers: 4611686018427387904`` is refused here, by arithmetic, before any model (even a
+meta-device one, built layer by layer) is made, and before a shape overflows torch's storage arithmetic."""
+
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
@@ -125,6 +138,9 @@ class ModelConfig:
         value = getattr(self, name)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"model.{name}={value!r} must be a positive integer")
+        if value > MAX_SIZES[name]:
+            raise ValueError(f"model.{name}={value} is beyond any trainable model: it must be at most "
+                             f"{MAX_SIZES[name]:,}")
 
     def _check_sizes(self) -> None:
         for name in ("vocab_size", "max_seq_len", "num_layers", "hidden_size", "num_heads"):

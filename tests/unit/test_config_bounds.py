@@ -1,0 +1,82 @@
+"""Issue 38: values the config used to accept silently, or turn into a traceback, refused in one line.
+
+Each message names the key, the value given and what is allowed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from angelptm.config import load_config
+from angelptm.errors import ConfigError
+from angelptm.pretraining.models import ModelConfig
+
+BATCH = {"train_batch_size": 8}
+
+
+def refused(extra: dict) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config({**BATCH, **extra})
+    message = str(info.value)
+    assert "Traceback" not in message
+    return message
+
+
+def test_scheduler_type_given_as_a_list_is_refused_by_name():
+    message = refused({"scheduler": {"type": ["WarmupLR"], "params": {}}})
+    assert "scheduler.type" in message and "WarmupLR" in message
+
+
+@pytest.mark.parametrize("params, key, value", [
+    ({"warmup_min_lr": -0.01, "warmup_max_lr": 1e-3}, "warmup_min_lr", "-0.01"),
+    ({"warmup_min_lr": 0.0, "warmup_max_lr": -1e-3}, "warmup_max_lr", "-0.001"),
+    ({"warmup_min_lr": [0.0, -0.5], "warmup_max_lr": 1e-3}, "warmup_min_lr", "-0.5"),
+])
+def test_warmup_lr_bounds_below_zero_are_refused(params, key, value):
+    message = refused({"scheduler": {"type": "WarmupLR", "params": {**params, "warmup_num_steps": 5}}})
+    assert f"scheduler.params.{key}" in message and value in message and ">= 0" in message
+
+
+@pytest.mark.parametrize("ratio_key", ["warmup_min_ratio", "cos_min_ratio"])
+def test_cosine_ratios_below_zero_are_refused(ratio_key):
+    message = refused({"scheduler": {"type": "WarmupCosineLR",
+                                     "params": {"total_num_steps": 100, "warmup_num_steps": 10, ratio_key: -0.5}}})
+    assert f"scheduler.params.{ratio_key}" in message and "-0.5" in message
+
+
+@pytest.mark.parametrize("kind", ["WarmupDecayLR", "WarmupCosineLR"])
+@pytest.mark.parametrize("total", [0, -5, 10])
+def test_total_num_steps_zero_negative_or_below_the_warmup_is_refused(kind, total):
+    message = refused({"scheduler": {"type": kind, "params": {"total_num_steps": total, "warmup_num_steps": 30}}})
+    assert "scheduler.params.total_num_steps" in message and str(total) in message
+    assert "warmup_num_steps" in message and "30" in message
+
+
+def test_a_total_equal_to_the_warmup_still_loads():
+    cfg = load_config({**BATCH, "scheduler": {"type": "WarmupCosineLR",
+                                              "params": {"total_num_steps": 30, "warmup_num_steps": 30}}})
+    assert cfg.scheduler.params["total_num_steps"] == 30
+
+
+def test_data_seq_len_above_model_max_seq_len_is_refused_at_load():
+    message = refused({"model": {"max_seq_len": 256}, "data": {"seq_len": 512}})
+    assert "data.seq_len" in message and "512" in message and "model.max_seq_len" in message and "256" in message
+
+
+def test_moe_aux_loss_coef_beyond_its_bound_is_refused():
+    message = refused({"moe": {"enabled": True, "num_experts": 2, "aux_loss_coef": 1e30}})
+    assert "moe.aux_loss_coef" in message and "1e+30" in message and "1000" in message
+
+
+@pytest.mark.parametrize("key", ["num_layers", "hidden_size", "ffn_hidden_size", "vocab_size", "max_seq_len"])
+def test_absurd_model_sizes_are_refused_by_the_config(key):
+    value = 2**62
+    extra = {"num_heads": 1} if key == "hidden_size" else {}
+    with pytest.raises(ValueError) as info:
+        ModelConfig(**{key: value, **extra})
+    assert f"model.{key}" in str(info.value) and str(value) in str(info.value) and "at most" in str(info.value)
+
+
+def test_model_num_layers_of_two_to_the_62_is_refused_at_load():
+    message = refused({"model": {"num_layers": 4611686018427387904}})
+    assert "model.num_layers" in message and "4611686018427387904" in message
