@@ -145,8 +145,8 @@ def test_a_hostile_pickle_is_refused_without_running_it(two_checkpoints, tmp_pat
     fresh = fp32_engine()
     for opt_in in (False, True):  # its getattr reaches any callable: refused, and the opt-in is neither offered
         with pytest.raises(angelptm.CheckpointError,  # nor honoured
-                           match=r"model_states.pt names builtins.getattr, which runs commands or code.*will not "
-                                 r"load it either") as refused:
+                           match=r"model_states.pt names builtins.getattr.*which no checkpoint of this engine holds.*"
+                                 r"will not load it either") as refused:
             fresh.load_checkpoint(root, allow_unsafe_pickle=opt_in)
         assert "allow_unsafe_pickle=True" not in str(refused.value)
     assert not marker.exists()
@@ -163,13 +163,13 @@ def test_a_previous_format_checkpoint_loads_only_with_the_opt_in(two_checkpoints
     model_states = torch.load(directory / checkpoint.MODEL_FILE, weights_only=True)
     torch.save({**model_states, "format_version": 1}, directory / checkpoint.MODEL_FILE)  # format 1 had no manifest
     (directory / checkpoint_manifest.MANIFEST_FILE).unlink()
-    with pytest.raises(angelptm.CheckpointError, match=r"rank_00000_states.pt holds Python objects.*numpy.*"
+    with pytest.raises(angelptm.CheckpointError, match=r"rank_00000_states.pt holds numpy arrays.*"
                                                        r"allow_unsafe_pickle=True"):
         fp32_engine().load_checkpoint(root)
     fresh = fp32_engine(seed=3)
     with caplog.at_level(logging.WARNING):
         path, _ = fresh.load_checkpoint(root, allow_unsafe_pickle=True)
-    assert Path(path).name == "global_step2" and "allow_unsafe_pickle" in caplog.text
+    assert Path(path).name == "global_step2"
     assert_same_weights(fresh, weights[2])
     assert np.random.get_state()[1].tolist() == keys.tolist()
 
