@@ -71,8 +71,21 @@ def build(size: str, checkpointing: bool, construction: Any = None, fp16: bool =
                          activation_checkpointing=checkpointing, **SIZES[size])
     with torch.device("meta"):
         twin = build_model(config)
-    with construction if construction is not None else torch.device("cuda"):
-        model = build_model(config)
+    dtype = torch.float16 if fp16 else torch.bfloat16
+    # Built in fp32 and cast, as the earlier runs were (same initial weights), unless the fp32 model would not fit
+    # the GPU: 49.2B takes 183 GiB in fp32 against an H200's 139 GiB (the 4-GPU 50b run died of it in its build),
+    # so from 40b on it is built in the compute dtype directly (92 GiB at 49.2B).
+    fp32_fits = construction is not None or 4 * twin.num_params() < 0.9 * torch.cuda.mem_get_info()[0]
+    previous = torch.get_default_dtype()
+    if not fp32_fits:
+        print(f"bench: {size} built in {dtype} directly: in fp32 it would take {4 * twin.num_params() / 2**30:.0f} GiB, "
+              f"the GPU has {torch.cuda.mem_get_info()[0] / 2**30:.0f} GiB free", file=sys.stderr, flush=True)
+        torch.set_default_dtype(dtype)
+    try:
+        with construction if construction is not None else torch.device("cuda"):
+            model = build_model(config)
+    finally:
+        torch.set_default_dtype(previous)
     if construction is None:  # (the constructions build in the config's dtype)
         model = model.half() if fp16 else model.bfloat16()
     return model, twin.num_params(), twin.flops_per_token(1024)
@@ -254,19 +267,33 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
             "losses": [round(loss, 3) for loss in losses], **extra}
 
 
+FIRST_ERROR_LINES = 40
+"""Of a failed child's stderr, this many lines from its first traceback are kept beside the tail: under torchrun
+the tail is the launcher's summary, and the failing rank's traceback comes before it."""
+
+
 def run_child(command: list[str]) -> tuple[int, list[str], list[str]]:
     """Run one (size, mode) child; its notes ("zero_cache: ...", "bench: ...") are printed as they come, so a
-    run cut at its time limit still shows how far it got. Returns its exit status, RESULT lines and stderr tail."""
+    run cut at its time limit still shows how far it got. Returns its exit status, RESULT lines and the stderr
+    to show if it failed: the first traceback's first lines (the root cause), then the last 25 lines."""
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     tail: collections.deque[str] = collections.deque(maxlen=25)
+    first_error: list[str] = []
+    open_ = True
     for line in proc.stderr:
         line = line.rstrip("\n")
         if line.startswith(("zero_cache:", "bench:")):
             print(line, flush=True)
-        elif "Warning" not in line:
+            continue
+        if not first_error and line.startswith("Traceback") or 0 < len(first_error) < FIRST_ERROR_LINES and open_:
+            first_error.append(line)  # (warnings included: they may be part of it)
+            # the traceback ends at its exception's line: the first unindented one after the frames
+            open_ = len(first_error) == 1 or line[:1].isspace() or line.startswith(("During handling", "The above"))
+        if "Warning" not in line:
             tail.append(line)
     results = [l for l in proc.stdout.read().splitlines() if l.startswith("RESULT ")]
-    return proc.wait(), results, list(tail)
+    shown = ["-- first traceback --", *first_error, "-- last lines --"] if first_error else []
+    return proc.wait(), results, shown + list(tail)
 
 
 def main() -> None:
@@ -291,9 +318,12 @@ def main() -> None:
     parser.add_argument("--child", nargs=2, metavar=("SIZE", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        result = run_one(*args.child, args.steps, args.micro, not args.no_checkpointing, args.device_budget,
-                         args.gradient_clipping, args.host_budget, args.nvme_path, args.memory_cap,
-                         args.build_on_host, args.param_home, args.trace, args.accumulation)
+        # record: under torchrun, a rank's exception goes to its error file, so the launcher's summary names it
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        result = record(run_one)(*args.child, args.steps, args.micro, not args.no_checkpointing, args.device_budget,
+                                 args.gradient_clipping, args.host_budget, args.nvme_path, args.memory_cap,
+                                 args.build_on_host, args.param_home, args.trace, args.accumulation)
         if os.environ.get("RANK", "0") == "0":
             print("RESULT " + json.dumps(result))
         # Leave without the interpreter's teardown, where torch's communication threads can still be going
