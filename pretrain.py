@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import shutil
 import signal
 import sys
@@ -61,12 +62,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     hardware.add_argument("--device-memory", metavar="SIZE", help="memory of one GPU, e.g. 24GiB, 80GiB")
     hardware.add_argument("--host-memory", metavar="SIZE", help="RAM of one host, e.g. 256GiB, 2TiB")
     hardware.add_argument("--nvme", metavar="SIZE", help="free NVMe space of one host for the disk tier, e.g. 2TB")
-    hardware.add_argument("--tflops", type=float, default=DEFAULT_TFLOPS,
+    hardware.add_argument("--tflops", type=positive_number, default=DEFAULT_TFLOPS,
                           help=f"model TFLOPS one GPU sustains, for the compute floor (default {DEFAULT_TFLOPS:.0f})")
     parser.add_argument("--trace", type=Path, metavar="DIR",
                         help="write a Chrome/Perfetto trace and a PNG of the step after warm-up under DIR")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser.parse_args(argv)
+
+
+def positive_number(text: str) -> float:
+    """An argument that must be a finite number above zero (argparse names the option in its message)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
 
 
 def plan_request(args: argparse.Namespace) -> PlanRequest:

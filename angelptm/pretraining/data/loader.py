@@ -17,6 +17,8 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from angelptm.errors import DataError
+
 
 class ResumableSampler(Sampler[int]):
     """Seeded per-epoch order over a dataset, sharded over ranks, that can start mid-epoch.
@@ -74,9 +76,10 @@ class ResumableDataLoader:
         self.batch_size = batch_size
         self.sampler = ResumableSampler(len(dataset), rank=rank, world_size=world_size, shuffle=shuffle, seed=seed)
         if len(self.sampler) < batch_size:
-            raise ValueError(
-                f"each rank gets {len(self.sampler)} samples per epoch, fewer than one micro-batch of {batch_size}"
-            )
+            raise DataError(
+                f"train_micro_batch_size_per_gpu {batch_size}: each rank gets {len(self.sampler)} samples per epoch "
+                f"({len(dataset)} samples over {world_size} ranks), fewer than one micro-batch of {batch_size}; "
+                f"use at most {len(self.sampler)}, or more data")
         # A private generator: every DataLoader iterator draws a base seed from it, and drawing from the
         # global RNG instead would shift the dropout stream of a resumed run by one draw. It is reseeded
         # from (seed, epoch) by every __iter__, so the worker seeds do not depend on how many iterators

@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 import time
+import zlib
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -97,13 +98,28 @@ def iter_lines(stream: Iterable[bytes], name: str) -> Iterator[tuple[int, str]]:
     Raises:
         ValueError: a line is not valid UTF-8 (the message names the file and line).
     """
-    for lineno, raw_line in enumerate(stream, start=1):
+    for lineno, raw_line in enumerate(_whole(stream, name), start=1):
         try:
             line = raw_line.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise ValueError(f"{name}:{lineno}: not valid UTF-8 ({exc.reason} at column "
                              f"{exc.start + 1}); convert the file to UTF-8") from None
         yield lineno, line.rstrip("\n").removesuffix("\r")
+
+
+def _whole(stream: Iterable[bytes], name: str) -> Iterator[bytes]:
+    """The stream's lines; a gzip file that ends early or is damaged is a ValueError naming it (not EOFError)."""
+    lines, count = iter(stream), 0
+    while True:
+        try:
+            line = next(lines)
+        except StopIteration:
+            return
+        except (EOFError, zlib.error) as exc:
+            raise ValueError(f"{name}: the compressed file is truncated or damaged after line {count} ({exc}); "
+                             "copy it again or recompress it (gzip -t checks a file)") from None
+        count += 1
+        yield line
 
 
 def iter_text_documents(lines: Iterable[tuple[int, str]], max_lines: int) -> Iterator[str]:
