@@ -12,10 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 
 from zero_cache import nvme, tiers
 from zero_cache.config import ZeroCacheConfig
+from zero_cache.units import format_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +75,7 @@ def tier_budgets(config: ZeroCacheConfig, device: torch.device, ranks_per_host: 
         NvmeSetupError: measuring here, and nvme_path is missing or not writable.
     """
     if hardware is None:
+        check_explicit_budgets(config, device, ranks_per_host)
         device_budget, host_budget = config.device_budget_bytes, config.host_budget_bytes
         if device_budget is None:
             device_budget = tiers.auto_device_budget(device, ranks_per_host) + moving_device_bytes
@@ -93,3 +96,30 @@ def tier_budgets(config: ZeroCacheConfig, device: torch.device, ranks_per_host: 
             disk = nvme.disk_share(hardware.nvme_bytes, ranks_per_host)
     return TierBudgets(device_budget, host_budget, disk)
 
+
+
+def check_explicit_budgets(config: ZeroCacheConfig, device: torch.device, ranks_per_host: int = 1) -> None:
+    """Refuse a budget in host RAM that this machine does not have, before a byte is pinned.
+
+    The host budget (and, on a CPU-only run, the device budget: that tier is host RAM too) is per rank: times the
+    ranks of a host it must fit the host's total RAM. A larger budget was trusted, and ``attach`` pinned memory
+    until the OOM killer ended the run (200 GB on a 24 GiB machine). "auto" budgets never exceed the RAM.
+
+    Raises:
+        ValueError: the budget's key, its value, the machine's RAM and what to set instead.
+    """
+    memory = psutil.virtual_memory()
+    keys = [("host_memory_budget", config.host_memory_budget, config.host_budget_bytes)]
+    if device.type == "cpu":
+        keys.append(("device_memory_budget", config.device_memory_budget, config.device_budget_bytes))
+    for key, value, budget in keys:
+        if budget is None or budget * ranks_per_host <= memory.total:
+            continue
+        ranks = f" x {ranks_per_host} ranks of this host = {format_bytes(budget * ranks_per_host)}" \
+            if ranks_per_host > 1 else ""
+        auto = format_bytes(tiers.host_share(memory.available, memory.total, ranks_per_host))
+        raise ValueError(f"zero_cache.{key} {value!r} ({format_bytes(budget)} per rank{ranks}) is more than this "
+                         f"machine's {format_bytes(memory.total)} of RAM ({format_bytes(memory.available)} available "
+                         f"now): pinned pages beyond it end the run by the OOM killer. Set it to \"auto\" (the "
+                         f"available RAM less a margin: {auto} per rank now) or below it, and give what does not "
+                         "fit to the NVMe tier (zero_cache.nvme_path)")

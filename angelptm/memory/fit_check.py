@@ -28,6 +28,8 @@ from torch import nn
 import zero_cache
 from angelptm.config import EngineConfig
 from angelptm.errors import ConfigError
+from angelptm.memory.model_states import check_sizes_by_arithmetic, check_states_fit, state_bytes_per_param
+from zero_cache.hardware import check_explicit_budgets
 
 BUILD_SHARE_OF_AVAILABLE = 0.9
 """``pretrain.py`` refuses a model whose build takes more than this share of the host's available memory."""
@@ -52,13 +54,29 @@ def check_config_fits(cfg: EngineConfig, *, world_size: int = 1, ranks_per_host:
     """
     from angelptm.pretraining.models import build_model  # the model package is heavier than this module needs at import
 
+    device = device or _default_device()
+    per_host = min(ranks_per_host or cfg.zero_cache.ranks_per_host or _env_int("LOCAL_WORLD_SIZE", world_size),
+                   world_size)
+    check_sizes_by_arithmetic(cfg, device, world_size, per_host)  # before even a meta model: building one of 2^62 layers never ends
+    if cfg.zero_cache.enabled:
+        try:
+            check_explicit_budgets(cfg.zero_cache, device, per_host)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     with torch.device("meta"):
         model = build_model(cfg.model, moe=cfg.moe)
-    what = f"model {cfg.model.flavour} of {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters"
+    numel = sum(p.numel() for p in model.parameters())
+    what = f"model {cfg.model.flavour} of {numel / 1e6:.1f} M parameters"
     if cfg.zero_cache.enabled:  # first: its budgets are what the user set, and its message says what to change
         shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters() if p.requires_grad]
         check_shapes_fit(shapes, cfg, world_size=world_size, ranks_per_host=ranks_per_host, device=device, what=what)
-    _check_build_fits(model, what)
+    _check_build_fits(model, what)  # the build comes first, and with a 16-bit dtype may not fit where states do
+    if not cfg.zero_cache.enabled:
+        check_states_fit(cfg, numel, device, per_host, what)
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _check_build_fits(twin: nn.Module, what: str) -> None:
@@ -84,8 +102,7 @@ def check_shapes_fit(shapes: list[tuple[str, tuple[int, ...]]], cfg: EngineConfi
             the "auto" budgets measured now, as ``attach`` adds them (they move into the chunks).
         what: names the model in the message.
     """
-    device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-                        else torch.device("cpu"))
+    device = device or _default_device()
     per_host = ranks_per_host or cfg.zero_cache.ranks_per_host or _env_int("LOCAL_WORLD_SIZE", world_size)
     per_host = min(per_host, world_size)
     try:

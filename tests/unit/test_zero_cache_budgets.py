@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import psutil
 import pytest
 import torch
 
@@ -34,7 +35,8 @@ def test_auto_budgets_count_the_parameters_about_to_move_as_free(measured, devic
 
 
 def test_budgets_the_config_gives_are_taken_as_they_are(measured):
-    device, host = random.randint(2**20, 2**40), random.randint(2**20, 2**40)
+    ram = psutil.virtual_memory().total  # a host budget beyond it is refused (issue 38)
+    device, host = random.randint(2**20, 2**40), random.randint(2**20, ram)
     config = ZeroCacheConfig(enabled=True, device_memory_budget=device, host_memory_budget=host)
     budgets = tier_budgets(config, torch.device("cuda"), moving_device_bytes=12345, moving_host_bytes=678)
     assert (budgets.device_bytes, budgets.host_bytes) == (device, host)

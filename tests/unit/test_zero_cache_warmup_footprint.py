@@ -185,5 +185,6 @@ def test_dry_run_reports_the_warmup_room_on_a_gpu_with_an_auto_reserve(world_siz
     assert configured.warmup_room_bytes is None and configured.plan == run.plan
     on_cpu = zero_cache.dry_run(shapes, dataclasses.replace(auto, device_memory_budget=8 * 2**30,
                                                             host_memory_budget=16 * 2**30),
-                                compute_dtype=torch.float32, device=torch.device("cpu"), world_size=world_size)
+                                compute_dtype=torch.float32, device=torch.device("cpu"), world_size=world_size,
+                                ranks_per_host=1)  # 16 GiB for each of 2 ranks on one host is more than its RAM
     assert on_cpu.warmup_room_bytes is None
