@@ -15,6 +15,9 @@ its inverse (the combine, and every backward) runs the inverted ops in reverse o
   inter-node messages of L times the size instead of W - L small ones; the bytes crossing nodes
   are the same. Both end in the same [source][expert] layout, so the outputs are bit-identical.
 
+An all-to-all step runs over a process group, or over any :class:`Transport` put in its place (a benchmark's
+staged or split exchange, for instance one whose inter-node step goes through host memory).
+
 All split sizes come from one all-gathered [W, E] count matrix per chunk (the layer copies it to
 the host once per forward: ``all_to_all_single`` takes host integers).
 
@@ -26,6 +29,7 @@ orders the streams; the host does not block.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -43,8 +47,20 @@ class _Box:
     grad_input: Tensor | None = None
 
 
-def _launch(input_ND: Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> tuple[Tensor, object]:
+class Transport(Protocol):
+    """Something other than a process group that carries one all-to-all step."""
+
+    def all_to_all_single(self, output: Tensor, input: Tensor, output_split_sizes: list[int],
+                          input_split_sizes: list[int]) -> object:
+        """Start ``dist.all_to_all_single``'s exchange (splits in the step's rank order); returns an object
+        whose ``wait()`` returns once ``output`` may be read."""
+
+
+def _launch(input_ND: Tensor, send: list[int], recv: list[int],
+            group: dist.ProcessGroup | Transport) -> tuple[Tensor, object]:
     output_ND = input_ND.new_empty((sum(recv), *input_ND.shape[1:]))
+    if group is not None and not isinstance(group, dist.ProcessGroup):  # (a ProcessGroup has a method of that name)
+        return output_ND, group.all_to_all_single(output_ND, input_ND.contiguous(), recv, send)
     work = dist.all_to_all_single(output_ND, input_ND.contiguous(), recv, send, group=group, async_op=True)
     return output_ND, work
 
@@ -97,9 +113,9 @@ class Reorder:
 
 @dataclass(frozen=True, slots=True)
 class AllToAll:
-    """``all_to_all_single`` over ``group`` with host split sizes."""
+    """``all_to_all_single`` over ``group`` (a process group or a :class:`Transport`) with host split sizes."""
 
-    group: dist.ProcessGroup
+    group: dist.ProcessGroup | Transport
     send: list[int]
     recv: list[int]
 

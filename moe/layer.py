@@ -14,6 +14,7 @@ host integers. Everything else (routing, the sort, grouped GEMM offsets) stays o
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -26,8 +27,10 @@ from moe.config import MoEConfig
 from moe.dispatch import ChunkRows, chunk_rows, combine, permute, sort_routes
 from moe.experts import experts_from_module
 from moe.gate import Router
-from moe.topology import (ExpertParallelGroups, Link, build_expert_parallel_groups, prefer_hierarchical,
-                          ranks_per_node_from_env)
+from moe.topology import (ExpertParallelGroups, Link, build_expert_parallel_groups, crossover_bytes,
+                          flat_all_to_all_s, hierarchical_all_to_all_s, ranks_per_node_from_env)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +72,7 @@ class MoELayer(nn.Module):
         self.experts = experts
         self.ep_groups: ExpertParallelGroups | None = None
         self.last_hierarchical = False  # whether the last forward used the hierarchical exchange (logs, tests)
+        self._logged_choice: bool | None = None  # the exchange last logged: the choice is logged when it changes
         if ep_groups is not None:
             self.set_ep_groups(ep_groups)
 
@@ -134,17 +138,35 @@ class MoELayer(nn.Module):
         return flat.view(self.ep_groups.size, *rows_CE.shape).tolist()
 
     def _use_hierarchical(self, counts_WCE: list[list[list[int]]], row_bytes: int) -> bool:
-        """Same answer on every rank: decided from the all-gathered counts only."""
+        """Same answer on every rank: decided from the all-gathered counts only. Logged (INFO) when it changes."""
+        choice, reason = self._exchange_choice(counts_WCE, row_bytes)
+        if choice != self._logged_choice:
+            logger.info("MoE all-to-all: %s (moe.hierarchical_all_to_all=%r): %s",
+                        "hierarchical" if choice else "flat", self.config.hierarchical_all_to_all, reason)
+            self._logged_choice = choice
+        return choice
+
+    def _exchange_choice(self, counts_WCE: list[list[list[int]]], row_bytes: int) -> tuple[bool, str]:
+        """(hierarchical?, why), from the setting, the groups and moe.topology's cost model."""
         setting, groups = self.config.hierarchical_all_to_all, self.ep_groups
-        if groups.intra is None or setting is False:
-            return False
-        if setting is True:
-            return True
+        if groups.intra is None:
+            return False, (f"the {groups.size} expert-parallel ranks are one node ({groups.ranks_per_node} ranks per "
+                           "node): there is no inter-node link to save")
+        if setting != "auto":
+            return setting, "as configured"
         cfg, chunks = self.config, len(counts_WCE[0])
         bytes_per_rank = sum(sum(map(sum, rank_counts)) for rank_counts in counts_WCE) * row_bytes / groups.size / chunks
         intra = Link(cfg.intra_node_latency_us * 1e-6, cfg.intra_node_bandwidth_gbs * 1e9)
         inter = Link(cfg.inter_node_latency_us * 1e-6, cfg.inter_node_bandwidth_gbs * 1e9)
-        return prefer_hierarchical(bytes_per_rank, groups.ranks_per_node, groups.nodes, intra, inter)
+        args = (bytes_per_rank, groups.ranks_per_node, groups.nodes, intra, inter)
+        flat_s, hier_s = flat_all_to_all_s(*args), hierarchical_all_to_all_s(*args)
+        cross = crossover_bytes(*args[1:])
+        return hier_s < flat_s, (
+            f"{groups.nodes} nodes x {groups.ranks_per_node}, {bytes_per_rank / 2**20:.3f} MiB per rank per chunk, "
+            f"predicted flat {flat_s * 1e3:.3f} ms / hierarchical {hier_s * 1e3:.3f} ms with the moe config's links "
+            f"(assumed, not measured): intra {cfg.intra_node_latency_us:g} us + {cfg.intra_node_bandwidth_gbs:g} GB/s, "
+            f"inter {cfg.inter_node_latency_us:g} us + {cfg.inter_node_bandwidth_gbs:g} GB/s; hierarchical wins "
+            + ("never" if cross is None else f"below {cross / 2**20:.2f} MiB per rank"))
 
     def _plan(self, counts_WCE: list[list[list[int]]], chunk: int, hierarchical: bool) -> ExchangePlan:
         counts_WE = [rank_counts[chunk] for rank_counts in counts_WCE]
