@@ -25,6 +25,7 @@ without biases (as in Mixtral / DeepSeek-MoE; ``--bias`` adds them).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import statistics
 import sys
@@ -198,6 +199,26 @@ def expert_parallel_groups(args, world: int):
     return groups, ranks_per_node
 
 
+class ChoiceLog(logging.Handler):
+    """Keeps the MoE layer's INFO lines (its all-to-all choice and why) for the log file."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def take(self) -> list[str]:
+        lines, self.lines = self.lines, []
+        return lines
+
+
+CHOICES = ChoiceLog()
+logging.getLogger("moe.layer").addHandler(CHOICES)
+logging.getLogger("moe.layer").setLevel(logging.INFO)
+
+
 def time_shape(args, cfg, rank, world, device, dtype, ep_groups, ranks_per_node, iters) -> list[str]:
     """One DeepSpeed timing, then ours per (overlap chunks, hierarchical setting), each after the routing check."""
     name, tokens, d, f, experts, k, cf = cfg
@@ -211,12 +232,15 @@ def time_shape(args, cfg, rank, world, device, dtype, ep_groups, ranks_per_node,
         for setting in args.hierarchical:
             ours = build_ours(cfg, world, rank, device, dtype, theirs, ep_groups, chunks, HIERARCHICAL[setting],
                               ranks_per_node, args.bias)
+            CHOICES.take()
             check = compare(theirs, ours, x)
             used = "hier" if ours.deepspeed_moe.last_hierarchical else "flat"
+            why = CHOICES.take()  # the layer's own line (its first forward): the choice and the reason
             t_ours = slowest(time_layer(ours, x, grad, iters, args.rounds, device), world, device)
             lines.append(f"{name} T={tokens} D={d} F={f} cf={cf} chunks={chunks} a2a={setting}->{used} | "
                          f"deepspeed {t_ds * 1e3:8.2f} ms {tokens / t_ds:12,.0f} tok/s | ours {t_ours * 1e3:8.2f} ms "
-                         f"{tokens / t_ours:12,.0f} tok/s | speedup {t_ds / t_ours:.2f}x\n    {check}")
+                         f"{tokens / t_ours:12,.0f} tok/s | speedup {t_ds / t_ours:.2f}x\n    {check}"
+                         + "".join(f"\n    layer log: {line}" for line in why))
             del ours
             if device.type == "cuda":
                 torch.cuda.empty_cache()
