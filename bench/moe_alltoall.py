@@ -23,11 +23,28 @@ the reorders around them; plans are built outside the timing). Each rank checks 
 identical rows. Printed per size: measured flat and hierarchical ms (median over iterations, slowest
 rank), and ``moe.topology``'s predictions with the fitted intra link and (a) the assumed inter link,
 what M real nodes would see, (b) inter = the fitted intra link, what this one host actually has.
+
+Slow inter-node link (``--slow-inter gloo``, exchange mode): every byte that crosses nodes goes pairwise over
+a gloo (TCP) group through pinned host memory (device -> host copy, gloo send/recv, host -> device copy),
+while traffic inside a node stays on NCCL. The flat exchange sends its on-node pieces over the node's NCCL
+group and, at the same time, its W - L off-node pieces over gloo; the hierarchical one runs its intra step on
+NCCL and its inter step over gloo: both see the same links. The slow link is fitted like the intra one (a
+sweep of all-to-alls over the ranks with one local index, M of them, through the same transport), the
+cost model gets both fitted links, and the bench prints per size measured flat and hierarchical ms next to
+the predictions, the predicted crossover (``moe.topology.crossover_bytes``), the measured one (interpolated
+in log bytes between the last size where hierarchical wins and the next) and their ratio:
+
+    torchrun --nproc-per-node 4 bench/moe_alltoall.py --ranks-per-node 2 --slow-inter gloo \
+        --log-file runs/moe_alltoall_2x2_gloo.log
+    torchrun --nproc-per-node 4 bench/moe_alltoall.py --ranks-per-node 2 --slow-inter gloo --max-mib 0.25 \
+        --iters 2 --log-file /tmp/moe_alltoall_2x2_gloo.log                             # CPU check (gloo)
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 import os
 import statistics
 import sys
@@ -66,7 +83,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--experts-per-rank", type=int, default=2, help="exchange mode: J, experts on each rank")
     parser.add_argument("--hidden", type=int, default=2048, help="exchange mode: D, elements per row (bf16)")
     parser.add_argument("--seed", type=int, default=0, help="exchange mode: seed of the token counts")
+    parser.add_argument("--slow-inter", choices=["gloo"],
+                        help="exchange mode: carry every inter-node byte over gloo (TCP) through host memory, fit "
+                             "that link, and compare the measured crossover with the cost model's")
     args = parser.parse_args()
+    if args.slow_inter and args.ranks_per_node is None:
+        parser.error("--slow-inter needs --ranks-per-node (exchange mode)")
     if args.ranks_per_node is not None and args.intra_gbs is not None:
         parser.error("--ranks-per-node measures the intra-node link; drop --intra-gbs")
     return args
@@ -102,24 +124,110 @@ def sizes_bytes(max_mib: float) -> list[int]:
     return sizes
 
 
+def link_name(device: torch.device, transport: GlooOffNode | None) -> str:
+    if transport is not None:
+        return "gloo over TCP" + (", staged through pinned host memory" if device.type == "cuda" else "")
+    return "NCCL" if device.type == "cuda" else "gloo"
+
+
+class _Done:
+    """The work of a step that finished before its launch returned."""
+
+    def wait(self) -> None:
+        return None
+
+
+class GlooOffNode:
+    """A ``moe.alltoall.Transport``: one all-to-all step over ``peers`` (global ranks, in the step's order) whose
+    off-node pieces go pairwise over ``gloo`` through host memory, one message per off-node peer, while the
+    on-node pieces go over ``intra`` (the node's ranks in local order, NCCL on GPUs) at the same time. Without
+    ``intra`` the only on-node peer must be this rank (the hierarchical exchange's inter-node step).
+
+    The gloo part is synchronous (the host waits for it); the NCCL part is returned as the work to wait for."""
+
+    def __init__(self, peers: list[int], ranks_per_node: int, gloo: dist.ProcessGroup,
+                 intra: dist.ProcessGroup | None, device: torch.device) -> None:
+        self.peers, self.gloo, self.intra, self.device = peers, gloo, intra, device
+        me = dist.get_rank()
+        node = me // ranks_per_node
+        self.on_node = [i for i, peer in enumerate(peers) if peer // ranks_per_node == node]
+        if intra is None and self.on_node != [peers.index(me)]:
+            raise ValueError(f"GlooOffNode: peers {peers} hold other ranks of node {node}; pass the node's group")
+        if intra is not None and self.on_node != list(range(self.on_node[0], self.on_node[-1] + 1)):
+            raise ValueError(f"GlooOffNode: the node's ranks are not consecutive in {peers}")
+        self.off_node = [i for i in range(len(peers)) if i not in self.on_node]
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def _host(self, name: str, num_bytes: int) -> torch.Tensor:
+        """A reused host byte buffer (pinned on GPUs: pinning per call would cost more than the copy)."""
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < num_bytes:
+            buffer = torch.empty(max(num_bytes, 1), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+            self._buffers[name] = buffer
+        return buffer[:num_bytes]
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+                          input_split_sizes: list[int]) -> object:
+        send_at = [0, *itertools.accumulate(input_split_sizes)]
+        recv_at = [0, *itertools.accumulate(output_split_sizes)]
+        work: object = _Done()
+        if self.intra is not None:  # on-node pieces: NCCL, in flight while the gloo part runs
+            lo, hi = self.on_node[0], self.on_node[-1] + 1
+            work = dist.all_to_all_single(output[recv_at[lo]:recv_at[hi]], input[send_at[lo]:send_at[hi]],
+                                          output_split_sizes[lo:hi], input_split_sizes[lo:hi], group=self.intra,
+                                          async_op=True)
+        else:
+            mine = self.on_node[0]
+            output[recv_at[mine]:recv_at[mine + 1]].copy_(input[send_at[mine]:send_at[mine + 1]])
+        in_bytes = input.reshape(input.shape[0], -1).view(torch.uint8)  # [rows, bytes per row]
+        out_bytes = output.reshape(output.shape[0], -1).view(torch.uint8)
+        sends = [in_bytes[send_at[i]:send_at[i + 1]].reshape(-1) for i in self.off_node]
+        recvs = [out_bytes[recv_at[i]:recv_at[i + 1]].reshape(-1) for i in self.off_node]
+        host_send = self._host("send", sum(t.numel() for t in sends))
+        host_recv = self._host("recv", sum(t.numel() for t in recvs))
+        if sends:
+            host_send.copy_(torch.cat(sends))  # device -> host (waits for the rows)
+        ops, at_send, at_recv = [], 0, 0
+        for i, send, recv in zip(self.off_node, sends, recvs):
+            if recv.numel():
+                ops.append(dist.irecv(host_recv[at_recv:at_recv + recv.numel()], src=self.peers[i], group=self.gloo))
+            if send.numel():
+                ops.append(dist.isend(host_send[at_send:at_send + send.numel()], dst=self.peers[i], group=self.gloo))
+            at_send, at_recv = at_send + send.numel(), at_recv + recv.numel()
+        for op in ops:
+            op.wait()
+        arrived = host_recv.to(self.device)  # (synchronous: the buffer is reused by the next call)
+        at = 0
+        for recv in recvs:  # host -> device, then into the output's off-node pieces
+            recv.copy_(arrived[at:at + recv.numel()])
+            at += recv.numel()
+        return work
+
+
 def measure_link(device: torch.device, iters: int, sizes: list[int],
-                 group: dist.ProcessGroup | None = None) -> tuple[Link, list[str]]:
-    """Time all_to_all_single over ``group`` (default: all ranks) per size and fit an alpha-beta link.
+                 group: dist.ProcessGroup | None = None, transport: GlooOffNode | None = None) -> tuple[Link, list[str]]:
+    """Time all_to_all_single over ``group`` (default: all ranks), or through ``transport`` over its peers,
+    per size and fit an alpha-beta link.
 
     Returns:
         The fitted link and the raw lines (the same on every rank).
     """
-    ranks = dist.get_world_size(group)
+    ranks = len(transport.peers) if transport is not None else dist.get_world_size(group)
     points, lines = [], []
     for size in sizes:
-        send = torch.empty(size // 2, dtype=torch.bfloat16, device=device)
+        numel = size // 2 - size // 2 % ranks
+        send = torch.empty(numel, dtype=torch.bfloat16, device=device)
         recv = torch.empty_like(send)
+        splits = [numel // ranks] * ranks
         times_s = []
         for i in range(iters + WARMUP_ITERS):
             dist.barrier()
             synchronize(device)
             start = time.perf_counter()
-            dist.all_to_all_single(recv, send, group=group)
+            if transport is not None:
+                transport.all_to_all_single(recv, send, splits, splits).wait()
+            else:
+                dist.all_to_all_single(recv, send, group=group)
             synchronize(device)
             if i >= WARMUP_ITERS:
                 times_s.append(time.perf_counter() - start)
@@ -134,7 +242,7 @@ def measure_link(device: torch.device, iters: int, sizes: list[int],
     # A noisy fit (e.g. gloo on a loaded CPU) can give a slope <= 0: floor it so Link stays valid.
     link = Link(max(intercept, 0.0) / max(ranks - 1, 1), 1.0 / max(slope, 1e-15))
     lines.append(f"  fit: alpha {link.latency_s * 1e6:.2f} us per message, bandwidth {link.bandwidth_bytes_per_s / 1e9:.1f} "
-                 f"GB/s per GPU ({ranks} ranks, {'NCCL' if device.type == 'cuda' else 'gloo'})")
+                 f"GB/s per GPU ({ranks} ranks, {link_name(device, transport)})")
     return link, lines
 
 
@@ -200,14 +308,17 @@ def all_ranks_true(flag: bool, device: torch.device) -> bool:
     return bool(value.item())
 
 
-def exchange_one_size(args, groups: ExpertParallelGroups, size_bytes: int, device: torch.device) -> dict:
-    """Route the same counts through the flat and the hierarchical plan; time both, compare rows."""
+def exchange_one_size(args, groups: ExpertParallelGroups, size_bytes: int, device: torch.device,
+                      slow: tuple[GlooOffNode, GlooOffNode] | None = None) -> dict:
+    """Route the same counts through the flat and the hierarchical plan; time both, compare rows. With ``slow``
+    (flat's and the inter step's transports) every inter-node byte goes over the slow link."""
     row_bytes = args.hidden * 2  # bf16
     counts_WE = token_counts(size_bytes, row_bytes, groups.size, groups.size * args.experts_per_rank, args.seed)
     generator = torch.Generator().manual_seed(args.seed + 7919 * (groups.rank + 1))
     rows_ND = torch.randn(sum(counts_WE[groups.rank]), args.hidden, generator=generator).to(device, torch.bfloat16)
-    flat = flat_plan(counts_WE, groups.rank, groups.group)
-    hier = hierarchical_plan(counts_WE, groups.rank, groups.ranks_per_node, groups.intra, groups.inter)
+    flat_group, inter_group = slow if slow is not None else (groups.group, groups.inter)
+    flat = flat_plan(counts_WE, groups.rank, flat_group)
+    hier = hierarchical_plan(counts_WE, groups.rank, groups.ranks_per_node, groups.intra, inter_group)
     with torch.no_grad():
         flat_s, flat_ND = time_exchange(flat, rows_ND, args.iters, device)
         hier_s, hier_ND = time_exchange(hier, rows_ND, args.iters, device)
@@ -233,6 +344,59 @@ def exchange_lines(results: list[dict], groups: ExpertParallelGroups, intra: Lin
     return lines
 
 
+def measured_crossover(results: list[dict]) -> tuple[float | None, str]:
+    """Largest bytes per rank at which hierarchical still wins, interpolated in log bytes between the last measured
+    size where it wins and the next (where hier / flat crosses 1); None with a note when it never or always wins."""
+    wins = [i for i, r in enumerate(results) if r["hier_s"] < r["flat_s"]]
+    if not wins:
+        return None, "never (hierarchical slower at every size)"
+    last = wins[-1]
+    if last == len(results) - 1:
+        return None, f"above the largest size ({results[-1]['bytes'] / 2 ** 20:.3f} MiB: hierarchical faster there)"
+    a, b = results[last], results[last + 1]
+    da, db = math.log(a["hier_s"] / a["flat_s"]), math.log(b["hier_s"] / b["flat_s"])
+    x = math.log(a["bytes"]) + (math.log(b["bytes"]) - math.log(a["bytes"])) * da / (da - db)
+    note = f" (hierarchical also wins at {len(wins) - 1} smaller sizes of {last})" if len(wins) - 1 < last else ""
+    return math.exp(x), f"{math.exp(x) / 2 ** 20:.3f} MiB{note}"
+
+
+def slow_lines(results: list[dict], groups: ExpertParallelGroups, intra: Link, inter: Link) -> list[str]:
+    """Measured flat / hierarchical with the slow inter link against the cost model with both fitted links."""
+    lpn, nodes = groups.ranks_per_node, groups.nodes
+    lines = ["| bytes per rank | flat ms | hier ms | hier / flat | predicted flat / hier ms (fitted links) "
+             "| predicted hier / flat | identical rows |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        flat = flat_all_to_all_s(r["bytes"], lpn, nodes, intra, inter)
+        hier = hierarchical_all_to_all_s(r["bytes"], lpn, nodes, intra, inter)
+        lines.append(f"| {r['bytes'] / 2 ** 20:.3f} MiB | {r['flat_s'] * 1e3:.3f} | {r['hier_s'] * 1e3:.3f} | "
+                     f"{r['hier_s'] / r['flat_s']:.2f}{' **H**' if r['hier_s'] < r['flat_s'] else ''} | "
+                     f"{flat * 1e3:.3f} / {hier * 1e3:.3f} | {hier / flat:.2f}{' **H**' if hier < flat else ''} | "
+                     f"{r['identical']} |")
+    lines.append("identical received rows (flat vs hierarchical, every rank, every size): "
+                 f"{all(r['identical'] for r in results)}")
+    predicted = crossover_bytes(lpn, nodes, intra, inter)
+    measured, note = measured_crossover(results)
+    lines.append(f"crossover (largest bytes per rank at which hierarchical wins): predicted "
+                 f"{'never' if predicted is None else f'{predicted / 2 ** 20:.3f} MiB'}, measured {note}")
+    if predicted is not None and measured is not None:
+        ratio = predicted / measured
+        lines.append(f"predicted / measured crossover: {ratio:.2f} ({'within' if abs(ratio - 1) <= 0.2 else 'outside'} 20%)")
+    else:
+        agree = (predicted is None) == (measured is None and note.startswith("never"))
+        lines.append(f"predicted / measured crossover: no ratio (model and measurement {'agree' if agree else 'disagree'})")
+    return lines
+
+
+def slow_transports(groups: ExpertParallelGroups, device: torch.device) -> tuple[GlooOffNode, GlooOffNode]:
+    """Flat's transport (on-node over the node's group, off-node over gloo) and the inter step's (over gloo)."""
+    world, lpn = dist.get_world_size(), groups.ranks_per_node
+    gloo = dist.new_group(list(range(world)), backend="gloo")  # every rank, the same call
+    local = dist.get_rank() % lpn
+    flat = GlooOffNode(list(range(world)), lpn, gloo, groups.intra, device)
+    inter = GlooOffNode(list(range(local, world, lpn)), lpn, gloo, None, device)
+    return flat, inter
+
+
 def run_exchanges(args, inter: Link) -> list[str]:
     """Exchange mode: fit the intra-node link, then time flat against hierarchical per size (rank 0 gets the lines)."""
     device = init_device()
@@ -242,6 +406,8 @@ def run_exchanges(args, inter: Link) -> list[str]:
     groups = build_expert_parallel_groups(world, args.ranks_per_node)
     sizes = sizes_bytes(args.max_mib)
     intra, fit_lines = measure_link(device, args.iters, sizes, groups.intra)
+    if args.slow_inter:
+        return slow_exchanges(args, groups, device, sizes, intra, fit_lines)
     results = [exchange_one_size(args, groups, size, device) for size in sizes]
     lines = [f"MoE exchange, {world} ranks as {groups.nodes} nodes x {groups.ranks_per_node} | "
              f"{'NCCL ' + torch.cuda.get_device_name(device) if device.type == 'cuda' else 'gloo cpu'} | "
@@ -251,6 +417,33 @@ def run_exchanges(args, inter: Link) -> list[str]:
              "bytes per rank = rows the busiest rank sends; ms = median of the slowest rank; forward only",
              *exchange_lines(results, groups, intra, inter),
              f"cost model for N nodes x {args.gpus_per_node} with the fitted intra link:",
+             *table(intra, inter, args.gpus_per_node)]
+    is_main = dist.get_rank() == 0
+    dist.destroy_process_group()
+    return lines if is_main else []
+
+
+def slow_exchanges(args, groups: ExpertParallelGroups, device: torch.device, sizes: list[int], intra: Link,
+                   fit_lines: list[str]) -> list[str]:
+    """--slow-inter: fit the slow inter link, time both exchanges over it, compare with the cost model."""
+    slow = slow_transports(groups, device)
+    inter, inter_lines = measure_link(device, args.iters, sizes, transport=slow[1])
+    results = [exchange_one_size(args, groups, size, device, slow) for size in sizes]
+    world = dist.get_world_size()
+    lines = [f"MoE exchange, {world} ranks as {groups.nodes} nodes x {groups.ranks_per_node}, inter-node link made "
+             f"slow: {link_name(device, slow[1])} | "
+             f"{'NCCL ' + torch.cuda.get_device_name(device) if device.type == 'cuda' else 'gloo cpu'} inside nodes | "
+             f"{groups.size * args.experts_per_rank} experts, rows of {args.hidden} bf16, {args.iters} iterations",
+             f"flat all-to-all inside each node ({groups.ranks_per_node} ranks), the intra-node fit:", *fit_lines,
+             f"all-to-all over the slow link among the {groups.nodes} ranks of one local index, the inter-node fit:",
+             *inter_lines,
+             f"intra: {intra.latency_s * 1e6:.2f} us, {intra.bandwidth_bytes_per_s / 1e9:.2f} GB/s per GPU | inter "
+             f"(fitted, slow): {inter.latency_s * 1e6:.2f} us, {inter.bandwidth_bytes_per_s / 1e9:.2f} GB/s per GPU",
+             "flat: on-node pieces over NCCL while the off-node ones go over the slow link; hierarchical: intra step "
+             "over NCCL, inter step over the slow link; ms = median of the slowest rank; forward only; **H** = "
+             "hierarchical faster",
+             *slow_lines(results, groups, intra, inter),
+             f"cost model for N nodes x {args.gpus_per_node} with both fitted links (a forecast, not measured):",
              *table(intra, inter, args.gpus_per_node)]
     is_main = dist.get_rank() == 0
     dist.destroy_process_group()
