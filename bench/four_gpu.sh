@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # The 4-GPU benchmarks of the MoE, AutoPipe and ZeRO-Cache issues (device kind nvidia-h200-x4, .devdeps
-# carried). About 21 minutes of limits in all, more than one device call allows (600 s), so name the
-# runs to do; each run is cut at its limit and the others still run. Three calls:
+# carried). Each run is cut at its limit and the others still run; name the runs to do, at most 600 s of
+# limits per device call. Made on 4x H200 (issue 41): moe_alltoall_2x2, moe_layer_4gpu, autopipe_4stage
+# (and zero_cache_largest, which died in its build before the fix of 2026-11-27). Still to make, four calls:
 #
+#   source .devdeps/gpu-setup.sh && bash bench/four_gpu.sh "$OUT" moe_layer_auto_1host moe_alltoall_2x2_gloo    # 150 + 240 s
+#   source .devdeps/gpu-setup.sh && bash bench/four_gpu.sh "$OUT" zero_cache_largest                            # 540 s
+#   source .devdeps/gpu-setup.sh && bash bench/four_gpu.sh "$OUT" deepspeed_offload_largest autopipe_4stage_24  # 300 + 240 s
+#   source .devdeps/gpu-setup.sh && bash bench/four_gpu.sh "$OUT" zero_cache_scaling_1gpu zero_cache_scaling_4gpu zero_cache_scaling_table  # 240 + 250 + 30 s
+#
+# If deepspeed_offload_largest fails for host memory, deepspeed_offload_20b (300 s) is the next size down.
+# Made earlier (first call of issue 41):
 #   source .devdeps/gpu-setup.sh && bash bench/four_gpu.sh "$OUT" moe_alltoall_2x2 moe_layer_4gpu autopipe_4stage
-#   source .devdeps/gpu-setup.sh && bash bench/four_gpu.sh "$OUT" zero_cache_scaling_1gpu zero_cache_scaling_4gpu zero_cache_scaling_table
-#   source .devdeps/gpu-setup.sh && bash bench/four_gpu.sh "$OUT" zero_cache_largest autopipe_4stage_24
 #
 # What each run answers:
 #   moe_alltoall_2x2   4 ranks as 2 nodes x 2: the moe package's flat against hierarchical exchange per
@@ -22,10 +28,23 @@
 #                      on 1 and on 4 GPUs (two runs, one engine_step each, to keep each under its limit);
 #   zero_cache_scaling_table   reads both and prints the scaling efficiency (needs the two runs before it,
 #                      in the same OUT).
+#   moe_layer_auto_1host  our layer with hierarchical_all_to_all "auto" on the one host (4 ranks, one node):
+#                      it picks flat, and the log's "layer log:" line says why; next to deepspeed.moe.
+#   moe_alltoall_2x2_gloo 2 nodes x 2 with the inter-node link made slow (gloo over TCP through pinned host
+#                      memory; on-node traffic on NCCL): flat against hierarchical per size, both links fitted,
+#                      predicted against measured crossover and their ratio (target: within 20%).
 #   zero_cache_largest 49.2B with ZeRO-Cache on 4 GPUs ("auto": sharded params), 16 host threads per rank.
-#                      By the planner it needs about 90 GiB of each rank's host budget (about 113 GiB of
-#                      512 GiB RAM); 54.8B would need 114 GiB. Each rank builds the whole bf16 model on its GPU
-#                      first (92 GiB) before it moves into shards.
+#                      Planned (pretrain.py --plan --gpus 4 --device-memory 139GiB --host-memory 503GiB, same
+#                      shape): 117 GiB device and 82 GiB host per rank, compute-bound at >= 6.2 s/step. Each rank
+#                      builds the whole model on its GPU first, in bf16 (92 GiB; in fp32 it is 183 GiB, which is
+#                      why the first run died in its build), then initialize() moves it into shards; 6 steps.
+#   deepspeed_offload_largest  DeepSpeed ZeRO-3 with the optimizer offloaded to DeepSpeedCPUAdam (pinned host),
+#                      26.0B, 4 ranks, 16 threads each. Arithmetic: about 18 B/param of host (fp32 master,
+#                      exp_avg, exp_avg_sq and fp32 gradient, 16 B/param split over the ranks, plus buffers: 6.9B
+#                      took 124 GB on one GPU) = 436 GiB of 512; 29.1B would need 488 GiB (no headroom).
+#                      Offloading the params too takes more host (24 B/param measured: 26B = 581 GiB), and
+#                      the GPUs are not the limit (ZeRO-3 shards the bf16 params), so it would train less.
+#   deepspeed_offload_20b  the same at 20.1B (337 GiB by the same arithmetic), if 26B fails.
 #
 # Writes OUT/<run>.log (the bench's own report, where it writes one) and OUT/<run>.out (stdout and stderr).
 source "$(dirname "$0")/named_runs.sh"  # run NAME LIMIT command...; $out
@@ -57,5 +76,13 @@ run zero_cache_scaling_4gpu 250 python3 bench/engine_step.py --sizes 6.9b --mode
     --anchor deepspeed_zero3 --nproc 4 --steps 8
 run zero_cache_scaling_table 30 python3 -c "$scaling_py" "$out/zero_cache_scaling_1gpu.out" \
     "$out/zero_cache_scaling_4gpu.out"
-run zero_cache_largest 300 env OMP_NUM_THREADS=16 python3 bench/engine_step.py --sizes 50b --modes zero_cache \
-    --nproc 4 --steps 5 --anchor zero_cache
+run zero_cache_largest 540 env OMP_NUM_THREADS=16 python3 bench/engine_step.py --sizes 50b --modes zero_cache \
+    --nproc 4 --steps 6 --anchor zero_cache
+run deepspeed_offload_largest 300 env OMP_NUM_THREADS=16 python3 bench/engine_step.py --sizes 26b \
+    --modes deepspeed_offload --nproc 4 --steps 5 --anchor deepspeed_offload
+run deepspeed_offload_20b 300 env OMP_NUM_THREADS=16 python3 bench/engine_step.py --sizes 20b \
+    --modes deepspeed_offload --nproc 4 --steps 5 --anchor deepspeed_offload
+run moe_layer_auto_1host 150 torchrun --standalone --nproc-per-node 4 bench/moe_layer.py --hierarchical auto \
+    --overlap-chunks 1 --log-file "$out/moe_layer_auto_1host.log" --rounds 2 --iters 10
+run moe_alltoall_2x2_gloo 240 torchrun --standalone --nproc-per-node 4 bench/moe_alltoall.py --ranks-per-node 2 \
+    --slow-inter gloo --iters 10 --log-file "$out/moe_alltoall_2x2_gloo.log"
