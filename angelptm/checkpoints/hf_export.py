@@ -16,6 +16,7 @@ load into and is refused, naming the option. ``transformers`` is imported only h
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -26,20 +27,27 @@ from angelptm.checkpoints import architecture
 from angelptm.errors import CheckpointError
 from angelptm.pretraining.models import ModelConfig
 
+logger = logging.getLogger(__name__)
+
 INDEX_FILE = "model.safetensors.index.json"
 
 
 def pretrained_files(record: dict[str, Any] | None, state: dict[str, torch.Tensor],
-                     aliases: dict[str, str]) -> tuple[Any, dict[str, torch.Tensor]]:
+                     aliases: dict[str, str], *, eos_token_id: int | None = None
+                     ) -> tuple[Any, dict[str, torch.Tensor]]:
     """The Hugging Face config object and state dict for a checkpoint's model.
 
     Args:
         record: the checkpoint's ``architecture`` entry (:func:`angelptm.checkpoints.architecture.describe`).
         state: the consolidated fp32 state dict (``angelptm.checkpoints.export.consolidated_fp32_state_dict``).
         aliases: the checkpoint's ``param_aliases`` (state-dict key -> parameter name).
+        eos_token_id: the end-of-text id of the tokenizer the run used, when known (our GPT): written as the
+            config's ``bos_token_id`` and ``eos_token_id``. Unknown, a default id outside the vocabulary is left
+            out, with a warning (:func:`_token_ids_inside`).
 
     Raises:
-        CheckpointError: the checkpoint records no architecture, or one without a Hugging Face class.
+        CheckpointError: the checkpoint records no architecture, or one without a Hugging Face class, or an
+            ``eos_token_id`` outside the model's vocabulary.
     """
     if record is None:
         raise CheckpointError("the checkpoint records no model architecture (it was saved before checkpoints "
@@ -54,7 +62,28 @@ def pretrained_files(record: dict[str, Any] | None, state: dict[str, torch.Tenso
                               "into; export the weights with `python -m angelptm.checkpoints.export CHECKPOINT "
                               "OUT.safetensors`")
     config = ModelConfig(**json.loads(record["config_json"]))
-    return _llama_files(config, state) if config.flavour == "llama" else _gpt2_files(config, state)
+    hf_config, out = _llama_files(config, state) if config.flavour == "llama" else _gpt2_files(config, state)
+    _token_ids_inside(hf_config, config.vocab_size, eos_token_id)
+    return hf_config, out
+
+
+def _token_ids_inside(config: Any, vocab_size: int, eos_token_id: int | None) -> None:
+    """Special-token ids inside the vocabulary: the run's end-of-text id when known; else the class's defaults
+    that fall outside it (GPT2Config's 50256 in a 4096-token model: ``generate()`` would never stop) are left out."""
+    if eos_token_id is not None:
+        if not 0 <= eos_token_id < vocab_size:
+            raise CheckpointError(f"eos_token_id {eos_token_id} is outside the model's vocabulary (model.vocab_size "
+                                  f"{vocab_size}: ids 0-{vocab_size - 1}); give the end-of-text id of the tokenizer "
+                                  "the run used")
+        config.bos_token_id = config.eos_token_id = eos_token_id
+        return
+    for name in ("bos_token_id", "eos_token_id"):
+        value = getattr(config, name, None)
+        if value is not None and not 0 <= value < vocab_size:
+            setattr(config, name, None)
+            logger.warning("%s %d (the %s default) is outside this model's %d-token vocabulary: left out of "
+                           "config.json; set it to your tokenizer's end-of-text id before generate()", name, value,
+                           type(config).__name__, vocab_size)
 
 
 def _transformers_files(record: dict[str, Any], state: dict[str, torch.Tensor],
