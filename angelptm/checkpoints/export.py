@@ -17,6 +17,7 @@ so it loads into the same model built with ``ep_size: 1``.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from angelptm.checkpoints import files as checkpoint
+from angelptm.checkpoints import paths
 from angelptm.checkpoints.safe_pickle import OPT_IN_HELP
 from angelptm.errors import CheckpointError
 
@@ -149,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if (args.output is None) == (args.hf is None):
         parser.error("give either OUTPUT.safetensors or --hf DIR")
+    problem = _writes_into_checkpoints(Path(args.load_dir), Path(args.hf if args.hf is not None else args.output))
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 1
     if args.hf is not None:
         return _main_hf(args)
     parent = Path(args.output).parent
@@ -169,6 +175,24 @@ def main(argv: list[str] | None = None) -> int:
     numel = sum(t.numel() for t in state.values())
     print(f"wrote {len(state)} tensors ({numel:,} elements, fp32) to {args.output}")
     return 0
+
+
+def _writes_into_checkpoints(load_dir: Path, target: Path) -> str | None:
+    """Why writing ``target`` would damage the checkpoints in ``load_dir`` (None when it would not): a path inside
+    a checkpoint (it once overwrote the newest one's model_states.pt), or one of ``load_dir``'s own names."""
+    if not load_dir.is_dir():
+        return None
+    real_dir, real = os.path.realpath(load_dir), os.path.realpath(target)
+    if real == real_dir:
+        return f"cannot write {target}: it is the checkpoint directory itself; write the export elsewhere"
+    if not paths.is_inside(load_dir, target):
+        return None
+    relative = Path(os.path.relpath(real, real_dir))
+    first = relative.parts[0]
+    if len(relative.parts) > 1 or paths.tag_problem(first) is not None or (load_dir / first).is_dir():
+        return (f"cannot write {target}: it lies inside the checkpoint directory {load_dir} (in {first!r}), and the "
+                "export never writes into checkpoints; write it elsewhere (e.g. next to the checkpoint directory)")
+    return None
 
 
 def _main_hf(args: argparse.Namespace) -> int:

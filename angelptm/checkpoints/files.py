@@ -2,7 +2,9 @@
 
 Writing protocol (rank 0 coordinates, every rank writes its own RNG/data-position file):
 
-1. write every file into ``save_dir/.tmp-<tag>/`` and fsync each one, hashing it on the way out; rank 0
+0. take ``save_dir``'s writer lock (one writing process per directory: ``angelptm.checkpoints.writer_lock``) and
+   remove the leftovers of saves whose process is gone;
+1. write every file into ``save_dir/.tmp-<pid>-<host>-<random>-<tag>/`` and fsync each one, hashing it on the way out; rank 0
    gathers every rank's file records and writes ``manifest.json`` (``angelptm.checkpoints.manifest``).
    Ranks given different ``save_dir``s each write into their own: there the lowest such rank creates the
    temporary directory and does steps 1-3 for the files written into it;
@@ -17,7 +19,8 @@ loader falls back to ``.old-<tag>``.
 Loading verifies the manifest first (sizes and checksums, the files shared out over the ranks). An
 explicit tag that fails is a :class:`CheckpointError` naming the file; following ``latest`` falls back to
 the newest older checkpoint that verifies, with a warning naming the damaged one. Files are read
-without running code from them (``angelptm.checkpoints.safe_pickle``).
+without running code from them (``angelptm.checkpoints.safe_pickle``), and only from inside the checkpoint
+directory: ``latest``, tags and manifest entries are checked as ``angelptm.checkpoints.paths`` says.
 """
 
 from __future__ import annotations
@@ -35,16 +38,16 @@ import torch
 import torch.distributed  # noqa: F401  (all_gather of the save outcome)
 
 from angelptm.checkpoints import manifest
+from angelptm.checkpoints import paths
 from angelptm.checkpoints import safe_pickle as checkpoint_pickle
+from angelptm.checkpoints import writer_lock
+from angelptm.checkpoints.paths import LATEST, MODEL_FILE, OPTIM_FILE
 from angelptm.errors import CheckpointError, DiskFullError
 from angelptm.launch.distributed import DistContext
 from zero_cache.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
-LATEST = "latest"
-MODEL_FILE = "model_states.pt"
-OPTIM_FILE = "optim_states.pt"
 FORMAT_VERSION = 2
 """2: a manifest, and nothing that needs unsafe unpickling (1: numpy RNG state as a pickled array)."""
 
@@ -84,9 +87,10 @@ def _write_latest(save_dir: Path, tag: str) -> None:
 
 
 def _remove_leftovers(root: Path) -> None:
-    """Delete what crashed saves left: temporary directories, and old copies whose replacement landed."""
+    """Delete what crashed saves left: temporary directories whose process is gone (never a live save's), and
+    old copies whose replacement landed."""
     for path in root.iterdir():
-        stale_tmp = path.name.startswith(".tmp-")
+        stale_tmp = path.name.startswith(".tmp-") and writer_lock.temporary_is_stale(path.name)
         replaced_old = path.name.startswith(".old-") and (root / path.name.removeprefix(".old-")).is_dir()
         if path.is_dir() and (stale_tmp or replaced_old):
             shutil.rmtree(path, ignore_errors=True)
@@ -107,20 +111,21 @@ def save(save_dir: str | os.PathLike, tag: str, ctx: DistContext, *, shared: dic
     Returns:
         The final checkpoint directory.
     """
-    if not tag or "/" in tag or tag.startswith("."):
-        raise CheckpointError(f"checkpoint tag {tag!r} must be a plain, non-hidden directory name")
+    paths.check_tag(tag)
     root = Path(save_dir)
-    tmp, final, old = root / f".tmp-{tag}", root / tag, root / f".old-{tag}"
     # Ranks may name different directories (HelloDeepSpeed's per-rank timestamps): the lowest rank writing
     # into a directory prepares and publishes it, with the files its ranks wrote, as DeepSpeed has each rank
     # create what it writes.
-    sharing = _ranks_sharing_directory(ctx, root)
+    sharing, tmp_name = _ranks_sharing_directory(ctx, root, writer_lock.temporary_name(tag))
+    tmp, final, old = root / tmp_name, root / tag, root / f".old-{tag}"
     error: BaseException | None = None
     if sharing[0] == ctx.rank:
         try:
-            root.mkdir(parents=True, exist_ok=True)
+            claim_directory(root)
             _remove_leftovers(root)
             tmp.mkdir()
+        except CheckpointError as err:
+            error = err
         except OSError as err:
             error = CheckpointError(f"cannot create checkpoint directory {tmp}: {err}")
     failed = failed_ranks(ctx, error is None)  # doubles as the barrier before writing
@@ -186,7 +191,7 @@ def _explained(error: BaseException, root: Path, tag: str, payload: Any) -> Base
         free = "unknown"
     message = (f"no space left on the disk of {root} while writing {error.filename or 'checkpoint ' + tag} "
                f"({os.strerror(error.errno)}): a checkpoint needs room for all its files ({need}); {free} is free "
-               f"there now. The partial .tmp-{tag} was removed and {kept}. Free space under {root}, point the "
+               f"there now. The partial checkpoint was removed and {kept}. Free space under {root}, point the "
                f"checkpoints at a larger disk, or keep fewer of them (pretrain.py: train.keep_last)")
     exc = DiskFullError(message, error.errno, error.filename)
     exc.__cause__ = error
@@ -194,11 +199,8 @@ def _explained(error: BaseException, root: Path, tag: str, payload: Any) -> Base
 
 
 def _latest_complete(root: Path) -> Path | None:
-    try:
-        tag = (root / LATEST).read_text().strip()
-    except OSError:
-        return None
-    return root / tag if tag and (root / tag).is_dir() else None
+    tag, _ = paths.read_latest(root)
+    return root / tag if tag is not None and paths.checkpoint_dir_problem(root, tag) is None else None
 
 
 def _dir_bytes(path: Path) -> int:
@@ -216,17 +218,41 @@ def _tensor_bytes(obj: Any) -> int:
     return 0
 
 
-def _ranks_sharing_directory(ctx: DistContext, root: Path) -> list[int]:
-    """The ranks (ascending) whose checkpoint root is this rank's (a collective with several ranks)."""
+def claim_directory(save_dir: str | os.PathLike) -> None:
+    """Create ``save_dir`` if needed, check it can hold checkpoints, and take its writer lock (this process's).
+
+    Raises:
+        CheckpointError: it is a file, not writable, or another live process writes there (named).
+    """
+    root = Path(save_dir)
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"the checkpoint directory {str(root)!r} (train.save_dir / save_dir) is a file, not a "
+                              "directory; point it at a directory (it is created if missing)")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CheckpointError(f"cannot create the checkpoint directory {str(root)!r} (train.save_dir / save_dir): "
+                              f"{err.strerror or err}; point it at a writable directory") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise CheckpointError(f"the checkpoint directory {str(root)!r} (train.save_dir / save_dir) is not writable "
+                              "by this user; point it at a writable directory")
+    writer_lock.LOCKS.hold(root)
+
+
+def _ranks_sharing_directory(ctx: DistContext, root: Path, tmp_name: str) -> tuple[list[int], str]:
+    """The ranks (ascending) whose checkpoint root is this rank's, and the temporary directory name the lowest of
+    them chose (a collective with several ranks)."""
     if ctx.group is None:
-        return [ctx.rank]
-    roots: list[Any] = [None] * ctx.world_size
-    torch.distributed.all_gather_object(roots, os.path.realpath(root), group=ctx.group)  # one name per directory
+        return [ctx.rank], tmp_name
+    entries: list[Any] = [None] * ctx.world_size
+    torch.distributed.all_gather_object(entries, (os.path.realpath(root), tmp_name), group=ctx.group)
+    roots = [entry[0] for entry in entries]  # one name per directory
     if ctx.is_main and len(set(roots)) > 1:
         logger.info("the ranks save checkpoint files into %d directories; each holds what its ranks wrote, with "
                     "its own manifest and latest (load from a directory that holds every rank's files)",
                     len(set(roots)))
-    return [rank for rank, other in enumerate(roots) if other == roots[ctx.rank]]
+    sharing = [rank for rank, other in enumerate(roots) if other == roots[ctx.rank]]
+    return sharing, entries[sharing[0]][1]
 
 
 def _finalize(root: Path, tmp: Path, final: Path, old: Path, latest_tag: str | None,
@@ -280,16 +306,19 @@ def resolve(load_dir: str | os.PathLike, tag: str | None, ctx: DistContext | Non
     """
     root = Path(load_dir)
     if tag is not None:
+        paths.check_tag(tag)
         path = _tag_dir(root, tag)
         problem = _verify(path, ctx)
         if problem is not None:
             raise CheckpointError(f"checkpoint {path} does not verify: {problem}")
         return path
-    latest = root / LATEST
-    if not latest.is_file():
+    latest_tag, problem = paths.read_latest(root)
+    if latest_tag is None and problem is None:
         return None
-    problems = []
-    for path in _candidates(root, latest.read_text().strip()):
+    problems = [] if problem is None else [problem]
+    if problem is not None:
+        logger.warning("%s is damaged (%s); trying the newest checkpoint in %s", root / LATEST, problem, root)
+    for path in _candidates(root, latest_tag):
         problem = _verify(path, ctx)
         if problem is None:
             return path
@@ -301,7 +330,7 @@ def resolve(load_dir: str | os.PathLike, tag: str | None, ctx: DistContext | Non
 
 def _tag_dir(root: Path, tag: str) -> Path:
     path = root / tag
-    if not path.is_dir() and (root / f".old-{tag}").is_dir():
+    if not path.is_dir() and (root / f".old-{tag}").is_dir() and paths.is_inside(root, root / f".old-{tag}"):
         logger.warning("checkpoint %s was being replaced when a save was interrupted; loading the previous copy", path)
         path = root / f".old-{tag}"
     return path
@@ -315,24 +344,29 @@ def _saved_at(path: Path) -> float:
         return path.stat().st_mtime
 
 
-def _candidates(root: Path, latest_tag: str) -> list[Path]:
-    """The checkpoint ``latest`` names, then every checkpoint saved before it, newest first.
+def _candidates(root: Path, latest_tag: str | None) -> list[Path]:
+    """The checkpoint ``latest`` names, then every checkpoint saved before it, newest first (every checkpoint
+    when ``latest`` is damaged: ``latest_tag`` None).
 
     Newer ones are left out: they never became ``latest`` (``save_latest=False``, or a crash between the
-    rename and the pointer update), so resuming from them would skip what the user chose.
+    rename and the pointer update), so resuming from them would skip what the user chose. Directories that
+    lead outside ``root`` (symlinks) are not checkpoints of it.
     """
-    named = _tag_dir(root, latest_tag)
-    limit = _saved_at(named) if named.is_dir() else float("inf")
+    named = _tag_dir(root, latest_tag) if latest_tag is not None else None
+    limit = _saved_at(named) if named is not None and named.is_dir() else float("inf")
     others = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and p != named
+              and paths.is_inside(root, p) and paths.tag_problem(p.name) is None
               and ((p / MODEL_FILE).is_file() or (p / manifest.MANIFEST_FILE).is_file())]
     older = sorted(((t, p) for p in others if (t := _saved_at(p)) <= limit), key=lambda item: item[0], reverse=True)
-    return [named] + [p for _, p in older]
+    return ([named] if named is not None else []) + [p for _, p in older]
 
 
 def _verify(path: Path, ctx: DistContext | None) -> str | None:
     """None when the checkpoint at ``path`` is complete and every file matches the manifest, else why not."""
     if not path.is_dir():
         return f"{path} does not exist"
+    if not paths.is_inside(path.parent, path):
+        return f"{path} leads outside {path.parent} (a symlink)"
     try:
         saved = manifest.read_manifest(path)
     except CheckpointError as err:
@@ -360,7 +394,7 @@ def _check_unverifiable(path: Path) -> str | None:
     if not (path / MODEL_FILE).is_file():
         return f"{path} is not a complete checkpoint (no {MODEL_FILE})"
     try:
-        version = checkpoint_pickle.load(path / MODEL_FILE).get("format_version", 1)
+        version = load_file(path / MODEL_FILE).get("format_version", 1)
     except CheckpointError as err:
         if "opt in with" not in str(err):  # unreadable, not merely of the old, pickled format
             return str(err)
@@ -381,6 +415,9 @@ def load_file(path: Path, *, allow_unsafe_pickle: bool = False) -> Any:
         allow_unsafe_pickle: fully unpickle a file that holds more than the safe types (a checkpoint of
             the previous format), after a warning; only for files whose origin you trust.
     """
+    problem = paths.regular_file_problem(path.parent, path.name)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint file {path} is not read: {problem}")
     return checkpoint_pickle.load(path, allow_unsafe_pickle=allow_unsafe_pickle)
 
 

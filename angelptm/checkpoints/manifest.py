@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import time
 import zlib
 from collections.abc import Iterator
@@ -199,17 +200,36 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
     """
     path = directory / MANIFEST_FILE
     try:
-        manifest = json.loads(path.read_text())
+        if not stat.S_ISREG(path.stat().st_mode):  # /dev/zero or a pipe would be read forever
+            raise CheckpointError(f"{path} is damaged: not a regular file")
+        with open(path, "rb") as handle:
+            text = handle.read(_MAX_MANIFEST_BYTES + 1)
+        if len(text) > _MAX_MANIFEST_BYTES:
+            raise CheckpointError(f"{path} is damaged: larger than {_MAX_MANIFEST_BYTES} bytes")
+        manifest = json.loads(text)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{path} is damaged: {err}") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    if manifest.get("algorithm") != ALGORITHM or not isinstance(files, dict) \
-            or not all(isinstance(e, dict) and {"size_bytes", ALGORITHM} <= e.keys() for e in files.values()):
-        raise CheckpointError(f"{path} is damaged or of an unknown kind (expected algorithm {ALGORITHM!r} and a "
-                              "size and checksum per file)")
+    if not isinstance(manifest, dict) or manifest.get("algorithm") != ALGORITHM or not isinstance(files, dict) \
+            or not all(_valid_entry(e) for e in files.values()):
+        raise CheckpointError(f"{path} is damaged or of an unknown kind (expected algorithm {ALGORITHM!r} and per "
+                              "file a size_bytes that is a whole number and a checksum of 8 hex digits)")
     return manifest
+
+
+_MAX_MANIFEST_BYTES = 64 << 20
+"""A manifest lists a few files per rank; a larger one is not ours."""
+
+
+def _valid_entry(entry: Any) -> bool:
+    """A file's manifest entry: a non-negative integer size (not a string, null or bool) and an 8-digit CRC."""
+    if not isinstance(entry, dict):
+        return False
+    size, crc = entry.get("size_bytes"), entry.get(ALGORITHM)
+    return (type(size) is int and size >= 0 and isinstance(crc, str) and len(crc) == 8
+            and all(c in "0123456789abcdef" for c in crc))
 
 
 def file_crc32(path: Path) -> int:
@@ -222,8 +242,14 @@ def file_crc32(path: Path) -> int:
 
 
 def verify_file(directory: Path, name: str, entry: dict[str, Any]) -> str | None:
-    """None when ``directory/name`` matches its manifest entry, else what is wrong with it."""
+    """None when ``directory/name`` matches its manifest entry, else what is wrong with it (a name that leads
+    outside ``directory`` or to anything but a regular file is wrong: it is never opened)."""
+    from angelptm.checkpoints.paths import regular_file_problem  # (paths imports this module)
+
     path = directory / name
+    problem = regular_file_problem(directory, name)
+    if problem is not None:
+        return f"the manifest lists {name!r}: {problem}"
     try:
         size = path.stat().st_size
         if size != entry["size_bytes"]:

@@ -227,7 +227,8 @@ def test_sigkill_during_save_then_resume_is_intact_and_exact(tmp_path):
     result = subprocess.run([sys.executable, str(KILL_JOB), "--save-dir", str(tmp_path / "ckpt"),
                              "--out", str(tmp_path / "first.pt")], capture_output=True, text=True, timeout=120)
     assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
-    assert (tmp_path / "ckpt" / ".tmp-global_step4").is_dir(), "the kill must land inside the second save"
+    assert [p.is_dir() for p in (tmp_path / "ckpt").glob(".tmp-*-global_step4")] == [True], \
+        "the kill must land inside the second save"
     expected = torch.load(tmp_path / "first.pt", weights_only=True)
     fresh = fp32_engine(seed=9)
     path, _ = fresh.load_checkpoint(tmp_path / "ckpt")
@@ -238,4 +239,5 @@ def test_sigkill_during_save_then_resume_is_intact_and_exact(tmp_path):
             assert torch.equal(fresh.optimizer.optimizer.state_dict()["state"][index][key], value), (index, key)
     train_steps(fresh, 1)
     fresh.save_checkpoint(tmp_path / "ckpt")  # resumes and saves; the killed save's leftovers go
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["global_step2", "global_step3", "latest"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".writer.lock", "global_step2", "global_step3",
+                                                                      "latest"]
