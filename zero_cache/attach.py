@@ -23,6 +23,7 @@ from zero_cache.hardware import Hardware
 from zero_cache.homes import home_class
 from zero_cache.layout import ChunkLayout
 from zero_cache.optimizer import ZeroCacheOptimizer
+from zero_cache.nonmodel import AllocatorStats, CudaAllocatorStats, NonModelMeter
 from zero_cache.nvme import NvmeTier
 from zero_cache.planner import Plan, PlanError, PlanInputs, make_plan, with_device_step_count
 from zero_cache.resolve import (Resolved, activation_room_bytes, least_footprint_inputs, least_footprint_plan,
@@ -34,7 +35,7 @@ from zero_cache.rates import measured_copies, measured_disk, with_host_adam
 from zero_cache.sharding import Sharding
 from zero_cache.step_cost import NOMINAL_RATES
 from zero_cache.tier_names import DEVICE, HOST, NVME
-from zero_cache.tiers import build_tiers, fragmentation_bytes, use_expandable_segments
+from zero_cache.tiers import build_tiers, use_expandable_segments
 from zero_cache.tuning import DeviceStepTuner
 from zero_cache.units import AUTO, format_bytes
 from zero_cache.working_set import WorkingSet, capped
@@ -131,6 +132,9 @@ class WarmupTracer:
         self.gathers_as_planned: tuple[int, frozenset[int]] | None = None
         """Gathered params, where the warm-up ran under another placement than the first plan's: that plan's slots
         that keep groups for reuse, and its streamed groups (the re-plan estimates gathers as it would have)."""
+        self.meter: NonModelMeter | None = None
+        """The warm-up's measure of non-model device memory (on CUDA), sampled by :attr:`sampling_hooks`."""
+        self.sampling_hooks: list[Any] = []
 
     def warm_up_under(self, optimizer: ZeroCacheOptimizer, first: Plan, warmup: Plan) -> None:
         """Run the warm-up step with ``warmup``'s working set and device steps (its placement is the store's),
@@ -147,20 +151,42 @@ class WarmupTracer:
         if self.recording:
             self.trace.extend(chunks)
 
+    def measure(self, module: nn.Module, params: list[nn.Parameter], meter: NonModelMeter) -> None:
+        """Measure the warm-up step's non-model memory with ``meter``, sampled before and after every submodule's
+        forward (recomputed blocks too) and as each gradient lands, until the re-plan."""
+        self.meter = meter
+
+        def sample(*_args: Any) -> None:
+            meter.sample()
+
+        for submodule in module.modules():
+            self.sampling_hooks.append(submodule.register_forward_pre_hook(sample))
+            self.sampling_hooks.append(submodule.register_forward_hook(sample, always_call=True))
+        self.sampling_hooks += [param.register_post_accumulate_grad_hook(sample) for param in params]
+        meter.start()
+
+    def _measured_nonmodel_bytes(self) -> int:
+        """The warm-up's non-model peak (0 where nothing was measured: a CPU run), its sampling hooks removed."""
+        for handle in self.sampling_hooks:
+            handle.remove()
+        self.sampling_hooks = []
+        if self.meter is None:
+            return 0
+        self.meter.sample()  # the optimizer step's interval
+        logger.info("ZeRO-Cache warm-up measured %s of non-model device memory over %d samples (the allocator's "
+                    "peak %s, its slack %s; the engine's own buffers not counted)",
+                    format_bytes(self.meter.peak_bytes()), self.meter.samples,
+                    format_bytes(self.meter.allocated_bytes), format_bytes(self.meter.slack_bytes))
+        return self.meter.peak_bytes()
+
     def replan(self, optimizer: ZeroCacheOptimizer) -> Plan | None:
         """Plan again from the recorded trace and measured peak; move groups whose tier changed."""
         self.recording = False
         store = optimizer.store
         device_tier, host_tier = store.tiers[DEVICE], store.tiers[HOST]
         nvme_tier = store.tiers.get(NVME)
-        nonmodel = 0
         optimizer.finish_pending()  # the warm-up's host updates are done, and timed
-        if device_tier.device.type == "cuda":
-            # Against the tier's own peak: gathered groups (sharded params) come and go within a step. What the
-            # allocator held unallocated at its peak (fragmentation) is room the plan cannot count on either.
-            nonmodel = max(0, torch.cuda.max_memory_allocated(device_tier.device) - device_tier.peak_bytes)
-            nonmodel += fragmentation_bytes(device_tier.device)
-        optimizer.nonmodel_peak_bytes = nonmodel
+        nonmodel = optimizer.nonmodel_peak_bytes = self._measured_nonmodel_bytes()
         # The bus now (after the peak was read). Not the host's Adam: in the warm-up it ran at 1.0 G elements/s where
         # the next steps ran at 3.9 (2.7B on the lent H100: first touches of its states), so its rate is taken
         # from the steps after it.
@@ -204,10 +230,11 @@ class WarmupTracer:
         return plan
 
     @staticmethod
-    def _apply(optimizer: ZeroCacheOptimizer, plan: Plan) -> int:
-        """Put ``plan`` in force between steps; returns the shards and groups moved."""
+    def _apply(optimizer: ZeroCacheOptimizer, plan: Plan, *, trial: bool = False) -> int:
+        """Put ``plan`` in force between steps; returns the shards and groups moved. ``trial``: a device-step count
+        the tuner tries (its dropped kept gradients are kept for the next trial)."""
         optimizer.finish_pending()
-        moved = optimizer.store.apply_plan(plan)
+        moved = optimizer.store.apply_plan(plan, keep_spare_gradients=trial)
         optimizer.device_stepped = frozenset(plan.device_stepped)
         return moved
 
@@ -215,7 +242,8 @@ class WarmupTracer:
         """A step measured under the tuner's count: switch to the next count to try, or settle on the fastest."""
         count = self.tuner.observe(step_seconds, optimizer.last_backward_seconds)
         if count is not None:
-            self._apply(optimizer, with_device_step_count(self.inputs, optimizer.store.plan, count))
+            self._apply(optimizer, with_device_step_count(self.inputs, optimizer.store.plan, count),
+                        trial=not self.tuner.done)
         if not self.tuner.done:
             return
         optimizer.after_step = None
@@ -371,13 +399,20 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     tracer = WarmupTracer(layout, config, compute_dtype, accumulation_steps, in_backward, device)
     if warmup is not plan:
         tracer.warm_up_under(hybrid, plan, warmup)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)  # the warm-up measures the non-model peak from here
+    stats = allocator_stats_for(device)
+    if stats is not None:  # the warm-up measures the non-model peak from here
+        tracer.measure(module, [p for _, p in params], NonModelMeter(device_tier, stats))
     if shard_params:
         hybrid.hooks += register_saving_hooks(module, hybrid.exchange.gathered)
     hybrid.hooks += _register_forward_hooks(module, store, hybrid, tracer)
     hybrid.after_first_step = lambda: tracer.replan(hybrid)
     return hybrid
+
+
+def allocator_stats_for(device: torch.device) -> AllocatorStats | None:
+    """The allocator whose peaks the warm-up reads its non-model memory from: CUDA's on a GPU; none on a CPU, where
+    nothing is measured (its re-plan sees no activations)."""
+    return CudaAllocatorStats(device) if device.type == "cuda" else None
 
 
 def _warmup_plan(inputs: PlanInputs, plan: Plan, guess_bytes: int, sharding: Sharding) -> Plan:

@@ -48,6 +48,7 @@ class Tier:
         self.pin_memory = pin_memory
         self.used_bytes = 0
         self.peak_bytes = 0
+        self._interval_low_bytes = 0  # the least held since the last take_interval_low()
 
     @property
     def free_bytes(self) -> int:
@@ -79,6 +80,14 @@ class Tier:
         unpinned when the last view of them is gone)."""
         self.used_bytes -= tensor.numel() * tensor.element_size()
         assert self.used_bytes >= 0, f"{self.name} tier freed more than it allocated"
+        self._interval_low_bytes = min(self._interval_low_bytes, self.used_bytes)
+
+    def take_interval_low(self) -> int:
+        """The least bytes held since the last call (or since the tier was made), and a new interval from now
+        (:mod:`zero_cache.nonmodel` reads the engine's own bytes beside the allocator's peak this way)."""
+        low = min(self._interval_low_bytes, self.used_bytes)
+        self._interval_low_bytes = self.used_bytes
+        return low
 
 
 def wait(token: Any) -> None:
@@ -239,7 +248,7 @@ def use_expandable_segments(device: torch.device) -> str:
     (BENCHMARKS.md, the 10B and 6.9B runs). Expandable segments map one growing segment per stream instead, so
     what is freed can be reused whatever its size. Segments made before this call stay as they were, and the
     warm-up's re-plan adds what the allocator still holds unallocated at its peak to the non-model reserve
-    (:func:`fragmentation_bytes`).
+    (:class:`~zero_cache.nonmodel.NonModelMeter`).
     """
     if device.type != "cuda":
         return "not a CUDA device"
@@ -255,10 +264,3 @@ def use_expandable_segments(device: torch.device) -> str:
     except (RuntimeError, AttributeError) as err:  # an allocator that has no such option (a custom one)
         return f"unavailable ({err}); the re-plan keeps the allocator's measured slack as a margin instead"
     return "turned on"
-
-
-def fragmentation_bytes(device: torch.device) -> int:
-    """Device bytes the allocator held without handing them out, at its peak since the last reset (0 off CUDA)."""
-    if device.type != "cuda":
-        return 0
-    return max(0, torch.cuda.max_memory_reserved(device) - torch.cuda.max_memory_allocated(device))
