@@ -37,10 +37,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import user_models  # noqa: E402  (bench/ is not a package)
-from zero_cache.tuning import MEASURED_STEPS, SETTLE_STEPS  # noqa: E402
+from zero_cache.tuning import MAX_TRIALS, MEASURED_STEPS, SETTLE_STEPS  # noqa: E402
 
-TUNING_STEPS = 1 + 5 * (SETTLE_STEPS + MEASURED_STEPS)
-"""The warm-up and the device-step tuner's trials: five counts at the most (:func:`zero_cache.tuning.trial_counts`)."""
+TUNING_STEPS = 1 + MAX_TRIALS * (SETTLE_STEPS + MEASURED_STEPS)
+"""The warm-up and the device-step tuner's trials (:mod:`zero_cache.tuning`: at most MAX_TRIALS counts)."""
 
 
 def edited_config(path: str, edits: list[str], engine: str) -> dict:
@@ -247,7 +247,10 @@ def timings(kind: str, size: str, engine_name: str, num_params: int, times: list
             "mean_step_s": mean_step_s,
             "disk_read_gib": (sum(read for read, _ in disk[-last:]) + drained_read) / last / 2**30,
             "disk_written_gib": (sum(written for _, written in disk[-last:]) + drained_written) / last / 2**30,
-            "losses": [round(x, 4) for x in losses]}
+            "losses": [round(x, 4) for x in losses],
+            # every step's seconds, and the slowest after the warm-up against the result (the tuning's cost)
+            "times": [round(x, 3) for x in times],
+            "slowest_after_warmup": round(max(times[1:], default=step_s) / step_s, 2)}
 
 
 def _tokens(size: str) -> tuple[int, int]:

@@ -98,6 +98,7 @@ class ChunkStore:
         self.params = params
         self.plan = plan
         """The plan in force (the re-plan after warm-up replaces it): its placement and predicted step cost."""
+        self._spare_kept: list[torch.Tensor] = []  # kept gradients a trial plan dropped, for the next to reuse
         self.slots: list[TensorSlot] = list(layout.slots)
         self._slots_of_chunk: dict[int, list[int]] = {c: [] for c in range(layout.num_chunks)}
         for index, slot in enumerate(self.slots):
@@ -354,7 +355,7 @@ class ChunkStore:
         self.groups, self.scratch, self.shards, self.param_chunks, self.group_buffers = [], {}, [], [], []
         self.swap_buffers, self.homes = None, {}
 
-    def apply_plan(self, plan: Plan) -> int:
+    def apply_plan(self, plan: Plan, *, keep_spare_gradients: bool = False) -> int:
         """Move shards and optimizer groups whose tier changed; returns the number moved.
 
         Each move goes when its new tier has room for it, and of those that could go, the one after which the most
@@ -363,11 +364,23 @@ class ChunkStore:
         way. Among equals, shards leaving the device go first, then groups leaving the device, the host, the disk.
         Kept gradients the plan drops are freed before anything moves. Where nothing can go, the first move raises
         with the tier that is short.
+
+        ``keep_spare_gradients``: a trial of the device-step count (:mod:`zero_cache.tuning`), which moves nothing:
+        the kept gradients it drops stay allocated for the next trial to take, so a switch registers no pinned
+        memory (at 10B on the H100 each switch's step took 2-3 times the settled one). The next plan applied
+        without it frees what is left over.
         """
         for chunk, group in enumerate(self.groups):  # between steps, no kept gradient is in use
             if group.kept is not None and chunk not in plan.kept_gradients:
-                self.tiers[HOST].free(group.kept)
+                self._spare_kept.append(group.kept)
                 group.kept = None
+        for chunk in plan.kept_gradients:  # (a moved group takes its kept gradient along)
+            if self.groups[chunk].kept is None and self._spare_kept:
+                self.groups[chunk].kept = self._spare_kept.pop()
+        if not keep_spare_gradients:
+            for kept in self._spare_kept:
+                self.tiers[HOST].free(kept)
+            self._spare_kept = []
         leaving = {DEVICE: 0, HOST: 1, NVME: 2}
         homes = sorted((g for g, home in enumerate(plan.param_home) if home != self.param_home[g]),
                        key=lambda g: self.param_home[g] != DEVICE)

@@ -14,6 +14,12 @@ steps of real training (the placement stays: only which host groups are stepped 
 a step can leave work to the next one (the host's updates and the device steps' copies run on into the next
 forward), so one step may look fast while the next pays. At 4.4B on the H100 the fastest of two steps had 9 groups
 at 0.98 s, and the steps run with 9 groups after the tuning took 1.32 s (median).
+
+The user should not feel it (issue 37: at 10B on the H100 the first ~21 steps swung between 1.1 and 6.4 s while
+five counts were tried for four steps each). So at most :data:`MAX_TRIALS` counts are tried, chosen as the
+measurements come (:func:`next_count`: the plan's, half of it, then on in the direction that was faster), which
+settles within ``MAX_TRIALS * (SETTLE_STEPS + MEASURED_STEPS)`` steps of the warm-up; and a count whose measured
+step runs :data:`SLOW_FACTOR` times the best mean so far is dropped after that one step.
 """
 
 from __future__ import annotations
@@ -21,25 +27,39 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SETTLE_STEPS = 1
-"""Steps after a switch that are not measured (they pay for the switch: freed and allocated kept gradients)."""
-MEASURED_STEPS = 3
+"""Steps after a switch that are not measured (they pay for the switch)."""
+MEASURED_STEPS = 2
 """Steps measured per count (their mean stands for it)."""
+MAX_TRIALS = 3
+"""Counts tried at most."""
+SLOW_FACTOR = 1.5
+"""A count whose measured step takes this many times the best mean so far is not measured further."""
 
 
-def trial_counts(planned: int, most: int) -> list[int]:
-    """The counts to try, the plan's first: fractions of the plan's count down to none, and a third more (the
-    host's Adam may be slower than the planner's rate); with a plan of none, a third of the host groups."""
-    if most <= 0:
-        return [0]
-    if planned == 0:
-        return [0, max(1, round(most / 3))]
-    counts = [planned, round(2 * planned / 3), round(planned / 3), 0, min(most, round(4 * planned / 3))]
-    return list(dict.fromkeys(counts))
+def next_count(planned: int, most: int, measured: dict[int, float]) -> int | None:
+    """The count to try after those ``measured`` (count -> mean step seconds, in the order tried), or None when
+    the tuning is done: the plan's count, then half of it (a plan of none: a third of the host groups), then a
+    step further the way that was faster: down to a quarter, or up to a third more than the plan's."""
+    tried = list(measured)
+    if len(tried) >= MAX_TRIALS or most <= 0 and tried:
+        return None
+    if not tried:
+        return planned
+    if len(tried) == 1:
+        following = round(planned / 2) if planned else max(1, round(most / 3))
+    else:
+        first, second = tried[0], tried[1]
+        lower = measured[second] < measured[first]
+        if planned:
+            following = round(planned / 4) if lower else min(most, round(4 * planned / 3))
+        else:
+            following = min(most, 2 * second) if lower else None
+    return following if following is not None and following not in measured else None
 
 
 @dataclass(slots=True)
 class DeviceStepTuner:
-    """Steps through :func:`trial_counts` as measured step times come in, then settles on the fastest.
+    """Tries counts as measured step times come in (:func:`next_count`), then settles on the fastest.
 
     Args:
         planned: the plan's device-step count (in force when the tuner starts).
@@ -48,30 +68,26 @@ class DeviceStepTuner:
 
     planned: int
     most: int
-    counts: list[int] = field(init=False)
-    """The counts to try, in order."""
     measured: dict[int, float] = field(init=False, default_factory=dict)
-    """Count -> the mean of its measured steps, seconds."""
+    """Count -> the mean of its measured steps, seconds, in the order tried."""
     backward: dict[int, float] = field(init=False, default_factory=dict)
     """Count -> the mean backward of its measured steps, seconds, where they were timed."""
+    current: int = field(init=False)
+    """The count in force."""
+    done: bool = field(init=False, default=False)
     _steps: list[float] = field(init=False, default_factory=list)
     _backwards: list[float] = field(init=False, default_factory=list)
-    _trial: int = field(init=False, default=0)
     _seen: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         if not 0 <= self.planned <= max(0, self.most):
             raise ValueError(f"planned device steps {self.planned} must lie in 0..{self.most}")
-        self.counts = trial_counts(self.planned, self.most)
+        self.current = self.planned
 
     @property
-    def current(self) -> int:
-        """The count in force."""
-        return self.counts[self._trial] if not self.done else self.best
-
-    @property
-    def done(self) -> bool:
-        return self._trial >= len(self.counts)
+    def counts(self) -> list[int]:
+        """The counts tried so far, in order (the one in force last)."""
+        return list(dict.fromkeys([*self.measured, self.current]))
 
     @property
     def best(self) -> int:
@@ -88,18 +104,24 @@ class DeviceStepTuner:
         self._seen += 1
         if self._seen <= SETTLE_STEPS:
             return None
-        count = self.counts[self._trial]
+        others = [seconds for count, seconds in self.measured.items() if count != self.current]
         self._steps.append(step_seconds)
         if backward_seconds is not None:
             self._backwards.append(backward_seconds)
-        self.measured[count] = sum(self._steps) / len(self._steps)
+        self.measured[self.current] = sum(self._steps) / len(self._steps)
         if self._backwards:
-            self.backward[count] = sum(self._backwards) / len(self._backwards)
-        if self._seen < SETTLE_STEPS + MEASURED_STEPS:
+            self.backward[self.current] = sum(self._backwards) / len(self._backwards)
+        too_slow = bool(others) and step_seconds > SLOW_FACTOR * min(others)
+        if self._seen < SETTLE_STEPS + MEASURED_STEPS and not too_slow:
             return None
-        self._trial, self._seen, self._steps, self._backwards = self._trial + 1, 0, [], []
-        following = self.current
-        return following if following != count else None
+        self._seen, self._steps, self._backwards = 0, [], []
+        following = next_count(self.planned, self.most, self.measured)
+        previous = self.current
+        if following is None:
+            self.done = True
+            following = self.best
+        self.current = following
+        return following if following != previous else None
 
     def summary(self) -> str:
         """``5 groups (7: 0.604 s, 5: 0.545 s, ...)``: the choice, then each count tried with its mean step."""
