@@ -7,6 +7,7 @@ the setting or action that helps. Anything else is a bug and keeps its traceback
 
 from __future__ import annotations
 
+from zero_cache.nvme import SwapCorruptionError
 from zero_cache.tiers import TierFullError
 
 from angelptm.checkpoints.files import DISK_FULL
@@ -16,6 +17,14 @@ from angelptm.memory.oom import StepOutOfMemoryError
 
 BAD_INPUT_EXIT = 2
 """Exit status of a job stopped by its input or its machine's limits (argparse's status for bad arguments)."""
+UNHEALTHY_EXIT = 3
+"""Exit status of a run stopped because it stopped training (no healthy step for train.max_bad_steps steps) or its
+swap file was corrupted: its later checkpoints are not to be trusted."""
+
+
+class RunUnhealthyError(RuntimeError):
+    """No healthy step (applied, finite loss) in ``train.max_bad_steps`` consecutive steps; names the last healthy
+    checkpoint."""
 
 
 class CommsTimeoutError(RuntimeError):
@@ -35,6 +44,8 @@ def one_line(err: BaseException) -> tuple[str, int] | None:
                 f"({err.strerror or err}). Free space there, lower zero_cache.nvme_memory_budget or point "
                 "zero_cache.nvme_path at a larger disk when it is the NVMe tier's; the last checkpoint is kept",
                 BAD_INPUT_EXIT)
+    if isinstance(err, (RunUnhealthyError, SwapCorruptionError)):
+        return f"error: {err}", UNHEALTHY_EXIT
     if isinstance(err, (RankLostError, CommsTimeoutError)):
         return f"error: {err}", LOST_RANK_EXIT
     return None
