@@ -35,7 +35,10 @@ from angelptm.memory.oom import StepOutOfMemoryError
 from angelptm.memory.plan_report import DEFAULT_TFLOPS, PlanRequest, named_hardware, plan_report
 from angelptm.pretraining import pipeline_parallel as pipeline
 from angelptm.pretraining.data import TokenDataset, prepare_default_dataset, repeat_batches
-from angelptm.pretraining.job_errors import comms_timeout, one_line
+from angelptm.pretraining.data.tokenizer import configured_tokenizer
+from angelptm.checkpoints import files as checkpoint_files
+from angelptm.pretraining import health
+from angelptm.pretraining.job_errors import RunUnhealthyError, comms_timeout, one_line
 from angelptm.pretraining.models import build_model
 from angelptm.telemetry.monitor import ThroughputMeter, format_memory, format_tiers, memory_snapshot
 
@@ -133,13 +136,15 @@ def read_latest(latest: Path) -> str | None:
 
 
 def build_dataset(cfg: EngineConfig, ctx: DistContext) -> TokenDataset:
-    """The token dataset; the shipped corpus is tokenized by rank 0 while the others wait."""
+    """The token dataset; the shipped corpus is tokenized by rank 0 (with ``data.tokenizer``) while the others wait."""
+    tokenizer = None if cfg.data.tokenizer is None else configured_tokenizer(
+        cfg.data.tokenizer, model_vocab_size=cfg.model.vocab_size)  # checked before the model is built
     prefix = cfg.data.path
     if prefix is None:
         if ctx.is_main:
-            prepare_default_dataset(cfg.data.cache_dir)
+            prepare_default_dataset(cfg.data.cache_dir, tokenizer)
         ctx.barrier()
-        prefix = prepare_default_dataset(cfg.data.cache_dir)  # finds rank 0's copy valid and reuses it
+        prefix = prepare_default_dataset(cfg.data.cache_dir, tokenizer)  # finds rank 0's copy valid and reuses it
     try:  # its header and every id are checked here, before a step can read a bad one
         dataset = TokenDataset(prefix, cfg.data.seq_len or cfg.model.max_seq_len)
     except DataError:
@@ -147,6 +152,10 @@ def build_dataset(cfg: EngineConfig, ctx: DistContext) -> TokenDataset:
     except (OSError, ValueError) as err:  # missing, truncated or foreign files: one line, not a traceback
         raise DataError(f"data.path {str(prefix)!r}: {err}") from None
     dataset.check_vocabulary(cfg.model.vocab_size)
+    if tokenizer is not None and dataset.vocab_size != tokenizer.vocab_size:
+        raise DataError(f"data.path {str(prefix)!r} was written with a {dataset.vocab_size}-token tokenizer, but "
+                        f"data.tokenizer {cfg.data.tokenizer!r} has {tokenizer.vocab_size} tokens; give the tokenizer "
+                        "the data was made with, or re-tokenize the text with this one (angelptm-preprocess)")
     return dataset
 
 
@@ -171,8 +180,11 @@ def prune_checkpoints(save_dir: str, keep_last: int) -> None:
         return
     steps = sorted((step, p) for p in root.glob("global_step*")
                    if p.is_dir() and (step := step_of(p.name)) is not None and step <= latest_step)
-    for _, path in steps[:max(len(steps) - keep_last, 0)]:
-        if path.name != latest:
+    pruned = steps[:max(len(steps) - keep_last, 0)]
+    # A checkpoint saved while the run was unhealthy never displaces the newest healthy one.
+    spared = health.newest_healthy([p for _, p in steps]) if pruned else None
+    for _, path in pruned:
+        if path.name != latest and path != spared:
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -213,7 +225,7 @@ def train(raw: dict, *, allow_unsafe_pickle: bool = False, trace_dir: Path | Non
     try:
         return _train(cfg, ctx, allow_unsafe_pickle, trace_dir)
     except RuntimeError as err:  # gloo names a socket, not a rank: ask the heartbeat who is gone
-        if isinstance(err, (CheckpointError, StepOutOfMemoryError)):
+        if isinstance(err, (CheckpointError, StepOutOfMemoryError, RunUnhealthyError)):
             raise
         lost = ctx.watchdog.explain(err) if ctx.watchdog is not None else None
         if lost is None:
@@ -227,6 +239,8 @@ def _train(cfg: EngineConfig, ctx: DistContext, allow_unsafe_pickle: bool, trace
            ) -> float | None:
     if not cfg.train.resume:
         refuse_fresh_start_over_a_run(cfg.train.save_dir, ctx)
+    if ctx.is_main:  # at the start, not the first save: a file, read-only or taken save_dir stops the job now
+        checkpoint_files.claim_directory(cfg.train.save_dir)
     torch.manual_seed(cfg.seed if cfg.seed is not None else 0)  # model init is reproducible either way
     if not cfg.autopipe.enabled:  # fits or explains before a byte of the model exists (the plan of --plan)
         check_config_fits(cfg, world_size=ctx.world_size, ranks_per_host=ctx.local_world_size, device=ctx.device)
@@ -282,14 +296,24 @@ def run_loop(engine: angelptm.Engine, cfg: EngineConfig, ctx: DistContext, loade
     progress = tqdm(total=cfg.train.steps, initial=engine.global_steps, desc="train", unit="step",
                     disable=not ctx.is_main, dynamic_ncols=True)
     loss_sum, loss_count, last_loss = 0.0, 0, float("nan")
+    run_health = health.RunHealth(cfg.train.max_bad_steps)
     while engine.global_steps < cfg.train.steps and not ctx.any_rank(stop.requested):
+        step_losses: list[float] = []
         if trace_dir is not None and engine.global_steps == first_step + 1:
             engine.trace_next_step(trace_dir / f"rank{ctx.rank}" if ctx.world_size > 1 else trace_dir)
         for _ in range(cfg.batch.gradient_accumulation_steps):
             loss = engine(**next(batches))
             engine.backward(loss)
             engine.step()
-            loss_sum, loss_count = loss_sum + loss.item(), loss_count + 1
+            step_losses.append(loss.item())
+            loss_sum, loss_count = loss_sum + step_losses[-1], loss_count + 1
+        try:
+            # Every rank reaches the same verdict (a rank's loss alone may be non-finite), or one would stop alone.
+            finite = not ctx.any_rank(not all(math.isfinite(value) for value in step_losses))
+            run_health.record(engine.global_steps, applied=engine.was_step_applied(), finite=finite)
+        except RunUnhealthyError as err:
+            progress.close()  # the error line starts a line of its own
+            raise health.stop_unhealthy(err, cfg.train.save_dir) if ctx.is_main else err from None
         meter.add_tokens(tokens_per_step)
         progress.update(1)
         step = engine.global_steps
@@ -298,10 +322,10 @@ def run_loop(engine: angelptm.Engine, cfg: EngineConfig, ctx: DistContext, loade
             loss_sum, loss_count = 0.0, 0
             log_metrics(step, last_loss, engine, meter, ctx, cfg.train.steps)
         if step % cfg.train.save_interval == 0 and step < cfg.train.steps:
-            save(engine, cfg, ctx)
+            save(engine, cfg, ctx, healthy=run_health.healthy)
     progress.close()
     engine.finish_trace()
-    save(engine, cfg, ctx)
+    save(engine, cfg, ctx, healthy=run_health.healthy)
     if stop.requested:
         logger.warning("stopped at step %d; run the same command again to continue", engine.global_steps)
     return last_loss
@@ -315,8 +339,8 @@ def say_nothing_to_train(cfg: EngineConfig, ctx: DistContext) -> None:
                     cfg.train.save_dir, cfg.train.steps, 2 * cfg.train.steps)
 
 
-def save(engine: angelptm.Engine, cfg: EngineConfig, ctx: DistContext) -> None:
-    engine.save_checkpoint(cfg.train.save_dir)
+def save(engine: angelptm.Engine, cfg: EngineConfig, ctx: DistContext, *, healthy: bool = True) -> None:
+    engine.save_checkpoint(cfg.train.save_dir, client_state={health.HEALTHY_KEY: healthy})
     if ctx.is_main:
         prune_checkpoints(cfg.train.save_dir, cfg.train.keep_last)
 

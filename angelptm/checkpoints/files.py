@@ -76,6 +76,15 @@ def write_file_durably(obj: Any, path: Path) -> manifest.FileRecord:
     return record
 
 
+def point_latest(save_dir: str | os.PathLike, tag: str) -> None:
+    """Make ``latest`` name ``tag``, an existing checkpoint (e.g. the last healthy one of a run that diverged)."""
+    root = Path(save_dir)
+    problem = paths.checkpoint_dir_problem(root, tag)
+    if problem is not None:
+        raise CheckpointError(f"cannot point latest at {tag!r}: {problem}")
+    _write_latest(root, tag)
+
+
 def _write_latest(save_dir: Path, tag: str) -> None:
     tmp = save_dir / f".{LATEST}.tmp"
     with open(tmp, "w") as handle:

@@ -167,9 +167,13 @@ class TrainConfig:
     """Keep the newest this many step checkpoints in save_dir; older ones are deleted after each save."""
     resume: bool = True
     """Continue from ``save_dir``'s latest checkpoint when there is one."""
+    max_bad_steps: int = 20
+    """Stop the run (non-zero exit, naming the last healthy checkpoint) after this many consecutive steps without a
+    healthy one (applied, not skipped for overflow, finite loss): a diverged or corrupted run must not go on
+    saving wrecked checkpoints."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "save_interval", "log_interval", "keep_last"):
+        for name in ("steps", "save_interval", "log_interval", "keep_last", "max_bad_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name}: must be >= 1, got {getattr(self, name)}")
 

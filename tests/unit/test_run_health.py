@@ -1,0 +1,94 @@
+"""Run health (issue 38): pretrain.py stops a run that no longer trains, and pruning keeps its last good checkpoint."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from angelptm.pretraining.health import RunHealth, checkpoint_is_healthy
+from angelptm.pretraining.job_errors import RunUnhealthyError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_run_stops_after_max_bad_steps_in_a_row_and_a_healthy_step_resets_the_count():
+    health = RunHealth(max_bad_steps=3)
+    for step, (applied, finite) in enumerate([(False, True), (True, False), (True, True), (False, True),
+                                              (True, False)], start=1):
+        health.record(step, applied=applied, finite=finite)
+    assert health.bad_steps == 2 and not health.healthy
+    with pytest.raises(RunUnhealthyError, match=r"no healthy step in the last 3 steps \(up to step 6; "
+                                                r"train.max_bad_steps 3\): the step was skipped"):
+        health.record(6, applied=False, finite=True)
+
+
+def fake_checkpoint(path: Path, healthy: bool | None) -> None:
+    path.mkdir()
+    client_state = {} if healthy is None else {"healthy": healthy}
+    torch.save({"module": {}, "client_state": client_state}, path / "model_states.pt")
+
+
+def test_pruning_keeps_the_newest_healthy_checkpoint_when_unhealthy_ones_are_newer(tmp_path):
+    sys.path.insert(0, str(ROOT))
+    from pretrain import prune_checkpoints
+
+    for step, healthy in ((1, None), (2, True), (3, False), (4, False), (5, False)):
+        fake_checkpoint(tmp_path / f"global_step{step}", healthy)
+    (tmp_path / "latest").write_text("global_step5")
+    prune_checkpoints(str(tmp_path), keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["global_step2", "global_step4",
+                                                                        "global_step5"]
+    assert checkpoint_is_healthy(tmp_path / "global_step2") and not checkpoint_is_healthy(tmp_path / "global_step4")
+
+
+def test_pretrain_with_an_absurd_lr_stops_naming_the_last_healthy_checkpoint(tmp_path, capsys):
+    """The issue's lr 1e10: step 1 is applied with a finite loss, then every loss is non-finite."""
+    sys.path.insert(0, str(ROOT))
+    import pretrain as job
+
+    config = json.loads((ROOT / "configs" / "tiny.json").read_text())
+    config["optimizer"]["params"]["lr"] = 1e10
+    config.pop("scheduler")
+    config["model"].update(num_layers=1, hidden_size=32, max_seq_len=32)
+    config["train_micro_batch_size_per_gpu"] = 2
+    config["data"]["cache_dir"] = str(ROOT / ".cache" / "angelptm")
+    save_dir = tmp_path / "run"
+    config["train"] = {"steps": 40, "save_dir": str(save_dir), "save_interval": 1, "log_interval": 1,
+                       "keep_last": 1, "max_bad_steps": 3}
+    (tmp_path / "c.json").write_text(json.dumps(config))
+    assert job.main(["--config", str(tmp_path / "c.json")]) == 3
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: no healthy step in the last 3 steps"), errors
+    assert f"the last healthy checkpoint is {save_dir / 'global_step1'}" in errors[0]
+    assert (save_dir / "latest").read_text() == "global_step1"
+    assert checkpoint_is_healthy(save_dir / "global_step1")
+    assert not (save_dir / "global_step4").exists()  # the stop saves nothing more
+
+
+def test_a_second_pretrain_on_the_same_save_dir_is_refused_at_start(tmp_path, capsys, monkeypatch):
+    import subprocess
+
+    from test_checkpoint_safety import HOLD_LOCK
+
+    sys.path.insert(0, str(ROOT))
+    import pretrain as job
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the run should stop before building anything")
+
+    monkeypatch.setattr(job, "build_dataset", no_model)
+    save_dir = tmp_path / "run"
+    save_dir.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(save_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert job.main(["--save-dir", str(save_dir), "--steps", "3"]) == 2
+    finally:
+        holder.kill()
+        holder.wait()
+    err = capsys.readouterr().err
+    assert f"is being written by another process (pid {holder.pid}" in err and "Traceback" not in err
