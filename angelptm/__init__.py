@@ -21,6 +21,7 @@ from angelptm import accelerator, comm, moe, ops, pipe, runtime, utils, zero
 from angelptm.comm import init_distributed
 from angelptm.config import EngineConfig, load_config
 from angelptm.engine.engine import Engine
+from angelptm.engine.engine import Engine as DeepSpeedEngine  # DeepSpeed's name (accelerate's isinstance checks)
 from angelptm.engine.initialize import initialize
 from angelptm.errors import CheckpointError, ConfigError
 from angelptm.launch.arguments import add_config_arguments
@@ -30,6 +31,6 @@ from angelptm.runtime.activation_checkpointing import checkpointing
 
 __version__ = "0.1.0"
 
-__all__ = ["CheckpointError", "ConfigError", "Engine", "EngineConfig", "PipelineEngine", "PipelineModule",
+__all__ = ["CheckpointError", "ConfigError", "DeepSpeedEngine", "Engine", "EngineConfig", "PipelineEngine", "PipelineModule",
            "accelerator", "add_config_arguments", "checkpointing", "comm", "init_distributed", "initialize",
            "load_config", "moe", "ops", "pipe", "runtime", "utils", "zero", "__version__"]

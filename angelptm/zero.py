@@ -35,12 +35,14 @@ the chunk layout before the model exists, and is not built.)
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 
 from angelptm.engine import gathered_params
 from angelptm.config import load_config
+from angelptm.config.loader import read_config_source
 from angelptm.launch.distributed import launcher_world_size
 from angelptm.errors import ConfigError
 from angelptm.memory.fit_check import BuildWatch
@@ -54,6 +56,54 @@ REMOTE_DEVICES = (None, "none", "cuda", "cpu", "nvme")
 def _homes_off_device(param_home: str) -> bool:
     """Whether ``zero_cache.param_home`` names a home off the device for every shard (host, NVMe)."""
     return param_home != AUTO and home_class(param_home).streams
+
+
+_PRECISION_SECTIONS = ("fp16", "bf16", "bfloat16")
+_CONSTRUCTION_SECTIONS = (*_PRECISION_SECTIONS, "zero_optimization", "zero_cache")
+"""What building the model needs from a config: the compute dtype, and where the params will live."""
+
+
+def fp32_unless_enabled(config: dict[str, Any]) -> dict[str, Any]:
+    """DeepSpeed trains in fp32 when neither fp16 nor bf16 is enabled (the Trainer casts inputs to match):
+    say so explicitly, or the engine would pick its own default for the device. Changes ``config``."""
+    if "bfloat16" not in config and not any((config.get(section) or {}).get("enabled") is True
+                                            for section in ("fp16", "bf16")):
+        config.setdefault("bf16", {})["enabled"] = False
+    return config
+
+
+def construction_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """The parts of a DeepSpeed config that building a model reads, as a new dict.
+
+    Why: transformers and accelerate pass ``zero.Init`` their whole config before they have filled its
+    ``"auto"`` values (bucket sizes, learning rates, step counts are known only once the model and the
+    loaders exist); none of those matter for building the model, so they are left out. ``zero_cache``'s
+    own ``"auto"`` values are this engine's to resolve and stay.
+    """
+    config = {key: copy.deepcopy(raw[key]) for key in _CONSTRUCTION_SECTIONS if key in raw}
+    config["train_micro_batch_size_per_gpu"] = 1  # the loader wants a batch size; building a model reads none
+    for key in _CONSTRUCTION_SECTIONS[:-1]:
+        if isinstance(config.get(key), dict):
+            config[key] = _without_autos(config[key])
+    return fp32_unless_enabled(config)
+
+
+def _readable(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` itself, checked whole, unless ``"auto"`` values outside ``zero_cache`` wait for a library to fill
+    them later (transformers, accelerate): then only its :func:`construction_config`."""
+    autos = _has_auto({key: value for key, value in raw.items() if key != "zero_cache"})
+    return construction_config(raw) if autos else raw
+
+
+def _has_auto(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(_has_auto(item) for item in value.values())
+    return value == "auto"
+
+
+def _without_autos(section: dict[str, Any]) -> dict[str, Any]:
+    return {key: _without_autos(value) if isinstance(value, dict) else value
+            for key, value in section.items() if value != "auto"}
 
 
 class Init:
@@ -81,7 +131,8 @@ class Init:
             raise ConfigError(f"zero.Init(remote_device={remote_device!r}): expected one of {list(REMOTE_DEVICES)}")
         source = config_dict_or_path if config_dict_or_path is not None else config
         # The launcher's world size: a config's batch triple counts every rank.
-        parsed = load_config(source, world_size=launcher_world_size()) if source is not None else None
+        parsed = load_config(_readable(read_config_source(source)), world_size=launcher_world_size()) \
+            if source is not None else None
         self.dtype = dtype or (parsed.precision.dtype if parsed is not None else torch.float32)
         # Where the params may live off the device (offload_param permits it, param_home "host" forces it), the
         # model is built in host memory: initialize() then moves to the device what the plan keeps there.

@@ -296,6 +296,13 @@ class EdgeConfig(Section):
     zero_optimization: ZeroSection = Field(default_factory=ZeroSection)
     aio: AioSection = Field(default_factory=AioSection)
     steps_per_print: int = 10
+    """Log a progress line every this many steps. ``Infinity`` (accelerate always writes it: "never") is read as
+    :data:`NEVER_STEPS`, as DeepSpeed's int-or-float field never reaches it."""
+
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _infinity_is_never(cls, value: Any) -> Any:
+        return NEVER_STEPS if isinstance(value, float) and value == math.inf else value
     wall_clock_breakdown: bool = False
     log_level: Literal["debug", "info", "warning", "error", "critical"] | None = None
     """DeepSpeed's: the level of its logger (here the ``angelptm`` logger's), set at initialize()."""
@@ -315,6 +322,11 @@ class EdgeConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     comms: CommsConfig = Field(default_factory=CommsConfig)
 
+
+NEVER_STEPS = 2**62
+"""A step count no run reaches: what ``Infinity`` means for the keys in :data:`INFINITY_MEANS_NEVER`."""
+INFINITY_MEANS_NEVER = ("steps_per_print",)
+"""Keys where JSON's ``Infinity`` (Python's ``float("inf")``) is a usable value: "never"."""
 
 # Types at the edge. Like DeepSpeed's pydantic models, the edge reads numeric strings ("4", "1.0", "1e-3") as
 # numbers; unlike pydantic's lax mode it refuses JSON's true/false where a number is due (true used to become a
@@ -362,7 +374,8 @@ def _check_value(value: Any, annotation: Any, path: str) -> list[str]:
     if isinstance(value, bool) and numeric and not _admits_bool(members):
         return [f"{path}: expected {expected}, got {str(value).lower()}; write the number (a JSON boolean is not "
                 "read as 1 or 0 here)"]
-    if isinstance(value, float) and not math.isfinite(value) and numeric:
+    if isinstance(value, float) and not math.isfinite(value) and numeric and not (path in INFINITY_MEANS_NEVER
+                                                                                  and value > 0):
         name = "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
         return [f"{path}: {name} is not a usable value; expected a finite number"]
     return []

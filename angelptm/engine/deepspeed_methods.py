@@ -69,6 +69,38 @@ class DeepSpeedEngineMethods:
             raise RuntimeError("engine.step() inside no_sync() is an error (as in DeepSpeed): run backward() for the "
                                "micro-batches inside the context, then leave it and call step()")
 
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """Whether whole weights can be gathered when the model is saved: always here.
+
+        DeepSpeed answers ``zero_optimization.stage3_gather_16bit_weights_on_model_save``, because its ZeRO-3
+        gathers only when asked to; this engine consolidates its chunks and shards on demand for any save
+        (``save_16bit_model`` writes them whatever the key says), so accelerate's ``get_state_dict`` gets
+        the weights instead of its "set zero3_save_16bit_model" error.
+        """
+        return True
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
+                                             ) -> dict[str, torch.Tensor] | None:
+        """The whole model's state dict in the compute dtype, on the CPU, on rank 0; None on other ranks.
+
+        DeepSpeed's (private, but accelerate's ``get_state_dict`` and transformers call it by name). Every rank
+        must call it (gathering sharded states is a collective).
+        """
+        state = self._state_dict_for_writer()
+        if state is None:
+            return None
+        dtype = self.compute_dtype
+        state = {key: value.to(dtype) if value.is_floating_point() else value for key, value in state.items()}
+        if exclude_frozen_parameters:
+            frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
+            state = {key: value for key, value in state.items() if key not in frozen}
+        return state
+
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
+                                       ) -> dict[str, torch.Tensor] | None:
+        """DeepSpeed's name for the same under ZeRO-3 or tensor parallelism (the latter is not built here)."""
+        return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Write the whole model's state dict in the compute dtype to ``save_dir/save_filename`` (rank 0).
@@ -85,13 +117,8 @@ class DeepSpeedEngineMethods:
         Returns:
             True (the model was saved).
         """
-        state = self._state_dict_for_writer()
+        state = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
         if state is not None:
-            dtype = self.compute_dtype
-            state = {key: value.to(dtype) if value.is_floating_point() else value for key, value in state.items()}
-            if exclude_frozen_parameters:
-                frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
-                state = {key: value for key, value in state.items() if key not in frozen}
             Path(save_dir).mkdir(parents=True, exist_ok=True)
             torch.save(state, Path(save_dir) / save_filename)
         self.ctx.barrier()

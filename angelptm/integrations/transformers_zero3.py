@@ -27,7 +27,6 @@ a launcher), and makes DeepSpeed's ``comm`` see it, since transformers asks ``de
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 from typing import Any, Iterator
 
@@ -36,38 +35,9 @@ import torch
 import angelptm.comm
 import angelptm.zero
 
-_PRECISION_SECTIONS = ("fp16", "bf16", "bfloat16")
-_CONSTRUCTION_SECTIONS = (*_PRECISION_SECTIONS, "zero_optimization", "zero_cache")
-"""What building the model needs from the config: the compute dtype, and where the params will live."""
-
-
-def fp32_unless_enabled(config: dict[str, Any]) -> dict[str, Any]:
-    """DeepSpeed trains in fp32 when neither fp16 nor bf16 is enabled (the Trainer casts inputs to match):
-    say so explicitly, or the engine would pick its own default for the device. Changes ``config``."""
-    if "bfloat16" not in config and not any((config.get(section) or {}).get("enabled") is True
-                                            for section in ("fp16", "bf16")):
-        config.setdefault("bf16", {})["enabled"] = False
-    return config
-
-
-def construction_config(hf_config: dict[str, Any]) -> dict[str, Any]:
-    """The parts of the Trainer's DeepSpeed config that ``zero.Init`` reads, as a new dict.
-
-    The Trainer fills most ``"auto"`` values only once it has the model (bucket sizes, the scheduler's
-    step counts); none of those matter for building it, so they are left out. ``zero_cache``'s own
-    ``"auto"`` values are this engine's to resolve and stay.
-    """
-    config = {key: copy.deepcopy(hf_config[key]) for key in _CONSTRUCTION_SECTIONS if key in hf_config}
-    config["train_micro_batch_size_per_gpu"] = 1  # the loader wants a batch size; building a model reads none
-    for key in _CONSTRUCTION_SECTIONS[:-1]:
-        if isinstance(config.get(key), dict):
-            config[key] = _without_autos(config[key])
-    return fp32_unless_enabled(config)
-
-
-def _without_autos(section: dict[str, Any]) -> dict[str, Any]:
-    return {key: _without_autos(value) if isinstance(value, dict) else value
-            for key, value in section.items() if value != "auto"}
+# Moved to angelptm.zero (its Init reads any config that way); kept here under their old names.
+construction_config = angelptm.zero.construction_config
+fp32_unless_enabled = angelptm.zero.fp32_unless_enabled
 
 
 def join_process_group() -> None:
