@@ -117,7 +117,7 @@ def check_explicit_budgets(config: ZeroCacheConfig, device: torch.device, ranks_
             continue
         ranks = f" x {ranks_per_host} ranks of this host = {format_bytes(budget * ranks_per_host)}" \
             if ranks_per_host > 1 else ""
-        auto = format_bytes(tiers.host_share(memory.available, memory.total, ranks_per_host))
+        auto = format_bytes(tiers.auto_host_budget(device, ranks_per_host))
         raise ValueError(f"zero_cache.{key} {value!r} ({format_bytes(budget)} per rank{ranks}) is more than this "
                          f"machine's {format_bytes(memory.total)} of RAM ({format_bytes(memory.available)} available "
                          f"now): pinned pages beyond it end the run by the OOM killer. Set it to \"auto\" (the "

@@ -20,7 +20,9 @@ class DataConfig:
     """Where the shipped corpus is tokenized to when ``path`` is None."""
 
     tokenizer: str | None = None
-    """A ``tokenizer.json`` (Hugging Face tokenizers format); None is the shipped 4096-token BPE."""
+    """A ``tokenizer.json`` (Hugging Face tokenizers format); None is the shipped 4096-token BPE. ``pretrain.py``
+    loads it at start (a missing or unreadable file, or one with more tokens than ``model.vocab_size``, is refused),
+    tokenizes the shipped corpus with it, and refuses a ``path`` written with a tokenizer of another size."""
 
     shuffle: bool = True
     """Visit samples in a seeded random order (reproducible, and resumable mid-epoch)."""

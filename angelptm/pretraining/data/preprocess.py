@@ -301,8 +301,8 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def prepare_default_dataset(cache_dir: str | os.PathLike[str]) -> str:
-    """Tokenize the shipped corpus with the shipped tokenizer into ``cache_dir/kjv``, once.
+def prepare_default_dataset(cache_dir: str | os.PathLike[str], tokenizer: Tokenizer | None = None) -> str:
+    """Tokenize the shipped corpus into ``cache_dir/kjv`` (``kjv-HASH`` with another tokenizer), once.
 
     A dataset already there is reused if it is valid and was made from the same corpus,
     tokenizer and settings (recorded in ``kjv.meta.json``); otherwise it is rebuilt.
@@ -310,15 +310,19 @@ def prepare_default_dataset(cache_dir: str | os.PathLike[str]) -> str:
 
     Args:
         cache_dir: directory for the dataset; created if missing.
+        tokenizer: the run's tokenizer (``data.tokenizer``); None is the shipped one.
 
     Returns:
         The dataset prefix, for :class:`~angelptm.pretraining.data.dataset.TokenDataset`.
     """
-    prefix = Path(cache_dir) / "kjv"
-    meta_path = Path(cache_dir) / "kjv.meta.json"
-    corpus, tokenizer_file = default_corpus_path(), default_tokenizer_path()
+    corpus = default_corpus_path()
+    tokenizer_file = Path(tokenizer.path) if tokenizer is not None and tokenizer.path else default_tokenizer_path()
+    tokenizer_sha = _sha256(tokenizer_file)
+    name = "kjv" if tokenizer_sha == _sha256(default_tokenizer_path()) else f"kjv-{tokenizer_sha[:12]}"
+    prefix = Path(cache_dir) / name
+    meta_path = Path(cache_dir) / f"{name}.meta.json"
     fingerprint = {"format_version": FORMAT_VERSION, "corpus_sha256": _sha256(corpus),
-                   "tokenizer_sha256": _sha256(tokenizer_file), "max_lines": DEFAULT_MAX_LINES}
+                   "tokenizer_sha256": tokenizer_sha, "max_lines": DEFAULT_MAX_LINES}
     try:
         meta = json.loads(meta_path.read_text())
         index = read_index(prefix)
@@ -327,7 +331,7 @@ def prepare_default_dataset(cache_dir: str | os.PathLike[str]) -> str:
         logger.info("rebuilding %s: made from another corpus, tokenizer or version", prefix)
     except (OSError, ValueError) as exc:  # missing or corrupt: rebuild
         logger.info("building %s (%s)", prefix, exc)
-    stats = preprocess([corpus], prefix, Tokenizer.from_file(tokenizer_file), fmt="text",
+    stats = preprocess([corpus], prefix, tokenizer or Tokenizer.from_file(tokenizer_file), fmt="text",
                        max_lines=DEFAULT_MAX_LINES, progress=False)
     tmp = meta_path.with_name(f"{meta_path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps({"fingerprint": fingerprint, "num_documents": stats.documents,

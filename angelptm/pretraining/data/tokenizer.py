@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer as _HFTokenizer
 
+from angelptm.errors import ConfigError
+
 EOT_TOKEN = "<|endoftext|>"
 """The end-of-text token placed after every document."""
 
@@ -156,3 +158,26 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(path={self._path!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id})"
+
+
+def configured_tokenizer(path: str | None, *, model_vocab_size: int) -> Tokenizer:
+    """The tokenizer of ``data.tokenizer`` (None: the shipped one), loaded and checked at the start of a run.
+
+    Raises:
+        ConfigError: the file is missing, is not a tokenizers ``tokenizer.json`` with ``<|endoftext|>``, or has
+            more tokens than ``model.vocab_size`` (its ids would index past the embedding table).
+    """
+    where = f"data.tokenizer {path!r}"
+    try:
+        tokenizer = Tokenizer.from_file(path)
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: no such file; give a tokenizer.json (Hugging Face tokenizers format), or "
+                          "null for the shipped 4096-token BPE") from None
+    except ValueError as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"{where}: not a usable tokenizer ({reason}); give a Hugging Face tokenizers "
+                          "tokenizer.json with an <|endoftext|> token, or null for the shipped one") from None
+    if tokenizer.vocab_size > model_vocab_size:
+        raise ConfigError(f"{where} has {tokenizer.vocab_size} tokens, more than model.vocab_size "
+                          f"{model_vocab_size}; raise model.vocab_size to at least {tokenizer.vocab_size}")
+    return tokenizer
