@@ -10,6 +10,7 @@ host memory the margin may not cover; a GPU shared with another process has less
 from __future__ import annotations
 
 from dataclasses import dataclass
+import shutil
 from pathlib import Path
 
 import psutil
@@ -83,6 +84,8 @@ def tier_budgets(config: ZeroCacheConfig, device: torch.device, ranks_per_host: 
             host_budget = tiers.auto_host_budget(device, ranks_per_host) + (
                 moving_host_bytes if device.type == "cuda" else 0)
         directory, disk = nvme.nvme_budget(config, ranks_per_host)
+        if directory is not None and config.nvme_budget_bytes is not None:
+            _check_disk_budget(config, directory, ranks_per_host)
         return TierBudgets(device_budget, host_budget, disk, directory)
     device_budget, host_budget = config.device_budget_bytes, config.host_budget_bytes
     if device_budget is None:  # a fresh GPU's free memory is its total, less the CUDA context the margin covers
@@ -123,3 +126,20 @@ def check_explicit_budgets(config: ZeroCacheConfig, device: torch.device, ranks_
                          f"now): pinned pages beyond it end the run by the OOM killer. Set it to \"auto\" (the "
                          f"available RAM less a margin: {auto} per rank now) or below it, and give what does not "
                          "fit to the NVMe tier (zero_cache.nvme_path)")
+
+
+def _check_disk_budget(config: ZeroCacheConfig, directory: Path, ranks_per_host: int) -> None:
+    """An explicit NVMe budget beyond the disk's free space was planned with, and the swap file's reservation
+    failed mid-setup with a message that blamed the planner; refuse it here, naming the one thing to change."""
+    budget = config.nvme_budget_bytes
+    free = shutil.disk_usage(directory).free
+    if budget * ranks_per_host <= free:
+        return
+    ranks = f" x {ranks_per_host} ranks of this host" if ranks_per_host > 1 else ""
+    auto = nvme.disk_share(free, ranks_per_host)
+    remedy = (f"lower it to at most {format_bytes(auto)} per rank (what \"auto\" gives now), or point nvme_path at a "
+              "disk with that much free" if auto else "point zero_cache.nvme_path at a disk with that much free (an "
+              "\"auto\" budget here would be 0 B: it leaves at least 1 GiB of the disk free)")
+    raise ValueError(f"zero_cache.nvme_memory_budget {config.nvme_memory_budget!r} ({format_bytes(budget)} per "
+                     f"rank{ranks}) is more than the {format_bytes(free)} free on the disk under zero_cache.nvme_path "
+                     f"({directory}): {remedy}")

@@ -420,7 +420,9 @@ def _split_host_and_nvme(inputs: PlanInputs, off_device: int, host_fixed: int, s
         raise PlanError(_shortfall_message(HOST, host_bytes(num_host), inputs.host_budget_bytes, inputs, detail=(
             f"even with {off_device - num_host} optimizer groups on NVMe it holds {inputs.swap_buffers} bounce "
             f"buffers of {format_bytes(inputs.swap_buffer_bytes)}, {inputs.staging_buffers} staging buffers"
-            + (" and the gradient accumulators" if per_nvme_on_host else ""))))
+            + (" and the gradient accumulators" if per_nvme_on_host else "")
+            + ", which the NVMe tier's reads and writes go through: only host memory can hold them"),
+            host_buffers=True))
     num_nvme = off_device - num_host
     if num_nvme * inputs.swap_slot_bytes + nvme_fixed > inputs.nvme_budget_bytes:
         beside = f" beside {format_bytes(nvme_fixed)} of param shards at home there" if nvme_fixed else ""
@@ -430,7 +432,9 @@ def _split_host_and_nvme(inputs: PlanInputs, off_device: int, host_fixed: int, s
     return num_host, num_nvme, host_bytes(num_host)
 
 
-def _shortfall_message(tier: str, need: int, have: int, inputs: PlanInputs, detail: str) -> str:
+def _shortfall_message(tier: str, need: int, have: int, inputs: PlanInputs, detail: str, *,
+                       host_buffers: bool = False) -> str:
+    """``host_buffers``: the host is short of the NVMe tier's own buffers, so the one remedy is a larger host budget."""
     total = inputs.num_chunks * (inputs.param_chunk_bytes + inputs.optimizer_chunk_bytes)
     owned = len(inputs.owned_chunks)
     held = inputs.num_chunks if inputs.param_chunks_held is None else inputs.param_chunks_held
@@ -438,12 +442,14 @@ def _shortfall_message(tier: str, need: int, have: int, inputs: PlanInputs, deta
     share = ("" if owned == inputs.num_chunks else
              f" (this data-parallel rank holds {params} and the optimizer states of {owned} of the "
              f"{inputs.num_chunks} chunks: {format_bytes(held * inputs.param_chunk_bytes + owned * inputs.optimizer_chunk_bytes)})")
-    return (f"model states do not fit: the {tier} tier needs {format_bytes(need)} but its budget is "
+    head = (f"model states do not fit: the {tier} tier needs {format_bytes(need)} but its budget is "
             f"{format_bytes(have)} (short by {format_bytes(need - have)}); {detail}. All model states together "
-            f"take {format_bytes(total)}{share}. "
-            + ", ".join([f"Raise zero_cache.{tier}_memory_budget to at least {need} bytes",
-                         *_nvme_advice(inputs, tier, need - have),
-                         "shrink the micro-batch or enable activation checkpointing", "or use more GPUs."]))
+            f"take {format_bytes(total)}{share}. ")
+    if host_buffers:
+        return head + f"Raise zero_cache.{tier}_memory_budget to at least {need} bytes."
+    return head + ", ".join([f"Raise zero_cache.{tier}_memory_budget to at least {need} bytes",
+                             *_nvme_advice(inputs, tier, need - have),
+                             "shrink the micro-batch or enable activation checkpointing", "or use more GPUs."])
 
 
 def _nvme_advice(inputs: PlanInputs, tier: str, short_bytes: int) -> list[str]:
