@@ -164,8 +164,13 @@ def _describe(err: pydantic.ValidationError, err_input: Any = None) -> list[str]
         elif item["type"] == "missing":
             lines.append(f"{path}: required key is missing")
         else:
-            lines.append(f"{path}: {message} (got {item['input']!r})")
+            lines.append(f"{path}: {message} (got {item['input']!r}){_ALLOWED.get(path, '')}")
     return lines
+
+
+_ALLOWED = {"scheduler.type": f"; use one of {', '.join(edge.SCHEDULER_PARAMS)}",
+            "optimizer.type": f"; use one of {', '.join(edge.OPTIMIZER_TYPES)}"}
+"""What a key whose value has the wrong type allows, where pydantic's message names only the type."""
 
 
 def _scheduler(section: edge.SchedulerSection | None) -> typed.SchedulerConfig | None:
@@ -199,11 +204,10 @@ def _check_schedule(params: Any) -> None:
         if bad:
             raise ConfigError(f"scheduler.params.{key}: must be >= 0 (a negative learning rate climbs the loss), "
                               f"got {value}")
-    total = getattr(params, "total_num_steps", None)
-    if total is not None and total < max(1, params.warmup_num_steps):
-        raise ConfigError(f"scheduler.params.total_num_steps: must be >= warmup_num_steps "
-                          f"({params.warmup_num_steps}) and >= 1, got {total}; set it to the run's steps "
-                          f"(train.steps) or lower warmup_num_steps")
+    total, warmup = getattr(params, "total_num_steps", None), getattr(params, "warmup_num_steps", 0)
+    if total is not None and total < max(1, warmup):
+        raise ConfigError(f"scheduler.params.total_num_steps: must be >= warmup_num_steps ({warmup}) and >= 1, "
+                          f"got {total}; set it to the run's steps (train.steps) or lower warmup_num_steps")
 
 
 def resolve_batch_sizes(

@@ -237,7 +237,8 @@ def train(cfg: EngineConfig, ctx: DistContext, dataset: TokenDataset, *, stop_re
     replica = ctx.rank // layout.num_stages
     flush_size = cfg.batch.micro_batch_size * cfg.autopipe.num_microbatches
     loader = ResumableDataLoader(dataset, flush_size, rank=replica, world_size=layout.num_replicas,
-                                 shuffle=cfg.data.shuffle, seed=cfg.seed or 0, num_workers=cfg.data.num_workers)
+                                 shuffle=cfg.data.shuffle, seed=cfg.seed or 0, num_workers=cfg.data.num_workers,
+                                 batch_key="train_micro_batch_size_per_gpu x autopipe.num_microbatches")
     step = resume(cfg, ctx, runner, optimizer, scheduler, loader,
                   allow_unsafe_pickle=allow_unsafe_pickle) if cfg.train.resume else 0
     return run_loop(cfg, ctx, runner, optimizer, scheduler, loader, step, flops_per_token, dataset.seq_len,

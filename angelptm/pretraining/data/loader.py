@@ -67,17 +67,18 @@ class ResumableDataLoader:
         rank, world_size, shuffle, seed: see :class:`ResumableSampler`.
         num_workers: DataLoader worker processes.
         collate_fn: optional batch collation.
+        batch_key: the setting ``batch_size`` comes from, named when the data holds less than one batch.
     """
 
     def __init__(self, dataset: Dataset, batch_size: int, *, rank: int = 0, world_size: int = 1,
                  shuffle: bool = True, seed: int = 0, num_workers: int = 0, collate_fn: Any = None,
-                 pin_memory: bool = False) -> None:
+                 pin_memory: bool = False, batch_key: str = "train_micro_batch_size_per_gpu") -> None:
         self.dataset = dataset
         self.batch_size = batch_size
         self.sampler = ResumableSampler(len(dataset), rank=rank, world_size=world_size, shuffle=shuffle, seed=seed)
         if len(self.sampler) < batch_size:
             raise DataError(
-                f"train_micro_batch_size_per_gpu {batch_size}: each rank gets {len(self.sampler)} samples per epoch "
+                f"{batch_key} {batch_size}: each rank gets {len(self.sampler)} samples per epoch "
                 f"({len(dataset)} samples over {world_size} ranks), fewer than one micro-batch of {batch_size}; "
                 f"use at most {len(self.sampler)}, or more data")
         # A private generator: every DataLoader iterator draws a base seed from it, and drawing from the
