@@ -24,7 +24,7 @@ def refused(extra: dict) -> str:
 
 def test_scheduler_type_given_as_a_list_is_refused_by_name():
     message = refused({"scheduler": {"type": ["WarmupLR"], "params": {}}})
-    assert "scheduler.type" in message and "WarmupLR" in message
+    assert "scheduler.type" in message and "['WarmupLR']" in message and "use one of WarmupLR, WarmupDecayLR" in message
 
 
 @pytest.mark.parametrize("params, key, value", [
