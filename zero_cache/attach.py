@@ -230,10 +230,16 @@ class WarmupTracer:
         return plan
 
     @staticmethod
-    def _apply(optimizer: ZeroCacheOptimizer, plan: Plan, *, trial: bool = False) -> int:
-        """Put ``plan`` in force between steps; returns the shards and groups moved. ``trial``: a device-step count
-        the tuner tries (its dropped kept gradients are kept for the next trial)."""
-        optimizer.finish_pending()
+    def _apply(optimizer: ZeroCacheOptimizer, plan: Plan, *, count_switch: bool = False, trial: bool = False) -> int:
+        """Put ``plan`` in force between steps; returns the shards and groups moved. ``count_switch``: ``plan`` only
+        changes the device-step count (nothing moves), so only the chunks it changes are waited for; ``trial``: a
+        count the tuner tries, whose dropped kept gradients are kept for the next trial."""
+        if count_switch:  # the chunks whose route or kept gradient changes: the rest runs on under the next forward
+            now = optimizer.store.plan
+            optimizer.finish_chunks(sorted(set(now.device_stepped) ^ set(plan.device_stepped)
+                                           | set(now.kept_gradients) ^ set(plan.kept_gradients)))
+        else:
+            optimizer.finish_pending()
         moved = optimizer.store.apply_plan(plan, keep_spare_gradients=trial)
         optimizer.device_stepped = frozenset(plan.device_stepped)
         return moved
@@ -243,7 +249,7 @@ class WarmupTracer:
         count = self.tuner.observe(step_seconds, optimizer.last_backward_seconds)
         if count is not None:
             self._apply(optimizer, with_device_step_count(self.inputs, optimizer.store.plan, count),
-                        trial=not self.tuner.done)
+                        count_switch=True, trial=not self.tuner.done)
         if not self.tuner.done:
             return
         optimizer.after_step = None
@@ -253,7 +259,7 @@ class WarmupTracer:
         self.rates = with_host_adam(self.rates, optimizer.host.adam_work.take())
         self.inputs = replace(self.inputs, rates=self.rates)
         plan = with_device_step_count(self.inputs, optimizer.store.plan, self.tuner.best)
-        self._apply(optimizer, plan)
+        self._apply(optimizer, plan, count_switch=True)
         self._log_prediction(self.tuner.measured[self.tuner.best], self.tuner.backward.get(self.tuner.best), plan,
                              updates_after_backward=optimizer.last_updates_after_backward)
 

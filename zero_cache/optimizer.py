@@ -46,7 +46,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -430,6 +430,17 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         ready = self.host.param_ready.pop(chunk, None)
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
+
+    def finish_chunks(self, chunks: Iterable[int]) -> None:
+        """Block until the host work and device-step copies of ``chunks`` have landed: what a switch of the
+        device-step count waits for (it changes only their route and kept gradients), where :meth:`finish_pending`
+        would drain the whole host tier into the switching step."""
+        for chunk in chunks:
+            self.device_steps.wait(chunk)
+            self.wait_for_chunk(chunk)
+            # No job of the chunk is left on the worker: its lazy update, if one waits, folds here from the kept
+            # gradient the switch may take away.
+            self.host.settle(chunk)
 
     def finish_pending(self) -> None:
         """Block until every host update and copy has landed, and every moment is stored (before checkpoints and
