@@ -30,6 +30,8 @@ from angelptm.pipe.engine import PipelineEngine
 from angelptm.runtime.activation_checkpointing import checkpointing
 
 __version__ = "0.1.0"
+__version_major__, __version_minor__, __version_patch__ = (int(part) for part in __version__.split("."))
+__git_hash__ = __git_branch__ = "[none]"  # DeepSpeed's attributes (an installed package, not a checkout)
 
 __all__ = ["CheckpointError", "ConfigError", "DeepSpeedEngine", "Engine", "EngineConfig", "PipelineEngine", "PipelineModule",
            "accelerator", "add_config_arguments", "checkpointing", "comm", "init_distributed", "initialize",

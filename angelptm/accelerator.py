@@ -228,3 +228,8 @@ def get_accelerator() -> Accelerator:
     if forced not in (None, "cuda", "cpu"):
         raise ValueError(f"DS_ACCELERATOR={forced!r}: angelptm runs on 'cuda' or 'cpu'")
     return Accelerator(forced)
+
+
+def is_current_accelerator_supported() -> bool:
+    """DeepSpeed's check that its accelerator is one it supports: always true here (CUDA or the CPU)."""
+    return True

@@ -54,7 +54,8 @@ class WarmupLRParams(Section):
     """One value, or one per param group (as DeepSpeed allows)."""
     warmup_max_lr: float | list[float] | None = None
     warmup_num_steps: int = 1000
-    warmup_type: Literal["log", "linear"] = "log"
+    warmup_type: str = "log"
+    """"log" or "linear"; any other value falls back to "log" with a warning, as DeepSpeed does."""
     last_batch_iteration: int = -1
 
 
@@ -68,7 +69,36 @@ class WarmupCosineLRParams(Section):
     warmup_min_ratio: float = 0.0
     warmup_num_steps: int = 1000
     cos_min_ratio: float = 0.0001
-    warmup_type: Literal["log", "linear"] = "log"
+    warmup_type: str = "log"
+    """As in :class:`WarmupLRParams`."""
+    last_batch_iteration: int = -1
+
+
+class OneCycleParams(Section):
+    """DeepSpeed's OneCycle (angelptm.engine.cyclic_schedules): the lr and beta1 over one cycle, then decay."""
+
+    cycle_min_lr: float | list[float]
+    cycle_max_lr: float | list[float]
+    decay_lr_rate: float = 0.0
+    cycle_first_step_size: int = 2000
+    cycle_second_step_size: int | None = None
+    cycle_first_stair_count: int = 0
+    cycle_second_stair_count: int | None = None
+    decay_step_size: int = 0
+    cycle_momentum: bool = True
+    cycle_min_mom: float | list[float] = 0.8
+    cycle_max_mom: float | list[float] = 0.9
+    decay_mom_rate: float = 0.0
+    last_batch_iteration: int = -1
+
+
+class LRRangeTestParams(Section):
+    """DeepSpeed's LRRangeTest: the lr grows from lr_range_test_min_lr by step_rate every step_size steps."""
+
+    lr_range_test_min_lr: float | list[float] = 0.001
+    lr_range_test_step_size: int = 2000
+    lr_range_test_step_rate: float = 1.0
+    lr_range_test_staircase: bool = False
     last_batch_iteration: int = -1
 
 
@@ -76,6 +106,8 @@ SCHEDULER_PARAMS: dict[str, type[Section]] = {
     "WarmupLR": WarmupLRParams,
     "WarmupDecayLR": WarmupDecayLRParams,
     "WarmupCosineLR": WarmupCosineLRParams,
+    "OneCycle": OneCycleParams,
+    "LRRangeTest": LRRangeTestParams,
 }
 OPTIMIZER_TYPES = ("Adam", "AdamW")
 

@@ -86,12 +86,44 @@ def read_config_source(config: str | os.PathLike | dict | None) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        loaded = json.loads(path.read_text())
+        loaded = parse_config_text(path.read_text())
     except json.JSONDecodeError as err:
-        raise ConfigError(f"{path}: not valid JSON at line {err.lineno}, column {err.colno}: {err.msg}") from None
+        raise ConfigError(f"{path}: not valid JSON at line {err.lineno}, column {err.colno}: {err.msg} (nor "
+                          "hjson)") from None
+    except ValueError as err:  # a key given twice
+        raise ConfigError(f"{path}: {err}") from None
     if not isinstance(loaded, dict):
         raise ConfigError(f"{path}: the top level must be a JSON object, got {type(loaded).__name__}")
     return loaded
+
+
+def parse_config_text(text: str) -> Any:
+    """A config file's text as DeepSpeed reads it: JSON, else hjson (comments, unquoted keys, trailing commas).
+
+    Raises:
+        json.JSONDecodeError: neither parses (the JSON error, which names line and column).
+        ValueError: a key given twice in one object (DeepSpeed refuses that too; JSON would keep the last).
+    """
+    try:
+        return json.loads(text, object_pairs_hook=refuse_duplicate_keys)
+    except json.JSONDecodeError as json_error:
+        try:
+            import hjson
+        except ImportError:  # hjson comes with deepspeed; without it only JSON is read
+            raise json_error from None
+        try:
+            return hjson.loads(text, object_pairs_hook=refuse_duplicate_keys)
+        except hjson.HjsonDecodeError:
+            raise json_error from None
+
+
+def refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` for the JSON and hjson readers: a dict, or ValueError naming a key given twice."""
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        keys = [key for key, _ in pairs]
+        raise ValueError(f"duplicate keys in the config: {sorted({key for key in keys if keys.count(key) > 1})}")
+    return result
 
 
 def _allowed_keys(schema: type) -> dict[str, Any]:
@@ -189,7 +221,7 @@ def _scheduler(section: edge.SchedulerSection | None) -> typed.SchedulerConfig |
     except pydantic.ValidationError as err:
         lines = [f"scheduler.params.{line}" for line in _describe(err, section.params)]
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
-    if params.warmup_num_steps <= 0:
+    if getattr(params, "warmup_num_steps", 1) <= 0:  # (OneCycle and LRRangeTest have no warm-up)
         raise ConfigError(f"scheduler.params.warmup_num_steps: must be a positive integer, got {params.warmup_num_steps}")
     _check_schedule(params)
     return typed.SchedulerConfig(type=section.type, params=params.model_dump())

@@ -31,7 +31,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
                dist_init_required: bool | None = None, collate_fn: Callable | None = None,
                config: str | dict | EngineConfig | None = None, mesh_param: Any = None,
                config_params: str | dict | None = None
-               ) -> tuple[Engine, MixedPrecisionOptimizer | None, ResumableDataLoader | None, Any]:
+               ) -> tuple[Engine, torch.optim.Optimizer | None, ResumableDataLoader | None, Any]:
     """Build the training engine, like ``deepspeed.initialize``.
 
     Args:
@@ -52,11 +52,15 @@ def initialize(args: Any = None, model: nn.Module | None = None,
             :class:`EngineConfig` already loaded with :func:`load_config` (not parsed again).
 
     Returns:
-        ``(engine, optimizer, training_dataloader, lr_scheduler)``; items not requested are None.
+        ``(engine, optimizer, training_dataloader, lr_scheduler)``; items not requested are None. The optimizer is
+        DeepSpeed's choice: the client's own in an fp32 run without ZeRO, else the engine's wrapper.
+
+    Raises:
+        AssertionError: ``model`` is None (DeepSpeed's error type for it).
     """
     show_logs_in_plain_script()  # the dtype, steps_per_print and pipeline loss lines, as DeepSpeed shows them
-    if model is None:
-        raise ConfigError("angelptm.initialize: model= is required")
+    if model is None:  # AssertionError, as DeepSpeed's initialize raises (scripts and tests catch that type)
+        raise AssertionError("angelptm.initialize: model= is required (pass the nn.Module to train)")
     if mpu is not None or mesh_param is not None:
         raise ConfigError("angelptm.initialize: mpu/mesh_param (tensor or sequence parallelism) are not supported")
     if isinstance(model, PipelineModule):  # DeepSpeed's PipelineEngine: train_batch() on AutoPipe's runtime
@@ -97,7 +101,20 @@ def initialize(args: Any = None, model: nn.Module | None = None,
                                      pin_memory=ctx.device.type == "cuda")
     engine = Engine(model, cfg, ctx, wrapped, scheduler, loader, experts=experts)
     gathered_params.register(engine)  # zero.GatheredParameters finds the engine that owns a parameter
-    return engine, wrapped, loader, scheduler
+    return engine, _returned_optimizer(wrapped, optimizer, cfg), loader, scheduler
+
+
+def _returned_optimizer(wrapped: Any, client: Any, cfg: EngineConfig) -> Any:
+    """What ``initialize`` hands back as the optimizer: DeepSpeed's choice.
+
+    DeepSpeed returns the client's own optimizer (the one given, or the one its callable built) when it trains
+    in fp32 without ZeRO, and its wrapper otherwise; scripts compare it with theirs (``ds_optimizer ==
+    client_optimizer``). That optimizer's param groups are the ones the engine steps, so schedulers built on
+    either see the same rates. ``engine.optimizer`` stays the engine's wrapper.
+    """
+    plain = (isinstance(wrapped, MixedPrecisionOptimizer) and client is not None and cfg.zero.stage == 0
+             and cfg.precision.dtype == torch.float32 and cfg.precision.loss_scale is None)
+    return wrapped.optimizer if plain else wrapped
 
 
 def _check_fits(model: nn.Module, client: Any, model_parameters: list | None, cfg: EngineConfig,

@@ -4,6 +4,9 @@ DeepSpeed's other ops (``lamb``, ``adagrad``, ``lion``, ``transformer``, ...) ar
 README's compatibility table says what to use instead.
 """
 
-from angelptm.ops import adam
+from angelptm.ops import adam, op_builder
 
-__all__ = ["adam"]
+__compatible_ops__ = dict.fromkeys(op_builder.ALL_OPS, False)
+"""DeepSpeed's op name -> whether it can be built here: none can (see ``op_builder``)."""
+
+__all__ = ["adam", "op_builder"]
