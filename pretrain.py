@@ -41,6 +41,7 @@ from angelptm.pretraining import health
 from angelptm.pretraining.job_errors import RunUnhealthyError, comms_timeout, one_line
 from angelptm.pretraining.models import build_model
 from angelptm.telemetry.monitor import ThroughputMeter, format_memory, format_tiers, memory_snapshot
+from angelptm.telemetry.progress import progress_bar
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.json"
 logger = logging.getLogger("pretrain")
@@ -293,8 +294,7 @@ def run_loop(engine: angelptm.Engine, cfg: EngineConfig, ctx: DistContext, loade
     meter = ThroughputMeter(engine.module.flops_per_token(seq_len), ctx.device)
     stop = StopRequest()
     tokens_per_step = cfg.batch.train_batch_size * seq_len
-    progress = tqdm(total=cfg.train.steps, initial=engine.global_steps, desc="train", unit="step",
-                    disable=not ctx.is_main, dynamic_ncols=True)
+    progress = progress_bar(cfg.train.steps, engine.global_steps, shown=ctx.is_main)  # off a terminal: step lines only
     loss_sum, loss_count, last_loss = 0.0, 0, float("nan")
     run_health = health.RunHealth(cfg.train.max_bad_steps)
     while engine.global_steps < cfg.train.steps and not ctx.any_rank(stop.requested):

@@ -51,7 +51,7 @@ class Rates:
     def describe(self) -> str:
         return (f"H2D {self.h2d_bytes_per_s / 2**30:.0f} GiB/s, D2H {self.d2h_bytes_per_s / 2**30:.0f} GiB/s, "
                 f"host Adam {self.host_adam_elements_per_s / 1e9:.1f} G elements/s "
-                f"({'measured here' if self.measured else 'nominal: the lent H200'})")
+                f"({'measured here' if self.measured else 'nominal: an H200 host, until this one is measured'})")
 
 
 NOMINAL_RATES = Rates(h2d_bytes_per_s=51 * 2**30, d2h_bytes_per_s=51 * 2**30, host_adam_elements_per_s=4.3e9)

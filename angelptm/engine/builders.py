@@ -59,8 +59,17 @@ def report_config(cfg: EngineConfig, ctx: DistContext) -> None:
         logger.warning("these config keys are accepted for DeepSpeed compatibility but have no effect here: %s",
                        ", ".join(cfg.accepted_not_acted))
     if cfg.zero.stage > 0 and not cfg.zero_cache.enabled:
-        logger.warning("zero_optimization.stage=%d: model states are not partitioned yet (ZeRO-Cache is the planned "
-                       "path); every rank holds a full replica", cfg.zero.stage)
+        logger.warning("%s", zero_stage_note(cfg.zero.stage, ctx.world_size))
+
+
+def zero_stage_note(stage: int, world_size: int) -> str:
+    """What a ZeRO stage without ZeRO-Cache does here, in one line: it shards nothing, whatever the ranks."""
+    if world_size == 1:
+        return (f"zero_optimization.stage={stage} on one process: nothing to shard, so weights, gradients and Adam "
+                "states are all held here in full (as plain data-parallel training); to put states in host memory "
+                "or on NVMe, use stage 3 with offload_optimizer/offload_param or a zero_cache section")
+    return (f"zero_optimization.stage={stage}: states are not sharded over the {world_size} ranks here; each holds a "
+            "full replica (data parallel). Stage 3 with an offload section, or zero_cache, shards and offloads them")
 
 
 def report_precision(cfg: EngineConfig) -> None:

@@ -15,6 +15,9 @@ import logging
 import sys
 
 PACKAGE_LOGGER = "angelptm"
+COMPOSED_LOGGERS = ("zero_cache", "moe", "autopipe")
+"""The packages angelptm composes log under their own names (``zero_cache.native``'s "compiling ..." line): they
+get the same handler, or their INFO lines would not show in a plain script."""
 FORMAT = "[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:%(funcName)s] %(message)s"
 """DeepSpeed's log format (deepspeed/utils/logging.py), so the lines read as a DeepSpeed user expects."""
 
@@ -58,5 +61,8 @@ def show_logs_in_plain_script() -> None:
         return
     if logging.getLogger().handlers or package.handlers or package.level != logging.NOTSET:
         return
-    package.addHandler(PlainScriptHandler())
-    package.setLevel(logging.INFO)
+    for name in (PACKAGE_LOGGER, *COMPOSED_LOGGERS):
+        logger = logging.getLogger(name)
+        if not logger.handlers and logger.level == logging.NOTSET:
+            logger.addHandler(PlainScriptHandler())
+            logger.setLevel(logging.INFO)

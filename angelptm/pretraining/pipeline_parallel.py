@@ -36,6 +36,7 @@ from angelptm.pretraining.data import TokenDataset, repeat_batches
 from angelptm.pretraining.data.loader import ResumableDataLoader
 from angelptm.pretraining.models import build_model
 from angelptm.telemetry.monitor import ThroughputMeter, format_memory, memory_snapshot
+from angelptm.telemetry.progress import progress_bar
 from autopipe.graph import trace
 from autopipe.runtime import PipelineLayout, PipelineRunner, check_microbatches
 
@@ -275,8 +276,7 @@ def run_loop(cfg: EngineConfig, ctx: DistContext, runner: PipelineRunner, optimi
         return None
     batches = repeat_batches(loader)
     meter = ThroughputMeter(flops_per_token, ctx.device)
-    progress = tqdm(total=cfg.train.steps, initial=step, desc="train", unit="step", disable=not ctx.is_main,
-                    dynamic_ncols=True)
+    progress = progress_bar(cfg.train.steps, step, shown=ctx.is_main)  # off a terminal: step lines only
     loss_sum, count, last_loss = torch.zeros((), device=ctx.device), 0, float("nan")
     while step < cfg.train.steps and not ctx.any_rank(stop_requested()):
         loss, norm = train_step(cfg, runner, optimizer, batches)

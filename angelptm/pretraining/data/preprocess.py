@@ -329,8 +329,10 @@ def prepare_default_dataset(cache_dir: str | os.PathLike[str], tokenizer: Tokeni
         if meta.get("fingerprint") == fingerprint and meta.get("num_tokens") == index.num_tokens:
             return str(prefix)
         logger.info("rebuilding %s: made from another corpus, tokenizer or version", prefix)
-    except (OSError, ValueError) as exc:  # missing or corrupt: rebuild
-        logger.info("building %s (%s)", prefix, exc)
+    except FileNotFoundError:  # the first run: nothing cached yet (not an error)
+        logger.info("tokenizing %s into the cache %s (first run; later runs reuse it)", corpus.name, prefix)
+    except (OSError, ValueError) as exc:  # unreadable or corrupt: rebuild
+        logger.info("rebuilding the token cache %s: the cached copy is unreadable (%s)", prefix, exc)
     stats = preprocess([corpus], prefix, tokenizer or Tokenizer.from_file(tokenizer_file), fmt="text",
                        max_lines=DEFAULT_MAX_LINES, progress=False)
     tmp = meta_path.with_name(f"{meta_path.name}.tmp-{os.getpid()}")
