@@ -408,6 +408,7 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     stats = allocator_stats_for(device)
     if stats is not None:  # the warm-up measures the non-model peak from here
         tracer.measure(module, [p for _, p in params], NonModelMeter(device_tier, stats))
+        hybrid.hooks += tracer.sampling_hooks  # (removed by the re-plan, or by destroy() if it never comes)
     if shard_params:
         hybrid.hooks += register_saving_hooks(module, hybrid.exchange.gathered)
     hybrid.hooks += _register_forward_hooks(module, store, hybrid, tracer)

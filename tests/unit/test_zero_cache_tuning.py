@@ -205,3 +205,24 @@ def test_switching_between_trial_counts_allocates_no_kept_gradient_twice(monkeyp
     assert optimizer.after_step is None and max(seen) > 0 and seen[-1] == 0
     assert len(allocated) == allocations_before, "a kept gradient was allocated again"
     assert len(store.plan.kept_gradients) == kept_before and store.tiers[HOST].used_bytes == host_before
+
+
+def test_host_chunks_update_in_backward_after_every_unclipped_step_under_clipping():
+    """The speculation rule with clipping configured: a step whose norm stays under the threshold predicts the next
+    (its host chunks update during backward), a clipped one predicts another clip (they wait for the norm); the
+    rule follows the last step's norm, not whether clipping is configured."""
+    seed = torch.randint(0, 10_000, ()).item()
+    engine, optimizer, _, _ = angelptm.initialize(model=tiny_llama(seed), config=config("host", clip=1.0))
+    batches = random_batches(seed, count=8, batch=2)
+    clipped = [random.random() < 0.5 for _ in batches]
+    clipped[1:3] = [False, True]  # both kinds follow some step
+    clipped[3:5] = [True, False]
+    for index, (batch, clips) in enumerate(zip(batches, clipped)):
+        loss = engine(**batch)
+        engine.backward(loss * (1e4 if clips else 1e-6))  # a norm far above 1.0, or far below it
+        engine.step()
+        assert (optimizer.last_grad_norm > 1.0) == clips
+        if index:  # (the first step speculates: nothing is known yet)
+            assert optimizer.last_updates_after_backward == clipped[index - 1], index
+    optimizer.finish_pending()
+    assert optimizer.counts["speculated_chunks"] > 0
