@@ -1,5 +1,7 @@
 """Bridges from other training libraries onto this engine, each imported on its own.
 
 ``from angelptm.integrations.transformers import Trainer`` needs ``transformers`` and ``accelerate``;
-``import angelptm`` needs neither, so nothing here is imported by the package itself.
+``import angelptm.integrations.accelerate`` and ``import angelptm.integrations.lightning`` make ``deepspeed``
+another name of ``angelptm`` for the process (``deepspeed_alias``), so those libraries' own DeepSpeed code runs
+on this engine. ``import angelptm`` needs none of them, so nothing here is imported by the package itself.
 """
