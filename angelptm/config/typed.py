@@ -53,14 +53,31 @@ class OptimizerConfig:
     """Use the AMSGrad variant."""
 
     def __post_init__(self) -> None:
-        if self.lr < 0:
-            raise ValueError(f"optimizer.params.lr: must be >= 0, got {self.lr}")
-        if not all(0.0 <= beta < 1.0 for beta in self.betas):
-            raise ValueError(f"optimizer.params.betas: each must be in [0, 1), got {list(self.betas)}")
-        if self.eps <= 0:
-            raise ValueError(f"optimizer.params.eps: must be > 0, got {self.eps}")
-        if self.weight_decay < 0:
-            raise ValueError(f"optimizer.params.weight_decay: must be >= 0, got {self.weight_decay}")
+        check_optimizer_values(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+
+
+MAX_LR = 10.0
+"""Largest ``optimizer.params.lr`` (and ``weight_decay``) accepted. Adam's step moves each weight by about lr,
+so an lr above this wrecks the weights at the first step and every later step is skipped (issue 38: lr 1e10
+ended "done: final loss nan" with exit 0); typical AdamW rates are 1e-5 to 1e-2."""
+
+
+def check_optimizer_values(*, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """Refuse absurd Adam hyperparameters (NaN fails every comparison below, so it is refused too).
+
+    Raises:
+        ValueError: one line naming the key, the value and the range allowed.
+    """
+    if not 0.0 <= lr <= MAX_LR:
+        raise ValueError(f"optimizer.params.lr: {lr!r} is outside [0, {MAX_LR:g}]; lower it "
+                         "(typical AdamW rates are 1e-5 to 1e-2)")
+    if not all(0.0 <= beta < 1.0 for beta in betas):
+        raise ValueError(f"optimizer.params.betas: {tuple(betas)!r} has a value outside [0, 1); use e.g. [0.9, 0.999]")
+    if not 0.0 < eps < 1.0:
+        raise ValueError(f"optimizer.params.eps: {eps!r} is outside (0, 1); use e.g. 1e-8")
+    if not 0.0 <= weight_decay <= MAX_LR:
+        raise ValueError(f"optimizer.params.weight_decay: {weight_decay!r} is outside [0, {MAX_LR:g}]; "
+                         "use e.g. 0.01 or 0.1")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -45,28 +46,46 @@ def test_pruning_keeps_the_newest_healthy_checkpoint_when_unhealthy_ones_are_new
     assert checkpoint_is_healthy(tmp_path / "global_step2") and not checkpoint_is_healthy(tmp_path / "global_step4")
 
 
-def test_pretrain_with_an_absurd_lr_stops_naming_the_last_healthy_checkpoint(tmp_path, capsys):
-    """The issue's lr 1e10: step 1 is applied with a finite loss, then every loss is non-finite."""
-    sys.path.insert(0, str(ROOT))
-    import pretrain as job
-
+def tiny_diverging_config(tmp_path: Path, **params: float) -> Path:
     config = json.loads((ROOT / "configs" / "tiny.json").read_text())
-    config["optimizer"]["params"]["lr"] = 1e10
+    config["optimizer"]["params"].update(params)
     config.pop("scheduler")
     config["model"].update(num_layers=1, hidden_size=32, max_seq_len=32)
     config["train_micro_batch_size_per_gpu"] = 2
     config["data"]["cache_dir"] = str(ROOT / ".cache" / "angelptm")
-    save_dir = tmp_path / "run"
-    config["train"] = {"steps": 40, "save_dir": str(save_dir), "save_interval": 1, "log_interval": 1,
+    config["train"] = {"steps": 40, "save_dir": str(tmp_path / "run"), "save_interval": 1, "log_interval": 1,
                        "keep_last": 1, "max_bad_steps": 3}
     (tmp_path / "c.json").write_text(json.dumps(config))
-    assert job.main(["--config", str(tmp_path / "c.json")]) == 3
+    return tmp_path / "c.json"
+
+
+def test_pretrain_that_diverges_stops_naming_the_last_healthy_checkpoint(tmp_path, capsys):
+    """The largest lr and weight decay the parse allows (10 each): AdamW's decoupled decay multiplies every weight
+    by 1 - lr * weight_decay = -99 per step, so after a healthy step or two the gradients overflow at every step."""
+    sys.path.insert(0, str(ROOT))
+    import pretrain as job
+
+    save_dir = tmp_path / "run"
+    assert job.main(["--config", str(tiny_diverging_config(tmp_path, lr=10.0, weight_decay=10.0))]) == 3
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith("error: no healthy step in the last 3 steps"), errors
-    assert f"the last healthy checkpoint is {save_dir / 'global_step1'}" in errors[0]
-    assert (save_dir / "latest").read_text() == "global_step1"
-    assert checkpoint_is_healthy(save_dir / "global_step1")
-    assert not (save_dir / "global_step4").exists()  # the stop saves nothing more
+    found = re.search(r"up to step (\d+);.* the last healthy checkpoint is (\S+) and `latest` names it", errors[0])
+    assert found, errors[0]
+    stop_step, healthy = int(found[1]), Path(found[2])
+    assert healthy.parent == save_dir and (save_dir / "latest").read_text() == healthy.name
+    assert checkpoint_is_healthy(healthy) and healthy.name == f"global_step{stop_step - 3}"
+    assert not checkpoint_is_healthy(save_dir / f"global_step{stop_step - 1}")
+    assert not (save_dir / f"global_step{stop_step}").exists()  # the stop saves nothing more
+
+
+def test_pretrain_refuses_the_issues_lr_of_1e10_before_building_anything(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT))
+    import pretrain as job
+
+    assert job.main(["--config", str(tiny_diverging_config(tmp_path, lr=1e10))]) == 2
+    err = capsys.readouterr().err
+    assert "optimizer.params.lr: 10000000000.0 is outside [0, 10]" in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_second_pretrain_on_the_same_save_dir_is_refused_at_start(tmp_path, capsys, monkeypatch):
