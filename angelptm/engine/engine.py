@@ -26,6 +26,7 @@ from angelptm.engine.mixed_precision import MixedPrecisionOptimizer
 from angelptm.launch.distributed import DistContext
 from angelptm.memory.oom import explained_oom
 from angelptm.pretraining.data.loader import ResumableDataLoader
+from angelptm.pretraining.health import RunHealth
 from angelptm.telemetry.monitor import MetricsSink
 from angelptm.telemetry.step_trace import StepTracer
 from zero_cache.timeline import Timeline
@@ -79,6 +80,9 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
         self._timings: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self.monitor = MetricsSink(config.monitor.csv_dir, config.monitor.tensorboard_dir) if ctx.is_main else None
         self._loss_sum: torch.Tensor | None = None  # this step's micro-batch losses, kept on the device
+        # Skipped steps go on as under DeepSpeed; the script gets a line when the run turns unhealthy and recovers.
+        self._health = RunHealth(config.train.max_bad_steps)
+        self._loss_nonfinite: torch.Tensor | None = None  # this step's micro-batch losses: any non-finite, on device
         self._destroyed = False
         # ZeRO-Cache's timeline also records its copies, host jobs and disk requests; otherwise compute only.
         self._tracer = StepTracer(getattr(optimizer, "timeline", None) or Timeline(ctx.device))
@@ -191,6 +195,8 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
             self.optimizer.prepare_backward(self.is_gradient_accumulation_boundary())
         if scale_wrt_gas:
             loss = loss / self.gradient_accumulation_steps()
+        nonfinite = ~torch.isfinite(loss.detach())  # no sync: read at step() only if the step was skipped
+        self._loss_nonfinite = nonfinite if self._loss_nonfinite is None else self._loss_nonfinite | nonfinite
         scaled = loss.float() * self.loss_scale
         # The optimizer takes gradients out of .grad only inside the engine's backward: one of a backward
         # outside stays in .grad, where the script's zero_grad() reaches it, as under DeepSpeed.
@@ -239,6 +245,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self._timings["step"] += self._clock() - start
+        self._watch_health()
         if self.monitor is not None and self.monitor.enabled:
             self._write_monitor()
         if self.global_steps % self.config.monitor.steps_per_print == 0 and self.ctx.is_main:
@@ -272,6 +279,16 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
         if self._destroyed:
             raise RuntimeError(f"engine.{call}() after engine.destroy(): the engine released its optimizer; build a "
                                "new one with angelptm.initialize() over the module, which kept its weights")
+
+    def _watch_health(self) -> None:
+        """One warning line when ``train.max_bad_steps`` steps in a row were skipped or had a non-finite loss, one
+        info line at the first healthy step after that; the run goes on. A non-finite loss makes non-finite
+        gradients, which skip the step, so the loss flag is read (a device sync) only for a skipped step."""
+        nonfinite, self._loss_nonfinite = self._loss_nonfinite, None
+        finite = self._step_applied or nonfinite is None or not bool(nonfinite.item())
+        said = self._health.watch(self.global_steps, applied=self._step_applied, finite=finite)
+        if said is not None and self.ctx.is_main:
+            logger.log(*said)
 
     def _write_monitor(self) -> None:
         """DeepSpeed's per-step monitor scalars (rank 0; the loss is this rank's micro-batch mean)."""

@@ -8,7 +8,8 @@ after ``train.max_bad_steps`` consecutive unhealthy steps the run stops with
 ``latest`` is pointed back at it. Each checkpoint ``pretrain.py`` saves records whether the run was healthy
 then (``client_state["healthy"]``), and pruning always keeps the newest healthy one.
 
-A user's own script keeps DeepSpeed's behaviour (skipped steps go on); this module is ``pretrain.py``'s.
+A user's own script keeps DeepSpeed's behaviour (skipped steps go on): its engine calls :meth:`RunHealth.watch`,
+which never raises and returns one warning line when the run turns unhealthy and one info line when it recovers.
 """
 
 from __future__ import annotations
@@ -55,6 +56,24 @@ class RunHealth:
         if self.bad_steps >= self.max_bad_steps:
             raise RunUnhealthyError(f"no healthy step in the last {self.bad_steps} steps (up to step {step}; "
                                     f"train.max_bad_steps {self.max_bad_steps}): {self.last_cause}")
+
+    def watch(self, step: int, *, applied: bool, finite: bool) -> tuple[int, str] | None:
+        """Like :meth:`record` but never raises: a user's own script goes on as under DeepSpeed.
+
+        Returns:
+            (logging level, line) at the step the run turns unhealthy (the ``max_bad_steps``-th bad step in a
+            row) and at the first healthy step after that; None at every other step.
+        """
+        was_unhealthy, bad_before = self.bad_steps >= self.max_bad_steps, self.bad_steps
+        try:
+            self.record(step, applied=applied, finite=finite)
+        except RunUnhealthyError as err:
+            return None if was_unhealthy else (logging.WARNING, (
+                f"{err}; lower optimizer.params.lr or check the data (engine.was_step_applied() tells whether "
+                "each step was applied)"))
+        if was_unhealthy and self.healthy:
+            return logging.INFO, f"the run is healthy again at step {step} after {bad_before} unhealthy steps"
+        return None
 
 
 def checkpoint_is_healthy(path: Path) -> bool:
