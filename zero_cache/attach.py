@@ -205,10 +205,9 @@ class WarmupTracer:
                              sharding=store.sharding, shard_params=store.shard_params, in_backward=self.in_backward,
                              gpu=device_tier.device.type == "cuda", rates=self.rates)
         inputs = with_measured_gathers(inputs, optimizer, self.gathers_as_planned)
-        # "auto" device steps by the step the warm-up's backward predicts (:func:`~zero_cache.planner.make_plan`), for
-        # steps that update during backward: the warm-up's first norm says little of the later ones (at 13.1B and
-        # 10B with clip 1.0 the first step clipped and the settled ones did not).
-        inputs = replace(inputs, backward_seconds=optimizer.last_backward_seconds)
+        # "auto" device steps by the step the warm-up's backward predicts (:func:`~zero_cache.planner.make_plan`).
+        inputs = replace(inputs, backward_seconds=optimizer.last_backward_seconds,
+                         updates_after_backward=optimizer.next_updates_after_backward)
         plan, failure = None, "it failed on another data-parallel rank"
         try:
             plan = make_plan(inputs)
@@ -224,9 +223,8 @@ class WarmupTracer:
         moved = self._apply(optimizer, plan)
         if optimizer.exchange is not None:
             optimizer.exchange.apply_working_set(plan)
-        logger.info("ZeRO-Cache re-plan after warm-up (non-model peak %d MiB; backward %s; %s): %s; %d groups moved",
-                    nonmodel // 2**20, "not timed" if inputs.backward_seconds is None
-                    else f"{inputs.backward_seconds:.3f} s", self.rates.describe(), plan.summary(), moved)
+        logger.info("ZeRO-Cache re-plan after warm-up (non-model peak %d MiB; %s): %s; %d groups moved",
+                    nonmodel // 2**20, self.rates.describe(), plan.summary(), moved)
         self.inputs = inputs
         host_groups = plan.optimizer_tier.count(HOST)
         if self.tune_device_steps and host_groups:
