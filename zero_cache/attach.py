@@ -205,9 +205,6 @@ class WarmupTracer:
                              sharding=store.sharding, shard_params=store.shard_params, in_backward=self.in_backward,
                              gpu=device_tier.device.type == "cuda", rates=self.rates)
         inputs = with_measured_gathers(inputs, optimizer, self.gathers_as_planned)
-        # "auto" device steps by the step the warm-up's backward predicts (:func:`~zero_cache.planner.make_plan`).
-        inputs = replace(inputs, backward_seconds=optimizer.last_backward_seconds,
-                         updates_after_backward=optimizer.next_updates_after_backward)
         plan, failure = None, "it failed on another data-parallel rank"
         try:
             plan = make_plan(inputs)

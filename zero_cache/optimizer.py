@@ -221,12 +221,6 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         return bool(self._written)
 
     @property
-    def next_updates_after_backward(self) -> bool:
-        """Whether the next step's host updates wait for its global norm (the last step clipped: no speculation in
-        backward, :mod:`zero_cache.revision`)."""
-        return not self._speculating
-
-    @property
     def params_sharded(self) -> bool:
         """Each rank stores only its shards of the params: the weights are whole only in the fp32 masters."""
         return self.store.shard_params

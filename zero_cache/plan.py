@@ -88,12 +88,6 @@ class PlanInputs:
     many at most, or None for the count with the cheapest step (:func:`~zero_cache.step_cost.cheapest_device_steps`)."""
     rates: Rates = NOMINAL_RATES
     """How fast PCIe and the host's Adam move the step's work: the placements are compared at these rates."""
-    backward_seconds: float | None = None
-    """The backward measured in the warm-up step (None before it): with it, "auto" device steps are counted by the
-    step it predicts (:meth:`~zero_cache.step_cost.StepTraffic.predicted_step`), not by the whole-step floor."""
-    updates_after_backward: bool = False
-    """Whether the next step's host updates are expected to wait for the global norm (the last step clipped), for
-    that prediction."""
 
     def __post_init__(self) -> None:
         if self.owned is not None and not all(0 <= c < self.num_chunks for c in self.owned):

@@ -338,13 +338,6 @@ def _device_steps_and_kept(inputs: PlanInputs, traffic: StepTraffic, off_device:
     """Of the host groups ``on_host`` (use order), the first ``count`` stepped on the device (None: the cheapest
     count), and the kept gradients the host has room for among the other ``off_device`` groups, those used last.
 
-    The cheapest count: before the backward is measured, the one with the lowest whole-step floor
-    (:func:`~zero_cache.step_cost.cheapest_device_steps`); once the warm-up has measured it
-    (``inputs.backward_seconds``), the one with the least predicted step
-    (:meth:`~zero_cache.step_cost.StepTraffic.predicted_step`). The floor treats every copy as overlapping the whole
-    step, but a device step's copies come after backward and the next forward waits for them, while the host's Adam
-    on kept gradients runs under backward: at 13.1B on the H200 the floor chose 7 groups, and 2 ran 1.4x faster.
-
     Returns:
         The traffic with those device steps, the device-stepped chunks, the chunks keeping their gradient, and
         the host bytes with the kept gradients.
@@ -355,26 +348,18 @@ def _device_steps_and_kept(inputs: PlanInputs, traffic: StepTraffic, off_device:
     candidates = [HostChunk(params_home_on_host=kind is not None and kind.in_host_memory,
                             accumulating=inputs.grad_bytes_per_element > 0) for kind in homes[:steppable]]
     sizes = dict(chunk_numel=inputs.chunk_numel, param_bytes_per_element=inputs.param_bytes_per_element)
-
-    def stepping(number: int) -> tuple[StepTraffic, tuple[int, ...], tuple[int, ...], int]:
-        stepped = with_device_steps(traffic, candidates[:number], **sizes)
-        keepers = off_device[number:]  # a chunk stepped on the device after backward keeps no gradient
-        kept_chunk_bytes = inputs.chunk_numel * inputs.kept_bytes_per_element
-        num_kept = 0 if not kept_chunk_bytes else max(0, min(len(keepers),
-                                                             (inputs.host_budget_bytes - host_bytes) // kept_chunk_bytes))
-        kept = tuple(sorted(keepers[len(keepers) - num_kept:]))
-        # Updated during backward when the step is predicted not to clip: those keeping their gradient, or, with
-        # accumulators on the host, every host-updated chunk.
-        speculated = (stepped.host_adam_elements if inputs.grad_bytes_per_element > 0
-                      else len(kept) * inputs.chunk_numel)
-        return (replace(stepped, speculated_elements=speculated), tuple(on_host[:number]), kept,
-                host_bytes + num_kept * kept_chunk_bytes)
-
-    if count is not None or inputs.backward_seconds is None:
-        return stepping(cheapest_device_steps(traffic, candidates, most=count, **sizes))
-    options = [stepping(number) for number in range(len(candidates) + 1)]
-    return min(options, key=lambda option: (option[0].predicted_step(
-        inputs.backward_seconds, updates_after_backward=inputs.updates_after_backward)[0], len(option[1])))
+    stepping = cheapest_device_steps(traffic, candidates, most=count, **sizes)
+    traffic = with_device_steps(traffic, candidates[:stepping], **sizes)
+    keepers = off_device[stepping:]  # a chunk stepped on the device after backward keeps no gradient
+    kept_chunk_bytes = inputs.chunk_numel * inputs.kept_bytes_per_element
+    num_kept = 0 if not kept_chunk_bytes else max(0, min(len(keepers),
+                                                         (inputs.host_budget_bytes - host_bytes) // kept_chunk_bytes))
+    kept = tuple(sorted(keepers[len(keepers) - num_kept:]))
+    # Updated during backward when the step is predicted not to clip: those keeping their gradient, or, with
+    # accumulators on the host, every host-updated chunk.
+    speculated = traffic.host_adam_elements if inputs.grad_bytes_per_element > 0 else len(kept) * inputs.chunk_numel
+    traffic = replace(traffic, speculated_elements=speculated)
+    return traffic, tuple(on_host[:stepping]), kept, host_bytes + num_kept * kept_chunk_bytes
 
 
 def with_device_step_count(inputs: PlanInputs, plan: Plan, count: int) -> Plan:

@@ -226,26 +226,3 @@ def test_host_chunks_update_in_backward_after_every_unclipped_step_under_clippin
             assert optimizer.last_updates_after_backward == clipped[index - 1], index
     optimizer.finish_pending()
     assert optimizer.counts["speculated_chunks"] > 0
-
-
-def test_with_a_measured_backward_the_plan_counts_device_steps_by_the_predicted_step():
-    """Once the warm-up has measured the backward, "auto" device steps are the count whose predicted step (the
-    backward, then the work the next forward waits on) is least, the fewest among equals; the whole-step floor,
-    which treats the device steps' copies as overlapping the whole step, may choose more."""
-    differed = 0
-    for _ in range(150):
-        inputs = random_inputs(trace=tuple(random.sample(range(24), 24)))
-        inputs = dataclasses.replace(inputs, trace=tuple(c for c in inputs.trace if c < inputs.num_chunks),
-                                     rates=dataclasses.replace(inputs.rates, host_adam_elements_per_s=random.uniform(
-                                         0.5e9, 8e9), h2d_bytes_per_s=random.uniform(5e9, 60e9)))
-        measured = dataclasses.replace(inputs, backward_seconds=random.uniform(1e-4, 5e-2),
-                                       updates_after_backward=random.random() < 0.5)
-        plan = make_plan(measured)
-        host = plan.optimizer_tier.count(HOST)
-        predicted = [with_device_step_count(measured, plan, count).traffic.predicted_step(
-            measured.backward_seconds, updates_after_backward=measured.updates_after_backward)[0]
-            for count in range(host + 1)]
-        chosen = len(plan.device_stepped)
-        assert predicted[chosen] == min(predicted) and predicted.index(min(predicted)) == chosen
-        differed += chosen != len(make_plan(inputs).device_stepped)
-    assert differed, "the predicted step never chose otherwise than the floor: the test shows nothing"
