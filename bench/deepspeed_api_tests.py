@@ -135,6 +135,7 @@ def main() -> None:
     parser.add_argument("--backend", choices=("both", "angelptm", "deepspeed"), default="both")
     parser.add_argument("--timeout-s", type=int, default=7200, help="per backend")
     args = parser.parse_args()
+    args.out = args.out.resolve()  # pytest runs in the copied tests' directory
     args.out.mkdir(parents=True, exist_ok=True)
     backends = ("angelptm", "deepspeed") if args.backend == "both" else (args.backend,)
     with tempfile.TemporaryDirectory(prefix="ds_api_tests_") as temp:

@@ -27,7 +27,7 @@ import torch
 
 from angelptm.config.typed import SchedulerConfig
 from angelptm.engine.cyclic_schedules import LRRangeTest, OneCycle
-from angelptm.engine.schedule_base import Schedule, per_group, torch_optimizer, write_lrs
+from angelptm.engine.schedule_base import Schedule, per_group
 
 logger = logging.getLogger(__name__)
 

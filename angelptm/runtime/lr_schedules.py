@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 from angelptm.engine.cyclic_schedules import LRRangeTest, OneCycle
-from angelptm.engine.schedule_base import per_group as _per_group
 from angelptm.engine.schedule_base import torch_optimizer as get_torch_optimizer
 from angelptm.engine.schedule_base import write_lrs as update_lr
 from angelptm.engine.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
