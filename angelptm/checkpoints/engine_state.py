@@ -15,6 +15,7 @@ import torch
 
 from angelptm.checkpoints import architecture
 from angelptm.checkpoints import files as checkpoint
+from angelptm.checkpoints import optimizer_format
 from angelptm.engine.expert_parallel import ExpertParallel
 from angelptm.errors import CheckpointError
 
@@ -190,6 +191,9 @@ class EngineCheckpoints:
             shards = model_states.get("zero_cache_shards", 1)
             if shards > 1:  # any world size loads it: each rank takes the names it owns now
                 checkpoint.merge_zero_cache_shards(path, optim_states["optimizer"], shards, allow_unsafe_pickle=unsafe)
+            if load_optimizer_states and not load_module_only:  # (the masters alone load in either format)
+                # Saved with ZeRO-Cache on and resumed with it off, or the reverse: converted by name, or refused.
+                optim_states["optimizer"] = optimizer_format.adapt(optim_states["optimizer"], self.optimizer, path)
             # fp32 masters are the exact weights; the module's copy is rounded to the compute dtype.
             self.optimizer.load_state_dict(optim_states["optimizer"],
                                            load_optimizer_states=load_optimizer_states and not load_module_only)
