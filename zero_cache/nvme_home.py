@@ -1,6 +1,6 @@
 """Params homed on NVMe (DeepSpeed's ``offload_param: nvme``): the home class that proved a new kind of home is
-one subclass of :class:`~zero_cache.homes.ParamHome` (it registers itself under its tier name on import, which
-:mod:`zero_cache.homes` does)."""
+one subclass of :class:`~zero_cache.param_home.ParamHome` (and one entry in :data:`zero_cache.homes.HOME_CLASSES`;
+what it costs the planner is :class:`~zero_cache.home_costs.NvmeCosts`)."""
 
 from __future__ import annotations
 
@@ -10,28 +10,12 @@ from typing import Any, Iterator
 
 import torch
 
-from zero_cache.homes import ParamHome, copy_in_and_gather
-from zero_cache.nvme import ALIGN_BYTES, NvmeTier, align_up
+from zero_cache.home_costs import (HOME_COSTS, NVME_HELD, NVME_HELD_GRADIENTS, NVME_READS_AHEAD,  # noqa: F401
+                                   NVME_STAGING_BUFFERS)  # (re-exported: the buffers' shares are the plan's to count)
+from zero_cache.nvme import ALIGN_BYTES, NvmeTier
+from zero_cache.param_home import ParamHome, copy_in_and_gather
 from zero_cache.tier_names import HOST, NVME
 from zero_cache.tiers import BufferPool, wait
-
-
-NVME_STAGING_BUFFERS = 8
-"""Pinned buffers of one shard each through which NVMe homes are read and written: the host worker holds up to
-three (the update's gradient, the next update's, a revision's output), the training thread one (a gather or a
-gradient arriving), and the rest (:data:`NVME_HELD`) are held between calls."""
-NVME_HELD = NVME_STAGING_BUFFERS - 4
-"""Buffers held between calls: :data:`NVME_READS_AHEAD` reads started ahead and :data:`NVME_HELD_GRADIENTS` gradients
-waiting for their update after backward, each kind in its own share (neither drops the other for room, so what a
-step moves does not depend on timing, and the plan counts it: :meth:`NvmeHome.gradients_to_disk_per_step`). A
-gradient that an update during backward takes comes on top: it is the worker's next input, and while the worker
-lags, the training thread waits for a buffer rather than send that gradient to disk and back."""
-NVME_READS_AHEAD = 2
-"""Reads started ahead (:meth:`NvmeHome.prefetch`): the slots of the next window beyond the groups being gathered,
-as wide as the default ``prefetch_depth`` (2)."""
-NVME_HELD_GRADIENTS = NVME_HELD - NVME_READS_AHEAD
-"""Gradients waiting in buffers for their update after backward (the last backward writes, which the step updates
-first); the oldest beyond them waits in its slot on disk."""
 
 
 class NvmeHome(ParamHome):
@@ -50,27 +34,7 @@ class NvmeHome(ParamHome):
     (:meth:`gradients_to_disk_per_step`).
     """
 
-    name = NVME
-    stages_updates = False
-    device_steppable = False
-
-    @classmethod
-    def host_bytes(cls, shards: int, shard_bytes: int) -> int:
-        return NVME_STAGING_BUFFERS * (align_up(shard_bytes) + ALIGN_BYTES) if shards else 0
-
-    @classmethod
-    def disk_bytes(cls, shards: int, shard_bytes: int) -> int:
-        return shards * align_up(shard_bytes)
-
-    @classmethod
-    def disk_bytes_per_step(cls, shards: int, owned: int, shard_bytes: int, gathers_per_step: float,
-                            waiting: int = 0) -> int:
-        return int((shards * gathers_per_step + owned + 2 * cls.gradients_to_disk_per_step(waiting))
-                   * align_up(shard_bytes))
-
-    @classmethod
-    def gradients_to_disk_per_step(cls, waiting: int) -> int:
-        return max(0, waiting - NVME_HELD_GRADIENTS)
+    costs = HOME_COSTS[NVME]
 
     def __init__(self, tiers: dict[str, Any], numel: int, dtype: torch.dtype, num_shards: int = 0) -> None:
         super().__init__(tiers, numel, dtype)

@@ -6,13 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zero_cache.eviction import BeladyEviction
-from zero_cache.homes import home_class
+from zero_cache.home_costs import DISK_BLOCK_BYTES, home_costs
 from zero_cache.step_cost import NOMINAL_RATES, STATE_BYTES_PER_ELEMENT, Rates, StepTraffic
 from zero_cache.tier_names import DEVICE, HOST, NVME, REMOTE
 from zero_cache.units import format_bytes
 from zero_cache.working_set import WorkingSet
 
-SWAP_ALIGN_BYTES = 4096
+SWAP_ALIGN_BYTES = DISK_BLOCK_BYTES
 """Swap slots and bounce buffers are whole 4 KiB blocks (O_DIRECT)."""
 DEVICE_MARGIN_FRACTION = 0.03
 """Device budget kept free for allocator fragmentation and transients."""
@@ -156,7 +156,8 @@ class Plan:
     params_sharded: bool = False
     """This rank holds one param chunk per collective group (its shard); whole groups are gathered on use."""
     param_home: tuple[str, ...] = ()
-    """Gathered params: per collective group, the home of this rank's shard (a tier name; :mod:`zero_cache.homes`)."""
+    """Gathered params: per collective group, the home of this rank's shard (a tier name; :mod:`zero_cache.homes`,
+    priced by :mod:`zero_cache.home_costs`)."""
     group_size: int = 1
     """Chunks per collective group (data-parallel ranks)."""
     traffic: StepTraffic = StepTraffic()
@@ -181,7 +182,7 @@ class Plan:
     @property
     def streamed_groups(self) -> int:
         """Groups whose shard lives off the device (host or NVMe) and is copied to the device on use."""
-        return sum(home_class(home).streams for home in self.param_home)
+        return sum(home_costs(home).streams for home in self.param_home)
 
     def summary(self) -> str:
         counts = {tier: self.optimizer_tier.count(tier) for tier in (DEVICE, HOST, NVME)}
@@ -189,7 +190,7 @@ class Plan:
         if self.params_sharded:
             kind = "sharded" if self.group_size > 1 else "gathered on use"
             homes = " and ".join(sorted({"the host" if h == HOST else h for h in self.param_home
-                                         if home_class(h).streams})) or "the host"
+                                         if home_costs(h).streams})) or "the host"
             params = (f"{kind}: {self.param_home.count(DEVICE)} of {len(self.param_home)} shards at home on the "
                       f"device, {self.streamed_groups} streamed from {homes}; {self.cache_slots} groups live at once, "
                       f"{self.gather_ahead} fetched ahead, {self.gradient_buckets} gradient buckets")

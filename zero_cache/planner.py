@@ -12,7 +12,8 @@ The plan decides, in this order of value per device byte:
 1. device room left after the measured non-model peak (activations, workspace) and a margin;
 2. param chunks resident on the device for the whole run when they all fit (no traffic at all);
    with *gathered* params (sharded over ranks, or streamed from the host) each collective group's
-   shard has a **home** (:mod:`zero_cache.homes`: the device, pinned host memory, or NVMe), and
+   shard has a **home** (the device, pinned host memory, or NVMe; what each costs is
+   :mod:`zero_cache.home_costs`, the order the homes off the device are filled is its data), and
    ``cache_slots`` groups are live on the device at once, filled along the trace ahead of use and
    emptied by the eviction rule the plan names (:mod:`zero_cache.eviction`: Belady's, evict the group
    whose next use is furthest away; the runtime applies the same object).
@@ -53,7 +54,7 @@ from dataclasses import replace
 from typing import Callable, Iterator, Sequence
 
 from zero_cache.eviction import belady_misses  # noqa: F401  (re-exported: the rule over a trace)
-from zero_cache.homes import home_class
+from zero_cache.home_costs import OFF_DEVICE_FILL_ORDER, home_costs
 from zero_cache.plan import DEVICE_MARGIN_FRACTION, Plan, PlanError, PlanInputs  # noqa: F401  (re-exported)
 from zero_cache.step_cost import HostChunk, StepTraffic, cheapest_device_steps, step_traffic, with_device_steps
 from zero_cache.tier_names import DEVICE, HOST, NVME, OFF_DEVICE, REMOTE  # noqa: F401  (re-exported: the plan's words)
@@ -137,7 +138,7 @@ def _plan_gathered(inputs: PlanInputs, room: int, working: WorkingSet) -> Plan:
     owned = _owned_in_use_order(inputs)
     # "auto" weighs device homes against those off the device it permits; a named home takes every shard.
     resident_options = range(held, -1, -1) if inputs.param_home == AUTO else (
-        [0] if home_class(inputs.param_home).streams else [held])
+        [0] if home_costs(inputs.param_home).streams else [held])
     best: tuple | None = None
     failure: PlanError | None = None
     for resident in resident_options:
@@ -157,7 +158,7 @@ def _plan_gathered(inputs: PlanInputs, room: int, working: WorkingSet) -> Plan:
             try:
                 return _finish(inputs, working, resident_bytes=resident * shard_bytes, live=live,
                                device_optim=eligible[:device_optim], home=home,
-                               host_params_bytes=sum(home_class(name).host_bytes(home.count(name), shard_bytes)
+                               host_params_bytes=sum(home_costs(name).host_bytes(home.count(name), shard_bytes)
                                                      for name in set(home)),
                                traffic=_traffic(inputs, home, owned, device_optim, eligible))
             except PlanError as err:
@@ -165,7 +166,7 @@ def _plan_gathered(inputs: PlanInputs, room: int, working: WorkingSet) -> Plan:
                 return None
 
         for plan in _streamed_placements(inputs, groups_in_order, resident, placed):
-            key = (plan.traffic.seconds, -resident, -device_optim, plan.param_home.count(NVME))
+            key = (plan.traffic.seconds, -resident, -device_optim, sum(home_costs(h).on_disk for h in plan.param_home))
             if best is None or key < best[0]:
                 best = (key, plan)
     if best is not None:
@@ -188,17 +189,14 @@ def _streamed_placements(inputs: PlanInputs, groups_in_order: list[int], residen
     """
     on_device = set(groups_in_order[:resident])
     streamed = [g for g in groups_in_order if g not in on_device]
-
-    if inputs.param_home == AUTO:
-        last = NVME if NVME in inputs.param_homes_off_device else HOST
-    else:
-        last = inputs.param_home if home_class(inputs.param_home).streams else HOST
+    first, last = _off_device_homes(inputs)
 
     def homes(on_host: int) -> tuple[str, ...]:
         host = set(streamed[:on_host])  # (the first used: host groups can be stepped on the device)
-        return tuple(DEVICE if g in on_device else HOST if g in host else last for g in range(inputs.param_chunks_held))
+        return tuple(DEVICE if g in on_device else first if g in host else last
+                     for g in range(inputs.param_chunks_held))
 
-    if inputs.param_home != AUTO or last != NVME or not streamed:
+    if inputs.param_home != AUTO or last == first or not streamed:
         plan = placed(homes(0))
         if plan is not None:
             yield plan
@@ -221,6 +219,16 @@ def _streamed_placements(inputs: PlanInputs, groups_in_order: list[int], residen
         plan = tried_with(on_host)
         if plan is not None:
             yield plan
+
+
+def _off_device_homes(inputs: PlanInputs) -> tuple[str, str]:
+    """(the first, the last) home off the device that the streamed shards fill (:data:`~zero_cache.home_costs.
+    OFF_DEVICE_FILL_ORDER`): "auto" fills the first, then the last the config permits; a named home that streams
+    takes them all."""
+    first = OFF_DEVICE_FILL_ORDER[0]
+    if inputs.param_home == AUTO:
+        return first, next((h for h in reversed(OFF_DEVICE_FILL_ORDER) if h in inputs.param_homes_off_device), first)
+    return first, inputs.param_home if home_costs(inputs.param_home).streams else first
 
 
 def _working_set_shortfall(inputs: PlanInputs, working: WorkingSet) -> str:
@@ -246,7 +254,7 @@ def _traffic(inputs: PlanInputs, home: tuple[str, ...], owned: list[int], device
              eligible: list[int] | None = None) -> StepTraffic:
     """The step's PCIe bytes and host Adam of a placement (see :mod:`zero_cache.step_cost`)."""
     on_device = set((owned if eligible is None else eligible)[:device_optim])
-    streamed = {g for g, where in enumerate(home) if home_class(where).streams}
+    streamed = {g for g, where in enumerate(home) if home_costs(where).streams}
     owned_streamed = sum(1 for c in owned if c // inputs.group_size in streamed)
     host_updated = [c for c in owned if c not in on_device]
     traffic = step_traffic(chunk_numel=inputs.chunk_numel, param_bytes_per_element=inputs.param_bytes_per_element,
@@ -258,10 +266,10 @@ def _traffic(inputs: PlanInputs, home: tuple[str, ...], owned: list[int], device
 
 
 def _home_disk_bytes(inputs: PlanInputs, home: tuple[str, ...], owned: list[int], waiting: dict[str, int]) -> int:
-    """Disk bytes the param homes move per step (:meth:`~zero_cache.homes.ParamHome.disk_bytes_per_step`), with
+    """Disk bytes the param homes move per step (:meth:`~zero_cache.home_costs.HomeCosts.disk_bytes_per_step`), with
     ``waiting`` gradients per kind of home waiting for their update after backward."""
     owned_in = {name: sum(1 for c in owned if home[c // inputs.group_size] == name) for name in set(home)}
-    return sum(home_class(name).disk_bytes_per_step(home.count(name), owned_in[name], inputs.param_chunk_bytes,
+    return sum(home_costs(name).disk_bytes_per_step(home.count(name), owned_in[name], inputs.param_chunk_bytes,
                                                     inputs.gathers_per_step, waiting.get(name, 0))
                for name in set(home))
 
@@ -272,7 +280,8 @@ def _with_waiting_gradients(inputs: PlanInputs, traffic: StepTraffic, home: tupl
     that wait in their homes for an update after backward: those of the host-updated chunks (``off_device``)
     neither kept (updated during backward, :mod:`zero_cache.revision`) nor stepped on the device, with one
     micro-batch per step (accumulated gradients go to the fp32 accumulators, not home). A home may hold only so
-    many of them and send the rest to disk and back (:meth:`~zero_cache.homes.ParamHome.gradients_to_disk_per_step`).
+    many of them and send the rest to disk and back
+    (:meth:`~zero_cache.home_costs.HomeCosts.gradients_to_disk_per_step`).
     Counted for a step after an unclipped one: after a clipped step the kept chunks wait too."""
     if not home or inputs.grad_bytes_per_element:
         return traffic
@@ -282,7 +291,7 @@ def _with_waiting_gradients(inputs: PlanInputs, traffic: StepTraffic, home: tupl
         if chunk not in updated_early:
             name = home[chunk // inputs.group_size]
             waiting[name] = waiting.get(name, 0) + 1
-    to_disk = sum(home_class(name).gradients_to_disk_per_step(count) for name, count in waiting.items())
+    to_disk = sum(home_costs(name).gradients_to_disk_per_step(count) for name, count in waiting.items())
     if not to_disk:
         return traffic
     return replace(traffic, disk_bytes=_home_disk_bytes(inputs, home, owned, waiting), gradients_to_disk=to_disk)
@@ -302,8 +311,8 @@ def _finish(inputs: PlanInputs, working: WorkingSet, *, resident_bytes: int, liv
     # A shard at home on the host is its own staging buffer, except while accumulating (it holds the weights the
     # next micro-batch reads, so gradients stage through the pool on their way to the fp32 accumulators).
     staged = bool(off_device) and (inputs.grad_bytes_per_element > 0 or any(
-        not home or home_class(home[c // inputs.group_size]).stages_updates for c in off_device))
-    homes_disk = sum(home_class(name).disk_bytes(home.count(name), inputs.param_chunk_bytes) for name in set(home))
+        not home or home_costs(home[c // inputs.group_size]).stages_updates for c in off_device))
+    homes_disk = sum(home_costs(name).disk_bytes(home.count(name), inputs.param_chunk_bytes) for name in set(home))
     if homes_disk > inputs.nvme_budget_bytes:
         raise PlanError(_shortfall_message(NVME, homes_disk, inputs.nvme_budget_bytes, inputs, detail=(
             f"the param shards at home there take {format_bytes(homes_disk)} (of "
@@ -322,7 +331,7 @@ def _finish(inputs: PlanInputs, working: WorkingSet, *, resident_bytes: int, liv
         tiers[chunk] = HOST if position < num_host else NVME
     device_bytes = (resident_bytes + live * inputs.live_group_bytes + len(device_optim) * inputs.optimizer_chunk_bytes
                     + inputs.scratch_bytes + working.buckets * inputs.live_group_bytes)
-    streams = any(home_class(where).streams for where in home)
+    streams = any(home_costs(where).streams for where in home)
     return Plan(params_resident=not streams, cache_slots=live, optimizer_tier=tuple(tiers),
                 device_bytes=device_bytes, host_bytes=host_bytes,
                 nvme_bytes=num_nvme * inputs.swap_slot_bytes + homes_disk, param_nvme_bytes=homes_disk,
@@ -342,7 +351,7 @@ def _device_steps_and_kept(inputs: PlanInputs, traffic: StepTraffic, off_device:
         The traffic with those device steps, the device-stepped chunks, the chunks keeping their gradient, and
         the host bytes with the kept gradients.
     """
-    homes = [home_class(home[c // inputs.group_size]) if home else None for c in on_host]
+    homes = [home_costs(home[c // inputs.group_size]) if home else None for c in on_host]
     # (the first chunks the next forward needs, up to one whose home cannot be stepped on the device)
     steppable = next((i for i, kind in enumerate(homes) if kind is not None and not kind.device_steppable), len(homes))
     candidates = [HostChunk(params_home_on_host=kind is not None and kind.in_host_memory,
