@@ -32,8 +32,10 @@ from angelptm.engine.schedulers import build_scheduler
 from angelptm.errors import CheckpointError, ConfigError
 from angelptm.launch.distributed import DistContext
 from angelptm.pipe.autopipe_steps import plan, reduce_and_clip, shared_profile
+from angelptm.pretraining import health
 from angelptm.pretraining.data import TokenDataset, repeat_batches
 from angelptm.pretraining.data.loader import ResumableDataLoader
+from angelptm.pretraining.job_errors import RunUnhealthyError
 from angelptm.pretraining.models import build_model
 from angelptm.telemetry.monitor import ThroughputMeter, format_memory, memory_snapshot
 from angelptm.telemetry.progress import progress_bar
@@ -181,10 +183,11 @@ def train_step(cfg: EngineConfig, runner: PipelineRunner, optimizer: MixedPrecis
 
 
 def save(cfg: EngineConfig, ctx: DistContext, step: int, runner: PipelineRunner, optimizer, scheduler,
-         loader: ResumableDataLoader) -> None:
-    """Each rank writes its chunks' weights and optimizer state; rank 0 writes the layout."""
+         loader: ResumableDataLoader, *, healthy: bool = True) -> None:
+    """Each rank writes its chunks' weights and optimizer state; rank 0 writes the layout (and whether the run was
+    healthy, which pruning reads: :mod:`angelptm.pretraining.health`)."""
     meta = {"format": "autopipe", "world_size": ctx.world_size, "op_starts": runner.op_starts, "step": step,
-            "architecture": architecture.gpt_record(cfg.model)}
+            "architecture": architecture.gpt_record(cfg.model), "client_state": {health.HEALTHY_KEY: healthy}}
     per_rank = {"meta": meta, "module": {name: p.detach().cpu() for name, p in runner.named_parameters()},
                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict() if scheduler else None,
                 "loader": loader.state_dict(), "rng": checkpoint.capture_rng_state()}
@@ -278,6 +281,7 @@ def run_loop(cfg: EngineConfig, ctx: DistContext, runner: PipelineRunner, optimi
     meter = ThroughputMeter(flops_per_token, ctx.device)
     progress = progress_bar(cfg.train.steps, step, shown=ctx.is_main)  # off a terminal: step lines only
     loss_sum, count, last_loss = torch.zeros((), device=ctx.device), 0, float("nan")
+    run_health = health.RunHealth(cfg.train.max_bad_steps)
     while step < cfg.train.steps and not ctx.any_rank(stop_requested()):
         loss, norm = train_step(cfg, runner, optimizer, batches)
         loss_sum = loss_sum + (loss if loss is not None else 0.0)  # only the last stage holds a loss
@@ -286,6 +290,11 @@ def run_loop(cfg: EngineConfig, ctx: DistContext, runner: PipelineRunner, optimi
         if scheduler is not None:
             scheduler.step()
         step, count = step + 1, count + 1
+        try:
+            record_health(run_health, step, loss, norm, ctx)
+        except RunUnhealthyError as err:
+            progress.close()  # the error line starts a line of its own
+            raise health.stop_unhealthy(err, cfg.train.save_dir) if ctx.is_main else err from None
         meter.add_tokens(cfg.batch.train_batch_size * seq_len)
         progress.update(1)
         if step % cfg.train.log_interval == 0 or step == cfg.train.steps:
@@ -299,13 +308,25 @@ def run_loop(cfg: EngineConfig, ctx: DistContext, runner: PipelineRunner, optimi
                            f" | {rates['tokens_per_s']:,.0f} tokens/s | {rates['tflops'] / ctx.world_size:.3f} TFLOPS "
                            f"per GPU | {format_memory(memory_snapshot(ctx.device))}")
         if step % cfg.train.save_interval == 0 or step == cfg.train.steps:
-            save(cfg, ctx, step, runner, optimizer, scheduler, loader)
+            save(cfg, ctx, step, runner, optimizer, scheduler, loader, healthy=run_health.healthy)
             if ctx.is_main:
                 after_save()
     progress.close()
     if step < cfg.train.steps:
-        save(cfg, ctx, step, runner, optimizer, scheduler, loader)
+        save(cfg, ctx, step, runner, optimizer, scheduler, loader, healthy=run_health.healthy)
         if ctx.is_main:
             after_save()
             logger.warning("stopped at step %d; run the same command again to continue", step)
     return last_loss
+
+
+def record_health(run_health: health.RunHealth, step: int, loss: torch.Tensor | None, norm: float,
+                  ctx: DistContext) -> None:
+    """Count the step in ``run_health`` (raises after ``train.max_bad_steps`` bad steps in a row).
+
+    The norm is the same on every rank, so all ranks agree whether the step was applied; only for a skipped step
+    do they ask (one collective) whether a last stage's loss was non-finite, which names the cause.
+    """
+    applied = math.isfinite(norm)
+    finite = applied or not ctx.any_rank(loss is not None and not bool(torch.isfinite(loss).all()))
+    run_health.record(step, applied=applied, finite=finite)
