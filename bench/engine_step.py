@@ -169,11 +169,11 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
         logging.basicConfig(level=logging.WARNING, format="zero_cache: %(name)s %(message)s")
         logging.getLogger("zero_cache").setLevel(logging.INFO)  # the plan, the IO backend, the re-plan
         engine, optimizer, *_ = angelptm.initialize(model=model, config=zero_cache_config)
-        tiers = [group.tier for group in optimizer.store.groups]
+        tiers = optimizer.tier_counts()
         # (at attach: the warm-up step's placement, which with activation_memory "auto" on a GPU is the plan's least
         # device footprint; the re-plan after step 1 moves groups, and the result's groups_device_host_nvme is after it)
-        print(f"zero_cache: warm-up optimizer groups {tiers.count('device')} device / {tiers.count('host')} host / "
-              f"{tiers.count('nvme')} nvme of {len(tiers)}, "
+        print(f"zero_cache: warm-up optimizer groups {tiers.get('device', 0)} device / {tiers.get('host', 0)} host / "
+              f"{tiers.get('nvme', 0)} nvme of {sum(tiers.values())}, "
               f"host optimizer {optimizer.host_adam.name}, host chunks update "
               f"{'during' if optimizer.update_in_backward else 'after'} backward", file=sys.stderr)
 
@@ -243,20 +243,20 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
               f"h2d {report['zero_cache_h2d_bytes'] / steps / 2**30:.2f} GiB, "
               f"nvme read {report.get('zero_cache_nvme_read_bytes', 0) / steps / 2**30:.2f} GiB, "
               f"nvme write {report.get('zero_cache_nvme_write_bytes', 0) / steps / 2**30:.2f} GiB", file=sys.stderr)
-        tiers = [group.tier for group in optimizer.store.groups]
-        extra = {"groups_device_host_nvme": [tiers.count(t) for t in ("device", "host", "nvme")],
-                 "nvme_gib": optimizer.store.tiers["nvme"].used_bytes / 2**30 if "nvme" in optimizer.store.tiers else 0,
+        tiers, usage, homes = optimizer.tier_counts(), optimizer.tier_usage(), optimizer.param_home_counts()
+        extra = {"groups_device_host_nvme": [tiers.get(t, 0) for t in ("device", "host", "nvme")],
+                 "nvme_gib": usage["nvme"][0] / 2**30 if "nvme" in usage else 0,
                  "overlap": report.get("zero_cache_overlap"), "in_backward": optimizer.update_in_backward,
                  "params_sharded": optimizer.params_sharded,
-                 "param_homes_device_host": [optimizer.store.param_home.count(t) for t in ("device", "host")],
-                 "planned_device_gib": optimizer.store.tiers["device"].budget_bytes / 2**30,
+                 "param_homes_device_host": [homes.get(t, 0) for t in ("device", "host")],
+                 "planned_device_gib": usage["device"][1] / 2**30,
                  "device_stepped_groups": len(optimizer.device_stepped),
                  **{name: report[f"zero_cache_{name}"] for name in optimizer.counts}}
         print("zero_cache: " + ", ".join(f"{name} {extra[name]}" for name in optimizer.counts)
               + f" in {steps} steps", file=sys.stderr)
         gathered = optimizer.exchange.gathered if optimizer.exchange is not None else None
         if gathered is not None:  # all-gathers per step of each group (forward, recompute, backward)
-            extra["gathers_per_group_step"] = gathered.gathers / steps / len(optimizer.store.shards)
+            extra["gathers_per_group_step"] = gathered.gathers / steps / sum(homes.values())
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     tokens = accumulation * micro * 1024 * world_size  # every rank's micro-batches: the global batch
     return {"size": size, "mode": mode, "ranks": world_size, "params": num_params, "step_s": step_s, "tokens_per_s": tokens / step_s,

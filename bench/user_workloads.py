@@ -115,7 +115,7 @@ def train(kind: str, size: str, config: dict, engine_name: str, steps: int, trac
                                                drain=finish_pending)
     result = {**timings(kind, size, engine_name, num_params, times, losses, disk, drained, config,
                         drained_before=finish_pending is not None), "built_s": built_s, "init_s": init_s}
-    plan = getattr(getattr(optimizer, "store", None), "plan", None)
+    plan = getattr(optimizer, "plan", None)
     if plan is not None:  # this engine: what its plan predicted the step would cost
         result["plan"] = plan.summary()
         result["predicted_floor_s"] = plan.traffic.seconds

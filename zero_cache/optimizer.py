@@ -43,6 +43,7 @@ gather copies the new weights in, so no host->device copy follows the update.
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import time
@@ -60,6 +61,7 @@ from zero_cache.layout import TensorSlot
 from zero_cache.optimizer_gradients import GradientIntake
 from zero_cache.optimizer_sharded import ShardedGradients
 from zero_cache.optimizer_state import OptimizerCheckpoint
+from zero_cache.plan import Plan
 from zero_cache.release import release
 from zero_cache.revision import SpeculationWindow
 from zero_cache.tier_names import DEVICE, HOST, NVME, OFF_DEVICE
@@ -224,6 +226,24 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
     def params_sharded(self) -> bool:
         """Each rank stores only its shards of the params: the weights are whole only in the fp32 masters."""
         return self.store.shard_params
+
+    # ------------------------------------------------------------------ what reports may read (not the store)
+    @property
+    def plan(self) -> Plan:
+        """The placement plan in force (its summary, and what it predicted a step costs)."""
+        return self.store.plan
+
+    def tier_usage(self) -> dict[str, tuple[int, int]]:
+        """Tier name -> (bytes in use, budget bytes), now."""
+        return {name: (tier.used_bytes, tier.budget_bytes) for name, tier in self.store.tiers.items()}
+
+    def tier_counts(self) -> dict[str, int]:
+        """Tier name -> optimizer groups there now (after any re-plan; REMOTE: another rank's)."""
+        return dict(collections.Counter(group.tier for group in self.store.groups))
+
+    def param_home_counts(self) -> dict[str, int]:
+        """Tier name -> this rank's param shards at home there now (gathered params; empty when resident)."""
+        return dict(collections.Counter(self.store.param_home))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Start a new accumulation window: drop the gradients of this one (and take back its updates made

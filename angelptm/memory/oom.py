@@ -40,12 +40,13 @@ def oom_message(engine: Any, phase: str, err: BaseException) -> str:
     head = (f"the {engine.device.type} device ran out of memory in the {phase} of step {engine.global_steps + 1} "
             f"(micro-batch {cfg.batch.micro_batch_size} x {cfg.batch.gradient_accumulation_steps} accumulation, "
             f"{str(cfg.precision.dtype).removeprefix('torch.')}; torch: {torch_line}).")
-    tiers = getattr(getattr(engine.optimizer, "store", None), "tiers", None)
+    tier_usage = getattr(engine.optimizer, "tier_usage", None)  # (ZeRO-Cache's optimizer)
+    tiers = tier_usage() if tier_usage is not None else None
     if tiers:
-        budgets = ", ".join(f"{name} {format_bytes(tier.used_bytes)} of {format_bytes(tier.budget_bytes)}"
-                            for name, tier in tiers.items())
+        budgets = ", ".join(f"{name} {format_bytes(used)} of {format_bytes(budget)}"
+                            for name, (used, budget) in tiers.items())
         in_force = f" ZeRO-Cache tiers (used of budget): {budgets}."
-        helps = [f"lower zero_cache.device_memory_budget (now {format_bytes(tiers['device'].budget_bytes)}) or set "
+        helps = [f"lower zero_cache.device_memory_budget (now {format_bytes(tiers['device'][1])}) or set "
                  "zero_cache.activation_memory, so more of the device is left to activations",
                  *_common_settings(cfg)]
     else:
