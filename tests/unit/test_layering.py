@@ -1,19 +1,44 @@
 """The import rules of DESIGN.md ("Layers and the rule of imports"), read from the source with ``ast``.
 
 ``zero_cache``, ``moe`` and ``autopipe`` never import ``angelptm`` or each other, at any depth (a function-level
-import counts: it runs the same code); and no ``angelptm`` modules import each other in a circle, not even through
-a function-level import (which only hides the circle: ``api`` <-> ``pipe.engine`` was one).
+import counts: it runs the same code); no library's modules import each other in a circle (``angelptm``'s, and
+each of the three others'), not even through a function-level import (which only hides the circle: ``api`` <->
+``pipe.engine`` was one, ``zero_cache.homes`` <-> ``zero_cache.nvme_home`` another); ``zero_cache``'s planner
+imports without torch (it is pure: deciding is separate from doing); and ``angelptm`` and ``bench`` use only
+``zero_cache``'s public names.
 """
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 LIBRARIES = ("zero_cache", "moe", "autopipe")
+PLAN_SIDE = ("zero_cache.plan", "zero_cache.planner", "zero_cache.home_costs", "zero_cache.step_cost",
+             "zero_cache.working_set", "zero_cache.eviction", "zero_cache.tier_names", "zero_cache.units")
+"""zero_cache's deciding modules: pure functions over plain dataclasses, importable without torch."""
+ZERO_CACHE_MODULES_IN_USE = {
+    "zero_cache.units": {"AUTO", "format_bytes", "parse_bytes"},
+    "zero_cache.timeline": {"TRACKS", "Interval", "Timeline", "overlap_shares"},  # (the step trace and its PNG)
+    "zero_cache.planner": {"Plan"},
+    "zero_cache.tier_names": {"DEVICE", "HOST", "NVME"},
+    "zero_cache.tiers": {"TierFullError"},
+    "zero_cache.nvme": {"SwapCorruptionError", "ALIGN_BYTES", "NvmeTier"},  # (bench/nvme_tier.py times the tier)
+    "zero_cache.hardware": {"check_explicit_budgets"},
+    "zero_cache.optimizer_state": {"OptimizerCheckpoint"},  # (checkpoints convert optimizer states)
+    "zero_cache.homes": {"home_class"},  # (angelptm/zero.py: whether a home streams; home_costs answers that too)
+    "zero_cache.config": {"AioConfig"},
+    "zero_cache.host_adam": {"HostAdam"},  # (bench/host_adam.py times it)
+    "zero_cache.tuning": {"MAX_TRIALS", "MEASURED_STEPS", "SETTLE_STEPS"},
+}
+"""Names ``angelptm`` and ``bench`` import from zero_cache's modules beside the package's ``__all__``: pinned, so
+that the surface they use does not grow unnoticed (a new one goes in ``__all__``, or here with its reason)."""
 
 
 def module_name(path: Path, root: Path = REPO) -> str:
@@ -136,3 +161,110 @@ def test_the_checks_see_hidden_imports_and_circles(tmp_path) -> None:
     hidden = {**circle, "pkg.z": "def late():\n    from . import x\n"}
     assert import_circles(hidden, {"pkg"}, top_level_only=True) == []
     assert import_circles(hidden, {"pkg"}, top_level_only=False) == [["pkg.x", "pkg.y", "pkg.z"]]
+
+
+def test_the_planner_imports_without_torch() -> None:
+    """In a fresh interpreter where ``import torch`` fails, the plan-side modules import, and a plan is made."""
+    code = f"""
+import importlib.abc, sys
+
+class NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError(f"torch is hidden ({{name}})")
+        return None
+
+sys.meta_path.insert(0, NoTorch())
+for name in {PLAN_SIDE!r}:
+    __import__(name)
+from zero_cache import PlanInputs, make_plan
+plan = make_plan(PlanInputs(num_chunks=4, chunk_numel=1024, param_bytes_per_element=2, device_budget_bytes=1 << 30,
+                            host_budget_bytes=1 << 30))
+assert plan.optimizer_tier == ("device",) * 4, plan
+assert "torch" not in sys.modules
+print("pure")
+"""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "pure", done.stderr
+
+
+def test_what_the_plan_prices_is_what_the_homes_are() -> None:
+    """One registry of home classes, one of their costs, with the same tier names; each class reads its answers from
+    its costs (no second copy to drift)."""
+    from zero_cache.home_costs import HOME_COSTS, OFF_DEVICE_FILL_ORDER
+    from zero_cache.homes import HOME_CLASSES
+    from zero_cache.nvme import ALIGN_BYTES
+    from zero_cache.home_costs import DISK_BLOCK_BYTES
+
+    assert set(HOME_CLASSES) == set(HOME_COSTS) and set(OFF_DEVICE_FILL_ORDER) <= set(HOME_COSTS)
+    assert ALIGN_BYTES == DISK_BLOCK_BYTES
+    for name, cls in HOME_CLASSES.items():
+        costs = HOME_COSTS[name]
+        assert cls.costs is costs and cls.name == costs.name == name
+        assert (cls.streams, cls.in_host_memory, cls.stages_updates, cls.device_steppable) == (
+            costs.streams, costs.in_host_memory, costs.stages_updates, costs.device_steppable)
+        assert cls.disk_bytes_per_step(6, 3, 5000, 2.0, 5) == costs.disk_bytes_per_step(6, 3, 5000, 2.0, 5)
+        assert cls.host_bytes(6, 5000) == costs.host_bytes(6, 5000)
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_a_library_has_no_import_circle(library: str) -> None:
+    """Among one library's modules, counting function-level imports too (they run the same code, later)."""
+    paths = sorted((REPO / library).rglob("*.py"))
+    modules = {module_name(path): path.read_text() for path in paths}
+    assert len(modules) > 5
+    assert import_circles(modules, {module_name(path) for path in paths if path.name == "__init__.py"},
+                          top_level_only=False) == []
+
+
+def zero_cache_uses(paths: list[Path], root: Path = REPO) -> list[str]:
+    """``file:line: what`` for each use of zero_cache beyond its public names: an import of a module's name not in
+    :data:`ZERO_CACHE_MODULES_IN_USE`, a package name (``from zero_cache import X``, ``zero_cache.X``) not in its
+    ``__all__``, and a reach into a ZeRO-Cache optimizer's store (``optimizer.store``, ``getattr(x, "store")``)."""
+    import zero_cache
+
+    public = set(zero_cache.__all__)
+    found = []
+    for path in paths:
+        tree = ast.parse(path.read_text())
+        imports_package = any(isinstance(node, ast.Import) and any(a.name == "zero_cache" for a in node.names)
+                              for node in ast.walk(tree))
+        where = f"{path.relative_to(root)}"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "zero_cache":
+                allowed = public if node.module == "zero_cache" else ZERO_CACHE_MODULES_IN_USE.get(node.module, set())
+                found += [f"{where}:{node.lineno}: from {node.module} import {a.name}" for a in node.names
+                          if a.name not in allowed]
+            elif isinstance(node, ast.Import):
+                found += [f"{where}:{node.lineno}: import {a.name}" for a in node.names
+                          if a.name.startswith("zero_cache.")]
+            elif isinstance(node, ast.Attribute):
+                if (imports_package and isinstance(node.value, ast.Name) and node.value.id == "zero_cache"
+                        and node.attr not in public):
+                    found.append(f"{where}:{node.lineno}: zero_cache.{node.attr}")
+                owner = node.value.attr if isinstance(node.value, ast.Attribute) else getattr(node.value, "id", "")
+                if node.attr == "store" and "optimizer" in owner:
+                    found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                  and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value == "store"
+                  and "optimizer" in ast.unparse(node.args[0])):
+                found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    return sorted(found)
+
+
+def test_angelptm_and_bench_use_only_zero_caches_public_names() -> None:
+    paths = [path for top in ("angelptm", "bench") for path in sorted((REPO / top).rglob("*.py"))]
+    assert len(paths) > 60
+    assert zero_cache_uses(paths) == []
+
+
+def test_the_public_names_check_sees_reaches(tmp_path) -> None:
+    (tmp_path / "user.py").write_text(
+        "import zero_cache\nfrom zero_cache import attach, ChunkStore\nfrom zero_cache.chunks import ChunkStore\n"
+        "def f(engine):\n    from zero_cache.units import format_bytes\n    zero_cache.make_plan, zero_cache.chunks\n"
+        "    engine.optimizer.store.tiers, getattr(engine.optimizer, 'store', None), engine.optimizer.tier_usage()\n")
+    assert zero_cache_uses([tmp_path / "user.py"], tmp_path) == [
+        "user.py:2: from zero_cache import ChunkStore", "user.py:3: from zero_cache.chunks import ChunkStore",
+        "user.py:6: zero_cache.chunks", "user.py:7: engine.optimizer.store",
+        "user.py:7: getattr(engine.optimizer, 'store', None)"]
