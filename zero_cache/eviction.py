@@ -6,6 +6,13 @@ Belady's (evict the page whose next use is furthest away: optimal for equal-size
 along the acquisition order recorded in the first iteration; before that order is known, the least
 recently used group goes. :func:`belady_misses` runs the same rule over a whole trace, which the re-plan
 after warm-up uses to estimate how often each group is brought onto the device per step.
+
+No config key selects a rule while there is one: a second rule (LRU, say) comes with the key
+(``zero_cache.eviction``), the plan naming the rule from it, and the re-plan's estimate
+(``zero_cache.attach.with_measured_gathers``) simulating the rule the plan names rather than
+:func:`gathers_per_group`'s Belady. Note for that simulation: the runtime offers its candidates least recently
+used first, :func:`belady_misses` in the order they were fetched; for Belady's rule that changes only which of
+several groups never used again goes (the same misses), for LRU it is the rule.
 """
 
 from __future__ import annotations
