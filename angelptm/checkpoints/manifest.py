@@ -41,11 +41,11 @@ from typing import Any
 
 import torch
 
+from angelptm.checkpoints.paths import MANIFEST_FILE, regular_file_problem
 from angelptm.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-MANIFEST_FILE = "manifest.json"
 ALGORITHM = "crc32"
 MANIFEST_FORMAT = 1
 _PARALLEL_HASH_BYTES = 1 << 20
@@ -244,8 +244,6 @@ def file_crc32(path: Path) -> int:
 def verify_file(directory: Path, name: str, entry: dict[str, Any]) -> str | None:
     """None when ``directory/name`` matches its manifest entry, else what is wrong with it (a name that leads
     outside ``directory`` or to anything but a regular file is wrong: it is never opened)."""
-    from angelptm.checkpoints.paths import regular_file_problem  # (paths imports this module)
-
     path = directory / name
     problem = regular_file_problem(directory, name)
     if problem is not None:

@@ -20,7 +20,6 @@ import re
 import stat
 from pathlib import Path
 
-from angelptm.checkpoints.manifest import MANIFEST_FILE
 from angelptm.errors import CheckpointError
 
 LATEST = "latest"
@@ -28,6 +27,8 @@ MODEL_FILE = "model_states.pt"
 OPTIM_FILE = "optim_states.pt"
 LOCK_FILE = ".writer.lock"
 """In ``save_dir``: names the process that writes checkpoints there (``angelptm.checkpoints.writer_lock``)."""
+MANIFEST_FILE = "manifest.json"
+"""Each checkpoint's list of files with their sizes and checksums (:mod:`angelptm.checkpoints.manifest`)."""
 RESERVED_TAGS = frozenset({LATEST, MANIFEST_FILE, MODEL_FILE, OPTIM_FILE, LOCK_FILE})
 _RANK_FILE = re.compile(r"rank_\d+_states\.pt")
 MAX_LATEST_BYTES = 4096
