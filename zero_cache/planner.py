@@ -222,9 +222,9 @@ def _streamed_placements(inputs: PlanInputs, groups_in_order: list[int], residen
 
 
 def _off_device_homes(inputs: PlanInputs) -> tuple[str, str]:
-    """(the first, the last) home off the device that the streamed shards fill (:data:`~zero_cache.home_costs.
-    OFF_DEVICE_FILL_ORDER`): "auto" fills the first, then the last the config permits; a named home that streams
-    takes them all."""
+    """(the first, the last) home off the device that the streamed shards fill, in the order of
+    :data:`~zero_cache.home_costs.OFF_DEVICE_FILL_ORDER`: "auto" fills the first, then the last the config permits;
+    a named home that streams takes them all."""
     first = OFF_DEVICE_FILL_ORDER[0]
     if inputs.param_home == AUTO:
         return first, next((h for h in reversed(OFF_DEVICE_FILL_ORDER) if h in inputs.param_homes_off_device), first)

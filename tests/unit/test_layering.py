@@ -192,10 +192,9 @@ print("pure")
 def test_what_the_plan_prices_is_what_the_homes_are() -> None:
     """One registry of home classes, one of their costs, with the same tier names; each class reads its answers from
     its costs (no second copy to drift)."""
-    from zero_cache.home_costs import HOME_COSTS, OFF_DEVICE_FILL_ORDER
+    from zero_cache.home_costs import DISK_BLOCK_BYTES, HOME_COSTS, OFF_DEVICE_FILL_ORDER
     from zero_cache.homes import HOME_CLASSES
     from zero_cache.nvme import ALIGN_BYTES
-    from zero_cache.home_costs import DISK_BLOCK_BYTES
 
     assert set(HOME_CLASSES) == set(HOME_COSTS) and set(OFF_DEVICE_FILL_ORDER) <= set(HOME_COSTS)
     assert ALIGN_BYTES == DISK_BLOCK_BYTES
