@@ -240,12 +240,17 @@ def _train(cfg: EngineConfig, ctx: DistContext, allow_unsafe_pickle: bool, trace
            ) -> float | None:
     if not cfg.train.resume:
         refuse_fresh_start_over_a_run(cfg.train.save_dir, ctx)
-    if ctx.is_main:  # at the start, not the first save: a file, read-only or taken save_dir stops the job now
+    # At the start, not at the first save: a file, read-only or taken save_dir stops the job now. One that does not
+    # exist yet is created after the config and data checks, so a job refused for those leaves nothing behind.
+    claimed = ctx.is_main and Path(cfg.train.save_dir).exists()
+    if claimed:
         checkpoint_files.claim_directory(cfg.train.save_dir)
     torch.manual_seed(cfg.seed if cfg.seed is not None else 0)  # model init is reproducible either way
     if not cfg.autopipe.enabled:  # fits or explains before a byte of the model exists (the plan of --plan)
         check_config_fits(cfg, world_size=ctx.world_size, ranks_per_host=ctx.local_world_size, device=ctx.device)
     dataset = build_dataset(cfg, ctx)
+    if ctx.is_main and not claimed:
+        checkpoint_files.claim_directory(cfg.train.save_dir)
     if cfg.autopipe.enabled:  # pipeline parallelism: pretraining/pipeline_parallel.py builds the stages and optimizer
         if ctx.is_main:
             report_precision(cfg)  # initialize() reports it on the other path
