@@ -34,9 +34,10 @@ run h100_2p7b_capped 420 "${bench[@]}" "${cap[@]}" --engines deepspeed angelptm 
     --configs $c/zero_infinity.json
 run h100_llama_capped 300 "${bench[@]}" "${cap[@]}" --engines deepspeed angelptm --models hf_llama --sizes 2.7b \
     --configs $c/zero_infinity.json
-# The user's NVMe JSON at 2.7B under the cap, against DeepSpeed.
-run h100_nvme_2p7b 420 python3 bench/user_workloads.py --steps 4 "${cap[@]}" --engines deepspeed angelptm \
-    --models nngpt --sizes 2.7b --configs $c/zero_nvme.json
+# The user's NVMe JSON at 2.7B under the cap, against DeepSpeed. Ours first: DeepSpeed's steps take 50-60 s here,
+# and with DeepSpeed first the row's limit ran out before ours started (session 38).
+run h100_nvme_2p7b 560 python3 bench/user_workloads.py --steps 4 "${cap[@]}" --engines angelptm deepspeed \
+    --anchor deepspeed --models nngpt --sizes 2.7b --configs $c/zero_nvme.json
 # The whole H100 against plain torch bf16 without fp32 masters.
 run h100_2p7b_whole 300 "${bench[@]}" --engines torch angelptm --anchor torch --models nngpt --sizes 2.7b \
     --configs $c/zero_offload.json
