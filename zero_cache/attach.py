@@ -1,13 +1,12 @@
 """Putting a module under ZeRO-Cache: layout -> tiers -> plan -> storage -> hooks -> hybrid Adam.
 
-The first iteration is the warm-up: forward pre-hooks record the order chunks are used in, and on
-CUDA the peak of non-model memory is measured; after the first step the plan is made again from
+The first iteration is the warm-up (:mod:`zero_cache.warmup`): forward pre-hooks record the order chunks are
+used in, and on CUDA the model's non-model memory is measured; after the first step the plan is made again from
 those measurements and optimizer groups move between tiers if it changed.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from dataclasses import dataclass, replace
@@ -18,26 +17,22 @@ from torch import nn
 
 from zero_cache.chunks import ChunkStore
 from zero_cache.config import ZeroCacheConfig
-from zero_cache.eviction import gathers_per_group
 from zero_cache.hardware import Hardware
-from zero_cache.homes import home_class
 from zero_cache.layout import ChunkLayout
 from zero_cache.optimizer import ZeroCacheOptimizer
 from zero_cache.nonmodel import AllocatorStats, CudaAllocatorStats, NonModelMeter
 from zero_cache.nvme import NvmeTier
-from zero_cache.planner import Plan, PlanError, PlanInputs, make_plan, with_device_step_count
+from zero_cache.planner import Plan, PlanError, PlanInputs, make_plan
 from zero_cache.resolve import (Resolved, activation_room_bytes, least_footprint_inputs, least_footprint_plan,
-                                plan_inputs, resolve)
+                                resolve)
 from zero_cache.shard_params import (agree_working_set, candidate_plans, choose_shard_params, choose_streaming,
                                      decide_shard_params, device_groups, gather_ahead_groups, gather_objects,
                                      register_saving_hooks, wanted_placement)
-from zero_cache.rates import measured_copies, measured_disk, with_host_adam
 from zero_cache.sharding import Sharding
-from zero_cache.step_cost import NOMINAL_RATES
 from zero_cache.tier_names import DEVICE, HOST, NVME
 from zero_cache.tiers import build_tiers, use_expandable_segments
-from zero_cache.tuning import DeviceStepTuner
 from zero_cache.units import AUTO, format_bytes
+from zero_cache.warmup import WarmupTracer
 from zero_cache.working_set import WorkingSet, capped
 
 logger = logging.getLogger(__name__)
@@ -72,35 +67,6 @@ def working_set_given_up(inputs: PlanInputs, plan: Plan) -> str:
     return ", ".join(parts)
 
 
-def with_measured_gathers(inputs: PlanInputs, optimizer: ZeroCacheOptimizer,
-                          as_planned: tuple[int, frozenset[int]] | None = None) -> PlanInputs:
-    """``inputs`` with how often a group is gathered per step, from the warm-up's recorded acquisitions (forward,
-    recomputed blocks, backward) under the plan's eviction rule (one rank: only groups that stream take a slot).
-    Of the live slots, ``ahead`` hold groups being gathered ahead of use, so ``max_live - ahead`` keep groups
-    for reuse: with that capacity the rule's count is the runtime's (``tests/unit/test_zero_cache_eviction.py``).
-    ``as_planned``: that capacity and the streamed groups of the first plan, where the warm-up ran under another
-    placement (:meth:`WarmupTracer.warm_up_under`). Unchanged when nothing streams or nothing was recorded."""
-    gathered = optimizer.exchange.gathered if optimizer.exchange is not None else None
-    if gathered is None:
-        return inputs
-    store = optimizer.store
-    reuse_slots, streams = ((gathered.max_live - gathered.ahead, lambda g: store.group_home(g).streams)
-                            if as_planned is None else (as_planned[0], as_planned[1].__contains__))
-    slotted = [g for g in gathered.trace.groups if store.sharding.sharded or streams(g)]
-    if not slotted:
-        return inputs
-    return dataclasses.replace(inputs, gathers_per_step=gathers_per_group(slotted, reuse_slots))
-
-
-PREDICTION_TOLERANCE = 0.10
-"""A measured step this far above the plan's prediction is logged as such."""
-
-
-def tunes_on(device: torch.device) -> bool:
-    """Whether "auto" device steps are tuned by measured step time on ``device``: on a GPU, where they exist."""
-    return device.type == "cuda"
-
-
 def warms_up_at_least_footprint(config: ZeroCacheConfig, device: torch.device) -> bool:
     """Whether the warm-up step runs under the plan's least device footprint (:func:`~zero_cache.resolve.
     least_footprint_plan`): on a GPU with ``activation_memory: "auto"``, where the reserve is a guess. A configured
@@ -110,179 +76,6 @@ def warms_up_at_least_footprint(config: ZeroCacheConfig, device: torch.device) -
 
 def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
-class WarmupTracer:
-    """Records chunk order in the first forward and re-plans after the first step."""
-
-    def __init__(self, layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: torch.dtype,
-                 accumulation_steps: int, in_backward: bool, device: torch.device) -> None:
-        self.layout, self.config, self.compute_dtype = layout, config, compute_dtype
-        self.accumulation_steps = accumulation_steps
-        self.in_backward = in_backward
-        self.trace: list[int] = []
-        self.recording = True
-        self.tune_device_steps = config.device_steps == AUTO and tunes_on(device)
-        """Choose the device-step count by measured step time after the re-plan (:mod:`zero_cache.tuning`)."""
-        self.tuner: DeviceStepTuner | None = None
-        self.inputs: PlanInputs | None = None
-        """The inputs of the plan in force (the re-plan's)."""
-        self.rates = NOMINAL_RATES
-        """The rates plans are made at: measured on this machine from the warm-up step on (:mod:`zero_cache.rates`)."""
-        self.gathers_as_planned: tuple[int, frozenset[int]] | None = None
-        """Gathered params, where the warm-up ran under another placement than the first plan's: that plan's slots
-        that keep groups for reuse, and its streamed groups (the re-plan estimates gathers as it would have)."""
-        self.meter: NonModelMeter | None = None
-        """The warm-up's measure of non-model device memory (on CUDA), sampled by :attr:`sampling_hooks`."""
-        self.sampling_hooks: list[Any] = []
-
-    def warm_up_under(self, optimizer: ZeroCacheOptimizer, first: Plan, warmup: Plan) -> None:
-        """Run the warm-up step with ``warmup``'s working set and device steps (its placement is the store's),
-        where ``optimizer`` was built for the ``first`` plan: the re-plan estimates gathers as under that plan."""
-        gathered = optimizer.exchange.gathered if optimizer.exchange is not None else None
-        if gathered is not None:
-            self.gathers_as_planned = (gathered.max_live - gathered.ahead, frozenset(
-                g for g, home in enumerate(first.param_home) if home_class(home).streams))
-        if optimizer.exchange is not None:
-            optimizer.exchange.apply_working_set(warmup)
-        optimizer.device_stepped = frozenset(warmup.device_stepped)
-
-    def record(self, chunks: list[int]) -> None:
-        if self.recording:
-            self.trace.extend(chunks)
-
-    def measure(self, module: nn.Module, params: list[nn.Parameter], meter: NonModelMeter) -> None:
-        """Measure the warm-up step's non-model memory with ``meter``, sampled before and after every submodule's
-        forward (recomputed blocks too) and as each gradient lands, until the re-plan."""
-        self.meter = meter
-
-        def sample(*_args: Any) -> None:
-            meter.sample()
-
-        for submodule in module.modules():
-            self.sampling_hooks.append(submodule.register_forward_pre_hook(sample))
-            self.sampling_hooks.append(submodule.register_forward_hook(sample, always_call=True))
-        self.sampling_hooks += [param.register_post_accumulate_grad_hook(sample) for param in params]
-        meter.start()
-
-    def _measured_nonmodel_bytes(self) -> int:
-        """The warm-up's non-model peak (0 where nothing was measured: a CPU run), its sampling hooks removed."""
-        for handle in self.sampling_hooks:
-            handle.remove()
-        self.sampling_hooks = []
-        if self.meter is None:
-            return 0
-        self.meter.sample()  # the optimizer step's interval
-        logger.info("ZeRO-Cache warm-up measured %s of non-model device memory over %d samples (the allocator's "
-                    "peak %s, its slack %s; the engine's own buffers not counted)",
-                    format_bytes(self.meter.peak_bytes()), self.meter.samples,
-                    format_bytes(self.meter.allocated_bytes), format_bytes(self.meter.slack_bytes))
-        return self.meter.peak_bytes()
-
-    def replan(self, optimizer: ZeroCacheOptimizer) -> Plan | None:
-        """Plan again from the recorded trace and measured peak; move groups whose tier changed."""
-        self.recording = False
-        store = optimizer.store
-        device_tier, host_tier = store.tiers[DEVICE], store.tiers[HOST]
-        nvme_tier = store.tiers.get(NVME)
-        optimizer.finish_pending()  # the warm-up's host updates are done, and timed
-        nonmodel = optimizer.nonmodel_peak_bytes = self._measured_nonmodel_bytes()
-        # The bus now (after the peak was read). Not the host's Adam: in the warm-up it ran at 1.0 G elements/s where
-        # the next steps ran at 3.9 (2.7B on the lent H100: first touches of its states), so its rate is taken
-        # from the steps after it.
-        optimizer.host.adam_work.take()
-        self.rates = measured_copies(device_tier.device, host_tier, self.rates)
-        # The disk through a swap bounce buffer where groups are on disk (their buffers are in the host's plan).
-        bounce = store.swap_buffers.try_acquire() if NVME in store.plan.optimizer_tier else None
-        try:
-            self.rates = measured_disk(nvme_tier, host_tier, self.rates, bounce)
-        finally:
-            if bounce is not None:
-                store.swap_buffers.release(bounce)
-        inputs = plan_inputs(self.layout, self.config, self.compute_dtype, device_tier.budget_bytes,
-                             host_tier.budget_bytes, self.accumulation_steps, tuple(self.trace), nonmodel,
-                             nvme_budget=nvme_tier.budget_bytes + nvme_tier.split_bytes if nvme_tier is not None else 0,
-                             sharding=store.sharding, shard_params=store.shard_params, in_backward=self.in_backward,
-                             gpu=device_tier.device.type == "cuda", rates=self.rates)
-        inputs = with_measured_gathers(inputs, optimizer, self.gathers_as_planned)
-        plan, failure = None, "it failed on another data-parallel rank"
-        try:
-            plan = make_plan(inputs)
-        except PlanError as err:  # the running plan works; a worse estimate must not stop the run
-            # The text, not the error: a log record keeps its args, and the error's traceback would keep
-            # this frame's optimizer (and its pinned memory and swap file) alive for as long as the record.
-            failure = str(err)
-        # Each rank measured its own peak and rates: the ranks agree on one working set, or all keep the current one.
-        plan = agree_working_set(plan, gather_objects(store.sharding))
-        if plan is None:
-            logger.warning("ZeRO-Cache re-plan after warm-up failed, keeping the current placement: %s", failure)
-            return None
-        moved = self._apply(optimizer, plan)
-        if optimizer.exchange is not None:
-            optimizer.exchange.apply_working_set(plan)
-        logger.info("ZeRO-Cache re-plan after warm-up (non-model peak %d MiB; %s): %s; %d groups moved",
-                    nonmodel // 2**20, self.rates.describe(), plan.summary(), moved)
-        self.inputs = inputs
-        host_groups = plan.optimizer_tier.count(HOST)
-        if self.tune_device_steps and host_groups:
-            self.tuner = DeviceStepTuner(len(plan.device_stepped), host_groups)
-            optimizer.after_step = functools.partial(self._tune_step, optimizer)
-        return plan
-
-    @staticmethod
-    def _apply(optimizer: ZeroCacheOptimizer, plan: Plan, *, count_switch: bool = False, trial: bool = False) -> int:
-        """Put ``plan`` in force between steps; returns the shards and groups moved. ``count_switch``: ``plan`` only
-        changes the device-step count (nothing moves), so only the chunks it changes are waited for; ``trial``: a
-        count the tuner tries, whose dropped kept gradients are kept for the next trial."""
-        if count_switch:  # the chunks whose route or kept gradient changes: the rest runs on under the next forward
-            now = optimizer.store.plan
-            optimizer.finish_chunks(sorted(set(now.device_stepped) ^ set(plan.device_stepped)
-                                           | set(now.kept_gradients) ^ set(plan.kept_gradients)))
-        else:
-            optimizer.finish_pending()
-        moved = optimizer.store.apply_plan(plan, keep_spare_gradients=trial)
-        optimizer.device_stepped = frozenset(plan.device_stepped)
-        return moved
-
-    def _tune_step(self, optimizer: ZeroCacheOptimizer, step_seconds: float) -> None:
-        """A step measured under the tuner's count: switch to the next count to try, or settle on the fastest."""
-        count = self.tuner.observe(step_seconds, optimizer.last_backward_seconds)
-        if count is not None:
-            self._apply(optimizer, with_device_step_count(self.inputs, optimizer.store.plan, count),
-                        count_switch=True, trial=not self.tuner.done)
-        if not self.tuner.done:
-            return
-        optimizer.after_step = None
-        logger.info("ZeRO-Cache host groups stepped on the device, by measured step time: %s", self.tuner.summary())
-        # The warm-up timed the host's Adam over one step; the tuning steps time it over several, under every
-        # count: the plan's floor is worked out again at that rate (the same placement, nothing moves).
-        self.rates = with_host_adam(self.rates, optimizer.host.adam_work.take())
-        self.inputs = replace(self.inputs, rates=self.rates)
-        plan = with_device_step_count(self.inputs, optimizer.store.plan, self.tuner.best)
-        self._apply(optimizer, plan, count_switch=True)
-        self._log_prediction(self.tuner.measured[self.tuner.best], self.tuner.backward.get(self.tuner.best), plan,
-                             updates_after_backward=optimizer.last_updates_after_backward)
-
-    def _log_prediction(self, measured: float, backward: float | None, plan: Plan, *,
-                        updates_after_backward: bool) -> None:
-        """The settled step against what the plan predicts for it once its backward is measured
-        (:meth:`~zero_cache.step_cost.StepTraffic.predicted_step`), and what bounds it."""
-        traffic = plan.traffic
-        if backward is None:  # (no backward timed: the floor alone)
-            predicted, bound = traffic.seconds, traffic.bound
-        else:
-            predicted, bound = traffic.predicted_step(backward, updates_after_backward=updates_after_backward)
-        off = measured / predicted - 1 if predicted else float("inf")
-        after = traffic.after_backward_floors(backward or 0.0, updates_after_backward=updates_after_backward)
-        verdict = ("" if abs(off) <= PREDICTION_TOLERANCE else
-                   ": more than the tolerance above it, the forward's compute or waits the plan does not count bound it"
-                   if off > 0 else ": below it, the plan's rates are slower than the step's")
-        logger.info("ZeRO-Cache: the step runs at %.3f s; the plan predicts at least %.3f s (%+.0f%%), bound by %s "
-                    "(backward %s; the updates %s; after backward: %s; at %s)%s",
-                    measured, predicted, 100 * off, bound, "not timed" if backward is None else f"{backward:.3f} s",
-                    "waited for the global norm" if updates_after_backward else "ran in backward",
-                    ", ".join(f"{stream} {seconds:.3f} s" for stream, seconds in after.items()),
-                    self.rates.describe(), verdict)
 
 
 def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, *, compute_dtype: torch.dtype,

@@ -9,7 +9,7 @@ after warm-up uses to estimate how often each group is brought onto the device p
 
 No config key selects a rule while there is one: a second rule (LRU, say) comes with the key
 (``zero_cache.eviction``), the plan naming the rule from it, and the re-plan's estimate
-(``zero_cache.attach.with_measured_gathers``) simulating the rule the plan names rather than
+(``zero_cache.warmup.with_measured_gathers``) simulating the rule the plan names rather than
 :func:`gathers_per_group`'s Belady. Note for that simulation: the runtime offers its candidates least recently
 used first, :func:`belady_misses` in the order they were fetched; for Belady's rule that changes only which of
 several groups never used again goes (the same misses), for LRU it is the rule.

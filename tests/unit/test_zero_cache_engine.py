@@ -150,15 +150,15 @@ def test_parameters_without_gradient_are_not_stepped_and_fp16_norms_do_not_overf
 def test_a_failed_replan_warning_does_not_keep_a_dropped_optimizer_alive(monkeypatch, caplog):
     """On a GPU the warm-up can measure more activations than the budget holds; the warning about the
     kept placement must not pin the optimizer (log records outlive the engine: here, caplog's)."""
-    attach_module = importlib.import_module("zero_cache.attach")
-    real = attach_module.make_plan
+    warmup_module = importlib.import_module("zero_cache.warmup")
+    real = warmup_module.make_plan
 
     def replan_fails(inputs):
         if inputs.trace:  # only the re-plan has a trace
-            raise attach_module.PlanError("the measured activations do not fit")
+            raise warmup_module.PlanError("the measured activations do not fit")
         return real(inputs)
 
-    monkeypatch.setattr(attach_module, "make_plan", replan_fails)
+    monkeypatch.setattr(warmup_module, "make_plan", replan_fails)
     seed = torch.randint(0, 10_000, ()).item()
     device_budget, host_budget = budgets(six_layer_llama(seed))
     engine, optimizer, _, _ = angelptm.initialize(model=six_layer_llama(seed),

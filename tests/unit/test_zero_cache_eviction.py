@@ -9,7 +9,7 @@ import torch
 import angelptm
 from angelptm.pretraining.models import ModelConfig, build_model
 from reference import SEQ, VOCAB, ds_config, random_batches, train_steps
-from zero_cache.attach import with_measured_gathers
+from zero_cache.warmup import with_measured_gathers
 from zero_cache.eviction import BeladyEviction, belady_misses, eviction_rule, gathers_per_group
 from zero_cache.planner import PlanInputs
 

@@ -136,7 +136,7 @@ def test_a_device_step_count_keeps_the_placement_and_matches_the_plan_made_for_i
 def test_training_tunes_the_count_by_step_time_and_stays_exact(monkeypatch, caplog):
     """With the tuning on (a GPU's "auto", here on CPU) and a clock that makes one count fastest, the run ends on
     that count, switching between counts as it goes, and trains exactly as the host's updates do."""
-    monkeypatch.setattr(importlib.import_module("zero_cache.attach"), "tunes_on", lambda device: True)
+    monkeypatch.setattr(importlib.import_module("zero_cache.warmup"), "tunes_on", lambda device: True)
     caplog.set_level(logging.INFO, logger="zero_cache")
     seed = torch.randint(0, 10_000, ()).item()
     start = {n: p.detach().clone() for n, p in tiny_llama(seed).named_parameters()}
@@ -175,7 +175,7 @@ def test_switching_between_trial_counts_allocates_no_kept_gradient_twice(monkeyp
     """A trial that steps more groups on the device drops their kept gradients; the switch back to fewer takes the
     same buffers again instead of registering new pinned memory (each switch's step took 2-3 times the settled
     one at 10B on the H100), and the settled plan frees what no count in force needs."""
-    monkeypatch.setattr(importlib.import_module("zero_cache.attach"), "tunes_on", lambda device: True)
+    monkeypatch.setattr(importlib.import_module("zero_cache.warmup"), "tunes_on", lambda device: True)
     allocated = []
     original = ChunkStore._allocate_kept
 
