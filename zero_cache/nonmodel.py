@@ -3,15 +3,15 @@ the allocator's slack, without the engine's own buffers.
 
 The plan already counts what the engine keeps on the device (param chunks, optimizer groups, gathered groups,
 gradient buckets, the device-step scratch): all of it comes from the device tier. What the plan must learn from
-the warm-up is the rest. Reading it as "the allocator's peak less the tier's peak" is right only when both
-peaks fall at one moment, and two things broke that on the whole GPU (issue 37; 13.1B on the H200 measured
+the warm-up is the rest. It used to be read as the allocator's peak less the tier's peak, plus what the allocator
+held unallocated at its peak, and two things made that wrong on the whole GPU (issue 37; 13.1B on the H200 measured
 30.5 GB where the model needs 9.3 GB, and the re-plan left 20-30 GB idle):
 
 * the user's model, built on the device before attach, is copied into chunks and freed; the caching allocator
   keeps its blocks, so at the warm-up's peak it held the model's bytes reserved and unallocated, and they were
   taken for fragmentation. Those blocks are released before measuring (:meth:`NonModelMeter.start`);
-* the tier's usage moves within a step (streamed groups, buckets), so its peak and the allocator's come at
-  different moments.
+* the tier's usage moves within a step (streamed groups, buckets), so its peak and the allocator's may come at
+  different moments, and their difference is then no measure of either.
 
 So the meter samples: at each hook of the warm-up step it reads the allocator's peak since the previous sample
 (and starts a new interval) and the least the tier held over the same interval. Within an interval the
