@@ -14,12 +14,7 @@
 # figure is the median of the last 5 steps after the engine's tuning (bench/user_workloads.py). Each run's JSON line
 # carries every step's time, so the tuning's cost (the slowest step after the warm-up against the settled one) is
 # read from it too. Writes OUT/<row>.out.
-source "$(dirname "$0")/named_runs.sh"  # run NAME LIMIT command...; $out
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-16}
-mkdir -p /tmp/nvme_swap  # bench/configs/zero_nvme.json's nvme_path
-c=bench/configs
-bench=(python3 bench/user_workloads.py --steps 8)
-cap=(--memory-cap 22GB)  # a 24 GB GPU
+source "$(dirname "$0")/user_bench.sh"  # run NAME LIMIT command...; $out, $c, bench, cap
 ours=(--engines angelptm --anchor angelptm)
 
 # The whole H200, the ZeRO-Offload JSON (clip 1.0): 13.1B by default, and with device steps off.

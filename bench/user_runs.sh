@@ -6,12 +6,7 @@
 #
 # Writes OUT/<run>.out (the table, the plans and per-step notes, or the failure's tail); traces of one step of
 # this engine under OUT/traces/ (packed into OUT/traces.tgz).
-source "$(dirname "$0")/named_runs.sh"  # run NAME LIMIT command...; $out
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-16}
-mkdir -p /tmp/nvme_swap  # bench/configs/zero_nvme.json's nvme_path
-c=bench/configs
-bench=(python3 bench/user_workloads.py --steps 8)
-cap=(--memory-cap 22GB)  # a 24 GB GPU
+source "$(dirname "$0")/user_bench.sh"  # run NAME LIMIT command...; $out, $c, bench, cap
 both=(--engines deepspeed angelptm)
 
 # Under the cap: ZeRO-Infinity and ZeRO-Offload JSON; the GPT written from torch.nn, transformers' Llama and GPT-2.

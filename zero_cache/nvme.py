@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import logging
 import os
 import secrets
@@ -66,8 +67,13 @@ def slot_checksum(buffer: torch.Tensor) -> tuple[int, int]:
     """The checksum of an aligned uint8 slot buffer (a whole number of 4 KiB blocks): the sum of its 64-bit
     words, and the sum of its blocks' sums weighted 1, 3, 5, ... by block index (integer sums wrap)."""
     block_sums = buffer.view(torch.int64).view(-1, ALIGN_BYTES // 8).sum(dim=1)
-    weights = torch.arange(1, 2 * block_sums.numel(), 2, dtype=torch.int64)
-    return block_sums.sum().item(), (block_sums * weights).sum().item()
+    return block_sums.sum().item(), (block_sums * _block_weights(block_sums.numel())).sum().item()
+
+
+@functools.lru_cache(maxsize=8)
+def _block_weights(blocks: int) -> torch.Tensor:
+    """1, 3, 5, ... per block: made once per slot size, not on every read and write of a slot."""
+    return torch.arange(1, 2 * blocks, 2, dtype=torch.int64)
 
 
 class _CheckedRead:

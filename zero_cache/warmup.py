@@ -187,7 +187,8 @@ class WarmupTracer:
     def _apply(optimizer: ZeroCacheOptimizer, plan: Plan, *, count_switch: bool = False, trial: bool = False) -> int:
         """Put ``plan`` in force between steps; returns the shards and groups moved. ``count_switch``: ``plan`` only
         changes the device-step count (nothing moves), so only the chunks it changes are waited for; ``trial``: a
-        count the tuner tries, whose dropped kept gradients are kept for the next trial."""
+        count the tuner tries, whose dropped kept gradients are kept for the next trial (the settled count's apply
+        frees what is left over)."""
         if count_switch:  # the chunks whose route or kept gradient changes: the rest runs on under the next forward
             now = optimizer.store.plan
             optimizer.finish_chunks(sorted(set(now.device_stepped) ^ set(plan.device_stepped)
@@ -201,11 +202,12 @@ class WarmupTracer:
     def _tune_step(self, optimizer: ZeroCacheOptimizer, step_seconds: float) -> None:
         """A step measured under the tuner's count: switch to the next count to try, or settle on the fastest."""
         count = self.tuner.observe(step_seconds, optimizer.last_backward_seconds)
-        if count is not None:
-            self._apply(optimizer, with_device_step_count(self.inputs, optimizer.store.plan, count),
-                        count_switch=True, trial=not self.tuner.done)
         if not self.tuner.done:
+            if count is not None:
+                self._apply(optimizer, with_device_step_count(self.inputs, optimizer.store.plan, count),
+                            count_switch=True, trial=True)
             return
+        # (done: the best count is applied once below, at the rates the tuning measured)
         optimizer.after_step = None
         logger.info("ZeRO-Cache host groups stepped on the device, by measured step time: %s", self.tuner.summary())
         # The warm-up timed the host's Adam over one step; the tuning steps time it over several, under every
