@@ -1,0 +1,82 @@
+"""docs/configuration.md is generated from the config models and must match them; the docs' relative links resolve.
+
+The reference is written by ``tools/config_reference.py``; a config key added, removed, renamed or re-documented
+without regenerating it fails here, with the command that fixes it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+REFERENCE = ROOT / "docs" / "configuration.md"
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("config_reference", ROOT / "tools" / "config_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_committed_reference_is_what_the_generator_writes_now():
+    generator = _generator()
+    expected = generator.render()
+    committed = REFERENCE.read_text()
+    assert committed == expected, (f"docs/configuration.md is stale: the config models changed. Regenerate it with "
+                                   f"`{generator.REGENERATE}` and commit the result")
+
+
+def test_the_generator_is_deterministic():
+    generator = _generator()
+    assert generator.render() == generator.render()
+
+
+def test_the_reference_holds_known_keys_with_their_defaults_and_docstrings():
+    text = _generator().render()
+    sections = {line[3:].strip() for line in text.splitlines() if line.startswith("## ")}
+    for section in ("`zero_cache`", "`zero_optimization`", "`moe`", "`autopipe`", "`model`", "`data`", "`train`",
+                    "`comms`", "`fp16`", "`bf16`"):
+        assert section in sections, f"no {section} section in the reference"
+    rows = {match.group(1): line for line in text.splitlines() if (match := re.match(r"\| `([A-Za-z0-9_]+)`", line))}
+    # The zero_cache section's activation memory key, with its "auto" default and its docstring.
+    assert "activation_memory" in rows and '`"auto"`' in rows["activation_memory"]
+    assert "held back for activations" in rows["activation_memory"]
+    assert "device_memory_budget" in rows and "param_home" in rows and "nvme_param_homes" in rows
+    assert "timeout_s" in rows and "`600.0`" in rows["timeout_s"]
+    assert "stage3_prefetch_bucket_size" in rows
+    assert "hierarchical_all_to_all" in rows and "num_microbatches" in rows
+    # A nested section and a scheduler's parameters get their own tables.
+    assert "### `zero_cache.aio`" in text and "### `zero_optimization.offload_param`" in text
+    assert '### `scheduler.params` for `"type": "WarmupCosineLR"`' in text
+    assert "`zero_optimization.cpu_offload`" in text  # the deprecated keys' table
+
+
+def _markdown_files() -> list[Path]:
+    return [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def test_every_relative_link_in_the_readme_and_docs_points_to_a_file_that_exists():
+    broken = []
+    for page in _markdown_files():
+        for target in LINK.findall(page.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue  # a URL, or an anchor on the same page
+            path = target.split("#", 1)[0]
+            if not (page.parent / path).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, "relative links to missing files:\n" + "\n".join(broken)
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    linked = {Path(target.split("#", 1)[0]).as_posix() for target in LINK.findall(readme)}
+    missing = [f"docs/{page.name}" for page in sorted((ROOT / "docs").glob("*.md")) if f"docs/{page.name}" not in linked]
+    assert not missing, f"docs pages the README does not link: {missing}"
