@@ -20,7 +20,6 @@ Sharded params reduce from gradient buckets into the shard instead, with the sam
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -29,48 +28,14 @@ from torch import nn
 from zero_cache.homes import ParamHome, home_class
 from zero_cache.layout import ChunkLayout, TensorSlot
 from zero_cache.moves import Move, fits, next_move
-from zero_cache.nvme import ALIGN_BYTES
+from zero_cache.nvme_states import SWAP_BUFFERS  # noqa: F401  (re-exported: the plan counts them)
 from zero_cache.planner import Plan
 from zero_cache.sharding import Sharding
-from zero_cache.tier_names import DEVICE, HOST, NVME, REMOTE, BudgetedTier
-from zero_cache.tiers import BufferPool, Tier
-
-STATE_FIELDS = ("master", "exp_avg", "exp_avg_sq")
-SWAP_BUFFERS = 3
-"""Pinned bounce buffers of the NVMe tier: one being read (chunk i+1), one under CPU Adam (chunk i),
-one being written (chunk i-1)."""
-
-
-def state_field(states: torch.Tensor, field: str) -> torch.Tensor:
-    """One field (master, exp_avg or exp_avg_sq) of a group's flat fp32 states."""
-    numel = states.numel() // len(STATE_FIELDS)
-    index = STATE_FIELDS.index(field)
-    return states[index * numel:(index + 1) * numel]
-
-
-@dataclass(slots=True)
-class OptimizerGroup:
-    """One chunk's optimizer state: fp32 master, exp_avg, exp_avg_sq in one tier (and a gradient accumulator)."""
-
-    tier: str
-    states: torch.Tensor | None
-    """3 x chunk_numel fp32: master | exp_avg | exp_avg_sq; None when they are on NVMe or on another rank."""
-    grad: torch.Tensor | None
-    """chunk_numel fp32 gradient accumulator (on the host for NVMe groups), or None when gradients
-    are written into the param chunk."""
-    swap_offset: int | None = None
-    """Byte offset of the states' slot in the swap file (NVMe groups)."""
-    kept: torch.Tensor | None = None
-    """chunk_numel in the compute dtype, on the host: the gradient a during-backward update used, kept until the
-    step knows the global norm (:mod:`zero_cache.revision`); None for chunks updated after backward."""
-
-    def field(self, name: str) -> torch.Tensor:
-        if name == "grad":
-            assert self.grad is not None, "gradients live in the param chunk"
-            return self.grad
-        assert self.states is not None, "an NVMe group's states are read through ChunkStore.open_states"
-        return state_field(self.states, name)
-
+from zero_cache.state_costs import STATE_FILL_ORDER
+from zero_cache.state_home import STATE_FIELDS, OptimizerGroup, StateHome, state_field  # noqa: F401  (re-exported)
+from zero_cache.state_homes import state_homes
+from zero_cache.tier_names import DEVICE, HOST, BudgetedTier
+from zero_cache.tiers import BufferPool
 
 class ChunkStore:
     """Owns every chunk's storage and binds the module's parameters to views of it.
@@ -141,16 +106,14 @@ class ChunkStore:
                         param.data = self.placeholder(slot) if shard_params else self.param_view(slot)
         # One fp32 chunk per memory tier through which the update reads compute-dtype gradients.
         self.scratch = {name: tiers[name].allocate(layout.chunk_numel, torch.float32) for name in (DEVICE, HOST)}
-        self.swap_buffers = None
-        if NVME in tiers:
-            host, slot_bytes = tiers[HOST], tiers[NVME].slot_bytes
-            self.swap_buffers = BufferPool(SWAP_BUFFERS, lambda: host.allocate_aligned(slot_bytes, ALIGN_BYTES))
         # Optimizer groups only now, so the device never holds the original params and the groups at once.
         self.grads_in_accumulators = accumulate
+        self.state_homes: dict[str, StateHome] = state_homes(tiers, layout.chunk_numel, accumulate)
+        """The optimizer groups' homes by tier name (:mod:`zero_cache.state_homes`), those the tiers can hold."""
         self.groups: list[OptimizerGroup] = []
         for chunk, tier in enumerate(plan.optimizer_tier):
-            self.groups.append(self._allocate_group(tier))
-            if tier == REMOTE:
+            self.groups.append(self.state_homes[tier].allocate())
+            if not self.groups[chunk].home.owned:
                 continue
             if chunk in plan.kept_gradients:
                 self.groups[chunk].kept = self._allocate_kept()
@@ -196,20 +159,6 @@ class ChunkStore:
             with self.group_home(group).open(group, self.shards[group], fresh=fresh, write_back=write_back) as values:
                 yield values
 
-    def _grad_tier(self, tier: str) -> Tier:
-        """Where a group's gradient accumulator lives: with its states, or on the host for NVMe groups."""
-        return self.tiers[HOST if tier == NVME else tier]
-
-    def _allocate_group(self, tier: str) -> OptimizerGroup:
-        if tier == REMOTE:
-            return OptimizerGroup(tier=tier, states=None, grad=None)
-        numel = self.layout.chunk_numel
-        grad = self._grad_tier(tier).allocate(numel, torch.float32) if self.grads_in_accumulators else None
-        if tier == NVME:
-            return OptimizerGroup(tier=tier, states=None, grad=grad, swap_offset=self.tiers[NVME].allocate_slot())
-        return OptimizerGroup(tier=tier, states=self.tiers[tier].allocate(len(STATE_FIELDS) * numel, torch.float32),
-                              grad=grad)
-
     def _move_shard(self, group: int, plan: Plan) -> None:
         """Collective group ``group``'s shard to the home ``plan`` names."""
         old, new = self.group_home(group), self._home_named(plan.param_home[group], plan)
@@ -224,7 +173,7 @@ class ChunkStore:
         """``chunk``'s optimizer group (states, accumulator, kept gradient) to the tier ``plan`` names."""
         old = self.groups[chunk]
         with self.open_states(chunk) as states:
-            new = self._allocate_group(plan.optimizer_tier[chunk])
+            new = self.state_homes[plan.optimizer_tier[chunk]].allocate()
             self.groups[chunk] = new
             with self.open_states(chunk, write_back=True, fresh=True) as destination:
                 destination.copy_(states)
@@ -233,32 +182,12 @@ class ChunkStore:
         new.kept, old.kept = old.kept, None  # (host memory either way)
         self._free_group(old)
 
-    def _group_bytes(self, tier: str) -> dict[str, int]:
-        """Tier -> bytes an optimizer group on ``tier`` holds in the tiers' budgets (what :meth:`_allocate_group`
-        takes there, and freeing one gives back): its states (a slot on NVMe), and its fp32 accumulator where
-        micro-batches accumulate (with its states, or on the host for NVMe groups)."""
-        if tier == REMOTE:
-            return {}
-        numel = self.layout.chunk_numel
-        held = {tier: self.tiers[NVME].slot_bytes if tier == NVME else len(STATE_FIELDS) * numel * 4}
-        if self.grads_in_accumulators:
-            grad_tier = HOST if tier == NVME else tier
-            held[grad_tier] = held.get(grad_tier, 0) + numel * 4
-        return held
-
     def _allocate_kept(self) -> torch.Tensor:
         """A kept gradient (:attr:`OptimizerGroup.kept`): one param chunk in the compute dtype, on the host."""
         return self.tiers[HOST].allocate(self.layout.chunk_numel, self.compute_dtype, zero=False)
 
     def _free_group(self, group: OptimizerGroup) -> None:
-        if group.tier == REMOTE:
-            return
-        if group.tier == NVME:
-            self.tiers[NVME].free_slot(group.swap_offset)
-        else:
-            self.tiers[group.tier].free(group.states)
-        if group.grad is not None:
-            self._grad_tier(group.tier).free(group.grad)
+        group.home.free(group)
         if group.kept is not None:
             self.tiers[HOST].free(group.kept)
 
@@ -302,44 +231,31 @@ class ChunkStore:
     def tier_of(self, slot: TensorSlot) -> str:
         return self.groups[slot.chunk].tier
 
-    def states_in(self, buffer: torch.Tensor) -> torch.Tensor:
-        """The fp32 states inside a swap bounce buffer (the rest of it is block padding)."""
-        return buffer[:len(STATE_FIELDS) * self.layout.chunk_numel * 4].view(torch.float32)
+    def state_home(self, chunk: int) -> StateHome:
+        """The home of ``chunk``'s optimizer group (:mod:`zero_cache.state_homes`): which Adam updates it, and how
+        its states are reached."""
+        return self.groups[chunk].home
+
+    @property
+    def swap_buffers(self) -> BufferPool | None:
+        """The pinned buffers the optimizer states pass through to and from disk, if a state home has them."""
+        return next((home.bounce_buffers for home in self.state_homes.values() if home.bounce_buffers is not None),
+                    None)
 
     @contextlib.contextmanager
     def open_states(self, chunk: int, *, write_back: bool = False, fresh: bool = False) -> Iterator[torch.Tensor]:
-        """The chunk's fp32 states, readable (and writable) in memory for the duration of the block.
-
-        Resident groups are yielded as they are; an NVMe group is read into a bounce buffer (zeroed
-        instead when ``fresh``: a new group has no states yet) and, with ``write_back``, written
-        back when the block ends. Synchronous: for checkpoints, initialisation and re-planning,
-        never on the training path.
+        """The chunk's fp32 states, readable (and writable) in memory for the duration of the block
+        (:meth:`StateHome.open <zero_cache.state_home.StateHome.open>`): resident groups as they are, an NVMe group
+        through a bounce buffer (zeroed instead when ``fresh``: a new group has no states yet), written back with
+        ``write_back``. Synchronous: for checkpoints, initialisation and re-planning, never on the training path.
         """
         group = self.groups[chunk]
-        assert group.tier != REMOTE, f"chunk {chunk}'s optimizer group is on another rank"
-        if group.tier != NVME:
-            yield group.states
-            return
-        nvme = self.tiers[NVME]
-        buffer = self.swap_buffers.acquire()
-        write = None
-        try:
-            if fresh:
-                buffer.zero_()
-            else:
-                nvme.read(group.swap_offset, buffer).wait()
-            yield self.states_in(buffer)
-            if write_back:
-                write = nvme.write(group.swap_offset, buffer)
-                write.wait()
-        finally:
-            self.swap_buffers.release(buffer)
+        with group.home.open(group, write_back=write_back, fresh=fresh) as states:
+            yield states
 
     def flush(self) -> None:
-        """Wait for the NVMe tier's writes in flight, the homes' too (raises a failed write's error)."""
-        if NVME in self.tiers:
-            self.tiers[NVME].flush()
-        for home in self.homes.values():
+        """Wait for the state homes' writes in flight, the param homes' too (raises a failed write's error)."""
+        for home in [*self.state_homes.values(), *self.homes.values()]:
             home.flush()
 
     def close(self) -> None:
@@ -348,12 +264,10 @@ class ChunkStore:
         parameters, which view them. The store cannot be used again, so nothing is given back to the tiers' budgets
         one by one: dropping the tensors frees them (pinned pages are unpinned with their last view)."""
         self.flush()
-        for home in self.homes.values():
+        for home in [*self.homes.values(), *self.state_homes.values()]:
             home.close()
-        if NVME in self.tiers:
-            self.tiers[NVME].close()
         self.groups, self.scratch, self.shards, self.param_chunks, self.group_buffers = [], {}, [], [], []
-        self.swap_buffers, self.homes = None, {}
+        self.state_homes, self.homes = {}, {}
 
     def apply_plan(self, plan: Plan, *, keep_spare_gradients: bool = False) -> int:
         """Move shards and optimizer groups whose tier changed; returns the number moved.
@@ -381,15 +295,14 @@ class ChunkStore:
             for kept in self._spare_kept:
                 self.tiers[HOST].free(kept)
             self._spare_kept = []
-        leaving = {DEVICE: 0, HOST: 1, NVME: 2}
         homes = sorted((g for g, home in enumerate(plan.param_home) if home != self.param_home[g]),
-                       key=lambda g: self.param_home[g] != DEVICE)
+                       key=lambda g: self.group_home(g).streams)
         groups = sorted((c for c, tier in enumerate(plan.optimizer_tier) if self.groups[c].tier != tier),
-                        key=lambda c: leaving[self.groups[c].tier])
+                        key=lambda c: STATE_FILL_ORDER.index(self.groups[c].tier))
         pending = [Move("shard", g, needs=self._home_named(plan.param_home[g], plan).held_bytes(),
                         frees=self.group_home(g).held_bytes()) for g in homes]
-        pending += [Move("group", c, needs=self._group_bytes(plan.optimizer_tier[c]),
-                         frees=self._group_bytes(self.groups[c].tier)) for c in groups]
+        pending += [Move("group", c, needs=self.state_homes[plan.optimizer_tier[c]].held_bytes(),
+                         frees=self.state_home(c).held_bytes()) for c in groups]
         while pending:
             free = {name: tier.free_bytes for name, tier in self.tiers.items()}
             move = next_move(pending, free, lambda move: fits(move.needs, free) if move.kind == "group"

@@ -36,7 +36,7 @@ import torch
 
 from zero_cache.chunks import STATE_FIELDS, ChunkStore
 from zero_cache.layout import TensorSlot
-from zero_cache.tier_names import DEVICE, HOST
+from zero_cache.tier_names import DEVICE
 from zero_cache.tiers import wait
 
 RING = 3
@@ -95,7 +95,8 @@ class DeviceSteps:
         """
         store = self.store
         group = store.groups[chunk]
-        assert group.tier == HOST and group.states is not None, f"chunk {chunk}'s optimizer group is not on the host"
+        assert group.home.device_steppable and group.states is not None, \
+            f"chunk {chunk}'s optimizer group is not in a home the device may step"
         params = store.param_chunks[chunk]
         home_on_host = store.home(chunk).in_host_memory
         grads = group.grad if store.grads_in_accumulators else params

@@ -15,9 +15,9 @@ A shard at home on the host (streamed params) is its own staging buffer: its gra
 from the device->host stream, the update runs in place, and nothing is copied back (the next gather
 copies the new weights in).
 
-An NVMe-resident group (``zero_cache.nvme``) has its states read from the swap file into a pinned
-bounce buffer alongside step 1, and written back from it after step 2; the buffer returns to its
-pool with the write in flight ("write behind"), and a later read of the same slot waits for it.
+The chunk's optimizer states come from its state home (:mod:`zero_cache.state_homes`), fetched alongside step 1
+and written back after step 2: host memory is updated in place, an NVMe group is read into a pinned bounce buffer
+and written behind (:mod:`zero_cache.nvme_states`).
 
 While it updates chunk i the worker has already issued the fetch of chunk i + 1 (its gradient copy
 and its disk read), so the transfers of one chunk overlap CPU Adam of the next. A few buffers serve every transfer (no per-step pinning,
@@ -36,12 +36,13 @@ import torch
 
 from zero_cache.chunk_adam import adam_step, fp32_gradient
 from zero_cache.chunks import STATE_FIELDS, ChunkStore, state_field
+from zero_cache.state_home import FetchedStates
 from zero_cache.host_adam import HostAdam
 from zero_cache.jobs import GRADIENTS, JobQueue, serve, stop
 from zero_cache.layout import TensorSlot
 from zero_cache.rates import Throughput
 from zero_cache.revision import APPLIED, DEFERRED, SpeculationWindow, revision_scales
-from zero_cache.tier_names import HOST, NVME
+from zero_cache.tier_names import HOST
 from zero_cache.tiers import BufferPool, wait
 from zero_cache.timeline import HOST_ADAM
 from zero_cache.transfers import Transfers
@@ -201,14 +202,14 @@ class HostUpdater:
                 self.error = err
             self.busy_s += time.perf_counter() - start
         elif isinstance(prepared, Fetched):  # skipped: its buffers go back once their transfers have landed
-            prepared.release(self.pool, self.store.swap_buffers)
+            prepared.release(self.pool)
         if self.error is not None and isinstance(job, ChunkUpdate):
             job.issued.set()  # wake the waiter, which re-raises the error
 
     # ------------------------------------------------------------------ one chunk
     def _fetch(self, update: ChunkUpdate) -> Fetched:
         """Start the chunk's input transfers: its in-param gradient to a staging buffer (none when the
-        fp32 accumulator already lives on the host), and its states from disk (NVMe groups)."""
+        fp32 accumulator already lives on the host), and its states from their home (a disk read for NVMe)."""
         chunk = update.chunk
         fetched = Fetched(home=self.store.home(chunk))
         if update.revises is not None:
@@ -219,29 +220,26 @@ class HostUpdater:
             fetched.grads, fetched.grads_copied = fetched.home.fetch_gradient(
                 self.store.sharding.group_of(chunk), self.store.param_chunks[chunk], self.pool, self.transfers,
                 written=update.grads_written, landed=update.grads_landed)
-        group = self.store.groups[update.chunk]
-        if group.tier == NVME:
-            fetched.swap = self.store.swap_buffers.acquire()
-            fetched.swap_read = self.store.tiers[NVME].read(group.swap_offset, fetched.swap)
+        group = self.store.groups[chunk]
+        fetched.states = group.home.fetch(group)
         return fetched
 
     def _update(self, update: ChunkUpdate, fetched: Fetched) -> None:
         chunk = update.chunk
         try:
             wait(fetched.grads_copied)
-            wait(fetched.swap_read)
+            wait(fetched.states.ready)
             deferred = update.window is not None and not update.window.admits(update.position, self._square)
         except BaseException:
-            fetched.release(self.pool, self.store.swap_buffers)
+            fetched.release(self.pool)
             raise
         if deferred:  # the step will clip or skip: keep the gradient, apply nothing yet
             self._defer(update, fetched)
             return
-        states = None if fetched.swap is None else self.store.states_in(fetched.swap)
+        group, states = self.store.groups[chunk], fetched.states.states
         buffer = fetched.grads
-        if update.window is not None:
-            update.lazy = (self.store.groups[chunk].tier == HOST
-                           and self.host_adam.lazy_ok(update.hypers, self._kept(chunk).dtype))
+        if update.window is not None:  # (moments folded in later need states that stay in memory)
+            update.lazy = group.home.resident and self.host_adam.lazy_ok(update.hypers, self._kept(chunk).dtype)
         started = time.perf_counter()
         with self.transfers.timeline.on_thread(HOST_ADAM, f"chunk {chunk}"):  # its inputs have landed
             if update.revises is not None:
@@ -262,11 +260,7 @@ class HostUpdater:
         self.adam_work.add(self.store.layout.chunk_numel if first_pass else 0, time.perf_counter() - started)
         if update.window is not None:
             update.outcome = APPLIED
-        if fetched.swap is not None:  # written behind: the buffer is reused once the write has landed
-            changed = buffer is not None and not update.restore_only
-            written = self.store.tiers[NVME].write(self.store.groups[chunk].swap_offset, fetched.swap) \
-                if changed else None
-            self.store.swap_buffers.release(fetched.swap, written)
+        group.home.write_back(group, fetched.states, changed=buffer is not None and not update.restore_only)
         if buffer is not None:
             ready = fetched.home.store_params(self.store.sharding.group_of(chunk), self.store.param_chunks[chunk],
                                               buffer, self.pool, self.transfers)
@@ -290,11 +284,11 @@ class HostUpdater:
         self.settle(update.chunk)  # (the kept gradient is about to change)
         if fetched.grads is not None:
             self._kept(update.chunk).copy_(fetched.grads)
-        fetched.release(self.pool, self.store.swap_buffers)
+        fetched.release(self.pool)
         update.outcome = DEFERRED
         update.issued.set()
 
-    def _revise(self, update: ChunkUpdate, states: torch.Tensor | None) -> torch.Tensor | None:
+    def _revise(self, update: ChunkUpdate, states: torch.Tensor) -> torch.Tensor | None:
         """Run the step's revision of a speculative update; returns the buffer holding the new weights, or
         None when the update already stands (applied with the step's factor)."""
         original = update.revises
@@ -310,7 +304,7 @@ class HostUpdater:
                                 undo_lazy=original.lazy)
 
     def _step_slots(self, chunk: int, members: dict[int, list[TensorSlot]], hypers: list[dict[str, Any]], step: int,
-                    grad: torch.Tensor, states: torch.Tensor | None, *, undo_scale: float = 0.0,
+                    grad: torch.Tensor, states: torch.Tensor, *, undo_scale: float = 0.0,
                     redo_scale: float = 0.0, undo_lazy: bool = False, redo_lazy: bool = False) -> torch.Tensor:
         """Step ``members`` from ``grad`` (a chunk-sized gradient that stays as it is: kept, or an accumulator),
         taking back a step first with ``undo_scale`` (:meth:`HostAdam.revise`); returns the buffer holding the
@@ -327,7 +321,7 @@ class HostUpdater:
                 stepped.append((slot.offset, slot.offset + slot.numel))
         # Everything else (slots without a gradient, and the padding, which collectives and norms read whole)
         # is the masters, rounded, as after any update: a staging buffer holds whatever it carried last.
-        masters = self.store.groups[chunk].field("master") if states is None else state_field(states, "master")
+        masters = state_field(states, "master")
         start = 0
         for begin, end in sorted(stepped) + [(out.numel(), out.numel())]:
             if begin > start:
@@ -340,7 +334,7 @@ class HostUpdater:
         return self.store.home(chunk).update_buffer(self.store.sharding.group_of(chunk),
                                                     self.store.param_chunks[chunk], self.pool)
 
-    def _step_in_buffer(self, update: ChunkUpdate, buffer: torch.Tensor, states: torch.Tensor | None) -> None:
+    def _step_in_buffer(self, update: ChunkUpdate, buffer: torch.Tensor, states: torch.Tensor) -> None:
         """csrc kernel, one pass: the buffer's gradients become the new weights. A speculative update copies them
         to the kept gradient on the way, after folding in the moments of the chunk's lazy update from the step
         before (which that gradient held) when it stepped the same slots. Slots without a gradient are rewritten
@@ -369,7 +363,7 @@ class HostUpdater:
         return (lazy is not None and lazy.members == update.members
                 and all(lazy.hypers[i]["betas"] == update.hypers[i]["betas"] for i in update.members))
 
-    def _step_then_round(self, update: ChunkUpdate, buffer: torch.Tensor, states: torch.Tensor | None) -> torch.Tensor:
+    def _step_then_round(self, update: ChunkUpdate, buffer: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
         """Library kernel on a staged gradient of another dtype (fp16) made fp32, then the masters rounded into
         the buffer (returned). A speculative update's gradient is kept first; a lazy one steps copies of the
         moments."""
@@ -381,12 +375,12 @@ class HostUpdater:
             adam_step(self.store, slots, grads, update.hypers[index], update.step, kernel, states)
         return self._round_masters(update.chunk, buffer, states)
 
-    def _round_masters(self, chunk: int, buffer: torch.Tensor | None, states: torch.Tensor | None) -> torch.Tensor:
+    def _round_masters(self, chunk: int, buffer: torch.Tensor | None, states: torch.Tensor) -> torch.Tensor:
         """The chunk's masters in the compute dtype, in ``buffer`` (or the home on the host, or a staging buffer)."""
         if buffer is None:
             buffer = self._update_buffer(chunk)
         # fp32 -> compute dtype here: half the bus bytes
-        buffer.copy_(self.store.groups[chunk].field("master") if states is None else state_field(states, "master"))
+        buffer.copy_(state_field(states, "master"))
         return buffer
 
 
@@ -397,16 +391,15 @@ class Fetched:
     grads: torch.Tensor | None = None
     """Staging buffer receiving the in-param gradient."""
     grads_copied: torch.cuda.Event | None = None
-    swap: torch.Tensor | None = None
-    """Bounce buffer receiving the states of an NVMe group."""
-    swap_read: Any = None
-    """The disk read's IO request."""
     home: Any = None
     """The chunk's param home (:mod:`zero_cache.homes`), which ``grads`` came from."""
+    states: FetchedStates | None = None
+    """The chunk's optimizer states as its state home fetched them (:meth:`StateHome.fetch
+    <zero_cache.state_home.StateHome.fetch>`)."""
 
-    def release(self, pool: BufferPool, swap_buffers: BufferPool | None) -> None:
+    def release(self, pool: BufferPool) -> None:
         """Give the buffers back without using them (a failed update); pending transfers finish first."""
         if self.grads is not None:
             self.home.give_back(self.grads, pool, self.grads_copied)
-        if self.swap is not None:
-            swap_buffers.release(self.swap, self.swap_read)
+        if self.states is not None:
+            self.states.home.give_back(self.states)

@@ -44,6 +44,7 @@ import torch
 
 from zero_cache.aio import FileIO, IORequest, open_file_io
 from zero_cache.config import AioConfig, ZeroCacheConfig
+from zero_cache.home_costs import HOME_COSTS
 from zero_cache.tier_names import NVME
 from zero_cache.tiers import TierFullError, TrafficCounter
 from zero_cache.timeline import Timeline
@@ -146,7 +147,8 @@ def nvme_budget(config: ZeroCacheConfig, ranks_per_host: int = 1) -> tuple[Path 
         NvmeSetupError: nvme_path is missing or not writable, or not set while param_home is "nvme".
     """
     if config.nvme_path is None:
-        if config.param_home == NVME:
+        home = HOME_COSTS.get(config.param_home)  # (None: "auto", which puts no shard on disk without a tier)
+        if home is not None and home.on_disk:
             raise NvmeSetupError("zero_cache.param_home is \"nvme\" but no swap directory is set: set "
                                  "zero_cache.nvme_path (or zero_optimization.offload_param.nvme_path) to a directory "
                                  "on a local NVMe drive, or param_home to \"host\" or \"auto\"")

@@ -38,7 +38,7 @@ class NvmeHome(ParamHome):
 
     def __init__(self, tiers: dict[str, Any], numel: int, dtype: torch.dtype, num_shards: int = 0) -> None:
         super().__init__(tiers, numel, dtype)
-        if NVME not in tiers:
+        if self.name not in tiers:
             raise ValueError("params homed on NVMe need an NVMe tier: set zero_cache.nvme_path (or "
                              "offload_param.nvme_path) to a directory on a local disk")
         self.value_bytes = numel * torch.empty((), dtype=dtype).element_size()

@@ -64,10 +64,10 @@ from zero_cache.optimizer_state import OptimizerCheckpoint
 from zero_cache.plan import Plan
 from zero_cache.release import release
 from zero_cache.revision import SpeculationWindow
-from zero_cache.tier_names import DEVICE, HOST, NVME, OFF_DEVICE
+from zero_cache.state_costs import UPDATED_HERE, Route
+from zero_cache.tier_names import DEVICE
 from zero_cache.transfers import Transfers
 from zero_cache.working_set import GRADIENT_BUCKETS
-
 
 
 class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, torch.optim.Optimizer):
@@ -123,9 +123,7 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         self._stepped_ready: dict[int, torch.cuda.Event | None] = {}  # chunk -> its device step's params in place
         self.timeline = self.transfers.timeline
         """The step's timeline (copies, host jobs, disk requests, waits); recording only while a step is traced."""
-        if NVME in store.tiers:
-            store.tiers[NVME].timeline = self.timeline
-        for home in store.homes.values():
+        for home in [*store.state_homes.values(), *store.homes.values()]:
             home.use_timeline(self.timeline)
         slot_of = {slot.name: slot for slot in store.slots}
         # (param-group index, slot) for every parameter, in the optimizer's group order.
@@ -320,7 +318,7 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         hypers = self._hypers()
         self._update_device_chunks(written, hypers, grad_factor)
         self.device_steps.begin()
-        for chunk in self._chunks_in(OFF_DEVICE, written):
+        for chunk in self._chunks_in((Route.HOST_ADAM,), written):
             if chunk in self._queued:
                 self._queue_revision(chunk, grad_factor=grad_factor)
             elif self._steps_on_device(chunk):
@@ -340,9 +338,9 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         return True
 
     def _steps_on_device(self, chunk: int) -> bool:
-        """Whether ``chunk`` is stepped on the device now: the plan's choice, for a group whose states are all in
-        host memory (none left to fold in from a lazy update of the host's)."""
-        return (chunk in self.device_stepped and self.store.groups[chunk].tier == HOST
+        """Whether ``chunk`` is stepped on the device now: the plan's choice, for a group whose home lets the device
+        step it (its states all in host memory, none left to fold in from a lazy update of the host's)."""
+        return (chunk in self.device_stepped and self.store.state_home(chunk).device_steppable
                 and chunk not in self.host.unfolded)
 
     def _step_on_device(self, chunk: int, written: frozenset, hypers: list[dict[str, Any]], grad_factor: float) -> None:
@@ -365,15 +363,17 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         self._drain_host_gradients()
         total = sum(self._host_squares)
         on_device = [torch.linalg.vector_norm(self.store.state_view(slot, "grad"), dtype=torch.float32).square()
-                     for _, slot in self.members if slot.name in self._written and self.store.tier_of(slot) == DEVICE]
+                     for _, slot in self.members if slot.name in self._written
+                     and self.store.state_home(slot.chunk).route is Route.DEVICE_ADAM]
         if on_device:
             total += float(torch.stack(on_device).double().sum())
         return math.sqrt(total)
 
-    def _chunks_in(self, tiers: str | tuple[str, ...], written: frozenset) -> list[int]:
-        """Chunks of ``tiers`` with at least one written slot, in model (= the next forward's) order."""
-        return [c for c, members in sorted(self._members_of_chunk.items()) if self.store.groups[c].tier in tiers
-                and any(slot.name in written for _, slot in members)]
+    def _chunks_in(self, routes: tuple[Route, ...], written: frozenset) -> list[int]:
+        """Chunks whose state home's update route is one of ``routes``, with at least one written slot, in model
+        (= the next forward's) order."""
+        return [c for c, members in sorted(self._members_of_chunk.items())
+                if self.store.state_home(c).route in routes and any(slot.name in written for _, slot in members)]
 
     def _step_members(self, chunk: int, written: frozenset) -> dict[int, list[TensorSlot]]:
         members: dict[int, list[TensorSlot]] = {}
@@ -408,7 +408,7 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
     def _update_device_chunks(self, written: frozenset, hypers: list[dict[str, Any]], grad_factor: float) -> None:
         """Fused Adam over each written device chunk, then its param chunk rewritten from the masters."""
         self.device_steps.fence()  # (the scratch, which the last step's device steps used)
-        for chunk in self._chunks_in(DEVICE, written):
+        for chunk in self._chunks_in((Route.DEVICE_ADAM,), written):
             group = self.store.groups[chunk]
             source = group.grad if self.store.grads_in_accumulators else self.store.param_chunks[chunk]
             grads = fp32_gradient(source, self.store.scratch[DEVICE], grad_factor)
@@ -419,14 +419,14 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
     def _restore_params(self, written: frozenset) -> None:
         """Rewrite param chunks that hold this window's gradients from their masters (no step taken; the
         speculatively updated ones are revised instead)."""
-        chunks = [c for c in self._chunks_in((DEVICE, *OFF_DEVICE), written) if c not in self._queued]
+        chunks = [c for c in self._chunks_in(UPDATED_HERE, written) if c not in self._queued]
         self._rewrite_from_masters(chunks, written)
         self._mark_stale()  # the non-owned chunks come back from their owners
 
     def _rewrite_from_masters(self, chunks: list[int], written: frozenset) -> None:
         """Param chunks rewritten from their masters: device chunks now, the others through the host worker."""
         for chunk in chunks:
-            if self.store.groups[chunk].tier == DEVICE:
+            if self.store.state_home(chunk).route is Route.DEVICE_ADAM:
                 self.store.param_chunks[chunk].copy_(self.store.groups[chunk].field("master"))
             else:
                 self._queue_host_update(chunk, written, [], step=self.step_count, grad_factor=1.0, restore_only=True)
@@ -484,10 +484,8 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         waited = self.timings["grad_wait"] + self.timings["chunk_wait"]
         report = {f"zero_cache_{name}_bytes": tier.used_bytes for name, tier in self.store.tiers.items()}
         report.update({f"zero_cache_{way}_bytes": moved for way, moved in self.transfers.traffic.take().items()})
-        if NVME in self.store.tiers:
-            report.update({f"zero_cache_nvme_{way}_bytes": moved
-                           for way, moved in self.store.tiers[NVME].traffic.take().items()})
-        for home in self.store.homes.values():  # (param shards at home on the disk: their swap file too)
+        # (optimizer states and param shards at home on the disk: their swap files)
+        for home in [*self.store.state_homes.values(), *self.store.homes.values()]:
             for what, num_bytes in home.disk_report().items():
                 key = f"zero_cache_nvme_{what}" if what == "bytes" else f"zero_cache_nvme_{what}_bytes"
                 report[key] = report.get(key, 0) + num_bytes

@@ -19,7 +19,7 @@ from torch import nn
 
 from zero_cache.layout import TensorSlot
 from zero_cache.revision import SpeculationWindow
-from zero_cache.tier_names import DEVICE, OFF_DEVICE
+from zero_cache.state_costs import Route
 from zero_cache.tiers import wait
 
 
@@ -89,7 +89,7 @@ class GradientIntake:
             self._group_written(slot.chunk)
         elif not self.store.grads_in_accumulators:
             self._write_over_param(slot, grad, first)
-        elif self.store.tier_of(slot) == DEVICE:
+        elif self.store.state_home(slot.chunk).route is Route.DEVICE_ADAM:  # (its accumulator is on the device)
             accumulator = self.store.state_view(slot, "grad")
             accumulator.copy_(grad.reshape(-1)) if first else accumulator.add_(grad.reshape(-1))
         else:
@@ -114,7 +114,7 @@ class GradientIntake:
     def _speculates(self, chunk: int) -> bool:
         """Whether ``chunk`` (its gradient complete) is updated now, during backward (:mod:`zero_cache.revision`)."""
         group = self.store.groups[chunk]
-        return (self._speculating and group.tier in OFF_DEVICE and chunk not in self.device_stepped
+        return (self._speculating and group.home.route is Route.HOST_ADAM and chunk not in self.device_stepped
                 and (group.kept is not None or self.store.grads_in_accumulators))
 
     def _unscale_factor(self) -> float:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from zero_cache.tier_names import DEVICE, OFF_DEVICE
+from zero_cache.state_costs import UPDATED_HERE, Route
 from zero_cache.tiers import wait
 
 
@@ -66,7 +66,7 @@ class ShardedGradients:
         first = chunk not in self._accumulated  # the window's first micro-step is copied, not added
         self._accumulated.add(chunk)
         accumulator = self.store.groups[chunk].grad
-        if self.store.groups[chunk].tier == DEVICE:
+        if self.store.state_home(chunk).route is Route.DEVICE_ADAM:  # (its accumulator is on the device)
             accumulator.copy_(reduced) if first else accumulator.add_(reduced)
             return None  # the bucket's next use is on the compute stream too, ordered after this add
         if first:
@@ -118,7 +118,7 @@ class ShardedGradients:
         gradient reached it on this rank (a parameter used without one): rewrite those from their masters."""
         if self.exchange is None or self.store.grads_in_accumulators:
             return
-        reached = set(self._chunks_in((DEVICE, *OFF_DEVICE), written))
+        reached = set(self._chunks_in(UPDATED_HERE, written))
         owned = set(self.sharding.owned(self.store.layout.num_chunks))
         self._rewrite_from_masters(sorted(owned & set(self._members_of_chunk) - reached), written)
 

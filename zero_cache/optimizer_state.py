@@ -14,7 +14,6 @@ from typing import Any, Collection
 import torch
 
 from zero_cache.chunks import STATE_FIELDS
-from zero_cache.tier_names import REMOTE
 
 
 class OptimizerCheckpoint:
@@ -29,7 +28,7 @@ class OptimizerCheckpoint:
         self.finish_pending()
         for chunk, members in sorted(self._members_of_chunk.items()):
             slots = [slot for _, slot in members if names is None or slot.name in names]
-            if not slots or self.store.groups[chunk].tier == REMOTE:
+            if not slots or not self.store.state_home(chunk).owned:
                 continue
             with self.store.open_states(chunk, write_back=write_back) as states:
                 yield slots, states
@@ -46,7 +45,7 @@ class OptimizerCheckpoint:
     @property
     def owned_names(self) -> list[str]:
         """Parameters whose optimizer state this rank holds (all of them unless sharded)."""
-        return [slot.name for _, slot in self.members if self.store.groups[slot.chunk].tier != REMOTE]
+        return [slot.name for _, slot in self.members if self.store.state_home(slot.chunk).owned]
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 masters by name (sharded: of the owned parameters only)."""

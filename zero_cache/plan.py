@@ -17,6 +17,9 @@ SWAP_ALIGN_BYTES = DISK_BLOCK_BYTES
 DEVICE_MARGIN_FRACTION = 0.03
 """Device budget kept free for allocator fragmentation and transients."""
 
+_HOME_WORDS = {HOST: "the host"}
+"""How the summary names a home where its tier's name is not the words (the others: their name)."""
+
 
 class PlanError(ValueError):
     """The model states do not fit in the tiers; the message gives the shortfall per tier."""
@@ -189,7 +192,7 @@ class Plan:
         params = "resident on the device"
         if self.params_sharded:
             kind = "sharded" if self.group_size > 1 else "gathered on use"
-            homes = " and ".join(sorted({"the host" if h == HOST else h for h in self.param_home
+            homes = " and ".join(sorted({_HOME_WORDS.get(h, h) for h in self.param_home
                                          if home_costs(h).streams})) or "the host"
             params = (f"{kind}: {self.param_home.count(DEVICE)} of {len(self.param_home)} shards at home on the "
                       f"device, {self.streamed_groups} streamed from {homes}; {self.cache_slots} groups live at once, "

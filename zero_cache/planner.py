@@ -33,7 +33,8 @@ The plan decides, in this order of value per device byte:
    forward, whose updates start first in backward and are needed last by the next forward, so
    their disk reads and writes have the most compute to hide under. They cost the host
    ``swap_buffers`` pinned bounce buffers (read chunk i+1 while updating chunk i while writing
-   chunk i-1) and, when micro-batches accumulate, their fp32 gradient accumulators;
+   chunk i-1) and, when micro-batches accumulate, their fp32 gradient accumulators (steps 3 to 5 fill the state
+   homes in the order of :data:`~zero_cache.state_costs.STATE_FILL_ORDER`);
 6. with host memory left, a **kept gradient** (one param chunk's bytes) for as many host-updated
    chunks as it holds, again those used last in the forward: a chunk updated during backward keeps
    its gradient until the step knows the global norm, so the update can be taken back or redone
@@ -56,6 +57,7 @@ from typing import Callable, Iterator, Sequence
 from zero_cache.eviction import belady_misses  # noqa: F401  (re-exported: the rule over a trace)
 from zero_cache.home_costs import OFF_DEVICE_FILL_ORDER, home_costs
 from zero_cache.plan import DEVICE_MARGIN_FRACTION, Plan, PlanError, PlanInputs  # noqa: F401  (re-exported)
+from zero_cache.state_costs import STATE_FILL_ORDER, Route, state_costs
 from zero_cache.step_cost import HostChunk, StepTraffic, cheapest_device_steps, step_traffic, with_device_steps
 from zero_cache.tier_names import DEVICE, HOST, NVME, OFF_DEVICE, REMOTE  # noqa: F401  (re-exported: the plan's words)
 from zero_cache.units import AUTO, format_bytes
@@ -115,7 +117,7 @@ def _plan_with(inputs: PlanInputs, working: WorkingSet) -> Plan:
                   "shards from the host where they do not fit either)")
         raise PlanError(_shortfall_message(DEVICE, need, inputs.device_budget_bytes, inputs, detail=(
             f"it holds every param chunk ({format_bytes(all_params)}) besides "
-            f"{format_bytes(inputs.nonmodel_peak_bytes)} of activations; {remedy}")))
+            f"{format_bytes(inputs.nonmodel_peak_bytes)} of activations; {remedy}"), disk_relieves=False))
     owned = _owned_in_use_order(inputs)
     device_optim = min(len(owned), (room - all_params) // inputs.optimizer_chunk_bytes)
     return _finish(inputs, working, resident_bytes=all_params, live=0, device_optim=owned[:device_optim], home=(),
@@ -235,7 +237,7 @@ def _working_set_shortfall(inputs: PlanInputs, working: WorkingSet) -> str:
     """Why the device cannot hold ``working`` (the least working set, when make_plan gets here): its parts in
     bytes, and the budget that would hold them."""
     held, shard_bytes, group_bytes = inputs.param_chunks_held, inputs.param_chunk_bytes, inputs.live_group_bytes
-    fewest = 0 if inputs.param_home != DEVICE else held
+    fewest = 0 if inputs.param_home == AUTO or home_costs(inputs.param_home).streams else held
     cap = held if inputs.group_size > 1 else held - fewest  # as _plan_gathered: one rank uses its own in place
     live = min(working.fewest_live, cap)
     need = budget_for_room(fewest * shard_bytes + live * group_bytes + _fixed_device_bytes(inputs, working),
@@ -247,7 +249,7 @@ def _working_set_shortfall(inputs: PlanInputs, working: WorkingSet) -> str:
         f"{working.buckets} gradient buckets of {format_bytes(group_bytes)} "
         f"({format_bytes(working.buckets * group_bytes)}), the fp32 update scratch of "
         f"{format_bytes(inputs.scratch_bytes)} and {format_bytes(inputs.nonmodel_peak_bytes)} of activations, "
-        f"with {inputs.margin_fraction:.0%} kept free"))
+        f"with {inputs.margin_fraction:.0%} kept free"), disk_relieves=False)
 
 
 def _traffic(inputs: PlanInputs, home: tuple[str, ...], owned: list[int], device_optim: int,
@@ -323,12 +325,13 @@ def _finish(inputs: PlanInputs, working: WorkingSet, *, resident_bytes: int, liv
     traffic, stepped, kept, host_bytes = _device_steps_and_kept(inputs, traffic, off_device, on_host, home, host_bytes,
                                                                 inputs.device_steps)
     traffic = _with_waiting_gradients(inputs, traffic, home, owned, off_device, kept, stepped)
-    traffic = _with_swapped_states(inputs, traffic, num_nvme)
+    on_device, off_device_first, last = STATE_FILL_ORDER[0], STATE_FILL_ORDER[1], STATE_FILL_ORDER[-1]
     tiers = [REMOTE] * inputs.num_chunks
     for chunk in device_optim:
-        tiers[chunk] = DEVICE
+        tiers[chunk] = on_device
     for position, chunk in enumerate(off_device):
-        tiers[chunk] = HOST if position < num_host else NVME
+        tiers[chunk] = off_device_first if position < num_host else last
+    traffic = _with_swapped_states(inputs, traffic, tiers)
     device_bytes = (resident_bytes + live * inputs.live_group_bytes + len(device_optim) * inputs.optimizer_chunk_bytes
                     + inputs.scratch_bytes + working.buckets * inputs.live_group_bytes)
     streams = any(home_costs(where).streams for where in home)
@@ -382,24 +385,27 @@ def with_device_step_count(inputs: PlanInputs, plan: Plan, count: int) -> Plan:
         count: host groups to step on the device (at most the host groups there are).
     """
     owned = _owned_in_use_order(inputs)
-    device_optim = [c for c in owned if plan.optimizer_tier[c] == DEVICE]
-    off_device = [c for c in owned if plan.optimizer_tier[c] != DEVICE]
-    on_host = [c for c in off_device if plan.optimizer_tier[c] == HOST]
+    routes = {c: state_costs(plan.optimizer_tier[c]).route for c in owned}
+    device_optim = [c for c in owned if routes[c] is Route.DEVICE_ADAM]
+    off_device = [c for c in owned if routes[c] is not Route.DEVICE_ADAM]
+    on_host = [c for c in off_device if state_costs(plan.optimizer_tier[c]).device_steppable]
     traffic = _traffic(inputs, plan.param_home, owned, len(device_optim), device_optim)
     without_kept = plan.host_bytes - len(plan.kept_gradients) * inputs.chunk_numel * inputs.kept_bytes_per_element
     traffic, stepped, kept, host_bytes = _device_steps_and_kept(inputs, traffic, off_device, on_host, plan.param_home,
                                                                 without_kept, min(count, len(on_host)))
     traffic = _with_waiting_gradients(inputs, traffic, plan.param_home, owned, off_device, kept, stepped)
-    traffic = _with_swapped_states(inputs, traffic, len(off_device) - len(on_host))
+    traffic = _with_swapped_states(inputs, traffic, plan.optimizer_tier)
     return replace(plan, traffic=traffic, device_stepped=stepped, kept_gradients=kept, host_bytes=host_bytes)
 
 
-def _with_swapped_states(inputs: PlanInputs, traffic: StepTraffic, swapped: int) -> StepTraffic:
-    """``traffic`` with the disk reads and writes of ``swapped`` optimizer groups on NVMe: each step reads a
-    group's states into a bounce buffer and writes them back (:mod:`zero_cache.host_update`)."""
-    if not swapped:
+def _with_swapped_states(inputs: PlanInputs, traffic: StepTraffic, tiers: Sequence[str]) -> StepTraffic:
+    """``traffic`` with the disk reads and writes of the optimizer groups placed in ``tiers`` (one per chunk): each
+    step an NVMe group's states are read into a bounce buffer and written back
+    (:meth:`~zero_cache.state_costs.StateCosts.disk_bytes_per_step`)."""
+    moved = sum(state_costs(name).disk_bytes_per_step(tiers.count(name), inputs.swap_slot_bytes) for name in set(tiers))
+    if not moved:
         return traffic
-    return replace(traffic, disk_bytes=traffic.disk_bytes + 2 * swapped * inputs.swap_slot_bytes)
+    return replace(traffic, disk_bytes=traffic.disk_bytes + moved)
 
 
 def _split_host_and_nvme(inputs: PlanInputs, off_device: int, host_fixed: int, staged: bool, nvme_fixed: int = 0
@@ -442,8 +448,10 @@ def _split_host_and_nvme(inputs: PlanInputs, off_device: int, host_fixed: int, s
 
 
 def _shortfall_message(tier: str, need: int, have: int, inputs: PlanInputs, detail: str, *,
-                       host_buffers: bool = False) -> str:
-    """``host_buffers``: the host is short of the NVMe tier's own buffers, so the one remedy is a larger host budget."""
+                       host_buffers: bool = False, disk_relieves: bool = True) -> str:
+    """``host_buffers``: the host is short of the NVMe tier's own buffers, so the one remedy is a larger host budget;
+    ``disk_relieves``: more room on disk would let ``tier`` hold less (not so for the device's working set: the disk
+    holds optimizer groups and shards, which leave the device first anyway)."""
     total = inputs.num_chunks * (inputs.param_chunk_bytes + inputs.optimizer_chunk_bytes)
     owned = len(inputs.owned_chunks)
     held = inputs.num_chunks if inputs.param_chunks_held is None else inputs.param_chunks_held
@@ -457,16 +465,16 @@ def _shortfall_message(tier: str, need: int, have: int, inputs: PlanInputs, deta
     if host_buffers:
         return head + f"Raise zero_cache.{tier}_memory_budget to at least {need} bytes."
     return head + ", ".join([f"Raise zero_cache.{tier}_memory_budget to at least {need} bytes",
-                             *_nvme_advice(inputs, tier, need - have),
+                             *_nvme_advice(inputs, need - have, disk_relieves),
                              "shrink the micro-batch or enable activation checkpointing", "or use more GPUs."])
 
 
-def _nvme_advice(inputs: PlanInputs, tier: str, short_bytes: int) -> list[str]:
+def _nvme_advice(inputs: PlanInputs, short_bytes: int, disk_relieves: bool) -> list[str]:
     """What the disk tier can do about a shortfall: add one; or, with one set, how much more room it needs (an
     "auto" budget is the disk's free space less a margin of at least 1 GiB, so a small disk gives 0 B)."""
     if not (inputs.nvme_path_set or inputs.nvme_budget_bytes):
         return ["add an NVMe tier (zero_cache.nvme_path)"]
-    if tier == DEVICE:  # the disk holds optimizer groups only: it cannot relieve the device
+    if not disk_relieves:
         return []
     return [f"give the NVMe tier room: it is set, but its disk is too small by at least {format_bytes(short_bytes)} "
             f"(the tier's budget is {format_bytes(inputs.nvme_budget_bytes)}, and an \"auto\" budget leaves at least "

@@ -20,8 +20,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 LIBRARIES = ("zero_cache", "moe", "autopipe")
-PLAN_SIDE = ("zero_cache.plan", "zero_cache.planner", "zero_cache.home_costs", "zero_cache.step_cost",
-             "zero_cache.working_set", "zero_cache.eviction", "zero_cache.tier_names", "zero_cache.units")
+PLAN_SIDE = ("zero_cache.plan", "zero_cache.planner", "zero_cache.home_costs", "zero_cache.state_costs",
+             "zero_cache.step_cost", "zero_cache.working_set", "zero_cache.eviction", "zero_cache.tier_names",
+             "zero_cache.units")
 """zero_cache's deciding modules: pure functions over plain dataclasses, importable without torch."""
 ZERO_CACHE_MODULES_IN_USE = {
     "zero_cache.units": {"AUTO", "format_bytes", "parse_bytes"},
@@ -181,6 +182,11 @@ from zero_cache import PlanInputs, make_plan
 plan = make_plan(PlanInputs(num_chunks=4, chunk_numel=1024, param_bytes_per_element=2, device_budget_bytes=1 << 30,
                             host_budget_bytes=1 << 30))
 assert plan.optimizer_tier == ("device",) * 4, plan
+from zero_cache.state_costs import STATE_FILL_ORDER
+spilled = make_plan(PlanInputs(num_chunks=10, chunk_numel=1000, param_bytes_per_element=2, device_budget_bytes=40_000,
+                               host_budget_bytes=100_000, nvme_budget_bytes=10**6, margin_fraction=0.0,
+                               grad_bytes_per_element=0, trace=tuple(range(10)) + tuple(range(9, -1, -1))))
+assert set(spilled.optimizer_tier) == set(STATE_FILL_ORDER) and spilled.traffic.disk_bytes > 0, spilled
 assert "torch" not in sys.modules
 print("pure")
 """
@@ -205,6 +211,20 @@ def test_what_the_plan_prices_is_what_the_homes_are() -> None:
             costs.streams, costs.in_host_memory, costs.stages_updates, costs.device_steppable)
         assert cls.disk_bytes_per_step(6, 3, 5000, 2.0, 5) == costs.disk_bytes_per_step(6, 3, 5000, 2.0, 5)
         assert cls.host_bytes(6, 5000) == costs.host_bytes(6, 5000)
+
+
+def test_what_the_plan_prices_is_what_the_state_homes_are() -> None:
+    """The optimizer-state homes: one registry of classes, one of costs, the same tier names; each class reads its
+    flags from its costs, and the planner's fill order names registered homes."""
+    from zero_cache.state_costs import STATE_COSTS, STATE_FILL_ORDER
+    from zero_cache.state_homes import STATE_HOME_CLASSES
+
+    assert set(STATE_HOME_CLASSES) == set(STATE_COSTS) and set(STATE_FILL_ORDER) <= set(STATE_COSTS)
+    for name, cls in STATE_HOME_CLASSES.items():
+        costs = STATE_COSTS[name]
+        assert cls.costs is costs and cls.name == costs.name == name
+        assert (cls.route, cls.resident, cls.device_steppable, cls.owned) == (
+            costs.route, costs.resident, costs.device_steppable, costs.owned)
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
