@@ -12,8 +12,9 @@ The inter-node link cannot be measured on one host: it is a parameter (default: 
 InfiniBand NIC per GPU = 50 GB/s, 15 us per message, the usual H100/H200 SuperPOD layout).
 
 Fit: on one node of L ranks a flat all-to-all of B bytes per rank takes
-t = (L - 1) * alpha + B (L - 1) / L / bw, so alpha and bw come from a least-squares line through
-(B (L - 1) / L, t) over message sizes from 64 KiB to 256 MiB.
+t = (L - 1) * alpha + B (L - 1) / L / bw, so alpha and bw come from a line through (B (L - 1) / L, t) over
+message sizes from 64 KiB to 256 MiB, least squares in relative error (``moe.topology.fit_link``; absolute least
+squares let the 256 MiB point set the intercept: issue 41).
 
 Exchange mode (``--ranks-per-node L``, W ranks as M = W / L nodes): the fit runs on each node's L
 ranks (the intra-node group); then, per message size, the same seeded token counts (every rank sends
@@ -29,10 +30,14 @@ a gloo (TCP) group through pinned host memory (device -> host copy, gloo send/re
 while traffic inside a node stays on NCCL. The flat exchange sends its on-node pieces over the node's NCCL
 group and, at the same time, its W - L off-node pieces over gloo; the hierarchical one runs its intra step on
 NCCL and its inter step over gloo: both see the same links. The slow link is fitted like the intra one (a
-sweep of all-to-alls over the ranks with one local index, M of them, through the same transport), the
-cost model gets both fitted links, and the bench prints per size measured flat and hierarchical ms next to
-the predictions, the predicted crossover (``moe.topology.crossover_bytes``), the measured one (interpolated
-in log bytes between the last size where hierarchical wins and the next) and their ratio:
+sweep of all-to-alls over the ranks with one local index, M of them, through the same transport); a
+second sweep over flat's fan-out (each rank to its W - L off-node ranks) splits the slow link's fixed cost into
+per call and per peer, and a probe of the exchange machinery (a one-step ``Exchange`` against the bare
+all_to_all_single it wraps) gives the cost per exchange step (flat pays it once, hierarchical twice). The cost
+model gets both fitted links and the step cost, and the bench prints per size measured flat and hierarchical ms
+next to the predictions, the predicted crossover (``moe.topology.crossover_bytes``), the measured one
+(interpolated in log bytes between the last size where hierarchical wins and the next), their ratio, and how far
+the measured crossover moves if one size's hierarchical time moved by 2% (how well the run pins it):
 
     torchrun --nproc-per-node 4 bench/moe_alltoall.py --ranks-per-node 2 --slow-inter gloo \
         --log-file runs/moe_alltoall_2x2_gloo.log
@@ -44,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import os
 import statistics
 import sys
@@ -58,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe.alltoall import Exchange, ExchangePlan, flat_plan, hierarchical_plan  # noqa: E402
 from moe.topology import (ExpertParallelGroups, Link, build_expert_parallel_groups, crossover_bytes,  # noqa: E402
-                          flat_all_to_all_s, hierarchical_all_to_all_s)
+                          fit_link, flat_all_to_all_s, hierarchical_all_to_all_s, measured_crossover_bytes)
 
 SIZES_BYTES = [2 ** p for p in range(16, 29, 2)]  # 64 KiB .. 256 MiB per rank
 TABLE_BYTES = [256 * 2 ** 10, 2 * 2 ** 20, 16 * 2 ** 20, 128 * 2 ** 20]
@@ -205,15 +209,20 @@ class GlooOffNode:
 
 
 def measure_link(device: torch.device, iters: int, sizes: list[int],
-                 group: dist.ProcessGroup | None = None, transport: GlooOffNode | None = None) -> tuple[Link, list[str]]:
+                 group: dist.ProcessGroup | None = None, transport: GlooOffNode | None = None,
+                 points: list | None = None) -> tuple[Link, list[str]]:
     """Time all_to_all_single over ``group`` (default: all ranks), or through ``transport`` over its peers,
-    per size and fit an alpha-beta link.
+    per size and fit an alpha-beta link (``moe.topology.fit_link``: relative error).
+
+    Args:
+        points: if given, the (peers, bytes moved, seconds) probe points are appended to it.
 
     Returns:
         The fitted link and the raw lines (the same on every rank).
     """
     ranks = len(transport.peers) if transport is not None else dist.get_world_size(group)
-    points, lines = [], []
+    points = [] if points is None else points
+    lines, first = [], len(points)
     for size in sizes:
         numel = size // 2 - size // 2 % ranks
         send = torch.empty(numel, dtype=torch.bfloat16, device=device)
@@ -233,14 +242,10 @@ def measure_link(device: torch.device, iters: int, sizes: list[int],
                 times_s.append(time.perf_counter() - start)
         seconds = slowest_s(statistics.median(times_s), device)
         moved_bytes = size * (ranks - 1) / ranks
-        points.append((moved_bytes, seconds))
+        points.append((ranks - 1, moved_bytes, seconds))
         lines.append(f"  {size / 2 ** 20:9.3f} MiB per rank: {seconds * 1e6:9.1f} us, "
                      f"{moved_bytes / seconds / 1e9:7.1f} GB/s per GPU off-rank")
-    xs = torch.tensor([p[0] for p in points], dtype=torch.float64)
-    ys = torch.tensor([p[1] for p in points], dtype=torch.float64)
-    slope, intercept = torch.linalg.lstsq(torch.stack([xs, torch.ones_like(xs)], 1), ys.unsqueeze(1)).solution.flatten().tolist()
-    # A noisy fit (e.g. gloo on a loaded CPU) can give a slope <= 0: floor it so Link stays valid.
-    link = Link(max(intercept, 0.0) / max(ranks - 1, 1), 1.0 / max(slope, 1e-15))
+    link = fit_link(points[first:])
     lines.append(f"  fit: alpha {link.latency_s * 1e6:.2f} us per message, bandwidth {link.bandwidth_bytes_per_s / 1e9:.1f} "
                  f"GB/s per GPU ({ranks} ranks, {link_name(device, transport)})")
     return link, lines
@@ -255,16 +260,16 @@ def measure_intra(iters: int, max_mib: float = 256.0) -> tuple[Link, list[str]]:
     return (link, lines) if is_main else (link, [])
 
 
-def table(intra: Link, inter: Link, gpus_per_node: int) -> list[str]:
+def table(intra: Link, inter: Link, gpus_per_node: int, step_s: float = 0.0) -> list[str]:
     head = f"| nodes x GPUs | {' | '.join(f'{b / 2 ** 20:g} MiB: flat / hier (ms)' for b in TABLE_BYTES)} | crossover |"
     lines = [head, "|" + "---|" * (len(TABLE_BYTES) + 2)]
     for nodes in NODES:
         cells = []
         for size in TABLE_BYTES:
-            flat = flat_all_to_all_s(size, gpus_per_node, nodes, intra, inter) * 1e3
-            hier = hierarchical_all_to_all_s(size, gpus_per_node, nodes, intra, inter) * 1e3
+            flat = flat_all_to_all_s(size, gpus_per_node, nodes, intra, inter, step_s=step_s) * 1e3
+            hier = hierarchical_all_to_all_s(size, gpus_per_node, nodes, intra, inter, step_s=step_s) * 1e3
             cells.append(f"{flat:.3f} / {hier:.3f}{' **H**' if hier < flat else ''}")
-        cross = crossover_bytes(gpus_per_node, nodes, intra, inter)
+        cross = crossover_bytes(gpus_per_node, nodes, intra, inter, step_s=step_s)
         lines.append(f"| {nodes} x {gpus_per_node} | {' | '.join(cells)} | "
                      f"{'never' if cross is None else f'{cross / 2 ** 20:.2f} MiB'} |")
     return lines
@@ -345,36 +350,47 @@ def exchange_lines(results: list[dict], groups: ExpertParallelGroups, intra: Lin
 
 
 def measured_crossover(results: list[dict]) -> tuple[float | None, str]:
-    """Largest bytes per rank at which hierarchical still wins, interpolated in log bytes between the last measured
-    size where it wins and the next (where hier / flat crosses 1); None with a note when it never or always wins."""
+    """``moe.topology.measured_crossover_bytes`` of the results, and a note; None when hierarchical never wins or
+    still wins at the largest size."""
     wins = [i for i, r in enumerate(results) if r["hier_s"] < r["flat_s"]]
     if not wins:
         return None, "never (hierarchical slower at every size)"
-    last = wins[-1]
-    if last == len(results) - 1:
+    if wins[-1] == len(results) - 1:
         return None, f"above the largest size ({results[-1]['bytes'] / 2 ** 20:.3f} MiB: hierarchical faster there)"
-    a, b = results[last], results[last + 1]
-    da, db = math.log(a["hier_s"] / a["flat_s"]), math.log(b["hier_s"] / b["flat_s"])
-    x = math.log(a["bytes"]) + (math.log(b["bytes"]) - math.log(a["bytes"])) * da / (da - db)
-    note = f" (hierarchical also wins at {len(wins) - 1} smaller sizes of {last})" if len(wins) - 1 < last else ""
-    return math.exp(x), f"{math.exp(x) / 2 ** 20:.3f} MiB{note}"
+    cross = measured_crossover_bytes([(r["bytes"], r["flat_s"], r["hier_s"]) for r in results])
+    note = f" (hierarchical also wins at {len(wins) - 1} smaller sizes of {wins[-1]})" if len(wins) - 1 < wins[-1] else ""
+    return cross, f"{cross / 2 ** 20:.3f} MiB{note}"
 
 
-def slow_lines(results: list[dict], groups: ExpertParallelGroups, intra: Link, inter: Link) -> list[str]:
+def crossover_spread(results: list[dict], noise: float = 0.02) -> str:
+    """How far the measured crossover moves if each hierarchical time were ``noise`` faster or slower (one size
+    at a time): a ratio near 1 over many sizes makes the crossover itself a noisy measurement."""
+    found = []
+    for i, sign in itertools.product(range(len(results)), (-1, 1)):
+        moved = [(r["bytes"], r["flat_s"], r["hier_s"] * (1 + sign * noise if j == i else 1))
+                 for j, r in enumerate(results)]
+        found.append(measured_crossover_bytes(moved))
+    known = [f / 2 ** 20 for f in found if f is not None]
+    span = f"{min(known):.3f} .. {max(known):.3f} MiB" if known else "no crossover"
+    return (f"measured crossover if one size's hierarchical time moved by {noise:.0%}: {span}"
+            f"{f' (or none in {len(found) - len(known)} of {len(found)} cases)' if len(known) < len(found) else ''}")
+
+
+def slow_lines(results: list[dict], groups: ExpertParallelGroups, intra: Link, inter: Link, step_s: float) -> list[str]:
     """Measured flat / hierarchical with the slow inter link against the cost model with both fitted links."""
     lpn, nodes = groups.ranks_per_node, groups.nodes
-    lines = ["| bytes per rank | flat ms | hier ms | hier / flat | predicted flat / hier ms (fitted links) "
+    lines = ["| bytes per rank | flat ms | hier ms | hier / flat | predicted flat / hier ms (fitted links, step) "
              "| predicted hier / flat | identical rows |", "|---|---|---|---|---|---|---|"]
     for r in results:
-        flat = flat_all_to_all_s(r["bytes"], lpn, nodes, intra, inter)
-        hier = hierarchical_all_to_all_s(r["bytes"], lpn, nodes, intra, inter)
+        flat = flat_all_to_all_s(r["bytes"], lpn, nodes, intra, inter, step_s=step_s)
+        hier = hierarchical_all_to_all_s(r["bytes"], lpn, nodes, intra, inter, step_s=step_s)
         lines.append(f"| {r['bytes'] / 2 ** 20:.3f} MiB | {r['flat_s'] * 1e3:.3f} | {r['hier_s'] * 1e3:.3f} | "
                      f"{r['hier_s'] / r['flat_s']:.2f}{' **H**' if r['hier_s'] < r['flat_s'] else ''} | "
                      f"{flat * 1e3:.3f} / {hier * 1e3:.3f} | {hier / flat:.2f}{' **H**' if hier < flat else ''} | "
                      f"{r['identical']} |")
     lines.append("identical received rows (flat vs hierarchical, every rank, every size): "
                  f"{all(r['identical'] for r in results)}")
-    predicted = crossover_bytes(lpn, nodes, intra, inter)
+    predicted = crossover_bytes(lpn, nodes, intra, inter, step_s=step_s)
     measured, note = measured_crossover(results)
     lines.append(f"crossover (largest bytes per rank at which hierarchical wins): predicted "
                  f"{'never' if predicted is None else f'{predicted / 2 ** 20:.3f} MiB'}, measured {note}")
@@ -384,17 +400,20 @@ def slow_lines(results: list[dict], groups: ExpertParallelGroups, intra: Link, i
     else:
         agree = (predicted is None) == (measured is None and note.startswith("never"))
         lines.append(f"predicted / measured crossover: no ratio (model and measurement {'agree' if agree else 'disagree'})")
+    lines.append(crossover_spread(results))
     return lines
 
 
-def slow_transports(groups: ExpertParallelGroups, device: torch.device) -> tuple[GlooOffNode, GlooOffNode]:
-    """Flat's transport (on-node over the node's group, off-node over gloo) and the inter step's (over gloo)."""
-    world, lpn = dist.get_world_size(), groups.ranks_per_node
+def slow_transports(groups: ExpertParallelGroups, device: torch.device) -> tuple[GlooOffNode, GlooOffNode, GlooOffNode]:
+    """Flat's transport (on-node over the node's group, off-node over gloo), the inter step's (over gloo, M - 1
+    peers) and a probe's with flat's off-node fan-out (over gloo to the W - L off-node ranks, nothing on-node)."""
+    world, lpn, me = dist.get_world_size(), groups.ranks_per_node, dist.get_rank()
     gloo = dist.new_group(list(range(world)), backend="gloo")  # every rank, the same call
-    local = dist.get_rank() % lpn
+    local = me % lpn
     flat = GlooOffNode(list(range(world)), lpn, gloo, groups.intra, device)
     inter = GlooOffNode(list(range(local, world, lpn)), lpn, gloo, None, device)
-    return flat, inter
+    fanout = GlooOffNode([r for r in range(world) if r == me or r // lpn != me // lpn], lpn, gloo, None, device)
+    return flat, inter, fanout
 
 
 def run_exchanges(args, inter: Link) -> list[str]:
@@ -423,28 +442,67 @@ def run_exchanges(args, inter: Link) -> list[str]:
     return lines if is_main else []
 
 
+def measure_step_s(args, groups: ExpertParallelGroups, device: torch.device, size_bytes: int) -> tuple[float, str]:
+    """The exchange machinery's cost per all-to-all step (``moe.topology``'s ``step_s``): a one-step flat exchange
+    over the node's ranks (``Exchange``: the autograd launch and wait, the reorder) against the bare
+    all_to_all_single it wraps, the same rows, timed alternately; the difference of the medians, slowest rank."""
+    lpn, row_bytes = groups.ranks_per_node, args.hidden * 2
+    counts_WE = token_counts(size_bytes, row_bytes, lpn, lpn * args.experts_per_rank, args.seed)
+    plan = flat_plan(counts_WE, groups.rank % lpn, groups.intra)
+    step = plan.ops[0]
+    rows_ND = torch.randn(sum(counts_WE[groups.rank % lpn]), args.hidden).to(device, torch.bfloat16)
+    out_ND = rows_ND.new_empty((sum(step.recv), args.hidden))
+    bare, wrapped = [], []
+    with torch.no_grad():
+        for i in range(args.iters + WARMUP_ITERS):
+            for times_s, run in ((bare, lambda: dist.all_to_all_single(out_ND, rows_ND, step.recv, step.send,
+                                                                       group=groups.intra)),
+                                 (wrapped, lambda: Exchange(plan.ops, rows_ND).finish())):
+                dist.barrier()
+                synchronize(device)
+                start = time.perf_counter()
+                run()
+                synchronize(device)
+                if i >= WARMUP_ITERS:
+                    times_s.append(time.perf_counter() - start)
+    bare_s, wrapped_s = slowest_s(statistics.median(bare), device), slowest_s(statistics.median(wrapped), device)
+    return max(wrapped_s - bare_s, 0.0), (f"exchange step overhead ({size_bytes / 2 ** 20:.3f} MiB per rank, "
+                                          f"{lpn} ranks): Exchange {wrapped_s * 1e6:.1f} us, bare all_to_all_single "
+                                          f"{bare_s * 1e6:.1f} us: step {max(wrapped_s - bare_s, 0.0) * 1e6:.1f} us")
+
+
 def slow_exchanges(args, groups: ExpertParallelGroups, device: torch.device, sizes: list[int], intra: Link,
                    fit_lines: list[str]) -> list[str]:
-    """--slow-inter: fit the slow inter link, time both exchanges over it, compare with the cost model."""
-    slow = slow_transports(groups, device)
-    inter, inter_lines = measure_link(device, args.iters, sizes, transport=slow[1])
-    results = [exchange_one_size(args, groups, size, device, slow) for size in sizes]
+    """--slow-inter: fit the slow inter link (M - 1 and W - L peers), probe the step overhead, time both
+    exchanges over the slow link, compare with the cost model."""
+    flat_transport, inter_transport, fanout = slow_transports(groups, device)
+    points: list = []
+    _, inter_lines = measure_link(device, args.iters, sizes, transport=inter_transport, points=points)
+    _, fanout_lines = measure_link(device, args.iters, sizes, transport=fanout, points=points)
+    inter = fit_link(points)  # both fan-outs: call_s + peers * latency_s + bytes / bandwidth
+    step_s, step_line = measure_step_s(args, groups, device, sizes[0])
+    results = [exchange_one_size(args, groups, size, device, (flat_transport, inter_transport)) for size in sizes]
     world = dist.get_world_size()
     lines = [f"MoE exchange, {world} ranks as {groups.nodes} nodes x {groups.ranks_per_node}, inter-node link made "
-             f"slow: {link_name(device, slow[1])} | "
+             f"slow: {link_name(device, inter_transport)} | "
              f"{'NCCL ' + torch.cuda.get_device_name(device) if device.type == 'cuda' else 'gloo cpu'} inside nodes | "
              f"{groups.size * args.experts_per_rank} experts, rows of {args.hidden} bf16, {args.iters} iterations",
              f"flat all-to-all inside each node ({groups.ranks_per_node} ranks), the intra-node fit:", *fit_lines,
-             f"all-to-all over the slow link among the {groups.nodes} ranks of one local index, the inter-node fit:",
-             *inter_lines,
-             f"intra: {intra.latency_s * 1e6:.2f} us, {intra.bandwidth_bytes_per_s / 1e9:.2f} GB/s per GPU | inter "
-             f"(fitted, slow): {inter.latency_s * 1e6:.2f} us, {inter.bandwidth_bytes_per_s / 1e9:.2f} GB/s per GPU",
+             f"all-to-all over the slow link among the {groups.nodes} ranks of one local index "
+             f"({groups.nodes - 1} peers):", *inter_lines,
+             f"the slow link from each rank to the {world - groups.ranks_per_node} off-node ranks (flat's fan-out):",
+             *fanout_lines,
+             f"intra: {intra.latency_s * 1e6:.2f} us per peer + {intra.call_s * 1e6:.2f} us per call, "
+             f"{intra.bandwidth_bytes_per_s / 1e9:.2f} GB/s per GPU | inter (fitted on both fan-outs, slow): "
+             f"{inter.latency_s * 1e6:.2f} us per peer + {inter.call_s * 1e6:.2f} us per call, "
+             f"{inter.bandwidth_bytes_per_s / 1e9:.2f} GB/s per GPU",
+             step_line,
              "flat: on-node pieces over NCCL while the off-node ones go over the slow link; hierarchical: intra step "
              "over NCCL, inter step over the slow link; ms = median of the slowest rank; forward only; **H** = "
              "hierarchical faster",
-             *slow_lines(results, groups, intra, inter),
+             *slow_lines(results, groups, intra, inter, step_s),
              f"cost model for N nodes x {args.gpus_per_node} with both fitted links (a forecast, not measured):",
-             *table(intra, inter, args.gpus_per_node)]
+             *table(intra, inter, args.gpus_per_node, step_s)]
     is_main = dist.get_rank() == 0
     dist.destroy_process_group()
     return lines if is_main else []
