@@ -8,8 +8,9 @@ pinned host memory or NVMe, from which it is copied in on use and into which its
 written back (the plan's ``param_home``), so the model's weights need not fit on the device.
 
 The optimizer group of a chunk (fp32 master, exp_avg, exp_avg_sq, and an fp32 gradient accumulator
-when micro-batches accumulate) lives in the tier the plan names; moving it (re-planning) copies it
-to the other tier and frees the old one.
+when micro-batches accumulate) lives in a **state home** (:mod:`zero_cache.state_homes`) of the tier the
+plan names, which allocates it, makes it usable and says which Adam updates it; moving it (re-planning)
+copies it to the new home and frees the old one.
 
 When every step is one micro-batch there is no gradient buffer at all: as PatrickStar does, a
 parameter's gradient is written over the parameter itself once backward has produced it (the
@@ -28,7 +29,6 @@ from torch import nn
 from zero_cache.homes import ParamHome, home_class
 from zero_cache.layout import ChunkLayout, TensorSlot
 from zero_cache.moves import Move, fits, next_move
-from zero_cache.nvme_states import SWAP_BUFFERS  # noqa: F401  (re-exported: the plan counts them)
 from zero_cache.planner import Plan
 from zero_cache.sharding import Sharding
 from zero_cache.state_costs import STATE_FILL_ORDER

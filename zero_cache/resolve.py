@@ -11,11 +11,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from zero_cache.chunks import SWAP_BUFFERS
 from zero_cache.config import ZeroCacheConfig
 from zero_cache.hardware import Hardware, TierBudgets, tier_budgets
 from zero_cache.host_update import STAGING_BUFFERS
 from zero_cache.layout import ChunkLayout, pack, search_chunk_size
+from zero_cache.nvme_states import SWAP_BUFFERS
 from zero_cache.planner import DEVICE_MARGIN_FRACTION, Plan, PlanError, PlanInputs, make_plan
 from zero_cache.shard_params import gather_ahead_groups, max_live_groups
 from zero_cache.sharding import Sharding
