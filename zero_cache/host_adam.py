@@ -10,10 +10,12 @@ the same pass (see bench/host_adam.py and BENCHMARKS.md for the measured differe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
-from typing import Any
+import sys
+from typing import Any, Iterator
 
 import torch
 
@@ -193,16 +195,47 @@ def undo_adam_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
 def _load_deepspeed_cpu_adam(decoupled: bool):
     """(op module, optimizer id) of a DeepSpeedCPUAdam instance, or None if it cannot be built here."""
     try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        with real_deepspeed():
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        # The instance is only a handle on the C++ optimizer state (its id); it never steps itself.
-        holder = DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(1))], adamw_mode=decoupled)
+            # The instance is only a handle on the C++ optimizer state (its id); it never steps itself.
+            holder = DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(1))], adamw_mode=decoupled)
     except Exception as err:  # no compiler, no deepspeed, or an unsupported CPU: fall back, say why
         logger.warning("DeepSpeed cpu_adam is unavailable (%s: %s); using torch's fused CPU Adam",
                        type(err).__name__, str(err).splitlines()[0] if str(err) else "")
         return None
     _HOLDERS.append(holder)
     return holder.ds_opt_adam, holder.opt_id
+
+
+def _is_deepspeed(name: str) -> bool:
+    return name == "deepspeed" or name.startswith("deepspeed.")
+
+
+@contextlib.contextmanager
+def real_deepspeed() -> Iterator[None]:
+    """Within the block ``import deepspeed`` gives the installed DeepSpeed, also where ``deepspeed`` is another
+    package's alias in this process (``angelptm.integrations`` makes it one for accelerate and Lightning, whose
+    scripts then reach this engine's ``deepspeed.ops.adam``, a torch Adam without the C++ op).
+
+    The alias's modules and finders (a finder says it is one with an ``aliases = "deepspeed"`` attribute) step
+    aside for the block and come back after it; the real modules imported meanwhile leave ``sys.modules`` again
+    but stay alive in ``_HOLDERS`` with the objects made from them.
+    """
+    aliased = getattr(sys.modules.get("deepspeed"), "__name__", "deepspeed") != "deepspeed"
+    finders = [finder for finder in sys.meta_path if getattr(finder, "aliases", None) == "deepspeed"]
+    if not aliased and not finders:
+        yield
+        return
+    hidden = {name: sys.modules.pop(name) for name in [n for n in sys.modules if _is_deepspeed(n)]}
+    for finder in finders:
+        sys.meta_path.remove(finder)
+    try:
+        yield
+    finally:
+        _HOLDERS.append({name: sys.modules.pop(name) for name in [n for n in sys.modules if _is_deepspeed(n)]})
+        sys.modules.update(hidden)
+        sys.meta_path[:0] = finders
 
 
 _HOLDERS: list = []  # keeps the C++ optimizer objects alive for the life of the process

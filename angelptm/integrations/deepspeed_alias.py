@@ -28,6 +28,10 @@ ALIAS, TARGET = "deepspeed", "angelptm"
 class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds ``deepspeed[.X]`` as ``angelptm[.X]``; loading returns the already imported target module."""
 
+    aliases = ALIAS
+    """What it answers for: code that needs the real package for a moment (``zero_cache.host_adam`` loading
+    DeepSpeed's C++ Adam) looks for this attribute to step the finder aside."""
+
     def find_spec(self, fullname: str, path: Sequence[str] | None = None,
                   target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if fullname != ALIAS and not fullname.startswith(ALIAS + "."):
@@ -39,7 +43,7 @@ class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             if err.name != target_name:
                 raise
             raise ModuleNotFoundError(f"{fullname} is not provided by angelptm ({ALIAS!r} is aliased to {TARGET!r} "
-                                      f"by angelptm.integrations); README 'DeepSpeed compatibility' lists what is",
+                                      f"by angelptm.integrations); docs/deepspeed-compatibility.md lists what is",
                                       name=fullname) from None
         spec = importlib.machinery.ModuleSpec(fullname, self, is_package=hasattr(module, "__path__"))
         spec._angelptm_module = module  # type: ignore[attr-defined]

@@ -128,3 +128,28 @@ def test_alias_gives_angelptms_own_modules_and_names_what_it_lacks() -> None:
                           text=True, timeout=120)
     assert done.returncode != 0
     assert "the real DeepSpeed was imported before angelptm.integrations" in done.stderr
+
+
+REAL_FOR_A_BLOCK = """
+import angelptm.integrations.accelerate
+import angelptm
+from zero_cache.host_adam import real_deepspeed
+with real_deepspeed():
+    import deepspeed
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    assert deepspeed is not angelptm and deepspeed.__file__.endswith("deepspeed/__init__.py"), deepspeed
+    assert DeepSpeedCPUAdam.__module__ == "deepspeed.ops.adam.cpu_adam", DeepSpeedCPUAdam.__module__
+import deepspeed
+from deepspeed.ops.adam import DeepSpeedCPUAdam
+assert deepspeed is angelptm and DeepSpeedCPUAdam.__module__ == "angelptm.ops.adam", DeepSpeedCPUAdam.__module__
+print("ok")
+"""
+
+
+def test_host_adam_reaches_the_real_deepspeed_op_under_the_alias_and_the_alias_comes_back() -> None:
+    # Lightning's ZeRO-3 offload under the switch died at attach: ZeRO-Cache's host Adam imported the alias's
+    # torch-backed DeepSpeedCPUAdam, which has no C++ op to hand over.
+    done = subprocess.run([sys.executable, "-c", REAL_FOR_A_BLOCK], env=_env(DS_ACCELERATOR="cpu"),
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("ok")
