@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
 # The 4-GPU benchmarks of the MoE, AutoPipe and ZeRO-Cache issues (device kind nvidia-h200-x4, .devdeps
 # carried). Each run is cut at its limit and the others still run; name the runs to do, at most 600 s of
-# limits per device call. Made on 4x H200 (issue 41): moe_alltoall_2x2, moe_layer_4gpu, autopipe_4stage
-# (and zero_cache_largest, which died in its build before the fix of 2026-11-27). Still to make, four calls:
+# limits per device call. All made on 4x H200 (issue 41, 2026-11-27; BENCHMARKS.md "4x H200"):
 #
-#   source .devdeps/gpu-setup.sh && bash bench/four_gpu.sh "$OUT" moe_layer_auto_1host moe_alltoall_2x2_gloo    # 150 + 240 s
-#   source .devdeps/gpu-setup.sh && bash bench/four_gpu.sh "$OUT" zero_cache_largest                            # 540 s
-#   source .devdeps/gpu-setup.sh && bash bench/four_gpu.sh "$OUT" deepspeed_offload_largest autopipe_4stage_24  # 300 + 240 s
-#   source .devdeps/gpu-setup.sh && bash bench/four_gpu.sh "$OUT" zero_cache_scaling_1gpu zero_cache_scaling_4gpu zero_cache_scaling_table  # 240 + 250 + 30 s
-#
-# If deepspeed_offload_largest fails for host memory, deepspeed_offload_20b (300 s) is the next size down.
-# Made earlier (first call of issue 41):
 #   source .devdeps/gpu-setup.sh && bash bench/four_gpu.sh "$OUT" moe_alltoall_2x2 moe_layer_4gpu autopipe_4stage
+#   source .devdeps/gpu-setup.sh && bash bench/four_gpu.sh "$OUT" moe_layer_auto_1host moe_alltoall_2x2_gloo    # 150 + 240 s
+#   source .devdeps/gpu-setup.sh && bash bench/four_gpu.sh "$OUT" zero_cache_largest                            # 382 s measured
+#   source .devdeps/gpu-setup.sh && bash bench/four_gpu.sh "$OUT" deepspeed_offload_largest autopipe_4stage_24  # 317 s measured
+#
+# The 6.9B scaling pair (zero_cache_scaling_1gpu zero_cache_scaling_4gpu zero_cache_scaling_table, 240 + 250 + 30 s)
+# is the issue's own measurement (103.7% scaling, 1.31x DeepSpeed ZeRO-3), not re-run here.
+# If deepspeed_offload_largest fails for host memory, deepspeed_offload_20b (300 s) is the next size down.
 #
 # What each run answers:
 #   moe_alltoall_2x2   4 ranks as 2 nodes x 2: the moe package's flat against hierarchical exchange per
