@@ -28,7 +28,6 @@ from typing import Any, Callable
 import torch
 
 from zero_cache.chunks import ChunkStore
-from zero_cache.eviction import eviction_rule
 from zero_cache.gathered import GatheredGroups
 from zero_cache.sharding import Sharding
 from zero_cache.tier_names import DEVICE
@@ -68,8 +67,7 @@ class ChunkExchange:
         self.overlap_comm = overlap_comm
         self.transfers = transfers
         self.gathered = (GatheredGroups(store, max_live=max_live_groups, ahead=gather_ahead,
-                                        wait_owned=self._wait_owned, transfers=transfers,
-                                        eviction=eviction_rule(store.plan.eviction))
+                                        wait_owned=self._wait_owned, transfers=transfers)
                          if store.shard_params else None)
         self.into_shards = store.shard_params and not accumulate
         """Reductions land in this rank's shard, over its params (sharded params, one micro-batch per step)."""

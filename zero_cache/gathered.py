@@ -26,8 +26,8 @@ A group is acquired
 
 **Order.** The first iteration records the groups in the order they are acquired
 (:class:`AcquisitionTrace`); later iterations follow it with a cursor, start gathering the next
-``ahead`` groups while this one computes, and, with ``max_live`` groups live, evict the one the plan's
-eviction rule picks (:mod:`zero_cache.eviction`: Belady's, the group whose next use along the trace is
+``ahead`` groups while this one computes, and, with ``max_live`` groups live, evict the one Belady's rule
+picks (:func:`zero_cache.eviction.belady_victim`, the rule the plan prices: the group whose next use along the trace is
 furthest away; during the warm-up, the least recently used one). The two groups acquired last are never
 evicted, nor the groups of a module
 whose forward is running (:meth:`GatheredGroups.hold`). A buffer that autograd still holds (a
@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from zero_cache.eviction import BeladyEviction, EvictionRule
+from zero_cache.eviction import belady_victim
 from zero_cache.tier_names import DEVICE
 from zero_cache.working_set import GROUPS_IN_USE
 
@@ -137,13 +137,11 @@ class GatheredGroups:
         wait_owned: blocks until the pending updates of this rank's chunks in a group have landed in its shard.
         transfers: the host<->device copies (:class:`~zero_cache.transfers.Transfers`), for shards at home
             on the host.
-        eviction: the plan's eviction rule.
     """
 
     def __init__(self, store: Any, *, max_live: int, ahead: int, wait_owned: Callable[[int], None],
-                 transfers: Any = None, eviction: EvictionRule | None = None) -> None:
+                 transfers: Any = None) -> None:
         self.store = store
-        self.eviction = eviction or BeladyEviction()
         self.transfers = transfers
         self.sharding = store.sharding
         self.ahead = ahead
@@ -218,7 +216,7 @@ class GatheredGroups:
                           if g not in self._recent and not self._holds.get(g) and not live.borrowed]
             if not candidates:
                 return
-            self.release(self.eviction.victim(candidates, self.trace.next_use, self.trace.recording))
+            self.release(belady_victim(candidates, self.trace.next_use, self.trace.recording))
 
     def release(self, group: int, *, closed: bool = False) -> None:
         """Drop ``group``'s buffer and turn its params into placeholders; ``closed``: its shard now holds

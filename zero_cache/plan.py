@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zero_cache.eviction import BeladyEviction
 from zero_cache.home_costs import DISK_BLOCK_BYTES, home_costs
 from zero_cache.step_cost import NOMINAL_RATES, STATE_BYTES_PER_ELEMENT, Rates, StepTraffic
 from zero_cache.tier_names import DEVICE, HOST, NVME, REMOTE
@@ -81,7 +80,7 @@ class PlanInputs:
     """...and groups wanted fetched ahead of use (``prefetch_depth`` / ``gather_ahead_elements``)."""
     gathers_per_step: float = 2.0
     """Gathered params: times a group is brought onto the device per step: forward and backward before the
-    warm-up; after it, the eviction rule run over the recorded acquisitions (:func:`~zero_cache.eviction.
+    warm-up; after it, Belady's eviction rule run over the recorded acquisitions (:func:`~zero_cache.eviction.
     gathers_per_group`, recomputed blocks included)."""
     kept_bytes_per_element: int = 0
     """Host bytes per element of a kept gradient (host chunks updated during backward, one micro-batch per
@@ -174,8 +173,6 @@ class Plan:
     """Gathered params: groups fetched ahead of use (the config's depth, or less where it did not fit)."""
     gradient_buckets: int = 0
     """Gradient buckets on the device (the wanted count, or fewer where they did not fit)."""
-    eviction: str = BeladyEviction.name
-    """Gathered params: the rule that picks the live group to drop (:mod:`zero_cache.eviction`)."""
 
     @property
     def working_set(self) -> WorkingSet:

@@ -15,8 +15,8 @@ The plan decides, in this order of value per device byte:
    shard has a **home** (the device, pinned host memory, or NVMe; what each costs is
    :mod:`zero_cache.home_costs`, the order the homes off the device are filled is its data), and
    ``cache_slots`` groups are live on the device at once, filled along the trace ahead of use and
-   emptied by the eviction rule the plan names (:mod:`zero_cache.eviction`: Belady's, evict the group
-   whose next use is furthest away; the runtime applies the same object).
+   emptied by Belady's eviction rule (:mod:`zero_cache.eviction`: evict the group whose next use is furthest
+   away; the plan prices it and the runtime runs the same function).
    The live groups and gradient buckets are the **working set** (:mod:`zero_cache.working_set`): where the
    config's does not fit, it shrinks (the spare groups, the lagged bucket, the prefetch depth) before a
    plan is refused, and a plan that keeps the config's has the same counts it always had.

@@ -76,7 +76,7 @@ class StepTraffic:
     """Disk bytes read and written: param shards at home on NVMe (``zero_cache.nvme_home.NvmeHome``: a read per
     gather, a write per update, and a write and a read per gradient that waits for its update on disk,
     :attr:`gradients_to_disk`) and the states of the optimizer groups on NVMe, read and written back once each: a
-    floor. Gathers are the eviction rule's estimate over the warm-up's trace (``gathers_per_step``), which the runtime
+    floor. Gathers are Belady's rule's estimate over the warm-up's trace (``gathers_per_step``), which the runtime
     can miss by a few (CPU, 82 chunks: 145 gathers where the plan counts 146). Not counted: on a step after a clipped
     one, the kept chunks' gradients wait for the step too (more of them on disk); on a step that clips or skips, a
     second read of each NVMe group whose update in backward was deferred; a tied chunk's second update in backward;

@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 def with_measured_gathers(inputs: PlanInputs, optimizer: ZeroCacheOptimizer,
                           as_planned: tuple[int, frozenset[int]] | None = None) -> PlanInputs:
     """``inputs`` with how often a group is gathered per step, from the warm-up's recorded acquisitions (forward,
-    recomputed blocks, backward) under the plan's eviction rule (one rank: only groups that stream take a slot).
+    recomputed blocks, backward) under Belady's rule, the one gathering runs (one rank: only groups that stream take a slot).
     Of the live slots, ``ahead`` hold groups being gathered ahead of use, so ``max_live - ahead`` keep groups
     for reuse: with that capacity the rule's count is the runtime's (``tests/unit/test_zero_cache_eviction.py``).
     ``as_planned``: that capacity and the streamed groups of the first plan, where the warm-up ran under another

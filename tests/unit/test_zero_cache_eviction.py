@@ -1,5 +1,5 @@
-"""The eviction rule is one object: the plan names it, gathering applies it, and the re-plan's estimate of how often
-a group is gathered per step is that rule run over the recorded acquisitions, equal to what the runtime does."""
+"""The eviction rule is one function, Belady's: gathering applies it, and the re-plan's estimate of how often a group
+is gathered per step is that rule run over the recorded acquisitions, equal to what the runtime does."""
 
 from __future__ import annotations
 
@@ -10,19 +10,20 @@ import angelptm
 from angelptm.pretraining.models import ModelConfig, build_model
 from reference import SEQ, VOCAB, ds_config, random_batches, train_steps
 from zero_cache.warmup import with_measured_gathers
-from zero_cache.eviction import BeladyEviction, belady_misses, eviction_rule, gathers_per_group
+import zero_cache.gathered
+from zero_cache.eviction import belady_misses, belady_victim, gathers_per_group
 from zero_cache.planner import PlanInputs
 
 
-class CountingBelady(BeladyEviction):
+class CountingBelady:
     """Belady's rule that counts the victims it was asked for."""
 
     def __init__(self) -> None:
         self.asked = 0
 
-    def victim(self, candidates, next_use, recording):
+    def __call__(self, candidates, next_use, recording):
         self.asked += 1
-        return super().victim(candidates, next_use, recording)
+        return belady_victim(candidates, next_use, recording)
 
 
 def streamed_engine(seed: int, checkpointing: bool):
@@ -36,12 +37,12 @@ def streamed_engine(seed: int, checkpointing: bool):
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_the_gathers_the_replan_expects_are_the_gathers_the_runtime_makes(checkpointing):
+def test_the_gathers_the_replan_expects_are_the_gathers_the_runtime_makes(checkpointing, monkeypatch):
     seed = torch.randint(0, 10_000, ()).item()
     engine, optimizer = streamed_engine(seed, checkpointing)
     gathered = optimizer.exchange.gathered
-    assert optimizer.store.plan.eviction == BeladyEviction.name and isinstance(gathered.eviction, BeladyEviction)
-    counting = gathered.eviction = CountingBelady()
+    counting = CountingBelady()
+    monkeypatch.setattr(zero_cache.gathered, "belady_victim", counting)
     batches = random_batches(seed, count=3, batch=2)
     train_steps(engine, batches[:1])  # the warm-up records the acquisitions
     groups = len(set(gathered.trace.groups))
@@ -51,7 +52,7 @@ def test_the_gathers_the_replan_expects_are_the_gathers_the_runtime_makes(checkp
         before = gathered.gathers
         train_steps(engine, [batch])
         assert (gathered.gathers - before) / groups == pytest.approx(expected)
-    assert counting.asked > 0, "the runtime must ask the plan's rule for its victims"
+    assert counting.asked > 0, "the runtime must ask Belady's rule for its victims"
 
 
 def any_inputs() -> PlanInputs:
@@ -60,11 +61,10 @@ def any_inputs() -> PlanInputs:
                       host_budget_bytes=1)
 
 
-def test_belady_over_a_forward_and_backward_trace_and_the_rule_by_name():
+def test_belady_over_a_forward_and_backward_trace():
     # forward 0 1 2, backward 2 1 0, room for 2: fetching 2 evicts 0 (used last); 1 and 2 stay for backward.
     misses, events = belady_misses((0, 1, 2, 2, 1, 0), capacity=2)
     assert (misses, events) == (4, [(0, None), (1, None), (2, 0), (0, 1)])  # (then 1 and 2 are never used again)
     assert gathers_per_group((0, 1, 2, 2, 1, 0), 2) == pytest.approx(4 / 3)
-    assert isinstance(eviction_rule("belady"), BeladyEviction)
-    with pytest.raises(ValueError, match=r"unknown eviction rule 'lru'; known: \['belady'\]"):
-        eviction_rule("lru")
+    assert belady_victim([0, 1, 2], {0: 5, 1: 9, 2: 7}.__getitem__, recording=False) == 1  # furthest next use
+    assert belady_victim([2, 0, 1], {0: 5, 1: 9, 2: 7}.__getitem__, recording=True) == 2  # least recently used
