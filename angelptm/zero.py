@@ -47,8 +47,8 @@ from angelptm.launch.distributed import launcher_world_size
 from angelptm.errors import ConfigError
 from angelptm.memory.fit_check import BuildWatch
 from angelptm.engine.init_on_device import RandomFillsOnDevice
-from zero_cache.homes import home_class
-from zero_cache.units import AUTO
+from zero_cache import AUTO
+from zero_cache.storage.homes import home_class
 
 REMOTE_DEVICES = (None, "none", "cuda", "cpu", "nvme")
 

@@ -98,7 +98,7 @@ def cap_memory(cap: str | None) -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # under torchrun: this rank's GPU
     if cap:
         sys.path.insert(0, str(ROOT))
-        from zero_cache.units import parse_bytes
+        from zero_cache import parse_bytes
 
         torch.cuda.set_per_process_memory_fraction(parse_bytes(cap) / torch.cuda.get_device_properties(0).total_memory)
 

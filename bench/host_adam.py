@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from zero_cache.host_adam import HostAdam  # noqa: E402
+from zero_cache.optim.host_adam import HostAdam  # noqa: E402
 
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 

@@ -22,8 +22,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from zero_cache.config import AioConfig  # noqa: E402
-from zero_cache.nvme import ALIGN_BYTES, NvmeTier  # noqa: E402
+from zero_cache import AioConfig  # noqa: E402
+from zero_cache.storage.nvme import ALIGN_BYTES, NvmeTier  # noqa: E402
 
 
 def dd_gbps(path: Path, num_bytes: int) -> tuple[float, float]:

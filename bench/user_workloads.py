@@ -67,7 +67,7 @@ def cap_memory(cap: str | None) -> None:
     import torch
 
     if cap and torch.cuda.is_available():
-        from zero_cache.units import parse_bytes
+        from zero_cache import parse_bytes
 
         torch.cuda.set_per_process_memory_fraction(parse_bytes(cap) / torch.cuda.get_device_properties(0).total_memory)
 

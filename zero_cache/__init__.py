@@ -3,9 +3,14 @@
 This package never imports ``angelptm``; it owns its typed config and takes runtime objects
 (device, process group, streams) as arguments.
 
-Its public names load on first use (PEP 562), so that importing a pure module of it (the planner:
-``zero_cache.plan``, ``zero_cache.planner``, ``zero_cache.home_costs``, ...) runs no torch, and
-``import zero_cache.planner`` works where torch is not installed (``tests/unit/test_layering.py``).
+Its modules are in sub-packages by concern, lowest first: ``plan/`` (deciding: the planner and what it prices
+with, pure, no torch), ``storage/`` (tiers, homes, chunks), ``runtime/`` (streams, exchange, gathering, the host
+worker), ``optim/`` (the hybrid Adam); ``attach``, ``warmup``, ``resolve``, ``tuning``, ``nonmodel`` and ``config``
+sit on top (``docs/design.md``).
+
+Its public names load on first use (PEP 562), so that importing a pure module of it (``zero_cache.plan.planner``,
+``zero_cache.plan.home_costs``, ...) runs no torch, and ``import zero_cache.plan.planner`` works where torch is
+not installed (``tests/unit/test_layering.py``).
 """
 
 from __future__ import annotations
@@ -18,29 +23,43 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from zero_cache.attach import attach, dry_run
     from zero_cache.config import AioConfig, ZeroCacheConfig
-    from zero_cache.hardware import Hardware, TierBudgets, tier_budgets
-    from zero_cache.nvme import NvmeSetupError
-    from zero_cache.optimizer import ZeroCacheOptimizer
-    from zero_cache.planner import Plan, PlanError, PlanInputs, make_plan
-    from zero_cache.sharding import Sharding, hierarchical_groups
-    from zero_cache.units import format_bytes, parse_budget, parse_bytes
+    from zero_cache.optim.optimizer import ZeroCacheOptimizer
+    from zero_cache.optim.optimizer_state import OptimizerCheckpoint
+    from zero_cache.plan.placement import Plan, PlanError, PlanInputs
+    from zero_cache.plan.planner import make_plan
+    from zero_cache.plan.tier_names import DEVICE, HOST, NVME
+    from zero_cache.plan.units import AUTO, format_bytes, parse_budget, parse_bytes
+    from zero_cache.runtime.sharding import Sharding, hierarchical_groups
+    from zero_cache.runtime.timeline import TRACKS, Interval, Timeline, overlap_shares
+    from zero_cache.storage.hardware import Hardware, TierBudgets, check_explicit_budgets, tier_budgets
+    from zero_cache.storage.nvme import NvmeSetupError, SwapCorruptionError
+    from zero_cache.storage.tiers import TierFullError
 
 _EXPORTS = {
     "attach": "zero_cache.attach", "dry_run": "zero_cache.attach",
     "AioConfig": "zero_cache.config", "ZeroCacheConfig": "zero_cache.config",
-    "Hardware": "zero_cache.hardware", "TierBudgets": "zero_cache.hardware", "tier_budgets": "zero_cache.hardware",
-    "NvmeSetupError": "zero_cache.nvme",
-    "ZeroCacheOptimizer": "zero_cache.optimizer",
-    "Plan": "zero_cache.planner", "PlanError": "zero_cache.planner", "PlanInputs": "zero_cache.planner",
-    "make_plan": "zero_cache.planner",
-    "Sharding": "zero_cache.sharding", "hierarchical_groups": "zero_cache.sharding",
-    "format_bytes": "zero_cache.units", "parse_budget": "zero_cache.units", "parse_bytes": "zero_cache.units",
+    "ZeroCacheOptimizer": "zero_cache.optim.optimizer",
+    "OptimizerCheckpoint": "zero_cache.optim.optimizer_state",
+    "Plan": "zero_cache.plan.placement", "PlanError": "zero_cache.plan.placement",
+    "PlanInputs": "zero_cache.plan.placement", "make_plan": "zero_cache.plan.planner",
+    "DEVICE": "zero_cache.plan.tier_names", "HOST": "zero_cache.plan.tier_names", "NVME": "zero_cache.plan.tier_names",
+    "AUTO": "zero_cache.plan.units", "format_bytes": "zero_cache.plan.units", "parse_budget": "zero_cache.plan.units",
+    "parse_bytes": "zero_cache.plan.units",
+    "Sharding": "zero_cache.runtime.sharding", "hierarchical_groups": "zero_cache.runtime.sharding",
+    "TRACKS": "zero_cache.runtime.timeline", "Interval": "zero_cache.runtime.timeline",
+    "Timeline": "zero_cache.runtime.timeline", "overlap_shares": "zero_cache.runtime.timeline",
+    "Hardware": "zero_cache.storage.hardware", "TierBudgets": "zero_cache.storage.hardware",
+    "check_explicit_budgets": "zero_cache.storage.hardware", "tier_budgets": "zero_cache.storage.hardware",
+    "NvmeSetupError": "zero_cache.storage.nvme", "SwapCorruptionError": "zero_cache.storage.nvme",
+    "TierFullError": "zero_cache.storage.tiers",
 }
 """Public name -> the module that defines it."""
 
-__all__ = ["AioConfig", "Hardware", "NvmeSetupError", "Plan", "PlanError", "PlanInputs", "Sharding", "TierBudgets",
-           "ZeroCacheConfig", "ZeroCacheOptimizer", "attach", "dry_run", "format_bytes", "hierarchical_groups",
-           "make_plan", "parse_budget", "parse_bytes", "tier_budgets"]
+__all__ = ["AUTO", "AioConfig", "DEVICE", "HOST", "Hardware", "Interval", "NVME", "NvmeSetupError",
+           "OptimizerCheckpoint", "Plan", "PlanError", "PlanInputs", "Sharding", "SwapCorruptionError", "TRACKS",
+           "TierBudgets", "TierFullError", "Timeline", "ZeroCacheConfig", "ZeroCacheOptimizer", "attach",
+           "check_explicit_budgets", "dry_run", "format_bytes", "hierarchical_groups", "make_plan", "overlap_shares",
+           "parse_budget", "parse_bytes", "tier_budgets"]
 
 
 def __getattr__(name: str) -> Any:

@@ -15,25 +15,25 @@ from typing import Any
 import torch
 from torch import nn
 
-from zero_cache.chunks import ChunkStore
 from zero_cache.config import ZeroCacheConfig
-from zero_cache.hardware import Hardware
-from zero_cache.layout import ChunkLayout
-from zero_cache.optimizer import ZeroCacheOptimizer
 from zero_cache.nonmodel import AllocatorStats, CudaAllocatorStats, NonModelMeter
-from zero_cache.nvme import NvmeTier
-from zero_cache.planner import Plan, PlanError, PlanInputs, make_plan
+from zero_cache.optim.optimizer import ZeroCacheOptimizer
+from zero_cache.plan.layout import ChunkLayout
+from zero_cache.plan.planner import Plan, PlanError, PlanInputs, make_plan
+from zero_cache.plan.tier_names import DEVICE, HOST, NVME
+from zero_cache.plan.units import AUTO, format_bytes
+from zero_cache.plan.working_set import WorkingSet, capped
 from zero_cache.resolve import (Resolved, activation_room_bytes, least_footprint_inputs, least_footprint_plan,
                                 resolve)
-from zero_cache.shard_params import (agree_working_set, candidate_plans, choose_shard_params, choose_streaming,
-                                     decide_shard_params, device_groups, gather_ahead_groups, gather_objects,
-                                     register_saving_hooks, wanted_placement)
-from zero_cache.sharding import Sharding
-from zero_cache.tier_names import DEVICE, HOST, NVME
-from zero_cache.tiers import build_tiers, use_expandable_segments
-from zero_cache.units import AUTO, format_bytes
+from zero_cache.runtime.shard_params import (agree_working_set, candidate_plans, choose_shard_params, choose_streaming,
+                                             decide_shard_params, device_groups, gather_ahead_groups, gather_objects,
+                                             register_saving_hooks, wanted_placement)
+from zero_cache.runtime.sharding import Sharding
+from zero_cache.storage.chunks import ChunkStore
+from zero_cache.storage.hardware import Hardware
+from zero_cache.storage.nvme import NvmeTier
+from zero_cache.storage.tiers import build_tiers, use_expandable_segments
 from zero_cache.warmup import WarmupTracer
-from zero_cache.working_set import WorkingSet, capped
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class DryRun:
 
 
 def working_set_given_up(inputs: PlanInputs, plan: Plan) -> str:
-    """What ``plan`` gave up of the working set ``inputs`` wanted (:mod:`zero_cache.working_set`), for the log;
+    """What ``plan`` gave up of the working set ``inputs`` wanted (:mod:`zero_cache.plan.working_set`), for the log;
     empty when it kept it (within the groups there are)."""
     groups = inputs.param_chunks_held if plan.params_sharded else inputs.num_chunks
     wanted = capped(WorkingSet(ahead=inputs.gather_ahead, live_groups=inputs.live_groups,
@@ -93,10 +93,10 @@ def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, 
         world_size, ranks_per_host: data-parallel ranks, in hosts of this many (default: all on one host).
             Every rank is planned (each owns other chunks), and sharded params decided as the ranks would.
         hardware: plan for this machine, not the one running: "auto" budgets come from its sizes, its NVMe
-            space (if any) is the disk tier, and the device is a GPU (:mod:`zero_cache.hardware`).
+            space (if any) is the disk tier, and the device is a GPU (:mod:`zero_cache.storage.hardware`).
         moving_device_bytes, moving_host_bytes: bytes of the parameters already stored on the device / in host
             memory, which attach would move into the chunks: added to "auto" budgets measured now, as attach adds
-            them (:func:`~zero_cache.hardware.tier_budgets`).
+            them (:func:`~zero_cache.storage.hardware.tier_budgets`).
 
     Raises:
         PlanError: the model states do not fit on some rank; the message has the shortfall per tier.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zero_cache.tier_names import DEVICE, HOST, NVME
-from zero_cache.units import AUTO, parse_budget
+from zero_cache.plan.tier_names import DEVICE, HOST, NVME
+from zero_cache.plan.units import AUTO, parse_budget
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 PARAM_HOMES = (AUTO, DEVICE.value, HOST.value, NVME.value)
@@ -78,7 +78,7 @@ class ZeroCacheConfig:
     gradient is complete (the last micro-batch's backward when they accumulate), so CPU Adam overlaps
     the rest of backward and the next forward. Exact: the clip factor and a non-finite gradient are
     known only after backward, so each such chunk keeps its gradient on the host until the step, which
-    takes the update back or redoes it with the true factor when needed (:mod:`zero_cache.revision`).
+    takes the update back or redoes it with the true factor when needed (:mod:`zero_cache.optim.revision`).
     "auto" = on (data-parallel ranks that accumulate micro-batches update after backward)."""
 
     native_host_adam: bool | str = AUTO
@@ -90,7 +90,7 @@ class ZeroCacheConfig:
     device_steps: int | str = AUTO
     """Host-held optimizer groups stepped on the GPU after backward, instead of by the host's Adam: their fp32
     states are copied in, stepped by the GPU's fused Adam and copied back, piece by piece through the device's
-    update scratch (:mod:`zero_cache.device_steps`). Each costs 24-28 PCIe bytes per element and spares the
+    update scratch (:mod:`zero_cache.optim.device_steps`). Each costs 24-28 PCIe bytes per element and spares the
     host's Adam a chunk. A number caps how many (0: none); "auto": as many as make the step cheapest by the
     planner's estimate, on a GPU (none on a CPU-only run)."""
 

@@ -64,7 +64,7 @@ class CudaAllocatorStats:
 
 
 class TierUsage(Protocol):
-    """What the meter reads of the device tier (:class:`~zero_cache.tiers.Tier`)."""
+    """What the meter reads of the device tier (:class:`~zero_cache.storage.tiers.Tier`)."""
 
     def take_interval_low(self) -> int:
         """The least bytes held since the last call (at least the usage then), starting a new interval."""

@@ -12,17 +12,17 @@ from dataclasses import dataclass, replace
 import torch
 
 from zero_cache.config import ZeroCacheConfig
-from zero_cache.hardware import Hardware, TierBudgets, tier_budgets
-from zero_cache.host_update import STAGING_BUFFERS
-from zero_cache.layout import ChunkLayout, pack, search_chunk_size
-from zero_cache.nvme_states import SWAP_BUFFERS
-from zero_cache.planner import DEVICE_MARGIN_FRACTION, Plan, PlanError, PlanInputs, make_plan
-from zero_cache.shard_params import gather_ahead_groups, max_live_groups
-from zero_cache.sharding import Sharding
-from zero_cache.step_cost import NOMINAL_RATES, Rates
-from zero_cache.tier_names import HOST, NVME
-from zero_cache.units import AUTO, parse_budget
-from zero_cache.working_set import GRADIENT_BUCKETS, GROUPS_IN_USE, WorkingSet
+from zero_cache.optim.host_update import STAGING_BUFFERS
+from zero_cache.plan.layout import ChunkLayout, pack, search_chunk_size
+from zero_cache.plan.planner import DEVICE_MARGIN_FRACTION, Plan, PlanError, PlanInputs, make_plan
+from zero_cache.plan.step_cost import NOMINAL_RATES, Rates
+from zero_cache.plan.tier_names import HOST, NVME
+from zero_cache.plan.units import AUTO, parse_budget
+from zero_cache.plan.working_set import GRADIENT_BUCKETS, GROUPS_IN_USE, WorkingSet
+from zero_cache.runtime.shard_params import gather_ahead_groups, max_live_groups
+from zero_cache.runtime.sharding import Sharding
+from zero_cache.storage.hardware import Hardware, TierBudgets, tier_budgets
+from zero_cache.storage.nvme_states import SWAP_BUFFERS
 
 WARMUP_ACTIVATION_RESERVE = 0.1
 """Share of the device budget held back for activations until the warm-up has measured them..."""
@@ -50,7 +50,7 @@ def activation_room_bytes(inputs: PlanInputs, plan: Plan) -> int:
 
 def least_footprint_plan(inputs: PlanInputs) -> Plan:
     """The placement of ``inputs`` that leaves the device the most room for activations: the plan
-    :func:`~zero_cache.planner.make_plan` makes for :func:`least_footprint_inputs`.
+    :func:`~zero_cache.plan.planner.make_plan` makes for :func:`least_footprint_inputs`.
 
     The warm-up step runs under it when its activations are not known yet (``activation_memory: "auto"`` on a
     GPU), so a guessed reserve cannot run it out of memory; the layout and whether params are gathered are
@@ -124,7 +124,7 @@ def grad_bytes_per_element(accumulation_steps: int) -> int:
 def resolve_update_in_backward(config: ZeroCacheConfig, *, accumulation_steps: int, world_size: int) -> bool:
     """Whether host chunks update during backward ("auto": wherever it is built). The update stays exact
     under clipping, loss scaling and skipped steps by keeping each such chunk's gradient
-    (:mod:`zero_cache.revision`); data-parallel ranks that accumulate micro-batches update after backward."""
+    (:mod:`zero_cache.optim.revision`); data-parallel ranks that accumulate micro-batches update after backward."""
     if accumulation_steps > 1 and world_size > 1:
         if config.update_in_backward is True:
             raise ValueError(f"zero_cache.update_in_backward is true, but with {world_size} data-parallel ranks and "
@@ -203,7 +203,7 @@ def resolve(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, 
     Args:
         shapes: (name, shape) of the trainable parameters in model order.
         sharding: the data-parallel ranks (its ``ranks_per_host`` share a host's RAM and disk).
-        hardware, moving_device_bytes, moving_host_bytes: as for :func:`~zero_cache.hardware.tier_budgets`.
+        hardware, moving_device_bytes, moving_host_bytes: as for :func:`~zero_cache.storage.hardware.tier_budgets`.
 
     Raises:
         NvmeSetupError: measuring here, and nvme_path is missing or not writable.

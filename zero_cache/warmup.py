@@ -20,19 +20,19 @@ import torch
 from torch import nn
 
 from zero_cache.config import ZeroCacheConfig
-from zero_cache.eviction import gathers_per_group
-from zero_cache.homes import home_class
-from zero_cache.layout import ChunkLayout
 from zero_cache.nonmodel import NonModelMeter
-from zero_cache.optimizer import ZeroCacheOptimizer
-from zero_cache.planner import Plan, PlanError, PlanInputs, make_plan, with_device_step_count
-from zero_cache.rates import measured_copies, measured_disk, with_host_adam
+from zero_cache.optim.optimizer import ZeroCacheOptimizer
+from zero_cache.plan.eviction import gathers_per_group
+from zero_cache.plan.layout import ChunkLayout
+from zero_cache.plan.planner import Plan, PlanError, PlanInputs, make_plan, with_device_step_count
+from zero_cache.plan.step_cost import NOMINAL_RATES
+from zero_cache.plan.tier_names import DEVICE, HOST, NVME
+from zero_cache.plan.units import AUTO, format_bytes
 from zero_cache.resolve import plan_inputs
-from zero_cache.shard_params import agree_working_set, gather_objects
-from zero_cache.step_cost import NOMINAL_RATES
-from zero_cache.tier_names import DEVICE, HOST, NVME
+from zero_cache.runtime.rates import measured_copies, measured_disk, with_host_adam
+from zero_cache.runtime.shard_params import agree_working_set, gather_objects
+from zero_cache.storage.homes import home_class
 from zero_cache.tuning import DeviceStepTuner
-from zero_cache.units import AUTO, format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,8 @@ class WarmupTracer:
         self.inputs: PlanInputs | None = None
         """The inputs of the plan in force (the re-plan's)."""
         self.rates = NOMINAL_RATES
-        """The rates plans are made at: measured on this machine from the warm-up step on (:mod:`zero_cache.rates`)."""
+        """The rates plans are made at: measured on this machine from the warm-up step on
+        (:mod:`zero_cache.runtime.rates`)."""
         self.gathers_as_planned: tuple[int, frozenset[int]] | None = None
         """Gathered params, where the warm-up ran under another placement than the first plan's: that plan's slots
         that keep groups for reuse, and its streamed groups (the re-plan estimates gathers as it would have)."""
@@ -222,7 +223,7 @@ class WarmupTracer:
     def _log_prediction(self, measured: float, backward: float | None, plan: Plan, *,
                         updates_after_backward: bool) -> None:
         """The settled step against what the plan predicts for it once its backward is measured
-        (:meth:`~zero_cache.step_cost.StepTraffic.predicted_step`), and what bounds it."""
+        (:meth:`~zero_cache.plan.step_cost.StepTraffic.predicted_step`), and what bounds it."""
         traffic = plan.traffic
         if backward is None:  # (no backward timed: the floor alone)
             predicted, bound = traffic.seconds, traffic.bound

@@ -44,7 +44,7 @@ from angelptm.checkpoints import writer_lock
 from angelptm.checkpoints.paths import LATEST, MODEL_FILE, OPTIM_FILE
 from angelptm.errors import CheckpointError, DiskFullError
 from angelptm.launch.distributed import DistContext
-from zero_cache.units import format_bytes
+from zero_cache import format_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from angelptm.errors import CheckpointError
-from zero_cache.optimizer_state import OptimizerCheckpoint
+from zero_cache import OptimizerCheckpoint
 
 logger = logging.getLogger("angelptm.engine.engine")
 

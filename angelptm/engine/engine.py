@@ -29,7 +29,7 @@ from angelptm.pretraining.data.loader import ResumableDataLoader
 from angelptm.pretraining.health import RunHealth
 from angelptm.telemetry.monitor import MetricsSink
 from angelptm.telemetry.step_trace import StepTracer
-from zero_cache.timeline import Timeline
+from zero_cache import Timeline
 
 logger = logging.getLogger(__name__)
 

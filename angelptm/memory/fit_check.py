@@ -29,7 +29,7 @@ import zero_cache
 from angelptm.config import EngineConfig
 from angelptm.errors import ConfigError
 from angelptm.memory.model_states import check_sizes_by_arithmetic, check_states_fit, state_bytes_per_param
-from zero_cache.hardware import check_explicit_budgets
+from zero_cache import check_explicit_budgets
 
 BUILD_SHARE_OF_AVAILABLE = 0.9
 """``pretrain.py`` refuses a model whose build takes more than this share of the host's available memory."""

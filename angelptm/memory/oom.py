@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 import torch
 
-from zero_cache.units import format_bytes
+from zero_cache import format_bytes
 
 
 class StepOutOfMemoryError(torch.OutOfMemoryError):

@@ -16,8 +16,7 @@ import zero_cache
 from angelptm.config import EngineConfig
 from angelptm.errors import ConfigError
 from angelptm.pretraining.models import build_model
-from zero_cache.planner import Plan
-from zero_cache.tier_names import DEVICE, HOST, NVME
+from zero_cache import DEVICE, HOST, NVME, Plan
 
 DEFAULT_TFLOPS = 400.0
 """Model TFLOPS one GPU sustains, for the compute floor: the lent H200's bf16 GPT figures are 419-472

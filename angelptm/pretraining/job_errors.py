@@ -7,8 +7,7 @@ the setting or action that helps. Anything else is a bug and keeps its traceback
 
 from __future__ import annotations
 
-from zero_cache.nvme import SwapCorruptionError
-from zero_cache.tiers import TierFullError
+from zero_cache import SwapCorruptionError, TierFullError
 
 from angelptm.checkpoints.files import DISK_FULL
 from angelptm.errors import CheckpointError, ConfigError, DataError

@@ -17,7 +17,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from zero_cache.timeline import TRACKS, Interval, Timeline, overlap_shares
+from zero_cache import TRACKS, Interval, Timeline, overlap_shares
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from angelptm.telemetry.step_trace import render_png
-from zero_cache.timeline import Interval, overlap_shares
+from zero_cache import Interval, overlap_shares
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,7 +20,7 @@ from torch import nn
 
 from angelptm.checkpoints.export import consolidated_fp32_state_dict
 from angelptm.errors import CheckpointError
-from zero_cache.units import parse_bytes
+from zero_cache import parse_bytes
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | Path, tag: str | None = None,
                                              exclude_frozen_parameters: bool = False,

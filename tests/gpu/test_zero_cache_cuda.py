@@ -11,8 +11,8 @@ import torch
 import angelptm
 from angelptm.pretraining.models import ModelConfig, build_model
 from reference import SEQ, VOCAB, assert_masters_close, ds_config, random_batches, reference_loop, train_steps
-from zero_cache.layout import pack
-from zero_cache.planner import DEVICE, DEVICE_MARGIN_FRACTION, HOST, NVME
+from zero_cache.plan.layout import pack
+from zero_cache.plan.planner import DEVICE, DEVICE_MARGIN_FRACTION, HOST, NVME
 
 pytestmark = pytest.mark.gpu
 CHUNK = 2**20
@@ -79,7 +79,7 @@ def split_engine(seed: int, config_for: Callable[[int], dict], model_bytes: int,
 @pytest.mark.parametrize("accumulation, clip", [(1, 1.0), (2, 1.0), (1, 0.0)])
 def test_split_tiers_on_cuda_track_the_reference_over_20_steps(accumulation, clip):
     """(1, 1.0): gradients written over the params, host chunks updated during backward and revised at the
-    step when it clips (zero_cache.revision); (2, 1.0): fp32 accumulation on the worker, the last micro-batch's
+    step when it clips (zero_cache.optim.revision); (2, 1.0): fp32 accumulation on the worker, the last micro-batch's
     backward updating; (1, 0.0): host chunks updated during backward, no clipping."""
     seed = torch.randint(0, 10_000, ()).item()
     batches = random_batches(seed, count=20 * accumulation, batch=8)
@@ -156,7 +156,7 @@ def test_gpt_125m_with_host_chunks_tracks_the_reference_over_20_steps():
 
 
 def test_host_tier_pins_exactly_what_it_allocates():
-    from zero_cache.tiers import Tier
+    from zero_cache.storage.tiers import Tier
 
     tier = Tier("host", torch.device("cpu"), 2**31, pin_memory=True)
     tensor = tier.allocate(3 * 2**20 + 7, torch.float32)  # not a power of two

@@ -9,7 +9,7 @@ import torch
 import angelptm
 from angelptm.pretraining.models import ModelConfig, build_model
 from reference import SEQ, VOCAB, assert_masters_close, ds_config, random_batches, reference_loop, train_steps
-from zero_cache.planner import DEVICE, HOST
+from zero_cache.plan.planner import DEVICE, HOST
 
 pytestmark = pytest.mark.gpu
 CHUNK_NUMEL = 16384

@@ -25,9 +25,9 @@ import angelptm  # noqa: E402
 from angelptm.pretraining.data import repeat_batches  # noqa: E402
 from angelptm.pretraining.models import ModelConfig, build_model  # noqa: E402
 from reference import SEQ, VOCAB, RandomTokens, end_job, open_files_under  # noqa: E402
-from zero_cache.layout import pack  # noqa: E402
-from zero_cache.planner import DEVICE_MARGIN_FRACTION  # noqa: E402
-from zero_cache.working_set import GRADIENT_BUCKETS, GROUPS_IN_USE, budget_for_room  # noqa: E402
+from zero_cache.plan.layout import pack  # noqa: E402
+from zero_cache.plan.planner import DEVICE_MARGIN_FRACTION  # noqa: E402
+from zero_cache.plan.working_set import GRADIENT_BUCKETS, GROUPS_IN_USE, budget_for_room  # noqa: E402
 
 CHUNK_NUMEL = 8192
 
@@ -53,7 +53,7 @@ def device_budget(model: torch.nn.Module, world_size: int, accumulation: int, sh
 
 def least_working_set_budget(world_size: int) -> int:
     """Sharded params at home on the host: the least working set alone (the fp32 scratch chunk, the fewest live
-    groups and two gradient buckets), so the plan must give up the third bucket (zero_cache.working_set)."""
+    groups and two gradient buckets), so the plan must give up the third bucket (zero_cache.plan.working_set)."""
     need = (4 + (LIVE_GROUPS + GROUPS_IN_USE) * world_size * 4) * CHUNK_NUMEL
     return budget_for_room(need, DEVICE_MARGIN_FRACTION)
 
@@ -79,7 +79,8 @@ def main() -> None:
     parser.add_argument("--untied", action="store_true", help="separate embedding and output weights")
     parser.add_argument("--param-home", default="auto", help="zero_cache.param_home (host: shards streamed from the host)")
     parser.add_argument("--least-working-set", action="store_true", help="with --shard-params --param-home host: a "
-                        "device budget of the least working set (2 gradient buckets, not 3; zero_cache.working_set)")
+                        "device budget of the least working set (2 gradient buckets, not 3; "
+                        "zero_cache.plan.working_set)")
     parser.add_argument("--nvme-path", help="zero_cache.nvme_path (with --param-home nvme: shards homed on the disk)")
     parser.add_argument("--device-steps", default="auto", help="zero_cache.device_steps (a count: host groups stepped "
                         "on the device after backward)")
@@ -124,7 +125,7 @@ def main() -> None:
         assert "device" not in tiers, f"rank {rank}: the warm-up keeps groups in {tiers}"
     else:
         assert tiers == expected or engine.device.type == "cuda", f"rank {rank}: groups in {tiers}, expected {expected}"
-    # During backward (clipping included: zero_cache.revision), except for ranks that accumulate micro-batches.
+    # During backward (clipping included: zero_cache.optim.revision), except for ranks that accumulate micro-batches.
     assert optimizer.update_in_backward == (not args.after_backward and (args.accumulation == 1 or world_size == 1))
     # one rank streams them too
     assert optimizer.params_sharded == (shard_params or off_device)

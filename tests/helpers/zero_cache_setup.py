@@ -6,7 +6,7 @@ import torch
 
 from angelptm.pretraining.models import ModelConfig, build_model
 from reference import SEQ, VOCAB, ds_config
-from zero_cache.layout import pack
+from zero_cache.plan.layout import pack
 
 # Bytes of model state per chunk element: the param, then fp32 master + exp_avg + exp_avg_sq; with
 # one micro-batch per step gradients are written over the params and take no bytes of their own,

@@ -171,7 +171,8 @@ def test_a_rank_that_dies_mid_training_stops_the_others_with_its_exit_code(tmp_p
 @pytest.fixture(scope="module")
 def accumulated_one_process(tmp_path_factory, data_seed) -> dict:
     # After backward, as ranks that accumulate update: one process would update during the last backward and
-    # revise at clipped steps, equal within an ulp (zero_cache.revision), which Adam amplifies past this tolerance.
+    # revise at clipped steps, equal within an ulp (zero_cache.optim.revision), which Adam amplifies past this
+    # tolerance.
     return train(1, tmp_path_factory.mktemp("accumulated") / "one.pt", data_seed, 3, "--accumulation", "2",
                  "--after-backward")["weights"]
 

@@ -133,7 +133,7 @@ def test_alias_gives_angelptms_own_modules_and_names_what_it_lacks() -> None:
 REAL_FOR_A_BLOCK = """
 import angelptm.integrations.accelerate
 import angelptm
-from zero_cache.host_adam import real_deepspeed
+from zero_cache.optim.host_adam import real_deepspeed
 with real_deepspeed():
     import deepspeed
     from deepspeed.ops.adam import DeepSpeedCPUAdam

@@ -55,7 +55,7 @@ def test_a_full_disk_removes_the_partial_keeps_the_last_and_says_how_much_room(t
     assert err.filename.endswith(checkpoint.MODEL_FILE)
     message = str(err)
     assert "\n" not in message and checkpoint.MODEL_FILE in message
-    from zero_cache.units import format_bytes
+    from zero_cache.plan.units import format_bytes
 
     assert f"the last one, global_step1, takes {format_bytes(last_bytes)}" in message
     assert "is free there now" in message and "train.keep_last" in message and "global_step1 is kept" in message

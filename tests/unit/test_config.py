@@ -1,6 +1,6 @@
 """Unit tests of the config edge (DeepSpeed JSON -> typed tree) and the config helpers it relies on.
 
-Covers ``angelptm.config.load_config`` / ``resolve_batch_sizes``, ``zero_cache.units``,
+Covers ``angelptm.config.load_config`` / ``resolve_batch_sizes``, ``zero_cache.plan.units``,
 ``MoEConfig.capacity`` and ``AutoPipeConfig.bubble_fraction``.
 """
 
@@ -518,7 +518,7 @@ def test_bias_correction_false_rejected():
 
 
 # --------------------------------------------------------------------------------------------
-# zero_cache.units
+# zero_cache.plan.units
 # --------------------------------------------------------------------------------------------
 
 PARSE_BYTES_CASES = [

@@ -13,7 +13,7 @@ from angelptm.config import load_config
 from angelptm.errors import ConfigError
 from angelptm.memory import fit_check
 from zero_cache import ZeroCacheConfig
-from zero_cache.hardware import tier_budgets
+from zero_cache.storage.hardware import tier_budgets
 
 GiB = 2**30
 Memory = namedtuple("Memory", "total available")

@@ -15,7 +15,7 @@ import torch
 import angelptm
 from gathered_params_job import BETAS, CHUNK_NUMEL, LR, WEIGHT_DECAY, edit, torch_step
 from reference import ds_config, random_batches, tiny_gpt, train_steps
-from zero_cache.layout import pack
+from zero_cache.plan.layout import pack
 
 
 

@@ -3,9 +3,10 @@
 ``zero_cache``, ``moe`` and ``autopipe`` never import ``angelptm`` or each other, at any depth (a function-level
 import counts: it runs the same code); no library's modules import each other in a circle (``angelptm``'s, and
 each of the three others'), not even through a function-level import (which only hides the circle: ``api`` <->
-``pipe.engine`` was one, ``zero_cache.homes`` <-> ``zero_cache.nvme_home`` another); ``zero_cache``'s planner
-imports without torch (it is pure: deciding is separate from doing); and ``angelptm`` and ``bench`` use only
-``zero_cache``'s public names.
+``pipe.engine`` was one, ``zero_cache.homes`` <-> ``zero_cache.nvme_home`` another); ``zero_cache``'s layers hold:
+every module of ``zero_cache/plan/`` imports without torch (it is pure: deciding is separate from doing) and
+imports nothing of ``storage/``, ``runtime/`` or ``optim/``, ``storage/`` and ``runtime/`` import nothing of
+``optim/``; and ``angelptm`` and ``bench`` use only ``zero_cache``'s public names.
 """
 
 from __future__ import annotations
@@ -20,22 +21,16 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 LIBRARIES = ("zero_cache", "moe", "autopipe")
-PLAN_SIDE = ("zero_cache.plan", "zero_cache.planner", "zero_cache.home_costs", "zero_cache.state_costs",
-             "zero_cache.step_cost", "zero_cache.working_set", "zero_cache.eviction", "zero_cache.tier_names",
-             "zero_cache.units")
-"""zero_cache's deciding modules: pure functions over plain dataclasses, importable without torch."""
+ZERO_CACHE_LAYERS = ("plan", "storage", "runtime", "optim")
+"""zero_cache's sub-packages, lowest first (``attach``, ``warmup`` and the rest sit on top)."""
+LAYERS_NOT_IMPORTED = {"plan": ("storage", "runtime", "optim"), "storage": ("optim",), "runtime": ("optim",)}
+"""Layer -> the layers above it that its modules never import (function-level imports included). ``storage``
+imports three ``runtime`` modules it builds on (``sharding``: which chunks a rank owns; ``timeline``: the disk
+track; ``native``: the AIO extension's loader), so that pair is not in the rule."""
 ZERO_CACHE_MODULES_IN_USE = {
-    "zero_cache.units": {"AUTO", "format_bytes", "parse_bytes"},
-    "zero_cache.timeline": {"TRACKS", "Interval", "Timeline", "overlap_shares"},  # (the step trace and its PNG)
-    "zero_cache.planner": {"Plan"},
-    "zero_cache.tier_names": {"DEVICE", "HOST", "NVME"},
-    "zero_cache.tiers": {"TierFullError"},
-    "zero_cache.nvme": {"SwapCorruptionError", "ALIGN_BYTES", "NvmeTier"},  # (bench/nvme_tier.py times the tier)
-    "zero_cache.hardware": {"check_explicit_budgets"},
-    "zero_cache.optimizer_state": {"OptimizerCheckpoint"},  # (checkpoints convert optimizer states)
-    "zero_cache.homes": {"home_class"},  # (angelptm/zero.py: whether a home streams; home_costs answers that too)
-    "zero_cache.config": {"AioConfig"},
-    "zero_cache.host_adam": {"HostAdam"},  # (bench/host_adam.py times it)
+    "zero_cache.storage.nvme": {"ALIGN_BYTES", "NvmeTier"},  # (bench/nvme_tier.py times the tier)
+    "zero_cache.storage.homes": {"home_class"},  # (angelptm/zero.py: whether a home streams; home_costs says it too)
+    "zero_cache.optim.host_adam": {"HostAdam"},  # (bench/host_adam.py times it)
     "zero_cache.tuning": {"MAX_TRIALS", "MEASURED_STEPS", "SETTLE_STEPS"},
 }
 """Names ``angelptm`` and ``bench`` import from zero_cache's modules beside the package's ``__all__``: pinned, so
@@ -46,6 +41,11 @@ def module_name(path: Path, root: Path = REPO) -> str:
     """``angelptm/engine/engine.py`` -> ``angelptm.engine.engine``; a package's ``__init__.py`` -> the package."""
     parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+PLAN_SIDE = tuple(sorted(module_name(path) for path in (REPO / "zero_cache" / "plan").glob("*.py")))
+"""zero_cache's deciding modules, every module of ``zero_cache/plan/``: pure functions over plain dataclasses,
+importable without torch."""
 
 
 def imported_modules(source: str, module: str, is_package: bool, *, top_level_only: bool,
@@ -153,9 +153,9 @@ def test_the_checks_see_hidden_imports_and_circles(tmp_path) -> None:
     fake.mkdir()
     (fake / "__init__.py").write_text("")
     (fake / "a.py").write_text("def f():\n    from angelptm.engine import engine\n")
-    (fake / "b.py").write_text("import torch\nfrom moe import a\nfrom zero_cache.chunks import Chunk\n")
+    (fake / "b.py").write_text("import torch\nfrom moe import a\nfrom zero_cache.storage.chunks import Chunk\n")
     assert library_violations(sorted(fake.glob("*.py")), tmp_path) == ["moe/a.py: imports angelptm.engine",
-                                                                       "moe/b.py: imports zero_cache.chunks"]
+                                                                       "moe/b.py: imports zero_cache.storage.chunks"]
     circle = {"pkg": "from pkg import w\n", "pkg.x": "from pkg import y\n", "pkg.y": "import pkg.z\n",
               "pkg.z": "from . import x\n", "pkg.w": "def late():\n    import pkg.x\n"}
     assert import_circles(circle, {"pkg"}, top_level_only=True) == [["pkg.x", "pkg.y", "pkg.z"]]
@@ -165,7 +165,9 @@ def test_the_checks_see_hidden_imports_and_circles(tmp_path) -> None:
 
 
 def test_the_planner_imports_without_torch() -> None:
-    """In a fresh interpreter where ``import torch`` fails, the plan-side modules import, and a plan is made."""
+    """In a fresh interpreter where ``import torch`` fails, every module of ``zero_cache/plan/`` imports, and a plan
+    is made."""
+    assert len(PLAN_SIDE) > 10 and {"zero_cache.plan", "zero_cache.plan.planner"} <= set(PLAN_SIDE)
     code = f"""
 import importlib.abc, sys
 
@@ -182,7 +184,7 @@ from zero_cache import PlanInputs, make_plan
 plan = make_plan(PlanInputs(num_chunks=4, chunk_numel=1024, param_bytes_per_element=2, device_budget_bytes=1 << 30,
                             host_budget_bytes=1 << 30))
 assert plan.optimizer_tier == ("device",) * 4, plan
-from zero_cache.state_costs import STATE_FILL_ORDER
+from zero_cache.plan.state_costs import STATE_FILL_ORDER
 spilled = make_plan(PlanInputs(num_chunks=10, chunk_numel=1000, param_bytes_per_element=2, device_budget_bytes=40_000,
                                host_budget_bytes=100_000, nvme_budget_bytes=10**6, margin_fraction=0.0,
                                grad_bytes_per_element=0, trace=tuple(range(10)) + tuple(range(9, -1, -1))))
@@ -198,9 +200,9 @@ print("pure")
 def test_what_the_plan_prices_is_what_the_homes_are() -> None:
     """One registry of home classes, one of their costs, with the same tier names; each class reads its answers from
     its costs (no second copy to drift)."""
-    from zero_cache.home_costs import DISK_BLOCK_BYTES, HOME_COSTS, OFF_DEVICE_FILL_ORDER
-    from zero_cache.homes import HOME_CLASSES
-    from zero_cache.nvme import ALIGN_BYTES
+    from zero_cache.plan.home_costs import DISK_BLOCK_BYTES, HOME_COSTS, OFF_DEVICE_FILL_ORDER
+    from zero_cache.storage.homes import HOME_CLASSES
+    from zero_cache.storage.nvme import ALIGN_BYTES
 
     assert set(HOME_CLASSES) == set(HOME_COSTS) and set(OFF_DEVICE_FILL_ORDER) <= set(HOME_COSTS)
     assert ALIGN_BYTES == DISK_BLOCK_BYTES
@@ -216,8 +218,8 @@ def test_what_the_plan_prices_is_what_the_homes_are() -> None:
 def test_what_the_plan_prices_is_what_the_state_homes_are() -> None:
     """The optimizer-state homes: one registry of classes, one of costs, the same tier names; each class reads its
     flags from its costs, and the planner's fill order names registered homes."""
-    from zero_cache.state_costs import STATE_COSTS, STATE_FILL_ORDER
-    from zero_cache.state_homes import STATE_HOME_CLASSES
+    from zero_cache.plan.state_costs import STATE_COSTS, STATE_FILL_ORDER
+    from zero_cache.storage.state_homes import STATE_HOME_CLASSES
 
     assert set(STATE_HOME_CLASSES) == set(STATE_COSTS) and set(STATE_FILL_ORDER) <= set(STATE_COSTS)
     for name, cls in STATE_HOME_CLASSES.items():
@@ -225,6 +227,40 @@ def test_what_the_plan_prices_is_what_the_state_homes_are() -> None:
         assert cls.costs is costs and cls.name == costs.name == name
         assert (cls.route, cls.resident, cls.device_steppable, cls.owned) == (
             costs.route, costs.resident, costs.device_steppable, costs.owned)
+
+
+def layer_violations(root: Path = REPO) -> list[str]:
+    """``file: imports X`` for each import (function-level ones included) of a zero_cache layer by one below it that
+    :data:`LAYERS_NOT_IMPORTED` rules out."""
+    violations = []
+    for layer, above in LAYERS_NOT_IMPORTED.items():
+        banned = tuple(f"zero_cache.{name}" for name in above)
+        for path in sorted((root / "zero_cache" / layer).rglob("*.py")):
+            imports = imported_modules(path.read_text(), module_name(path, root), path.name == "__init__.py",
+                                       top_level_only=False)
+            violations += [f"{path.relative_to(root)}: imports {name}" for name in sorted(imports)
+                           if name in banned or name.startswith(tuple(f"{b}." for b in banned))]
+    return violations
+
+
+def test_zero_caches_layers_import_only_downwards() -> None:
+    """``plan/`` imports nothing of ``storage/``, ``runtime/`` or ``optim/``; ``storage/`` and ``runtime/`` nothing
+    of ``optim/``."""
+    for layer in ZERO_CACHE_LAYERS:
+        assert (REPO / "zero_cache" / layer / "__init__.py").is_file(), layer
+    assert layer_violations() == []
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path) -> None:
+    for layer in ZERO_CACHE_LAYERS:
+        (tmp_path / "zero_cache" / layer).mkdir(parents=True)
+        (tmp_path / "zero_cache" / layer / "__init__.py").write_text("")
+    (tmp_path / "zero_cache" / "plan" / "a.py").write_text("def f():\n"
+                                                            "    from zero_cache.runtime.jobs import JobQueue\n")
+    (tmp_path / "zero_cache" / "storage" / "b.py").write_text("from zero_cache.optim import optimizer\n"
+                                                               "from zero_cache.runtime import sharding\n")
+    assert layer_violations(tmp_path) == ["zero_cache/plan/a.py: imports zero_cache.runtime.jobs",
+                                          "zero_cache/storage/b.py: imports zero_cache.optim"]
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
@@ -280,10 +316,12 @@ def test_angelptm_and_bench_use_only_zero_caches_public_names() -> None:
 
 def test_the_public_names_check_sees_reaches(tmp_path) -> None:
     (tmp_path / "user.py").write_text(
-        "import zero_cache\nfrom zero_cache import attach, ChunkStore\nfrom zero_cache.chunks import ChunkStore\n"
-        "def f(engine):\n    from zero_cache.units import format_bytes\n    zero_cache.make_plan, zero_cache.chunks\n"
+        "import zero_cache\nfrom zero_cache import attach, ChunkStore\n"
+        "from zero_cache.storage.chunks import ChunkStore\n"
+        "def f(engine):\n    from zero_cache.storage.nvme import NvmeTier\n"
+        "    zero_cache.make_plan, zero_cache.chunks\n"
         "    engine.optimizer.store.tiers, getattr(engine.optimizer, 'store', None), engine.optimizer.tier_usage()\n")
     assert zero_cache_uses([tmp_path / "user.py"], tmp_path) == [
-        "user.py:2: from zero_cache import ChunkStore", "user.py:3: from zero_cache.chunks import ChunkStore",
+        "user.py:2: from zero_cache import ChunkStore", "user.py:3: from zero_cache.storage.chunks import ChunkStore",
         "user.py:6: zero_cache.chunks", "user.py:7: engine.optimizer.store",
         "user.py:7: getattr(engine.optimizer, 'store', None)"]

@@ -16,8 +16,8 @@ import zero_cache
 from angelptm.checkpoints import files as checkpoint
 from angelptm.checkpoints import manifest as checkpoint_manifest
 from angelptm.pretraining.models import ModelConfig, build_model
-from zero_cache import nvme
 from zero_cache.config import ZeroCacheConfig
+from zero_cache.storage import nvme
 
 SHAPES = [(f"w{i}", (512, 512)) for i in range(32)]  # 8 M elements: 128 MiB of fp32 model states
 

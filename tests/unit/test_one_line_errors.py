@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from zero_cache.tiers import TierFullError
+from zero_cache.storage.tiers import TierFullError
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL_MODEL = {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "vocab_size": 512}

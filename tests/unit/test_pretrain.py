@@ -152,7 +152,7 @@ def test_zero_cache_job_plans_trains_and_reports_its_tiers(tmp_path):
     assert re.search(r"optimizer states of 2 chunks: 1 on the device, 1 on the host, 0 on NVMe", plan.stdout)
     run = pretrain(tmp_path, "--config", config, "--steps", "10")
     assert run.returncode == 0, run.stderr[-3000:]
-    # host: the host chunk's optimizer states, the staging buffers and its kept gradient (zero_cache.revision)
+    # host: the host chunk's optimizer states, the staging buffers and its kept gradient (zero_cache.optim.revision)
     assert re.search(r"step 10/10 \| loss \d+\.\d+ .*zero-cache device 13\.15 MiB, host 17\.09 MiB", run.stdout)
 
 

@@ -82,7 +82,7 @@ def test_an_oom_in_the_optimizer_step_names_the_tier_budgets_in_force(monkeypatc
         engine.step()
     message = str(caught.value)
     tiers = engine.optimizer.store.tiers
-    from zero_cache.units import format_bytes
+    from zero_cache.plan.units import format_bytes
 
     assert "in the optimizer step of step 1" in message
     assert (f"device {format_bytes(tiers['device'].used_bytes)} of 3.00 MiB, host "

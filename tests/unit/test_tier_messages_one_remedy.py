@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import zero_cache
-from zero_cache import nvme
 from zero_cache.config import ZeroCacheConfig
+from zero_cache.storage import nvme
 
 SHAPES = [(f"w{i}", (512, 512)) for i in range(32)]  # 8 M elements: 128 MiB of fp32 model states
 MiB, GiB = 2**20, 2**30

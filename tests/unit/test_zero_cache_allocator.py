@@ -1,11 +1,12 @@
-"""The CUDA allocator's expandable segments under ZeRO-Cache (zero_cache.tiers.use_expandable_segments), on CPU."""
+"""The CUDA allocator's expandable segments under ZeRO-Cache (zero_cache.storage.tiers.use_expandable_segments), on
+CPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from zero_cache.tiers import ALLOC_CONF_VARIABLES, use_expandable_segments
+from zero_cache.storage.tiers import ALLOC_CONF_VARIABLES, use_expandable_segments
 
 CUDA = torch.device("cuda", 0)
 

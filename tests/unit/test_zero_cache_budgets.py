@@ -1,4 +1,4 @@
-"""The one place "auto" tier budgets are worked out (zero_cache.hardware.tier_budgets), on CPU."""
+"""The one place "auto" tier budgets are worked out (zero_cache.storage.hardware.tier_budgets), on CPU."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import psutil
 import pytest
 import torch
 
-from zero_cache import ZeroCacheConfig, tiers
-from zero_cache.hardware import Hardware, tier_budgets
+from zero_cache import ZeroCacheConfig
+from zero_cache.storage import tiers
+from zero_cache.storage.hardware import Hardware, tier_budgets
 
 
 @pytest.fixture

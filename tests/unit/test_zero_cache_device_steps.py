@@ -18,11 +18,11 @@ from angelptm.pretraining.models import ModelConfig, build_model
 from reference import SEQ, VOCAB
 from test_zero_cache_streamed import CHUNK_NUMEL, assert_close_to, config, poison_one_weight, state_bytes
 from zero_cache.config import ZeroCacheConfig
-from zero_cache.device_steps import DeviceSteps
-from zero_cache.jobs import JobQueue
-from zero_cache.planner import HOST
-from zero_cache.step_cost import (NOMINAL_RATES, HostChunk, StepTraffic, cheapest_device_steps,
-                                  with_device_steps)
+from zero_cache.optim.device_steps import DeviceSteps
+from zero_cache.plan.planner import HOST
+from zero_cache.plan.step_cost import (NOMINAL_RATES, HostChunk, StepTraffic, cheapest_device_steps,
+                                       with_device_steps)
+from zero_cache.runtime.jobs import JobQueue
 
 
 def tiny_llama(seed: int, *, tied: bool = True) -> torch.nn.Module:
@@ -155,7 +155,7 @@ def test_the_count_balances_host_adam_against_pcie():
 
 
 def test_the_plan_steps_the_first_host_groups_of_the_forward_on_the_device():
-    from zero_cache.planner import PlanInputs, make_plan
+    from zero_cache.plan.planner import PlanInputs, make_plan
     inputs = dict(num_chunks=12, chunk_numel=N, param_bytes_per_element=2, device_budget_bytes=24 * 2**30,
                   host_budget_bytes=400 * 2**30, grad_bytes_per_element=0, param_chunks_held=12, param_home="host",
                   live_groups=3, gather_ahead=1, trace=tuple(reversed(range(12))), kept_bytes_per_element=2)

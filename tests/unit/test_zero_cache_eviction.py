@@ -9,10 +9,10 @@ import torch
 import angelptm
 from angelptm.pretraining.models import ModelConfig, build_model
 from reference import SEQ, VOCAB, ds_config, random_batches, train_steps
+import zero_cache.runtime.gathered
+from zero_cache.plan.eviction import belady_misses, belady_victim, gathers_per_group
+from zero_cache.plan.planner import PlanInputs
 from zero_cache.warmup import with_measured_gathers
-import zero_cache.gathered
-from zero_cache.eviction import belady_misses, belady_victim, gathers_per_group
-from zero_cache.planner import PlanInputs
 
 
 class CountingBelady:
@@ -42,7 +42,7 @@ def test_the_gathers_the_replan_expects_are_the_gathers_the_runtime_makes(checkp
     engine, optimizer = streamed_engine(seed, checkpointing)
     gathered = optimizer.exchange.gathered
     counting = CountingBelady()
-    monkeypatch.setattr(zero_cache.gathered, "belady_victim", counting)
+    monkeypatch.setattr(zero_cache.runtime.gathered, "belady_victim", counting)
     batches = random_batches(seed, count=3, batch=2)
     train_steps(engine, batches[:1])  # the warm-up records the acquisitions
     groups = len(set(gathered.trace.groups))

@@ -1,11 +1,11 @@
-"""The order of a re-plan's moves (zero_cache.moves), against orders found by trying every one."""
+"""The order of a re-plan's moves (zero_cache.plan.moves), against orders found by trying every one."""
 
 from __future__ import annotations
 
 import itertools
 import random
 
-from zero_cache.moves import Move, fits, next_move
+from zero_cache.plan.moves import Move, fits, next_move
 
 TIERS = ("device", "host", "nvme")
 

@@ -13,7 +13,7 @@ from reference import random_batches, train_steps
 from test_zero_cache_device_steps import tiny_llama
 from test_zero_cache_streamed import config
 from zero_cache.nonmodel import NonModelMeter
-from zero_cache.tiers import Tier
+from zero_cache.storage.tiers import Tier
 
 attach_module = importlib.import_module("zero_cache.attach")  # (the package exports a function of that name)
 

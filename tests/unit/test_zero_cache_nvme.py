@@ -22,11 +22,11 @@ import angelptm
 from angelptm.telemetry.monitor import format_tiers
 from angelptm.pretraining.models import ModelConfig, build_model
 from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop, train_steps
-from zero_cache.aio import NativeFileIO, ThreadFileIO, open_file_io
 from zero_cache.config import AioConfig
-from zero_cache.nvme import ALIGN_BYTES, SWAP_PREFIX, NvmeTier, check_directory
-from zero_cache.planner import DEVICE, HOST, NVME
-from zero_cache.layout import pack
+from zero_cache.plan.layout import pack
+from zero_cache.plan.planner import DEVICE, HOST, NVME
+from zero_cache.storage.aio import NativeFileIO, ThreadFileIO, open_file_io
+from zero_cache.storage.nvme import ALIGN_BYTES, SWAP_PREFIX, NvmeTier, check_directory
 from zero_cache_setup import CHUNK_NUMEL, budgets, six_layer_llama, zero_cache_config
 
 BACKENDS = ("native", "deepspeed", "libaio", "threads")
@@ -376,7 +376,7 @@ def test_a_host_budget_equal_to_the_planned_host_bytes_is_enough(tmp_path):
 
 
 def test_a_filesystem_refusing_o_direct_at_open_falls_back_to_buffered_io(tmp_path, monkeypatch, caplog):
-    import zero_cache.nvme as nvme
+    import zero_cache.storage.nvme as nvme
 
     real_open = os.open
 
@@ -404,7 +404,7 @@ import os, signal, sys
 sys.path[:0] = {paths!r}
 from pathlib import Path
 from zero_cache.config import AioConfig
-from zero_cache.nvme import NvmeTier
+from zero_cache.storage.nvme import NvmeTier
 tier = NvmeTier(Path({directory!r}), slot_bytes={slot_bytes}, budget_bytes={slot_bytes}, aio=AioConfig())
 tier.allocate_slot()  # reserves the slot's blocks on disk (posix_fallocate)
 print("ready", flush=True)

@@ -1,4 +1,4 @@
-"""Params homed on NVMe (zero_cache.nvme_home.NvmeHome), one rank on CPU, fp32.
+"""Params homed on NVMe (zero_cache.storage.nvme_home.NvmeHome), one rank on CPU, fp32.
 
 A shard at home on NVMe takes the path of one at home on the host (copied in on use, its reduced gradient
 taken home over it, updated by the host's Adam) through a swap file and a few pinned buffers instead of a
@@ -22,12 +22,12 @@ from angelptm.config import load_config
 from angelptm.pretraining.models import ModelConfig, build_model
 from reference import SEQ, VOCAB, ds_config, open_files_under, random_batches, reference_loop, train_steps
 from zero_cache.config import AioConfig
-from zero_cache.nvme import NvmeTier
-from zero_cache.nvme_home import NVME_HELD_GRADIENTS, NVME_STAGING_BUFFERS, NvmeHome
-from zero_cache.planner import PlanError, PlanInputs, make_plan
-from zero_cache.tier_names import HOST, NVME
-from zero_cache.tiers import Tier, TierFullError
-from zero_cache.units import format_bytes
+from zero_cache.plan.planner import PlanError, PlanInputs, make_plan
+from zero_cache.plan.tier_names import HOST, NVME
+from zero_cache.plan.units import format_bytes
+from zero_cache.storage.nvme import NvmeTier
+from zero_cache.storage.nvme_home import NVME_HELD_GRADIENTS, NVME_STAGING_BUFFERS, NvmeHome
+from zero_cache.storage.tiers import Tier, TierFullError
 
 CHUNK_NUMEL = 8192
 

@@ -8,11 +8,11 @@ import random
 
 import pytest
 
-from zero_cache.layout import ALIGN_NUMEL, pack, search_chunk_size
-from zero_cache.step_cost import Rates
-from zero_cache.planner import (DEVICE, HOST, NVME, REMOTE, PlanError, PlanInputs, belady_misses, first_use_order,
-                                make_plan)
-from zero_cache.units import format_bytes
+from zero_cache.plan.layout import ALIGN_NUMEL, pack, search_chunk_size
+from zero_cache.plan.planner import (DEVICE, HOST, NVME, REMOTE, PlanError, PlanInputs, belady_misses, first_use_order,
+                                     make_plan)
+from zero_cache.plan.step_cost import Rates
+from zero_cache.plan.units import format_bytes
 
 
 def random_shapes(rng: random.Random, count: int) -> list[tuple[str, tuple[int, ...]]]:

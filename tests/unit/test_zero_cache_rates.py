@@ -1,4 +1,5 @@
-"""The plan's rates: placements compared at this machine's measured rates (zero_cache.rates, zero_cache.step_cost)."""
+"""The plan's rates: placements compared at this machine's measured rates (zero_cache.runtime.rates,
+zero_cache.plan.step_cost)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ from test_zero_cache_device_steps import tiny_llama
 from test_zero_cache_streamed import config
 from test_zero_cache_tuning import random_inputs
 from zero_cache.config import AioConfig
-from zero_cache.nvme import ALIGN_BYTES, NvmeTier, check_directory
-from zero_cache.planner import HOST, make_plan
-from zero_cache.rates import (MIN_MEASURED_ELEMENTS, MIN_PROBE_BYTES, PROBE_BYTES, Throughput, measured_copies,
-                              measured_disk, with_host_adam)
-from zero_cache.step_cost import NOMINAL_RATES, Rates
-from zero_cache.tiers import Tier
+from zero_cache.plan.planner import HOST, make_plan
+from zero_cache.plan.step_cost import NOMINAL_RATES, Rates
+from zero_cache.runtime.rates import (MIN_MEASURED_ELEMENTS, MIN_PROBE_BYTES, PROBE_BYTES, Throughput, measured_copies,
+                                      measured_disk, with_host_adam)
+from zero_cache.storage.nvme import ALIGN_BYTES, NvmeTier, check_directory
+from zero_cache.storage.tiers import Tier
 
 
 def random_rates(rng: random.Random) -> Rates:

@@ -10,8 +10,8 @@ import angelptm
 from reference import random_batches, train_steps
 from test_zero_cache_device_steps import resident_budget, tiny_llama
 from test_zero_cache_streamed import config
-from zero_cache.chunks import STATE_FIELDS
-from zero_cache.planner import DEVICE, HOST, NVME
+from zero_cache.plan.planner import DEVICE, HOST, NVME
+from zero_cache.storage.chunks import STATE_FIELDS
 from zero_cache_setup import budgets, six_layer_llama, zero_cache_config
 
 

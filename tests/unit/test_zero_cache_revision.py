@@ -20,8 +20,8 @@ import torch
 
 import angelptm
 from reference import random_batches
-from zero_cache.planner import OFF_DEVICE
-from zero_cache.revision import APPLIED, DEFERRED, SpeculationWindow
+from zero_cache.optim.revision import APPLIED, DEFERRED, SpeculationWindow
+from zero_cache.plan.planner import OFF_DEVICE
 from zero_cache_setup import BF16_BYTES_PER_ELEMENT, budgets, six_layer_llama, zero_cache_config
 
 LR, BETAS, EPS, WEIGHT_DECAY = 3e-3, (0.9, 0.95), 1e-8, 0.1
@@ -289,7 +289,7 @@ def test_removed_overlap_optimizer_step_key_says_why():
 def test_native_revision_redoes_and_takes_back_a_step_like_the_reference(native_adam, decoupled, dtype, step):
     """The one-pass kernel: a speculative step (factor 1, gradient kept in the same pass), then redone with the
     true factor, equals torch's Adam with that factor; taken back, it equals the states before."""
-    from zero_cache.host_adam import HostAdam, torch_fused_adam
+    from zero_cache.optim.host_adam import HostAdam, torch_fused_adam
 
     generator = torch.Generator().manual_seed(torch.randint(0, 10_000, ()).item())
     numel = 100_003  # not a multiple of any vector width
@@ -321,7 +321,7 @@ def test_native_lazy_step_folded_later_is_the_eager_step_and_taken_back_restores
     """A lazy step stores the weight alone; folding its kept gradient in (in the next step's pass, or alone) leaves
     the eager steps' very bits; taking it back leaves the moments untouched and the master within an ulp of the
     terms (a few roundings)."""
-    from zero_cache.host_adam import HostAdam
+    from zero_cache.optim.host_adam import HostAdam
 
     generator = torch.Generator().manual_seed(torch.randint(0, 10_000, ()).item())
     numel = 100_003
@@ -365,8 +365,8 @@ def test_library_lazy_step_in_pieces_then_folded_is_the_library_step(monkeypatch
     """The library kernels' lazy step works through two small buffers, piece by piece (here 1,000 elements):
     the weight it stores, and the moments folded in later (by torch, or the csrc fold), are those of the plain
     step (fp16 gradient)."""
-    from zero_cache import host_adam
-    from zero_cache.host_adam import HostAdam
+    from zero_cache.optim import host_adam
+    from zero_cache.optim.host_adam import HostAdam
 
     monkeypatch.setattr(host_adam, "PIECE", 1000)
     generator = torch.Generator().manual_seed(torch.randint(0, 10_000, ()).item())

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from zero_cache import Sharding, ZeroCacheConfig, dry_run
-from zero_cache.planner import DEVICE, HOST, REMOTE, Plan, PlanError
-from zero_cache.shard_params import choose_shard_params, decide_shard_params
+from zero_cache.plan.planner import DEVICE, HOST, REMOTE, Plan, PlanError
+from zero_cache.runtime.shard_params import choose_shard_params, decide_shard_params
 
 
 def plan(device_groups: int, resident: bool = True) -> Plan:

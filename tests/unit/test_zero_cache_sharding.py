@@ -8,8 +8,8 @@ import types
 import pytest
 import torch
 
-import zero_cache.tiers as tiers
-from zero_cache.sharding import Sharding
+import zero_cache.storage.tiers as tiers
+from zero_cache.runtime.sharding import Sharding
 
 
 def layouts(rng: random.Random, count: int) -> list[tuple[int, int, bool]]:

@@ -1,4 +1,4 @@
-"""What a step is predicted to cost once its backward is measured (zero_cache.step_cost), against arithmetic
+"""What a step is predicted to cost once its backward is measured (zero_cache.plan.step_cost), against arithmetic
 written out here per stream."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from zero_cache.step_cost import STATE_BYTES_PER_ELEMENT, HostChunk, Rates, step_traffic, with_device_steps
+from zero_cache.plan.step_cost import STATE_BYTES_PER_ELEMENT, HostChunk, Rates, step_traffic, with_device_steps
 
 
 def random_rates() -> Rates:

@@ -16,8 +16,8 @@ import torch
 import angelptm
 from angelptm.pretraining.models import ModelConfig, build_model
 from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop, train_steps
-from zero_cache.layout import pack
-from zero_cache.planner import DEVICE, HOST
+from zero_cache.plan.layout import pack
+from zero_cache.plan.planner import DEVICE, HOST
 
 CHUNK_NUMEL = 8192
 
@@ -70,7 +70,7 @@ def test_streamed_params_give_the_weights_of_resident_params(accumulation, clip,
     batches = random_batches(seed, count=4 * accumulation, batch=2)
     start = {n: p.detach().clone() for n, p in tiny_gpt(seed, tied=tied).named_parameters()}
     # Accumulating, the resident run would update during the last backward and revise at a clipped step (within
-    # an ulp: zero_cache.revision), where streamed params, which accumulate through buckets, update after it.
+    # an ulp: zero_cache.optim.revision), where streamed params, which accumulate through buckets, update after it.
     # Both after backward, the comparison stays bitwise.
     after = {"update_in_backward": False} if accumulation > 1 else {}
     resident_cfg = config("device", resident_budget(tiny_gpt(seed, tied=tied)), clip=clip, accumulation=accumulation,

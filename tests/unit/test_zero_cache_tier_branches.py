@@ -2,12 +2,12 @@
 one new class").
 
 A **tier comparison** is a comparison (``==``, ``!=``, ``is``, ``in``, ``not in``, ...) with a tier name on either
-side: one of :mod:`zero_cache.tier_names`' constants (``DEVICE``, ``HOST``, ``NVME``, ``REMOTE``, also as
+side: one of :mod:`zero_cache.plan.tier_names`' constants (``DEVICE``, ``HOST``, ``NVME``, ``REMOTE``, also as
 ``TierName.HOST``), one of its tuples (``OFF_DEVICE``, ``MEMORY_TIERS``), a tuple, list or set holding any of these,
 or, in ``zero_cache``, the names spelled as strings (``"device"``, ``"host"``, ``"nvme"``, ``"remote"``). In
 ``angelptm`` the strings are left out: there ``"cpu"`` and ``"nvme"`` are DeepSpeed's JSON words for
 ``offload_*.device``, read at the config's edge; the tier names reach ``angelptm`` only through
-``zero_cache.tier_names``' constants. Subscripts (``tiers[HOST]``) and dict keys are lookups, not branches.
+``zero_cache.plan.tier_names``' constants. Subscripts (``tiers[HOST]``) and dict keys are lookups, not branches.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ REPO = Path(__file__).resolve().parents[2]
 TIER_CONSTANTS = {"DEVICE", "HOST", "NVME", "REMOTE", "OFF_DEVICE", "MEMORY_TIERS"}
 TIER_STRINGS = {"device", "host", "nvme", "remote"}
 ALLOWED = {
-    "zero_cache/tier_names.py": "the names themselves",
-    "zero_cache/homes.py": "the param homes' registry",
-    "zero_cache/home_costs.py": "the param homes' costs, by name",
-    "zero_cache/state_homes.py": "the optimizer-state homes' registry",
-    "zero_cache/state_costs.py": "the optimizer-state homes' costs and fill order, by name",
+    "zero_cache/plan/tier_names.py": "the names themselves",
+    "zero_cache/storage/homes.py": "the param homes' registry",
+    "zero_cache/plan/home_costs.py": "the param homes' costs, by name",
+    "zero_cache/storage/state_homes.py": "the optimizer-state homes' registry",
+    "zero_cache/plan/state_costs.py": "the optimizer-state homes' costs and fill order, by name",
     "angelptm/memory/plan_report.py": "the plan report: a row per tier",
     "zero_cache/warmup.py": "the lead engineer's module: `NVME in plan.optimizer_tier` picks the disk's rate probe",
 }
@@ -69,7 +69,7 @@ def repo_tier_comparisons(root: Path = REPO) -> dict[str, list[str]]:
 
 
 def test_no_module_branches_on_a_tier_name_outside_the_registries() -> None:
-    assert len(list((REPO / "zero_cache").glob("*.py"))) > 30  # (the package was found)
+    assert len(list((REPO / "zero_cache").rglob("*.py"))) > 30  # (the package was found)
     assert repo_tier_comparisons() == {}
 
 
@@ -106,12 +106,12 @@ if home.streams: pass
 def test_a_comparison_added_to_a_runtime_module_fails_the_scan(tmp_path) -> None:
     """The scan over the tree reports a new branch in a module it would otherwise pass (a copy of the repository's
     ``chunks.py`` with one comparison added)."""
-    package = tmp_path / "zero_cache"
-    package.mkdir()
+    package = tmp_path / "zero_cache" / "storage"
+    package.mkdir(parents=True)
     (tmp_path / "angelptm").mkdir()
-    original = (REPO / "zero_cache" / "chunks.py").read_text()
+    original = (REPO / "zero_cache" / "storage" / "chunks.py").read_text()
     (package / "chunks.py").write_text(original)
     assert repo_tier_comparisons(tmp_path) == {}
     (package / "chunks.py").write_text(original + "\n\ndef on_disk(group):\n    return group.tier == NVME\n")
-    assert repo_tier_comparisons(tmp_path) == {"zero_cache/chunks.py": [
+    assert repo_tier_comparisons(tmp_path) == {"zero_cache/storage/chunks.py": [
         f"{len(original.splitlines()) + 4}: group.tier == NVME"]}

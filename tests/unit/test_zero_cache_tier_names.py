@@ -8,10 +8,10 @@ import pickle
 import torch
 
 from zero_cache.config import PARAM_HOMES, AioConfig
-from zero_cache.nvme import NvmeTier
-from zero_cache.planner import PlanInputs, make_plan
-from zero_cache.tier_names import DEVICE, HOST, NVME, BudgetedTier, TierName
-from zero_cache.tiers import Tier
+from zero_cache.plan.planner import PlanInputs, make_plan
+from zero_cache.plan.tier_names import DEVICE, HOST, NVME, BudgetedTier, TierName
+from zero_cache.storage.nvme import NvmeTier
+from zero_cache.storage.tiers import Tier
 
 
 def test_every_tier_object_has_the_budget_interface(tmp_path):

@@ -1,9 +1,9 @@
 """A new kind of optimizer-state home is one class and one registry entry (DESIGN.md: "A new home is one new class").
 
 The toy home below keeps each group's states in a plain dict of ordinary (unpinned, unbudgeted) CPU tensors and is
-registered for the host tier in place of :class:`~zero_cache.state_home.HostStates`: every group the plan puts on the
-host lives there, and the host's Adam reaches it only through the home (fetch, write back, open). The exactness tests
-of the host's update paths and of resuming are imported below and run again with it; they must hold bit for bit,
+registered for the host tier in place of :class:`~zero_cache.storage.state_home.HostStates`: every group the plan puts
+on the host lives there, and the host's Adam reaches it only through the home (fetch, write back, open). The exactness
+tests of the host's update paths and of resuming are imported below and run again with it; they must hold bit for bit,
 as with the pinned host home.
 """
 
@@ -22,10 +22,10 @@ from test_zero_cache_update_paths import (  # noqa: F401  (the tests: run again 
     build, host_chunks, test_a_non_finite_gradient_skips_the_step_and_keeps_every_weight,
     test_update_in_backward_is_the_same_arithmetic_as_after_backward,
     test_zero_grad_after_backward_restores_the_params_the_gradients_overwrote)
-from zero_cache import state_homes
-from zero_cache.state_costs import STATE_COSTS
-from zero_cache.state_home import STATE_FIELDS, FetchedStates, HostStates, OptimizerGroup, StateHome
-from zero_cache.tier_names import HOST
+from zero_cache.plan.state_costs import STATE_COSTS
+from zero_cache.plan.tier_names import HOST
+from zero_cache.storage import state_homes
+from zero_cache.storage.state_home import STATE_FIELDS, FetchedStates, HostStates, OptimizerGroup, StateHome
 
 
 class DictStates(StateHome):

@@ -14,8 +14,8 @@ import angelptm
 from reference import random_batches, train_steps
 from test_zero_cache_device_steps import tiny_llama
 from test_zero_cache_streamed import assert_close_to, config
-from zero_cache.chunks import ChunkStore
-from zero_cache.planner import DEVICE, HOST, PlanInputs, make_plan, with_device_step_count
+from zero_cache.plan.planner import DEVICE, HOST, PlanInputs, make_plan, with_device_step_count
+from zero_cache.storage.chunks import ChunkStore
 from zero_cache.tuning import MAX_TRIALS, MEASURED_STEPS, SETTLE_STEPS, SLOW_FACTOR, DeviceStepTuner, next_count
 
 

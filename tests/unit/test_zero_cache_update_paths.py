@@ -11,7 +11,7 @@ import torch
 
 import angelptm
 from reference import random_batches, reference_loop, train_steps
-from zero_cache.planner import HOST
+from zero_cache.plan.planner import HOST
 from zero_cache_setup import budgets, six_layer_llama, zero_cache_config
 
 

@@ -1,4 +1,4 @@
-"""The working set of gathered params fitted to the device budget (zero_cache.working_set and the planner).
+"""The working set of gathered params fitted to the device budget (zero_cache.plan.working_set and the planner).
 
 A device too small for the config's live groups and gradient buckets gets fewer (the lagged bucket, then the
 prefetch depth) instead of a refusal; only a device short of the least working set is refused, with the
@@ -18,11 +18,11 @@ import torch
 import angelptm
 from angelptm.pretraining.models import ModelConfig, build_model
 from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop, train_steps
-from zero_cache.layout import pack
-from zero_cache.planner import DEVICE, DEVICE_MARGIN_FRACTION, HOST, PlanError, PlanInputs, make_plan
-from zero_cache.shard_params import agree_working_set
-from zero_cache.working_set import (GRADIENT_BUCKETS, GROUPS_IN_USE, WorkingSet, agreed, budget_for_room, minimum,
-                                   shrinking)
+from zero_cache.plan.layout import pack
+from zero_cache.plan.planner import DEVICE, DEVICE_MARGIN_FRACTION, HOST, PlanError, PlanInputs, make_plan
+from zero_cache.plan.working_set import (GRADIENT_BUCKETS, GROUPS_IN_USE, WorkingSet, agreed, budget_for_room, minimum,
+                                         shrinking)
+from zero_cache.runtime.shard_params import agree_working_set
 
 
 def test_shrinking_gives_up_the_lagged_bucket_then_the_prefetch_depth_one_group_at_a_time():

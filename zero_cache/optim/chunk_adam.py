@@ -1,5 +1,5 @@
 """One Adam step over a chunk's slots, from its gradient in any dtype: the arithmetic the device's update
-(:mod:`zero_cache.optimizer`) and the host worker's (:mod:`zero_cache.host_update`) share."""
+(:mod:`zero_cache.optim.optimizer`) and the host worker's (:mod:`zero_cache.optim.host_update`) share."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any, Callable
 
 import torch
 
-from zero_cache.chunks import STATE_FIELDS, ChunkStore
-from zero_cache.layout import TensorSlot
+from zero_cache.plan.layout import TensorSlot
+from zero_cache.storage.chunks import STATE_FIELDS, ChunkStore
 
 
 def fp32_gradient(source: torch.Tensor, scratch: torch.Tensor, grad_factor: float, *,

@@ -3,7 +3,7 @@
 When params stream from the host, the host's CPU Adam bounds the step: it updates most groups at a
 few G elements/s while PCIe, busy only with the streamed shards, has room left. PatrickStar's answer
 is to move optimizer-state chunks to the GPU for the update when it has memory to spare. Here the
-plan names the host groups to step that way (:func:`~zero_cache.step_cost.cheapest_device_steps`:
+plan names the host groups to step that way (:func:`~zero_cache.plan.step_cost.cheapest_device_steps`:
 those the next forward needs first, as many as lower the step's floor), and ``step()``, which knows
 the global norm, updates each of them here instead of queueing it on the host worker. Nothing is
 speculative, so clipping, loss scaling and skipped steps need nothing more.
@@ -34,10 +34,10 @@ from typing import Any, Callable
 
 import torch
 
-from zero_cache.chunks import STATE_FIELDS, ChunkStore
-from zero_cache.layout import TensorSlot
-from zero_cache.tier_names import DEVICE
-from zero_cache.tiers import wait
+from zero_cache.plan.layout import TensorSlot
+from zero_cache.plan.tier_names import DEVICE
+from zero_cache.storage.chunks import STATE_FIELDS, ChunkStore
+from zero_cache.storage.tiers import wait
 
 RING = 3
 """Pieces in flight: one coming in, one being stepped, one going out."""
@@ -51,7 +51,7 @@ class DeviceSteps:
 
     Args:
         store: the chunk storage (its device scratch is the ring).
-        transfers: host<->device copies (:class:`~zero_cache.transfers.Transfers`), which count the traffic.
+        transfers: host<->device copies (:class:`~zero_cache.runtime.transfers.Transfers`), which count the traffic.
         adam: the device's Adam over lists of fp32 tensors (``torch_fused_adam`` with its weight-decay mode).
     """
 
@@ -183,7 +183,7 @@ class DeviceSteps:
         self._copies.clear()
 
     def close(self) -> None:
-        """Let go of the device scratch (its ring), after what is queued here (:mod:`zero_cache.release`)."""
+        """Let go of the device scratch (its ring), after what is queued here (:mod:`zero_cache.optim.release`)."""
         self.synchronize()
         self._slots, self._slot_free = [], []
 

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 import torch
 
-from zero_cache.native import load_csrc
+from zero_cache.runtime.native import load_csrc
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class HostAdam:
 
     def lazy_ok(self, hypers: list[dict[str, Any]], dtype: torch.dtype) -> bool:
         """Whether steps with these hyperparameters, on gradients of ``dtype``, leave their moments unstored
-        (:mod:`zero_cache.revision`). Not with Adam's L2 decay, whose gradient reads the old weight, so its step
+        (:mod:`zero_cache.optim.revision`). Not with Adam's L2 decay, whose gradient reads the old weight, so its step
         cannot be taken back alone. Not on DeepSpeed's cpu_adam either (fp16 gradients on a GPU machine): stepping
         copies of the moments there cost more than the step (6.9B in fp16 on the H200: 3.8 s a step, 2.2 s eager)."""
         if self._ds is not None and not self.fuses(dtype):
@@ -118,7 +118,7 @@ class HostAdam:
                redo_scale: float, undo_lazy: bool = False, redo_lazy: bool = False) -> None:
         """Take back the step made from ``grad * undo_scale`` (if > 0; ``undo_lazy``: a lazy step), then make it
         from ``grad * redo_scale`` (if > 0; ``redo_lazy``: storing no moments); the rounded weight goes to
-        ``out``. See :mod:`zero_cache.revision`."""
+        ``out``. See :mod:`zero_cache.optim.revision`."""
         if self._native is not None and grad.dtype in _FUSED and out.dtype in _FUSED:
             self._native.adam_revise_(master, grad, out, exp_avg, exp_avg_sq, step, hyper["lr"], hyper["betas"][0],
                                       hyper["betas"][1], hyper["eps"], hyper["weight_decay"], undo_scale, redo_scale,

@@ -15,9 +15,9 @@ A shard at home on the host (streamed params) is its own staging buffer: its gra
 from the device->host stream, the update runs in place, and nothing is copied back (the next gather
 copies the new weights in).
 
-The chunk's optimizer states come from its state home (:mod:`zero_cache.state_homes`), fetched alongside step 1
+The chunk's optimizer states come from its state home (:mod:`zero_cache.storage.state_homes`), fetched alongside step 1
 and written back after step 2: host memory is updated in place, an NVMe group is read into a pinned bounce buffer
-and written behind (:mod:`zero_cache.nvme_states`).
+and written behind (:mod:`zero_cache.storage.nvme_states`).
 
 While it updates chunk i the worker has already issued the fetch of chunk i + 1 (its gradient copy
 and its disk read), so the transfers of one chunk overlap CPU Adam of the next. A few buffers serve every transfer (no per-step pinning,
@@ -34,18 +34,18 @@ from typing import Any, Callable
 
 import torch
 
-from zero_cache.chunk_adam import adam_step, fp32_gradient
-from zero_cache.chunks import STATE_FIELDS, ChunkStore, state_field
-from zero_cache.state_home import FetchedStates
-from zero_cache.host_adam import HostAdam
-from zero_cache.jobs import GRADIENTS, JobQueue, serve, stop
-from zero_cache.layout import TensorSlot
-from zero_cache.rates import Throughput
-from zero_cache.revision import APPLIED, DEFERRED, SpeculationWindow, revision_scales
-from zero_cache.tier_names import HOST
-from zero_cache.tiers import BufferPool, wait
-from zero_cache.timeline import HOST_ADAM
-from zero_cache.transfers import Transfers
+from zero_cache.optim.chunk_adam import adam_step, fp32_gradient
+from zero_cache.optim.host_adam import HostAdam
+from zero_cache.optim.revision import APPLIED, DEFERRED, SpeculationWindow, revision_scales
+from zero_cache.plan.layout import TensorSlot
+from zero_cache.plan.tier_names import HOST
+from zero_cache.runtime.jobs import GRADIENTS, JobQueue, serve, stop
+from zero_cache.runtime.rates import Throughput
+from zero_cache.runtime.timeline import HOST_ADAM
+from zero_cache.runtime.transfers import Transfers
+from zero_cache.storage.chunks import STATE_FIELDS, ChunkStore, state_field
+from zero_cache.storage.state_home import FetchedStates
+from zero_cache.storage.tiers import BufferPool, wait
 
 STAGING_BUFFERS = 4
 """Pinned chunk-sized buffers: one being fetched ahead, one under CPU Adam, the rest in H2D flight."""
@@ -73,13 +73,13 @@ class ChunkUpdate:
     """Copy the masters back into the param chunk without a step (skipped step over in-param gradients)."""
     window: SpeculationWindow | None = None
     """Set on an update made during backward, before the global norm is known: it keeps its gradient, and the
-    window may defer it (:mod:`zero_cache.revision`)."""
+    window may defer it (:mod:`zero_cache.optim.revision`)."""
     position: int = -1
     """A speculative update's place in ``window``: the order backward completed the window's chunks in."""
     outcome: str | None = None
     """A speculative update, once the worker has run it: APPLIED or DEFERRED."""
     lazy: bool = False
-    """A speculative update applied without storing its moments (folded in later; :mod:`zero_cache.revision`)."""
+    """A speculative update applied without storing its moments (folded in later; :mod:`zero_cache.optim.revision`)."""
     revises: ChunkUpdate | None = None
     """Set on the step's revision of a speculative update: redo it with ``grad_factor`` (or take it back
     when ``skip``) -- nothing to do when it was applied with that factor already."""
@@ -128,7 +128,7 @@ class HostUpdater:
 
     def close(self) -> None:
         """Stop the worker thread (after the jobs already queued) and drop the staging buffers: the updater cannot
-        run again (:mod:`zero_cache.release`)."""
+        run again (:mod:`zero_cache.optim.release`)."""
         self._stop_worker()
         self.pool = self.gradient_pool = None
         self.unfolded.clear()
@@ -138,7 +138,7 @@ class HostUpdater:
         self._jobs.put(update)
 
     def submit(self, job: Callable[[], None]) -> None:
-        """Run a gradient job (accumulation) on the worker, ahead of queued updates (:mod:`zero_cache.jobs`)."""
+        """Run a gradient job (accumulation) on the worker, ahead of queued updates (:mod:`zero_cache.runtime.jobs`)."""
         self._jobs.put(job, GRADIENTS)
 
     def in_forward_order(self) -> None:
@@ -177,7 +177,7 @@ class HostUpdater:
         if self.error is not None:
             raise self.error
 
-    # ------------------------------------------------------------------ the worker (zero_cache.jobs.serve)
+    # ------------------------------------------------------------------ the worker (zero_cache.runtime.jobs.serve)
     def start_job(self, job: Any) -> tuple[Any, Any]:
         """(job, what its prepare step returned): start a chunk update's gradient transfer."""
         if self.error is not None or not isinstance(job, ChunkUpdate):
@@ -392,10 +392,10 @@ class Fetched:
     """Staging buffer receiving the in-param gradient."""
     grads_copied: torch.cuda.Event | None = None
     home: Any = None
-    """The chunk's param home (:mod:`zero_cache.homes`), which ``grads`` came from."""
+    """The chunk's param home (:mod:`zero_cache.storage.homes`), which ``grads`` came from."""
     states: FetchedStates | None = None
     """The chunk's optimizer states as its state home fetched them (:meth:`StateHome.fetch
-    <zero_cache.state_home.StateHome.fetch>`)."""
+    <zero_cache.storage.state_home.StateHome.fetch>`)."""
 
     def release(self, pool: BufferPool) -> None:
         """Give the buffers back without using them (a failed update); pending transfers finish first."""

@@ -8,14 +8,14 @@ Gradient paths (chosen once, from the accumulation steps):
 * **accumulating micro-batches**: gradients are added into fp32 accumulators in the chunk's
   optimizer group; host accumulators receive them through pinned staging buffers and the worker.
 
-Both paths live in :mod:`zero_cache.optimizer_gradients`.
+Both paths live in :mod:`zero_cache.optim.optimizer_gradients`.
 
 Update order (exact: every update uses this step's gradients, like a plain AdamW loop):
 
-1. host chunks are queued on the :class:`~zero_cache.host_update.HostUpdater`: with
+1. host chunks are queued on the :class:`~zero_cache.optim.host_update.HostUpdater`: with
    ``update_in_backward``, from the gradient hook as soon as a chunk's gradient is complete, so CPU
    Adam runs under the rest of backward, with the clip factor taken as 1; ``step()``, which knows the
-   global norm, then revises them (:mod:`zero_cache.revision`: nothing to do unless the step clips
+   global norm, then revises them (:mod:`zero_cache.optim.revision`: nothing to do unless the step clips
    or is skipped). Chunks updated after backward are queued by ``step()``, in forward order;
 2. the device chunks are updated by torch's fused Adam on the compute stream, each param chunk
    rewritten from its masters;
@@ -25,7 +25,7 @@ Update order (exact: every update uses this step's gradients, like a plain AdamW
 On a CPU-only run the "device" tier is host memory too; the worker thread and every path above
 run the same way (copies are synchronous), which is what the unit tests exercise.
 
-**Data-parallel sharding** (``store.sharding`` over W > 1 ranks; see :mod:`zero_cache.sharding`):
+**Data-parallel sharding** (``store.sharding`` over W > 1 ranks; see :mod:`zero_cache.runtime.sharding`):
 each rank updates only the chunks it owns. As soon as every chunk of a collective group has its
 gradients on this rank (written over the params, or into a gradient bucket when micro-batches
 accumulate), the training thread issues the group's reduce-scatter (async on NCCL), so it runs
@@ -33,10 +33,10 @@ under the rest of backward. ``step()`` waits for them, takes the global norm fro
 (one all-reduce of a float per chunk), updates the owned chunks with the mean gradient, and marks
 every group stale; the next forward all-gathers each group in its pre-hook, ahead of use. The
 worker thread never issues a collective, so every rank issues them in the same order. That side
-lives in :mod:`zero_cache.optimizer_sharded`, the checkpoint surface in :mod:`zero_cache.optimizer_state`.
+lives in :mod:`zero_cache.optim.optimizer_sharded`, the checkpoint surface in :mod:`zero_cache.optim.optimizer_state`.
 With gathered params each owned chunk is this rank's shard: its gradients arrive by reduce-scatter from
 a bucket, the update rewrites it from the masters as above, and the other ranks' chunks exist only while
-gathered (:mod:`zero_cache.gathered`). A shard at home on the host (streamed params, on one rank too)
+gathered (:mod:`zero_cache.runtime.gathered`). A shard at home on the host (streamed params, on one rank too)
 receives its gradients from the device->host stream and the host worker updates it in place: the next
 gather copies the new weights in, so no host->device copy follows the update.
 """
@@ -51,23 +51,23 @@ from typing import Any, Iterable
 
 import torch
 
-from zero_cache.chunk_adam import adam_step, fp32_gradient
-from zero_cache.chunks import ChunkStore
-from zero_cache.device_steps import DeviceSteps
-from zero_cache.exchange import ChunkExchange
-from zero_cache.host_adam import HostAdam, torch_fused_adam
-from zero_cache.host_update import ChunkUpdate, HostUpdater
-from zero_cache.layout import TensorSlot
-from zero_cache.optimizer_gradients import GradientIntake
-from zero_cache.optimizer_sharded import ShardedGradients
-from zero_cache.optimizer_state import OptimizerCheckpoint
-from zero_cache.plan import Plan
-from zero_cache.release import release
-from zero_cache.revision import SpeculationWindow
-from zero_cache.state_costs import UPDATED_HERE, Route
-from zero_cache.tier_names import DEVICE
-from zero_cache.transfers import Transfers
-from zero_cache.working_set import GRADIENT_BUCKETS
+from zero_cache.optim.chunk_adam import adam_step, fp32_gradient
+from zero_cache.optim.device_steps import DeviceSteps
+from zero_cache.optim.host_adam import HostAdam, torch_fused_adam
+from zero_cache.optim.host_update import ChunkUpdate, HostUpdater
+from zero_cache.optim.optimizer_gradients import GradientIntake
+from zero_cache.optim.optimizer_sharded import ShardedGradients
+from zero_cache.optim.optimizer_state import OptimizerCheckpoint
+from zero_cache.optim.release import release
+from zero_cache.optim.revision import SpeculationWindow
+from zero_cache.plan.layout import TensorSlot
+from zero_cache.plan.placement import Plan
+from zero_cache.plan.state_costs import UPDATED_HERE, Route
+from zero_cache.plan.tier_names import DEVICE
+from zero_cache.plan.working_set import GRADIENT_BUCKETS
+from zero_cache.runtime.exchange import ChunkExchange
+from zero_cache.runtime.transfers import Transfers
+from zero_cache.storage.chunks import ChunkStore
 
 
 class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, torch.optim.Optimizer):
@@ -153,7 +153,7 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         self._micro_step_open = False  # sharded, accumulating: this micro-step wrote a gradient bucket
         self._missing: dict[int, int] = {}  # gradients still to come per chunk, this window
         self._queued: dict[int, ChunkUpdate] = {}  # host chunk -> its speculative update from this window's backward
-        self._window: SpeculationWindow | None = None  # this window's speculation (see zero_cache.revision)
+        self._window: SpeculationWindow | None = None  # this window's speculation (see zero_cache.optim.revision)
         self._speculating = update_in_backward  # whether this window updates during backward (the prediction)
         self.counts = dict.fromkeys(("speculated_chunks", "revised_chunks", "device_stepped_chunks", "clipped_steps",
                                      "skipped_steps"), 0)
@@ -177,7 +177,7 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         self._backward_started: torch.cuda.Event | float | None = None  # the window's last engine backward's start
         self.last_backward_seconds: float | None = None
         """The last step's backward, from the start of the window's last engine backward to the gradients' norm,
-        timed where it runs (the step's prediction, :meth:`~zero_cache.step_cost.StepTraffic.predicted_step`)."""
+        timed where it runs (the step's prediction, :meth:`~zero_cache.plan.step_cost.StepTraffic.predicted_step`)."""
         self.last_updates_after_backward = False
         """Whether the last step's host updates waited for its backward to end (no speculation in backward)."""
         self._params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
@@ -192,7 +192,7 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
 
     def destroy(self) -> None:
         """Hand the module its weights, remove the hooks and free everything else now (``engine.destroy()``;
-        :mod:`zero_cache.release`). The optimizer cannot step again."""
+        :mod:`zero_cache.optim.release`). The optimizer cannot step again."""
         release(self)
         self.destroyed = True
 

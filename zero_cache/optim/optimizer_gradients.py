@@ -5,7 +5,7 @@ A post-accumulate-grad hook takes each parameter's gradient out of ``.grad`` as 
 (or into its group's bucket, to be reduced), and its squared norm is added to a per-chunk sum on the device; with
 accumulating micro-batches it is added to the chunk's fp32 accumulator, through a pinned staging buffer and the
 host worker where the accumulator is on the host. A chunk whose gradients are complete is updated at once, under
-the rest of backward, where the plan says so (:mod:`zero_cache.revision` revises that update at the step).
+the rest of backward, where the plan says so (:mod:`zero_cache.optim.revision` revises that update at the step).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from zero_cache.layout import TensorSlot
-from zero_cache.revision import SpeculationWindow
-from zero_cache.state_costs import Route
-from zero_cache.tiers import wait
+from zero_cache.optim.revision import SpeculationWindow
+from zero_cache.plan.layout import TensorSlot
+from zero_cache.plan.state_costs import Route
+from zero_cache.storage.tiers import wait
 
 
 class GradientIntake:
-    """Mixed into :class:`~zero_cache.optimizer.ZeroCacheOptimizer` (its store, exchange, host worker, transfers,
+    """Mixed into :class:`~zero_cache.optim.optimizer.ZeroCacheOptimizer` (its store, exchange, host worker, transfers,
     speculation settings and per-window bookkeeping, which ``_reset_window`` starts again)."""
 
     def prepare_backward(self, boundary: bool) -> None:
@@ -112,7 +112,8 @@ class GradientIntake:
             self._queue_speculative(slot.chunk, squares)
 
     def _speculates(self, chunk: int) -> bool:
-        """Whether ``chunk`` (its gradient complete) is updated now, during backward (:mod:`zero_cache.revision`)."""
+        """Whether ``chunk`` (its gradient complete) is updated now, during backward
+        (:mod:`zero_cache.optim.revision`)."""
         group = self.store.groups[chunk]
         return (self._speculating and group.home.route is Route.HOST_ADAM and chunk not in self.device_stepped
                 and (group.kept is not None or self.store.grads_in_accumulators))
@@ -170,7 +171,7 @@ class GradientIntake:
         if boundary and self.exchange is None:
             self._missing[slot.chunk] -= 1
             if self._missing[slot.chunk] == 0 and self._speculates(slot.chunk):
-                self._queue_speculative(slot.chunk, None)  # runs after its accumulations (zero_cache.jobs)
+                self._queue_speculative(slot.chunk, None)  # runs after its accumulations (zero_cache.runtime.jobs)
 
     def _mark_time(self) -> torch.cuda.Event | float:
         """Now, where the work runs: a timing event on the current stream on CUDA, the step clock on the CPU."""

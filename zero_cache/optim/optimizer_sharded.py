@@ -1,6 +1,6 @@
 """The hybrid optimizer's data-parallel side: reducing sharded gradients and gathering updated params.
 
-Collectives are :class:`~zero_cache.exchange.ChunkExchange`'s; what is done with a reduced group lives
+Collectives are :class:`~zero_cache.runtime.exchange.ChunkExchange`'s; what is done with a reduced group lives
 here: with one micro-batch per step the owner's chunk already holds the summed gradients (written over
 its params) and, when updates run during backward, is queued on the host worker; with accumulating
 micro-batches the owner adds its reduced slice to its fp32 accumulator. ``step()`` then takes the
@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from zero_cache.state_costs import UPDATED_HERE, Route
-from zero_cache.tiers import wait
+from zero_cache.plan.state_costs import UPDATED_HERE, Route
+from zero_cache.storage.tiers import wait
 
 
 class ShardedGradients:
-    """Mixed into :class:`~zero_cache.optimizer.ZeroCacheOptimizer` (its ``exchange``, ``sharding``, ``store``,
+    """Mixed into :class:`~zero_cache.optim.optimizer.ZeroCacheOptimizer` (its ``exchange``, ``sharding``, ``store``,
     host worker, transfers and per-window bookkeeping)."""
 
     def _group_written(self, chunk: int) -> None:

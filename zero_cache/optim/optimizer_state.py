@@ -13,11 +13,11 @@ from typing import Any, Collection
 
 import torch
 
-from zero_cache.chunks import STATE_FIELDS
+from zero_cache.storage.chunks import STATE_FIELDS
 
 
 class OptimizerCheckpoint:
-    """Mixed into :class:`~zero_cache.optimizer.ZeroCacheOptimizer`, whose ``store``, ``optimizer``,
+    """Mixed into :class:`~zero_cache.optim.optimizer.ZeroCacheOptimizer`, whose ``store``, ``optimizer``,
     ``members``, ``names``, ``step_count``, ``loss_scaler``, ``finish_pending`` and ``_restore_params``
     it uses."""
 

@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from zero_cache.shard_params import gather_objects
+from zero_cache.runtime.shard_params import gather_objects
 
 
 def release(optimizer: Any) -> None:
-    """Settle ``optimizer`` (a :class:`~zero_cache.optimizer.ZeroCacheOptimizer`), hand its module the weights,
+    """Settle ``optimizer`` (a :class:`~zero_cache.optim.optimizer.ZeroCacheOptimizer`), hand its module the weights,
     remove its hooks and free its storage, buffers, swap files and worker thread; it cannot step again."""
     try:
         if optimizer.gradients_pending:  # between backward() and step(): gradients sit where the weights go

@@ -9,7 +9,7 @@ is inf/NaN (the step is then skipped). So each step goes:
    known then: 1 / loss scale (and 1 / ranks when sharded), clip factor 1. The update is *lazy*: it
    stores the new weight (master and the copy sent to the device) but not the new moments, and copies
    its gradient into the chunk's *kept gradient* (pinned, one param chunk's bytes, planned by
-   :mod:`zero_cache.planner`; with accumulating micro-batches the fp32 accumulator is kept anyway).
+   :mod:`zero_cache.plan.planner`; with accumulating micro-batches the fp32 accumulator is kept anyway).
 2. **Defer.** The worker sums the squared norms of this step's chunks (:class:`SpeculationWindow`) in the
    order backward completed them. Once the partial norm already exceeds ``max_norm``, or a chunk's
    gradient is non-finite, the step will be clipped or skipped, so the chunks after it are *deferred*:
@@ -51,7 +51,7 @@ that jumps by orders of magnitude leaves up to ~1e-5 of a tensor): Adam with L2 
 reads the old weight, so its weight line cannot be inverted alone; an NVMe-resident group, whose
 states are on disk between steps (folding there would cost a disk round trip); and fp16 gradients on
 DeepSpeed's cpu_adam, where stepping copies of the moments cost more than the step itself
-(:meth:`zero_cache.host_adam.HostAdam.lazy_ok`). The usual fp16 overflow still defers every chunk
+(:meth:`zero_cache.optim.host_adam.HostAdam.lazy_ok`). The usual fp16 overflow still defers every chunk
 before any is applied, which is exact.
 
 *Cost.* The kept gradient: 2 bytes per parameter of a host chunk (bf16), after the optimizer states
@@ -69,7 +69,7 @@ APPLIED, DEFERRED = "applied", "deferred"
 
 
 class Speculated(Protocol):
-    """What a revision reads of an update (``zero_cache.host_update.ChunkUpdate`` has it): this module knows
+    """What a revision reads of an update (``zero_cache.optim.host_update.ChunkUpdate`` has it): this module knows
     the rule, not the worker that runs it, so it imports nothing of it."""
 
     grad_factor: float

@@ -4,7 +4,7 @@ Belady's rule (evict the page whose next use is furthest away: optimal for equal
 the acquisition order recorded in the first iteration; before that order is known, the least recently used group
 goes. It is the one rule, and nothing selects it: the plan prices Belady (the re-plan after warm-up runs
 :func:`belady_misses` over the recorded trace, through :func:`gathers_per_group`, to estimate how often each group
-is brought onto the device per step) and the runtime runs Belady (:class:`~zero_cache.gathered.GatheredGroups`
+is brought onto the device per step) and the runtime runs Belady (:class:`~zero_cache.runtime.gathered.GatheredGroups`
 asks :func:`belady_victim` for each victim), so what the planner assumes and what gathering does are one function.
 
 A second rule (LRU, say) would come with a config key that selects it, passed both to gathering and to the

@@ -1,24 +1,25 @@
 """What a param home costs, for the planner: one frozen dataclass per kind of home (pure: no tensors).
 
-The planner asks a kind of home (:mod:`zero_cache.homes`: the device, pinned host memory, NVMe) the same few
+The planner asks a kind of home (:mod:`zero_cache.storage.homes`: the device, pinned host memory, NVMe) the same few
 questions: does a shard there stream onto the device on use, is it pinned host memory the host's Adam updates in
 place, do its updates go through the staging buffers, may its optimizer groups be stepped on the device, and how
 many host bytes, disk bytes and disk bytes per step ``shards`` of them take (PCIe bytes are the same for every home
-off the device: :mod:`zero_cache.step_cost`). The answers live here and only here: the runtime home classes take
+off the device: :mod:`zero_cache.plan.step_cost`). The answers live here and only here: the runtime home classes take
 theirs from :data:`HOME_COSTS` (``ParamHome.costs``), so what the plan priced is what the runtime does, and the
 planner never imports a runtime module (``tests/unit/test_layering.py`` imports it with torch hidden).
 
-A new kind of home is one entry here and one runtime class in the registry (:data:`zero_cache.homes.HOME_CLASSES`).
+A new kind of home is one entry here and one runtime class in the registry
+(:data:`zero_cache.storage.homes.HOME_CLASSES`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zero_cache.tier_names import DEVICE, HOST, NVME, TierName
+from zero_cache.plan.tier_names import DEVICE, HOST, NVME, TierName
 
 DISK_BLOCK_BYTES = 4096
-"""Swap slots and bounce buffers are whole blocks of this size (O_DIRECT; ``zero_cache.nvme.ALIGN_BYTES``)."""
+"""Swap slots and bounce buffers are whole blocks of this size (O_DIRECT; ``zero_cache.storage.nvme.ALIGN_BYTES``)."""
 
 NVME_STAGING_BUFFERS = 8
 """Pinned buffers of one shard each through which NVMe homes are read and written: the host worker holds up to
@@ -54,7 +55,7 @@ class HomeCosts:
     """Off the device: copied in on use (its gathers cost PCIe bytes each time)."""
     in_host_memory: bool = False
     """The shard is pinned host memory: the host's Adam updates it in place, and a device step reads its gradient
-    from there and writes its params back there (:mod:`zero_cache.device_steps`)."""
+    from there and writes its params back there (:mod:`zero_cache.optim.device_steps`)."""
     stages_updates: bool = True
     """Host updates of its chunks go through the updater's staging buffers (planned with the host's bytes)."""
     device_steppable: bool = True

@@ -1,15 +1,15 @@
-"""What the planner decides with, and what it decides (plain frozen dataclasses; :mod:`zero_cache.planner` makes
+"""What the planner decides with, and what it decides (plain frozen dataclasses; :mod:`zero_cache.plan.planner` makes
 them): :class:`PlanInputs`, :class:`Plan`, and :class:`PlanError` when the model states do not fit."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zero_cache.home_costs import DISK_BLOCK_BYTES, home_costs
-from zero_cache.step_cost import NOMINAL_RATES, STATE_BYTES_PER_ELEMENT, Rates, StepTraffic
-from zero_cache.tier_names import DEVICE, HOST, NVME, REMOTE
-from zero_cache.units import format_bytes
-from zero_cache.working_set import WorkingSet
+from zero_cache.plan.home_costs import DISK_BLOCK_BYTES, home_costs
+from zero_cache.plan.step_cost import NOMINAL_RATES, STATE_BYTES_PER_ELEMENT, Rates, StepTraffic
+from zero_cache.plan.tier_names import DEVICE, HOST, NVME, REMOTE
+from zero_cache.plan.units import format_bytes
+from zero_cache.plan.working_set import WorkingSet
 
 SWAP_ALIGN_BYTES = DISK_BLOCK_BYTES
 """Swap slots and bounce buffers are whole 4 KiB blocks (O_DIRECT)."""
@@ -60,7 +60,7 @@ class PlanInputs:
     """Zero param chunks that complete the last collective group (sharding)."""
     gradient_buckets: int = 0
     """Gradient buckets wanted on the device (each a group of ``group_size`` param chunks), from which sharded or
-    gathered params reduce; 0 = none. Fewer are planned where they do not fit (:mod:`zero_cache.working_set`)."""
+    gathered params reduce; 0 = none. Fewer are planned where they do not fit (:mod:`zero_cache.plan.working_set`)."""
     param_chunks_held: int | None = None
     """Param chunks this rank stores: None = all of them and the padding (replicated params, resident), or
     one per collective group (gathered params: its shards, each at home on the device or the host)."""
@@ -80,14 +80,15 @@ class PlanInputs:
     """...and groups wanted fetched ahead of use (``prefetch_depth`` / ``gather_ahead_elements``)."""
     gathers_per_step: float = 2.0
     """Gathered params: times a group is brought onto the device per step: forward and backward before the
-    warm-up; after it, Belady's eviction rule run over the recorded acquisitions (:func:`~zero_cache.eviction.
+    warm-up; after it, Belady's eviction rule run over the recorded acquisitions (:func:`~zero_cache.plan.eviction.
     gathers_per_group`, recomputed blocks included)."""
     kept_bytes_per_element: int = 0
     """Host bytes per element of a kept gradient (host chunks updated during backward, one micro-batch per
     step: the compute dtype's size); 0 = none are wanted."""
     device_steps: int | None = 0
-    """Host-held optimizer groups to step on the device after backward (:mod:`zero_cache.device_steps`): that
-    many at most, or None for the count with the cheapest step (:func:`~zero_cache.step_cost.cheapest_device_steps`)."""
+    """Host-held optimizer groups to step on the device after backward (:mod:`zero_cache.optim.device_steps`): that
+    many at most, or None for the count with the cheapest step
+    (:func:`~zero_cache.plan.step_cost.cheapest_device_steps`)."""
     rates: Rates = NOMINAL_RATES
     """How fast PCIe and the host's Adam move the step's work: the placements are compared at these rates."""
 
@@ -158,8 +159,8 @@ class Plan:
     params_sharded: bool = False
     """This rank holds one param chunk per collective group (its shard); whole groups are gathered on use."""
     param_home: tuple[str, ...] = ()
-    """Gathered params: per collective group, the home of this rank's shard (a tier name; :mod:`zero_cache.homes`,
-    priced by :mod:`zero_cache.home_costs`)."""
+    """Gathered params: per collective group, the home of this rank's shard (a tier name;
+    :mod:`zero_cache.storage.homes`, priced by :mod:`zero_cache.plan.home_costs`)."""
     group_size: int = 1
     """Chunks per collective group (data-parallel ranks)."""
     traffic: StepTraffic = StepTraffic()
@@ -176,7 +177,7 @@ class Plan:
 
     @property
     def working_set(self) -> WorkingSet:
-        """Its live groups, prefetch depth and gradient buckets (:mod:`zero_cache.working_set`)."""
+        """Its live groups, prefetch depth and gradient buckets (:mod:`zero_cache.plan.working_set`)."""
         return WorkingSet(ahead=self.gather_ahead, live_groups=self.cache_slots, buckets=self.gradient_buckets)
 
     @property

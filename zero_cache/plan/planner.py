@@ -13,16 +13,16 @@ The plan decides, in this order of value per device byte:
 2. param chunks resident on the device for the whole run when they all fit (no traffic at all);
    with *gathered* params (sharded over ranks, or streamed from the host) each collective group's
    shard has a **home** (the device, pinned host memory, or NVMe; what each costs is
-   :mod:`zero_cache.home_costs`, the order the homes off the device are filled is its data), and
+   :mod:`zero_cache.plan.home_costs`, the order the homes off the device are filled is its data), and
    ``cache_slots`` groups are live on the device at once, filled along the trace ahead of use and
-   emptied by Belady's eviction rule (:mod:`zero_cache.eviction`: evict the group whose next use is furthest
+   emptied by Belady's eviction rule (:mod:`zero_cache.plan.eviction`: evict the group whose next use is furthest
    away; the plan prices it and the runtime runs the same function).
-   The live groups and gradient buckets are the **working set** (:mod:`zero_cache.working_set`): where the
+   The live groups and gradient buckets are the **working set** (:mod:`zero_cache.plan.working_set`): where the
    config's does not fit, it shrinks (the spare groups, the lagged bucket, the prefetch depth) before a
    plan is refused, and a plan that keeps the config's has the same counts it always had.
    Which shards stay home on the device is chosen by what the step costs, and where NVMe homes are permitted
    (``offload_param: nvme``), which of the others live in host memory and which on the disk
-   (:mod:`zero_cache.step_cost`): a streamed shard costs PCIe bytes every time it is used, a
+   (:mod:`zero_cache.plan.step_cost`): a streamed shard costs PCIe bytes every time it is used, a
    device byte given to it is not given to optimizer groups, and a host optimizer group costs
    CPU Adam time and PCIe bytes of its own;
 3. as many optimizer groups on the device as fit (updated by the GPU Adam, no traffic), for the
@@ -34,16 +34,16 @@ The plan decides, in this order of value per device byte:
    their disk reads and writes have the most compute to hide under. They cost the host
    ``swap_buffers`` pinned bounce buffers (read chunk i+1 while updating chunk i while writing
    chunk i-1) and, when micro-batches accumulate, their fp32 gradient accumulators (steps 3 to 5 fill the state
-   homes in the order of :data:`~zero_cache.state_costs.STATE_FILL_ORDER`);
+   homes in the order of :data:`~zero_cache.plan.state_costs.STATE_FILL_ORDER`);
 6. with host memory left, a **kept gradient** (one param chunk's bytes) for as many host-updated
    chunks as it holds, again those used last in the forward: a chunk updated during backward keeps
    its gradient until the step knows the global norm, so the update can be taken back or redone
-   exactly (:mod:`zero_cache.revision`). A chunk without one is updated after backward instead (its gradient
+   exactly (:mod:`zero_cache.optim.revision`). A chunk without one is updated after backward instead (its gradient
    waits in its home: one at home on NVMe, beyond a few buffers, on disk and back, which the step's disk bytes count);
 7. of the host groups, those the next forward needs first may be **stepped on the device** after
    backward (their states copied in and back out through the device's update scratch), as many as
    lower the step's floor: the host's Adam is then left fewer groups while PCIe has room
-   (:func:`~zero_cache.step_cost.cheapest_device_steps`). They need no kept gradient.
+   (:func:`~zero_cache.plan.step_cost.cheapest_device_steps`). They need no kept gradient.
 
 If something does not fit, :func:`make_plan` raises :class:`PlanError` with the shortfall per
 tier and what to change, before a single byte is allocated (for the device, against the least working set).
@@ -54,14 +54,14 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable, Iterator, Sequence
 
-from zero_cache.eviction import belady_misses  # noqa: F401  (re-exported: the rule over a trace)
-from zero_cache.home_costs import OFF_DEVICE_FILL_ORDER, home_costs
-from zero_cache.plan import DEVICE_MARGIN_FRACTION, Plan, PlanError, PlanInputs  # noqa: F401  (re-exported)
-from zero_cache.state_costs import STATE_FILL_ORDER, Route, state_costs
-from zero_cache.step_cost import HostChunk, StepTraffic, cheapest_device_steps, step_traffic, with_device_steps
-from zero_cache.tier_names import DEVICE, HOST, NVME, OFF_DEVICE, REMOTE  # noqa: F401  (re-exported: the plan's words)
-from zero_cache.units import AUTO, format_bytes
-from zero_cache.working_set import GROUPS_IN_USE, WorkingSet, budget_for_room, live_groups_in, shrinking
+from zero_cache.plan.eviction import belady_misses  # noqa: F401  (re-exported: the rule over a trace)
+from zero_cache.plan.home_costs import OFF_DEVICE_FILL_ORDER, home_costs
+from zero_cache.plan.placement import DEVICE_MARGIN_FRACTION, Plan, PlanError, PlanInputs  # noqa: F401  (re-exported)
+from zero_cache.plan.state_costs import STATE_FILL_ORDER, Route, state_costs
+from zero_cache.plan.step_cost import HostChunk, StepTraffic, cheapest_device_steps, step_traffic, with_device_steps
+from zero_cache.plan.tier_names import DEVICE, HOST, NVME, OFF_DEVICE, REMOTE  # noqa: F401  (re-exported)
+from zero_cache.plan.units import AUTO, format_bytes
+from zero_cache.plan.working_set import GROUPS_IN_USE, WorkingSet, budget_for_room, live_groups_in, shrinking
 
 
 def first_use_order(trace: Sequence[int], num_chunks: int) -> tuple[int, ...]:
@@ -74,11 +74,11 @@ def make_plan(inputs: PlanInputs) -> Plan:
     """Decide placement; raise PlanError with the shortfall when it cannot fit.
 
     The wanted working set (live groups, prefetch depth, gradient buckets) is tried first; where no placement
-    holds it, ever smaller ones (:func:`~zero_cache.working_set.shrinking`), down to the least that works.
+    holds it, ever smaller ones (:func:`~zero_cache.plan.working_set.shrinking`), down to the least that works.
 
     Returns:
         The plan, maximising device residency in the order described in the module docstring (for
-        gathered params, the cheapest placement of the shards by :mod:`zero_cache.step_cost`).
+        gathered params, the cheapest placement of the shards by :mod:`zero_cache.plan.step_cost`).
     """
     error: PlanError | None = None
     for working in _working_sets(inputs):
@@ -225,7 +225,7 @@ def _streamed_placements(inputs: PlanInputs, groups_in_order: list[int], residen
 
 def _off_device_homes(inputs: PlanInputs) -> tuple[str, str]:
     """(the first, the last) home off the device that the streamed shards fill, in the order of
-    :data:`~zero_cache.home_costs.OFF_DEVICE_FILL_ORDER`: "auto" fills the first, then the last the config permits;
+    :data:`~zero_cache.plan.home_costs.OFF_DEVICE_FILL_ORDER`: "auto" fills the first, then the last the config permits;
     a named home that streams takes them all."""
     first = OFF_DEVICE_FILL_ORDER[0]
     if inputs.param_home == AUTO:
@@ -254,7 +254,7 @@ def _working_set_shortfall(inputs: PlanInputs, working: WorkingSet) -> str:
 
 def _traffic(inputs: PlanInputs, home: tuple[str, ...], owned: list[int], device_optim: int,
              eligible: list[int] | None = None) -> StepTraffic:
-    """The step's PCIe bytes and host Adam of a placement (see :mod:`zero_cache.step_cost`)."""
+    """The step's PCIe bytes and host Adam of a placement (see :mod:`zero_cache.plan.step_cost`)."""
     on_device = set((owned if eligible is None else eligible)[:device_optim])
     streamed = {g for g, where in enumerate(home) if home_costs(where).streams}
     owned_streamed = sum(1 for c in owned if c // inputs.group_size in streamed)
@@ -268,8 +268,8 @@ def _traffic(inputs: PlanInputs, home: tuple[str, ...], owned: list[int], device
 
 
 def _home_disk_bytes(inputs: PlanInputs, home: tuple[str, ...], owned: list[int], waiting: dict[str, int]) -> int:
-    """Disk bytes the param homes move per step (:meth:`~zero_cache.home_costs.HomeCosts.disk_bytes_per_step`), with
-    ``waiting`` gradients per kind of home waiting for their update after backward."""
+    """Disk bytes the param homes move per step (:meth:`~zero_cache.plan.home_costs.HomeCosts.disk_bytes_per_step`),
+    with ``waiting`` gradients per kind of home waiting for their update after backward."""
     owned_in = {name: sum(1 for c in owned if home[c // inputs.group_size] == name) for name in set(home)}
     return sum(home_costs(name).disk_bytes_per_step(home.count(name), owned_in[name], inputs.param_chunk_bytes,
                                                     inputs.gathers_per_step, waiting.get(name, 0))
@@ -280,10 +280,10 @@ def _with_waiting_gradients(inputs: PlanInputs, traffic: StepTraffic, home: tupl
                             off_device: list[int], kept: tuple[int, ...], stepped: tuple[int, ...]) -> StepTraffic:
     """``traffic`` (its disk bytes the homes' alone, as :func:`_traffic` counts them) with what the gradients cost
     that wait in their homes for an update after backward: those of the host-updated chunks (``off_device``)
-    neither kept (updated during backward, :mod:`zero_cache.revision`) nor stepped on the device, with one
+    neither kept (updated during backward, :mod:`zero_cache.optim.revision`) nor stepped on the device, with one
     micro-batch per step (accumulated gradients go to the fp32 accumulators, not home). A home may hold only so
     many of them and send the rest to disk and back
-    (:meth:`~zero_cache.home_costs.HomeCosts.gradients_to_disk_per_step`).
+    (:meth:`~zero_cache.plan.home_costs.HomeCosts.gradients_to_disk_per_step`).
     Counted for a step after an unclipped one: after a clipped step the kept chunks wait too."""
     if not home or inputs.grad_bytes_per_element:
         return traffic
@@ -306,7 +306,7 @@ def _finish(inputs: PlanInputs, working: WorkingSet, *, resident_bytes: int, liv
     Device optimizer groups go to the chunks the next forward needs first: the host groups' CPU
     Adam and their host->device copies then overlap the forward through those early layers. Of the
     host groups, the first ones the forward needs are stepped on the device after backward, as many
-    as make the step cheapest (:mod:`zero_cache.device_steps`): the host's Adam has the rest.
+    as make the step cheapest (:mod:`zero_cache.optim.device_steps`): the host's Adam has the rest.
     """
     owned = _owned_in_use_order(inputs)
     off_device = [c for c in owned if c not in set(device_optim)]
@@ -401,7 +401,7 @@ def with_device_step_count(inputs: PlanInputs, plan: Plan, count: int) -> Plan:
 def _with_swapped_states(inputs: PlanInputs, traffic: StepTraffic, tiers: Sequence[str]) -> StepTraffic:
     """``traffic`` with the disk reads and writes of the optimizer groups placed in ``tiers`` (one per chunk): each
     step an NVMe group's states are read into a bounce buffer and written back
-    (:meth:`~zero_cache.state_costs.StateCosts.disk_bytes_per_step`)."""
+    (:meth:`~zero_cache.plan.state_costs.StateCosts.disk_bytes_per_step`)."""
     moved = sum(state_costs(name).disk_bytes_per_step(tiers.count(name), inputs.swap_slot_bytes) for name in set(tiers))
     if not moved:
         return traffic

@@ -2,9 +2,9 @@
 
 A chunk's optimizer group (fp32 master, exp_avg, exp_avg_sq, and an fp32 gradient accumulator when micro-batches
 accumulate) lives in a **state home**: the device, pinned host memory, a slot of the NVMe swap file, or another
-rank. The runtime classes (:mod:`zero_cache.state_homes`) take their answers from :data:`STATE_COSTS` here, as the
-param homes take theirs from :mod:`zero_cache.home_costs`, so the plan prices what the runtime does and the planner
-never imports a runtime module (``tests/unit/test_layering.py`` imports it with torch hidden).
+rank. The runtime classes (:mod:`zero_cache.storage.state_homes`) take their answers from :data:`STATE_COSTS` here, as
+the param homes take theirs from :mod:`zero_cache.plan.home_costs`, so the plan prices what the runtime does and the
+planner never imports a runtime module (``tests/unit/test_layering.py`` imports it with torch hidden).
 
 Where the planner puts a rank's groups is data too (:data:`STATE_FILL_ORDER`): as many on the device as fit, then
 the host, the rest on the last home of the order.
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from zero_cache.tier_names import DEVICE, HOST, NVME, REMOTE, TierName
+from zero_cache.plan.tier_names import DEVICE, HOST, NVME, REMOTE, TierName
 
 
 class Route(StrEnum):
@@ -24,7 +24,8 @@ class Route(StrEnum):
     DEVICE_ADAM = "device Adam"
     """The device's fused Adam on the compute stream, over states in device memory."""
     HOST_ADAM = "host Adam"
-    """The host worker's CPU Adam (:mod:`zero_cache.host_update`): the states are fetched for it and written back."""
+    """The host worker's CPU Adam (:mod:`zero_cache.optim.host_update`): the states are fetched for it and written
+    back."""
     NONE = "none"
     """Another data-parallel rank updates it (this rank holds none of it)."""
 
@@ -43,10 +44,10 @@ class StateCosts:
     """Which Adam updates its groups."""
     resident: bool = True
     """The states stay addressable in memory between updates (``OptimizerGroup.states``): a lazy update's moments
-    can be folded in later (:mod:`zero_cache.revision`), and a device step can copy them in."""
+    can be folded in later (:mod:`zero_cache.optim.revision`), and a device step can copy them in."""
     device_steppable: bool = False
     """A group here may be stepped on the device after backward instead of by the host's Adam
-    (:mod:`zero_cache.device_steps`)."""
+    (:mod:`zero_cache.optim.device_steps`)."""
 
     @property
     def owned(self) -> bool:

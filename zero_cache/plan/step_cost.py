@@ -5,12 +5,12 @@ Adam run on their own streams and thread beside the GPU's compute, so each is a 
 step time and the step is bound by the largest of them (or by compute, which no placement
 changes). The rates are :class:`Rates`: until the machine has been measured, the lent H200's as
 DESIGN.md records them (:data:`NOMINAL_RATES`: pinned copies 51 GiB/s each way, DeepSpeedCPUAdam 4.3 G
-params/s on 16 cores); after the warm-up step, this machine's (:mod:`zero_cache.rates`). Their ratio decides
+params/s on 16 cores); after the warm-up step, this machine's (:mod:`zero_cache.runtime.rates`). Their ratio decides
 the placement: on the H200 a chunk's CPU Adam costs about six one-way copies of its bf16 params, so a
 device byte is worth more as a resident param shard than as an eighth of an optimizer group
 only while the shard's copies stay cheaper than that; on the lent H100's host the Adam ran at 2.9 G/s.
 
-A host-held optimizer group can also be stepped on the device (:mod:`zero_cache.device_steps`): its
+A host-held optimizer group can also be stepped on the device (:mod:`zero_cache.optim.device_steps`): its
 states cross PCIe both ways instead of costing CPU Adam, so while the copies have room the host's
 share of the step shrinks; :func:`cheapest_device_steps` picks how many by the same floor.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from zero_cache.units import format_bytes
+from zero_cache.plan.units import format_bytes
 
 STATE_BYTES_PER_ELEMENT = 12
 """fp32 master + exp_avg + exp_avg_sq (a gradient's bytes come on top, by its dtype): what an optimizer group
@@ -46,7 +46,7 @@ class Rates:
     measured: bool = False
     """The bus and the host's Adam measured on this machine (else the nominal figures)."""
     disk_measured: bool = False
-    """The disk's rate measured on this machine's swap directory (:func:`zero_cache.rates.measured_disk`)."""
+    """The disk's rate measured on this machine's swap directory (:func:`zero_cache.runtime.rates.measured_disk`)."""
 
     def describe(self) -> str:
         return (f"H2D {self.h2d_bytes_per_s / 2**30:.0f} GiB/s, D2H {self.d2h_bytes_per_s / 2**30:.0f} GiB/s, "
@@ -73,7 +73,7 @@ class StepTraffic:
     rates: Rates = NOMINAL_RATES
     """What the floors are worked out at."""
     disk_bytes: int = 0
-    """Disk bytes read and written: param shards at home on NVMe (``zero_cache.nvme_home.NvmeHome``: a read per
+    """Disk bytes read and written: param shards at home on NVMe (``zero_cache.storage.nvme_home.NvmeHome``: a read per
     gather, a write per update, and a write and a read per gradient that waits for its update on disk,
     :attr:`gradients_to_disk`) and the states of the optimizer groups on NVMe, read and written back once each: a
     floor. Gathers are Belady's rule's estimate over the warm-up's trace (``gathers_per_step``), which the runtime
@@ -89,7 +89,7 @@ class StepTraffic:
     the updates (new params, and the device steps' states)."""
     speculated_elements: int = 0
     """Of :attr:`host_adam_elements`: those the host may update during backward, when the step is predicted not to
-    clip (chunks that keep their gradient, :mod:`zero_cache.revision`); the others wait for the global norm."""
+    clip (chunks that keep their gradient, :mod:`zero_cache.optim.revision`); the others wait for the global norm."""
     device_step_d2h_bytes: int = 0
     """Of :attr:`d2h_bytes`: the device steps' states (and params to a home on the host) going out after their
     update. The rest are gradients, going out during backward."""

@@ -1,7 +1,7 @@
 """The collectives of sharded chunks, issued from the training thread in one order on every rank.
 
 :class:`ChunkExchange` keeps the state of one optimizer's reduce-scatters and all-gathers (see
-:mod:`zero_cache.sharding` for the ownership and the group layout):
+:mod:`zero_cache.runtime.sharding` for the ownership and the group layout):
 
 * **gradients**: a group is reduced once its gradients are complete on this rank, either in place
   in the param chunks (one micro-batch per step: gradients are written over the parameters) or
@@ -15,7 +15,7 @@
 With gathered params (``store.shard_params``: sharded over the ranks, or streamed on one rank) the
 gradients always go through buckets and are reduced straight into the owner's shard (a shard at home
 on the host receives its slice from the device->host stream, and the slice's squared norm is taken
-on the device first); the parameters are gathered on use by :class:`~zero_cache.gathered.GatheredGroups`,
+on the device first); the parameters are gathered on use by :class:`~zero_cache.runtime.gathered.GatheredGroups`,
 and a group is dropped as soon as its reduction is done.
 
 The worker thread never issues a collective, so ranks cannot disagree on the order.
@@ -27,12 +27,12 @@ from typing import Any, Callable
 
 import torch
 
-from zero_cache.chunks import ChunkStore
-from zero_cache.gathered import GatheredGroups
-from zero_cache.sharding import Sharding
-from zero_cache.tier_names import DEVICE
-from zero_cache.tiers import wait
-from zero_cache.working_set import GRADIENT_BUCKETS, reduction_lag
+from zero_cache.plan.tier_names import DEVICE
+from zero_cache.plan.working_set import GRADIENT_BUCKETS, reduction_lag
+from zero_cache.runtime.gathered import GatheredGroups
+from zero_cache.runtime.sharding import Sharding
+from zero_cache.storage.chunks import ChunkStore
+from zero_cache.storage.tiers import wait
 
 
 class ChunkExchange:
@@ -45,12 +45,13 @@ class ChunkExchange:
             fp32 accumulators (sharded params use buckets either way).
         gather_ahead: groups whose all-gather is started ahead of the one a forward needs.
         max_live_groups: gathered params: groups gathered at once (see :class:`GatheredGroups`).
-        buckets: gradient buckets the plan gives the device (:mod:`zero_cache.working_set`). More are allocated
+        buckets: gradient buckets the plan gives the device (:mod:`zero_cache.plan.working_set`). More are allocated
             (within the device budget) while more groups are open at once (e.g. a tied embedding's group stays
             open until the end of backward); with no more than the groups in use, each reduction is waited for
             as soon as it is issued, so no bucket is held by one in flight.
         overlap_comm: leave a reduction in flight behind backward where a bucket is planned for it.
-        transfers: host<->device copies (:class:`~zero_cache.transfers.Transfers`), for shards at home on the host.
+        transfers: host<->device copies (:class:`~zero_cache.runtime.transfers.Transfers`), for shards at home on the
+        host.
     """
 
     def __init__(self, store: ChunkStore, wait_owner: Callable[[int], None], *, accumulate: bool,
@@ -85,7 +86,7 @@ class ChunkExchange:
 
     @property
     def reduction_lag(self) -> int:
-        """Reductions left in flight behind backward (see :func:`~zero_cache.working_set.reduction_lag`; without
+        """Reductions left in flight behind backward (see :func:`~zero_cache.plan.working_set.reduction_lag`; without
         buckets, reductions in place take no device memory of their own)."""
         if not self.uses_buckets:
             return 1 if self.overlap_comm else 0
@@ -93,7 +94,7 @@ class ChunkExchange:
 
     def close(self) -> None:
         """Drop every gathered group (its params become placeholders) and gradient bucket
-        (:mod:`zero_cache.release`)."""
+        (:mod:`zero_cache.optim.release`)."""
         if self.gathered is not None:
             self.gathered.release_all()
         self._open.clear()

@@ -1,7 +1,7 @@
 """Gathered params: a chunk group's full params exist on the device only while they are in use.
 
 Each rank keeps its own slot of every group (``ChunkStore.shards``) at its **home**: the device, pinned
-host memory or NVMe (:mod:`zero_cache.homes`, which carries out each kind's gather). A group is
+host memory or NVMe (:mod:`zero_cache.storage.homes`, which carries out each kind's gather). A group is
 **live** while its gathered buffer exists: its parameters are views into it. Otherwise each parameter
 is a placeholder of the right shape holding no memory (one element, expanded with zero strides), so
 module code that reads ``weight.shape`` keeps working.
@@ -27,8 +27,8 @@ A group is acquired
 **Order.** The first iteration records the groups in the order they are acquired
 (:class:`AcquisitionTrace`); later iterations follow it with a cursor, start gathering the next
 ``ahead`` groups while this one computes, and, with ``max_live`` groups live, evict the one Belady's rule
-picks (:func:`zero_cache.eviction.belady_victim`, the rule the plan prices: the group whose next use along the trace is
-furthest away; during the warm-up, the least recently used one). The two groups acquired last are never
+picks (:func:`zero_cache.plan.eviction.belady_victim`, the rule the plan prices: the group whose next use along the
+trace is furthest away; during the warm-up, the least recently used one). The two groups acquired last are never
 evicted, nor the groups of a module
 whose forward is running (:meth:`GatheredGroups.hold`). A buffer that autograd still holds (a
 checkpointed block's recomputed views) stays valid until it is released: eviction drops this
@@ -43,9 +43,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from zero_cache.eviction import belady_victim
-from zero_cache.tier_names import DEVICE
-from zero_cache.working_set import GROUPS_IN_USE
+from zero_cache.plan.eviction import belady_victim
+from zero_cache.plan.tier_names import DEVICE
+from zero_cache.plan.working_set import GROUPS_IN_USE
 
 
 class AcquisitionTrace:
@@ -128,14 +128,14 @@ class _Live:
 
 
 class GatheredGroups:
-    """The live groups of one :class:`~zero_cache.chunks.ChunkStore` with gathered params, and their gathers.
+    """The live groups of one :class:`~zero_cache.storage.chunks.ChunkStore` with gathered params, and their gathers.
 
     Args:
         store: chunk storage with ``shard_params``.
         max_live: groups live at once (at least ``ahead + 2``: in use, being gathered, one spare).
         ahead: groups gathered ahead of use, along the recorded trace.
         wait_owned: blocks until the pending updates of this rank's chunks in a group have landed in its shard.
-        transfers: the host<->device copies (:class:`~zero_cache.transfers.Transfers`), for shards at home
+        transfers: the host<->device copies (:class:`~zero_cache.runtime.transfers.Transfers`), for shards at home
             on the host.
     """
 

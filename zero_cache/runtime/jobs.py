@@ -11,7 +11,7 @@ chunk's next gradient (``ZeroCacheOptimizer.wait_for_chunk``).
 Updates of different chunks do not depend on each other, so the updates lane may be re-sorted
 (:meth:`JobQueue.reorder`): backward queues them last chunk first, the next forward wants them
 first chunk first. (Whether a speculative update is applied or deferred depends on the updates
-queued before it, not on which the worker ran first: :class:`zero_cache.revision.SpeculationWindow`.)
+queued before it, not on which the worker ran first: :class:`zero_cache.optim.revision.SpeculationWindow`.)
 """
 
 from __future__ import annotations

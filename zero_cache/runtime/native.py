@@ -13,7 +13,7 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-CSRC = Path(__file__).resolve().parents[1] / "csrc"
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
 
 _FLAGS: dict[str, dict[str, list[str]]] = {
     # -fno-math-errno: sqrt must not set errno, or the Adam loop does not vectorise.

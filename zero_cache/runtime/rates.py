@@ -1,6 +1,6 @@
 """This machine's rates for the plan's cost model: PCIe copies timed by a probe, the host's Adam by its own work.
 
-A plan made before the first step compares placements at :data:`~zero_cache.step_cost.NOMINAL_RATES` (the
+A plan made before the first step compares placements at :data:`~zero_cache.plan.step_cost.NOMINAL_RATES` (the
 lent H200's). Machines differ in the ratio that decides the placement: on the lent H100 the host's Adam ran
 3.9 G elements/s over training steps against the H200's 4.3, and the floor of a 2.7B plan under a 22 GB cap
 was 0.367 s at the nominal rates and 0.443 s at the measured ones (the step ran 0.537 s at best). From the
@@ -28,9 +28,9 @@ from dataclasses import replace
 
 import torch
 
-from zero_cache.nvme import ALIGN_BYTES, NvmeTier
-from zero_cache.step_cost import NOMINAL_RATES, Rates
-from zero_cache.tiers import Tier
+from zero_cache.plan.step_cost import NOMINAL_RATES, Rates
+from zero_cache.storage.nvme import ALIGN_BYTES, NvmeTier
+from zero_cache.storage.tiers import Tier
 
 PROBE_BYTES = 64 * 2**20
 """Bytes of one probe copy: enough to reach the bus's rate, little enough to fit beside any plan."""

@@ -14,14 +14,14 @@ import torch
 from torch import nn
 
 from zero_cache.config import ZeroCacheConfig
-from zero_cache.gathered import GatheredGroups
-from zero_cache.homes import home_class
-from zero_cache.layout import ChunkLayout
-from zero_cache.planner import Plan, PlanError
-from zero_cache.sharding import Sharding
-from zero_cache.tier_names import DEVICE
-from zero_cache.units import AUTO
-from zero_cache.working_set import agreed
+from zero_cache.plan.layout import ChunkLayout
+from zero_cache.plan.planner import Plan, PlanError
+from zero_cache.plan.tier_names import DEVICE
+from zero_cache.plan.units import AUTO
+from zero_cache.plan.working_set import agreed
+from zero_cache.runtime.gathered import GatheredGroups
+from zero_cache.runtime.sharding import Sharding
+from zero_cache.storage.homes import home_class
 
 
 def gather_ahead_groups(config: ZeroCacheConfig, layout: ChunkLayout, sharding: Sharding) -> int:
@@ -69,7 +69,7 @@ def choose_shard_params(config: ZeroCacheConfig, sharding: Sharding, plan_for: C
 
 def choose_streaming(config: ZeroCacheConfig, plan_for: Callable[[bool], Plan]) -> tuple[bool, Plan]:
     """One rank: params resident on the device, or gathered on use from their homes (some or all in pinned host
-    memory, or all on NVMe), whichever step costs less (:mod:`zero_cache.step_cost`; resident on a tie).
+    memory, or all on NVMe), whichever step costs less (:mod:`zero_cache.plan.step_cost`; resident on a tie).
     ``param_home`` "device" allows only the first, "host" or "nvme" only the second.
 
     Raises:
@@ -131,7 +131,7 @@ def decide_shard_params(setting: bool | str, outcomes: list[dict[bool, int]]) ->
 
 
 def agree_working_set(plan: Plan | None, gather: Callable[[Any], list[Any]]) -> Plan | None:
-    """``plan`` with the working set every data-parallel rank holds (:func:`~zero_cache.working_set.agreed`; a
+    """``plan`` with the working set every data-parallel rank holds (:func:`~zero_cache.plan.working_set.agreed`; a
     collective through ``gather``, which every rank must call); None on every rank when some rank has no plan."""
     common = agreed(gather(None if plan is None else plan.working_set))
     if plan is None or common is None:

@@ -12,7 +12,7 @@ plan picks. One collective serves a whole group:
 This is ZeRO-2's partitioning of gradients and optimizer states at chunk granularity, with the
 chunk as the bucket. With ``shard_params`` (ZeRO-3) the parameters are partitioned the same way:
 a rank keeps only its own slot of each group, the all-gather reads it (``source``) into a group
-buffer that lives only while the group is in use (:mod:`zero_cache.gathered`), and the
+buffer that lives only while the group is in use (:mod:`zero_cache.runtime.gathered`), and the
 reduce-scatter writes the summed gradients into it (``out``). With one rank every chunk is owned
 and nothing is communicated.
 

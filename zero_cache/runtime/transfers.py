@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from zero_cache.tiers import TrafficCounter
-from zero_cache.timeline import D2H, H2D, Timeline
+from zero_cache.runtime.timeline import D2H, H2D, Timeline
+from zero_cache.storage.tiers import TrafficCounter
 
 
 class Transfers:

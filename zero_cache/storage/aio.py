@@ -28,7 +28,7 @@ from typing import Callable, Protocol
 import torch
 
 from zero_cache.config import AioConfig
-from zero_cache.native import load_csrc
+from zero_cache.runtime.native import load_csrc
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class DeepSpeedFileIO:
     def submit(self, path: Path, fd: int, buffer: torch.Tensor, offset: int, *, write: bool) -> IORequest:
         with self._lock:
             call = self._handle.async_pwrite if write else self._handle.async_pread
-            # The op opens files by name, and the swap file has none (see zero_cache.nvme): /proc/self/fd/N
+            # The op opens files by name, and the swap file has none (see zero_cache.storage.nvme): /proc/self/fd/N
             # reopens the same open file (O_WRONLY | O_CREAT without O_TRUNC: nothing is cut).
             if call(buffer, f"/proc/self/fd/{fd}", offset) != 0:
                 self._failed[self._submitted + 1] = _io_error(errno.EIO, path, write)

@@ -3,12 +3,12 @@
 Every parameter becomes a view into its chunk (``param.data`` is rebound), so a model state exists
 exactly once. With gathered params (``shard_params``) a rank stores only its own chunk of each
 collective group (its shard; on one rank, each chunk) and the parameters are placeholders except
-while their group is gathered. Each shard has a **home** (:mod:`zero_cache.homes`): the device, or
+while their group is gathered. Each shard has a **home** (:mod:`zero_cache.storage.homes`): the device, or
 pinned host memory or NVMe, from which it is copied in on use and into which its gradients are
 written back (the plan's ``param_home``), so the model's weights need not fit on the device.
 
 The optimizer group of a chunk (fp32 master, exp_avg, exp_avg_sq, and an fp32 gradient accumulator
-when micro-batches accumulate) lives in a **state home** (:mod:`zero_cache.state_homes`) of the tier the
+when micro-batches accumulate) lives in a **state home** (:mod:`zero_cache.storage.state_homes`) of the tier the
 plan names, which allocates it, makes it usable and says which Adam updates it; moving it (re-planning)
 copies it to the new home and frees the old one.
 
@@ -26,16 +26,17 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from zero_cache.homes import ParamHome, home_class
-from zero_cache.layout import ChunkLayout, TensorSlot
-from zero_cache.moves import Move, fits, next_move
-from zero_cache.planner import Plan
-from zero_cache.sharding import Sharding
-from zero_cache.state_costs import STATE_FILL_ORDER
-from zero_cache.state_home import STATE_FIELDS, OptimizerGroup, StateHome, state_field  # noqa: F401  (re-exported)
-from zero_cache.state_homes import state_homes
-from zero_cache.tier_names import DEVICE, HOST, BudgetedTier
-from zero_cache.tiers import BufferPool
+from zero_cache.plan.layout import ChunkLayout, TensorSlot
+from zero_cache.plan.moves import Move, fits, next_move
+from zero_cache.plan.planner import Plan
+from zero_cache.plan.state_costs import STATE_FILL_ORDER
+from zero_cache.plan.tier_names import DEVICE, HOST, BudgetedTier
+from zero_cache.runtime.sharding import Sharding
+from zero_cache.storage.homes import ParamHome, home_class
+from zero_cache.storage.state_home import (STATE_FIELDS, OptimizerGroup, StateHome,  # noqa: F401  (re-exported)
+                                           state_field)
+from zero_cache.storage.state_homes import state_homes
+from zero_cache.storage.tiers import BufferPool
 
 class ChunkStore:
     """Owns every chunk's storage and binds the module's parameters to views of it.
@@ -51,7 +52,8 @@ class ChunkStore:
         sharding: which chunks' optimizer groups this rank owns; param chunks are allocated a
             collective group (one chunk per rank) at a time, in one buffer each.
         shard_params: keep only this rank's chunk of each group (its *shard*) in its planned home; groups
-            are gathered while in use (:mod:`zero_cache.gathered`) and the parameters are placeholders meanwhile.
+            are gathered while in use (:mod:`zero_cache.runtime.gathered`) and the parameters are placeholders
+            meanwhile.
     """
 
     def __init__(self, layout: ChunkLayout, params: list[nn.Parameter], plan: Plan, tiers: dict[str, BudgetedTier],
@@ -80,7 +82,8 @@ class ChunkStore:
         self.param_home: list[str] = list(plan.param_home)
         """Gathered params: the tier name of each group's home (this rank's shard)."""
         self.homes: dict[str, ParamHome] = {}
-        """The homes in use by tier name (:mod:`zero_cache.homes`); replicated params are at home on the device."""
+        """The homes in use by tier name (:mod:`zero_cache.storage.homes`); replicated params are at home on the
+        device."""
         self._home_named(DEVICE)
         self.param_chunks: list[torch.Tensor | None] = []
         if shard_params:
@@ -109,7 +112,8 @@ class ChunkStore:
         # Optimizer groups only now, so the device never holds the original params and the groups at once.
         self.grads_in_accumulators = accumulate
         self.state_homes: dict[str, StateHome] = state_homes(tiers, layout.chunk_numel, accumulate)
-        """The optimizer groups' homes by tier name (:mod:`zero_cache.state_homes`), those the tiers can hold."""
+        """The optimizer groups' homes by tier name (:mod:`zero_cache.storage.state_homes`), those the tiers can
+        hold."""
         self.groups: list[OptimizerGroup] = []
         for chunk, tier in enumerate(plan.optimizer_tier):
             self.groups.append(self.state_homes[tier].allocate())
@@ -131,7 +135,7 @@ class ChunkStore:
         return self.param_home[self.sharding.group_of(chunk)] if self.shard_params else DEVICE
 
     def home(self, chunk: int) -> ParamHome:
-        """The home of ``chunk``'s params (:mod:`zero_cache.homes`)."""
+        """The home of ``chunk``'s params (:mod:`zero_cache.storage.homes`)."""
         return self.homes[self.home_of(chunk)]
 
     def group_home(self, group: int) -> ParamHome:
@@ -232,8 +236,8 @@ class ChunkStore:
         return self.groups[slot.chunk].tier
 
     def state_home(self, chunk: int) -> StateHome:
-        """The home of ``chunk``'s optimizer group (:mod:`zero_cache.state_homes`): which Adam updates it, and how
-        its states are reached."""
+        """The home of ``chunk``'s optimizer group (:mod:`zero_cache.storage.state_homes`): which Adam updates it, and
+        how its states are reached."""
         return self.groups[chunk].home
 
     @property
@@ -245,8 +249,8 @@ class ChunkStore:
     @contextlib.contextmanager
     def open_states(self, chunk: int, *, write_back: bool = False, fresh: bool = False) -> Iterator[torch.Tensor]:
         """The chunk's fp32 states, readable (and writable) in memory for the duration of the block
-        (:meth:`StateHome.open <zero_cache.state_home.StateHome.open>`): resident groups as they are, an NVMe group
-        through a bounce buffer (zeroed instead when ``fresh``: a new group has no states yet), written back with
+        (:meth:`StateHome.open <zero_cache.storage.state_home.StateHome.open>`): resident groups as they are, an NVMe
+        group through a bounce buffer (zeroed instead when ``fresh``: a new group has no states yet), written back with
         ``write_back``. Synchronous: for checkpoints, initialisation and re-planning, never on the training path.
         """
         group = self.groups[chunk]
@@ -260,7 +264,7 @@ class ChunkStore:
 
     def close(self) -> None:
         """Free the optimizer states, the buffers, the shards at home off the device, the homes' and the NVMe
-        tier's swap files (:mod:`zero_cache.release`). Replicated param chunks stay the storage of the module's
+        tier's swap files (:mod:`zero_cache.optim.release`). Replicated param chunks stay the storage of the module's
         parameters, which view them. The store cannot be used again, so nothing is given back to the tiers' budgets
         one by one: dropping the tensors frees them (pinned pages are unpinned with their last view)."""
         self.flush()
@@ -273,7 +277,7 @@ class ChunkStore:
         """Move shards and optimizer groups whose tier changed; returns the number moved.
 
         Each move goes when its new tier has room for it, and of those that could go, the one after which the most
-        others fit goes first (:mod:`zero_cache.moves`): a group leaving the device for a full host waits for one
+        others fit goes first (:mod:`zero_cache.plan.moves`): a group leaving the device for a full host waits for one
         leaving the host for the disk, and a shard leaving the device for the host waits for groups going the other
         way. Among equals, shards leaving the device go first, then groups leaving the device, the host, the disk.
         Kept gradients the plan drops are freed before anything moves. Where nothing can go, the first move raises

@@ -2,8 +2,8 @@
 
 ``pretrain.py --plan --gpus 8 --device-memory 80GiB --host-memory 1TiB --nvme 8TB`` plans a config for a
 DGX-class host on a laptop. The budgets are what "auto" would measure on a freshly booted machine of that
-size, with the same margins (:mod:`zero_cache.tiers`, :mod:`zero_cache.nvme`), so a plan made here is the
-plan that machine would make before its warm-up, up to what else runs there (the OS and page cache take
+size, with the same margins (:mod:`zero_cache.storage.tiers`, :mod:`zero_cache.storage.nvme`), so a plan made here is
+the plan that machine would make before its warm-up, up to what else runs there (the OS and page cache take
 host memory the margin may not cover; a GPU shared with another process has less free).
 """
 
@@ -16,9 +16,9 @@ from pathlib import Path
 import psutil
 import torch
 
-from zero_cache import nvme, tiers
 from zero_cache.config import ZeroCacheConfig
-from zero_cache.units import format_bytes
+from zero_cache.plan.units import format_bytes
+from zero_cache.storage import nvme, tiers
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,13 +42,13 @@ from pathlib import Path
 
 import torch
 
-from zero_cache.aio import FileIO, IORequest, open_file_io
 from zero_cache.config import AioConfig, ZeroCacheConfig
-from zero_cache.home_costs import HOME_COSTS
-from zero_cache.tier_names import NVME
-from zero_cache.tiers import TierFullError, TrafficCounter
-from zero_cache.timeline import Timeline
-from zero_cache.units import format_bytes
+from zero_cache.plan.home_costs import HOME_COSTS
+from zero_cache.plan.tier_names import NVME
+from zero_cache.plan.units import format_bytes
+from zero_cache.runtime.timeline import Timeline
+from zero_cache.storage.aio import FileIO, IORequest, open_file_io
+from zero_cache.storage.tiers import TierFullError, TrafficCounter
 
 logger = logging.getLogger(__name__)
 
@@ -267,7 +267,7 @@ class NvmeTier:
         directory: checked swap directory (:func:`check_directory`).
         slot_bytes: bytes of one optimizer group (rounded up to 4 KiB).
         budget_bytes: most bytes the swap file may take.
-        aio: the IO settings; the backend is chosen here (see ``zero_cache.aio``).
+        aio: the IO settings; the backend is chosen here (see ``zero_cache.storage.aio``).
         rank: this process's rank (in the file name).
     """
 

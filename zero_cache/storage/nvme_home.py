@@ -1,6 +1,7 @@
 """Params homed on NVMe (DeepSpeed's ``offload_param: nvme``): the home class that proved a new kind of home is
-one subclass of :class:`~zero_cache.param_home.ParamHome` (and one entry in :data:`zero_cache.homes.HOME_CLASSES`;
-what it costs the planner is :class:`~zero_cache.home_costs.NvmeCosts`)."""
+one subclass of :class:`~zero_cache.storage.param_home.ParamHome` (and one entry in
+:data:`zero_cache.storage.homes.HOME_CLASSES`; what it costs the planner is
+:class:`~zero_cache.plan.home_costs.NvmeCosts`)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ from typing import Any, Iterator
 
 import torch
 
-from zero_cache.home_costs import (HOME_COSTS, NVME_HELD, NVME_HELD_GRADIENTS, NVME_READS_AHEAD,  # noqa: F401
-                                   NVME_STAGING_BUFFERS)  # (re-exported: the buffers' shares are the plan's to count)
-from zero_cache.nvme import ALIGN_BYTES, NvmeTier
-from zero_cache.param_home import ParamHome, copy_in_and_gather
-from zero_cache.tier_names import HOST, NVME
-from zero_cache.tiers import BufferPool, wait
+from zero_cache.plan.home_costs import (HOME_COSTS, NVME_HELD, NVME_HELD_GRADIENTS, NVME_READS_AHEAD,  # noqa: F401
+                                        NVME_STAGING_BUFFERS)  # (re-exported: the buffers' shares are the plan's to count)
+from zero_cache.plan.tier_names import HOST, NVME
+from zero_cache.storage.nvme import ALIGN_BYTES, NvmeTier
+from zero_cache.storage.param_home import ParamHome, copy_in_and_gather
+from zero_cache.storage.tiers import BufferPool, wait
 
 
 class NvmeHome(ParamHome):
@@ -23,9 +24,9 @@ class NvmeHome(ParamHome):
     :data:`NVME_STAGING_BUFFERS` pinned buffers for all of them.
 
     A gather reads the slot into a buffer (started ahead along the recorded trace, through the same asynchronous
-    IO as the NVMe optimizer states, :mod:`zero_cache.aio`) and copies it in. The reduced gradient is copied into a
-    buffer, where the host's Adam takes it (updates run during backward: soon), writes the new params over it, and
-    the buffer goes to the slot (written behind: a later read of the slot waits for it). A gradient whose update
+    IO as the NVMe optimizer states, :mod:`zero_cache.storage.aio`) and copies it in. The reduced gradient is copied
+    into a buffer, where the host's Adam takes it (updates run during backward: soon), writes the new params over it,
+    and the buffer goes to the slot (written behind: a later read of the slot waits for it). A gradient whose update
     waits until after backward waits in a buffer, at most :data:`NVME_HELD_GRADIENTS` of them (the last ones
     backward writes, which the step updates first); the oldest beyond them goes to the slot over the params, as a
     host home keeps them, and is read back for its update. A gradient whose update runs during backward stays in its

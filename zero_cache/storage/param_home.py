@@ -1,9 +1,9 @@
 """Where a chunk's params live between uses: its **home**, one class per kind (device, host here; NVMe in
-:mod:`zero_cache.nvme_home`), registered by tier name in :mod:`zero_cache.homes`.
+:mod:`zero_cache.storage.nvme_home`), registered by tier name in :mod:`zero_cache.storage.homes`.
 
 Replicated params live on the device for good (:class:`DeviceHome`). Gathered params (sharded over
 ranks, or streamed on one rank) keep this rank's shard of each collective group at a home the plan
-names; a group is made whole on the device only while it is used (:mod:`zero_cache.gathered`). A
+names; a group is made whole on the device only while it is used (:mod:`zero_cache.runtime.gathered`). A
 step asks each home five things, and nothing else in the runtime knows which kind it is:
 
 * ``gather``: make the group whole in a device buffer (its slot among the live groups);
@@ -15,7 +15,7 @@ step asks each home five things, and nothing else in the runtime knows which kin
   the home itself, or a disk write).
 
 What a home costs (host bytes, disk bytes, disk bytes moved per step, whether it streams, ...) is the planner's
-to know: a class takes its answers from :mod:`zero_cache.home_costs` (``costs``), the one place they are written.
+to know: a class takes its answers from :mod:`zero_cache.plan.home_costs` (``costs``), the one place they are written.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import Any, ClassVar, Iterator
 
 import torch
 
-from zero_cache.home_costs import HOME_COSTS, HomeCosts
-from zero_cache.tier_names import DEVICE, HOST, TierName
-from zero_cache.tiers import BufferPool
+from zero_cache.plan.home_costs import HOME_COSTS, HomeCosts
+from zero_cache.plan.tier_names import DEVICE, HOST, TierName
+from zero_cache.storage.tiers import BufferPool
 
 _COST_FLAGS = ("name", "streams", "in_host_memory", "stages_updates", "device_steppable")
 
@@ -43,11 +43,11 @@ class ParamHome:
     """
 
     costs: ClassVar[HomeCosts]
-    """What the planner prices a home of this kind at (:mod:`zero_cache.home_costs`); its flags below are copied
+    """What the planner prices a home of this kind at (:mod:`zero_cache.plan.home_costs`); its flags below are copied
     from it when the class is defined, so the runtime and the plan read one answer."""
     name: ClassVar[TierName]
     streams: ClassVar[bool]
-    """Off the device: copied in on use (:attr:`HomeCosts.streams <zero_cache.home_costs.HomeCosts.streams>`)."""
+    """Off the device: copied in on use (:attr:`HomeCosts.streams <zero_cache.plan.home_costs.HomeCosts.streams>`)."""
     in_host_memory: ClassVar[bool]
     """The shard is pinned host memory, updated there in place (``HomeCosts.in_host_memory``)."""
     stages_updates: ClassVar[bool]
@@ -76,7 +76,7 @@ class ParamHome:
     def disk_bytes_per_step(cls, shards: int, owned: int, shard_bytes: int, gathers_per_step: float,
                             waiting: int = 0) -> int:
         """Disk bytes one step moves for ``shards`` homes (:meth:`HomeCosts.disk_bytes_per_step
-        <zero_cache.home_costs.HomeCosts.disk_bytes_per_step>`)."""
+        <zero_cache.plan.home_costs.HomeCosts.disk_bytes_per_step>`)."""
         return cls.costs.disk_bytes_per_step(shards, owned, shard_bytes, gathers_per_step, waiting)
 
     @classmethod

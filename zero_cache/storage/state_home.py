@@ -1,5 +1,5 @@
 """Where a chunk's optimizer group lives: its **state home**, one class per kind (device, host, another rank here;
-NVMe in :mod:`zero_cache.nvme_states`), registered by tier name in :mod:`zero_cache.state_homes`.
+NVMe in :mod:`zero_cache.storage.nvme_states`), registered by tier name in :mod:`zero_cache.storage.state_homes`.
 
 The store and the step ask a group's home, never its tier's name:
 
@@ -8,9 +8,9 @@ The store and the step ask a group's home, never its tier's name:
 * ``open``: the states readable (and writable) in memory for a block: setup, moves, checkpoints;
 * ``fetch`` / ``write_back`` / ``give_back``: the states made usable for one update by the host worker, put back
   after it (or given back unused);
-* ``route`` (from ``costs``): which Adam updates the group (:class:`~zero_cache.state_costs.Route`).
+* ``route`` (from ``costs``): which Adam updates the group (:class:`~zero_cache.plan.state_costs.Route`).
 
-What a home costs the plan is in :mod:`zero_cache.state_costs` (``costs``), the one place it is written.
+What a home costs the plan is in :mod:`zero_cache.plan.state_costs` (``costs``), the one place it is written.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any, ClassVar, Iterator
 
 import torch
 
-from zero_cache.state_costs import STATE_COSTS, Route, StateCosts
-from zero_cache.tier_names import DEVICE, HOST, REMOTE, TierName
+from zero_cache.plan.state_costs import STATE_COSTS, Route, StateCosts
+from zero_cache.plan.tier_names import DEVICE, HOST, REMOTE, TierName
 
 STATE_FIELDS = ("master", "exp_avg", "exp_avg_sq")
 _COST_FLAGS = ("name", "route", "resident", "device_steppable", "owned")
@@ -40,7 +40,7 @@ class OptimizerGroup:
     """One chunk's optimizer state: fp32 master, exp_avg, exp_avg_sq in one home (and a gradient accumulator)."""
 
     home: StateHome
-    """Where the states live (:mod:`zero_cache.state_homes`); the store and the step ask it."""
+    """Where the states live (:mod:`zero_cache.storage.state_homes`); the store and the step ask it."""
     states: torch.Tensor | None
     """3 x chunk_numel fp32: master | exp_avg | exp_avg_sq; None where the home keeps them out of memory (a swap
     slot) or another rank holds them."""
@@ -51,7 +51,7 @@ class OptimizerGroup:
     """Byte offset of the states' slot in the swap file (NVMe groups)."""
     kept: torch.Tensor | None = None
     """chunk_numel in the compute dtype, on the host: the gradient a during-backward update used, kept until the
-    step knows the global norm (:mod:`zero_cache.revision`); None for chunks updated after backward."""
+    step knows the global norm (:mod:`zero_cache.optim.revision`); None for chunks updated after backward."""
 
     @property
     def tier(self) -> str:
@@ -91,7 +91,7 @@ class StateHome:
     """
 
     costs: ClassVar[StateCosts]
-    """What the planner prices a home of this kind at (:mod:`zero_cache.state_costs`); the flags below are copied
+    """What the planner prices a home of this kind at (:mod:`zero_cache.plan.state_costs`); the flags below are copied
     from it when the class is defined."""
     name: ClassVar[TierName]
     route: ClassVar[Route]
@@ -191,7 +191,8 @@ class DeviceStates(StateHome):
 
 class HostStates(StateHome):
     """The states live in pinned host memory: the host worker's CPU Adam updates them in place, or (the plan's first
-    host groups) the device steps them after backward, copying them in and back (:mod:`zero_cache.device_steps`)."""
+    host groups) the device steps them after backward, copying them in and back
+    (:mod:`zero_cache.optim.device_steps`)."""
 
     costs = STATE_COSTS[HOST]
 

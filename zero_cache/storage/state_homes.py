@@ -1,19 +1,19 @@
 """The kinds of optimizer-state home by tier name: the one registry the store builds state homes from.
 
-A chunk's optimizer group lives in a **state home** (:class:`~zero_cache.state_home.StateHome` and its subclasses,
-:mod:`zero_cache.state_home`, :mod:`zero_cache.nvme_states`), each taking what the planner knows of it from
-:mod:`zero_cache.state_costs`. A new kind of state home is one class, one entry in :data:`STATE_HOME_CLASSES` and
-one in :data:`~zero_cache.state_costs.STATE_COSTS`; the store and the step ask the home and never branch on a tier's
-name. (The param homes' registry is :mod:`zero_cache.homes`.)
+A chunk's optimizer group lives in a **state home** (:class:`~zero_cache.storage.state_home.StateHome` and its
+subclasses, :mod:`zero_cache.storage.state_home`, :mod:`zero_cache.storage.nvme_states`), each taking what the planner
+knows of it from :mod:`zero_cache.plan.state_costs`. A new kind of state home is one class, one entry in
+:data:`STATE_HOME_CLASSES` and one in :data:`~zero_cache.plan.state_costs.STATE_COSTS`; the store and the step ask the
+home and never branch on a tier's name. (The param homes' registry is :mod:`zero_cache.storage.homes`.)
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from zero_cache.nvme_states import NvmeStates
-from zero_cache.state_home import DeviceStates, HostStates, RemoteStates, StateHome
-from zero_cache.tier_names import DEVICE, HOST, NVME, REMOTE
+from zero_cache.plan.tier_names import DEVICE, HOST, NVME, REMOTE
+from zero_cache.storage.nvme_states import NvmeStates
+from zero_cache.storage.state_home import DeviceStates, HostStates, RemoteStates, StateHome
 
 STATE_HOME_CLASSES: dict[str, type[StateHome]] = {DEVICE: DeviceStates, HOST: HostStates, NVME: NvmeStates,
                                                   REMOTE: RemoteStates}

@@ -2,7 +2,7 @@
 
 The device tier is the compute device (CUDA, or the CPU in CPU-only runs, so every path runs in
 tests); the host tier is pinned CPU memory when CUDA is present (pinned once at allocation, reused
-for the whole run: no per-step pinning). The NVMe tier (``zero_cache.nvme``) keeps the same budget
+for the whole run: no per-step pinning). The NVMe tier (``zero_cache.storage.nvme``) keeps the same budget
 counters but hands out slots of a swap file instead of tensors.
 """
 
@@ -18,8 +18,8 @@ import numpy
 import psutil
 import torch
 
-from zero_cache.tier_names import DEVICE, HOST
-from zero_cache.units import format_bytes
+from zero_cache.plan.tier_names import DEVICE, HOST
+from zero_cache.plan.units import format_bytes
 
 AUTO_MARGIN_FRACTION = 0.03
 """"auto" budgets leave this share of the measured free memory to everything else..."""
