@@ -98,9 +98,7 @@ class WarmupTracer:
         if gathered is not None:
             self.gathers_as_planned = (gathered.max_live - gathered.ahead, frozenset(
                 g for g, home in enumerate(first.param_home) if home_class(home).streams))
-        if optimizer.exchange is not None:
-            optimizer.exchange.apply_working_set(warmup)
-        optimizer.device_stepped = frozenset(warmup.device_stepped)
+        optimizer.apply_plan(warmup)
 
     def record(self, chunks: list[int]) -> None:
         if self.recording:
@@ -147,13 +145,10 @@ class WarmupTracer:
         # from the steps after it.
         optimizer.host.adam_work.take()
         self.rates = measured_copies(device_tier.device, host_tier, self.rates)
-        # The disk through a swap bounce buffer where groups are on disk (their buffers are in the host's plan).
-        bounce = store.swap_buffers.try_acquire() if NVME in store.plan.optimizer_tier else None
-        try:
+        # The disk through a bounce buffer of the state homes where groups pass through one (their buffers are in
+        # the host's plan), else from the host tier's room.
+        with store.lent_bounce_buffer() as bounce:
             self.rates = measured_disk(nvme_tier, host_tier, self.rates, bounce)
-        finally:
-            if bounce is not None:
-                store.swap_buffers.release(bounce)
         inputs = plan_inputs(self.layout, self.config, self.compute_dtype, device_tier.budget_bytes,
                              host_tier.budget_bytes, self.accumulation_steps, tuple(self.trace), nonmodel,
                              nvme_budget=nvme_tier.budget_bytes + nvme_tier.split_bytes if nvme_tier is not None else 0,
@@ -172,9 +167,7 @@ class WarmupTracer:
         if plan is None:
             logger.warning("ZeRO-Cache re-plan after warm-up failed, keeping the current placement: %s", failure)
             return None
-        moved = self._apply(optimizer, plan)
-        if optimizer.exchange is not None:
-            optimizer.exchange.apply_working_set(plan)
+        moved = optimizer.apply_plan(plan)
         logger.info("ZeRO-Cache re-plan after warm-up (non-model peak %d MiB; %s): %s; %d groups moved",
                     nonmodel // 2**20, self.rates.describe(), plan.summary(), moved)
         self.inputs = inputs
@@ -184,29 +177,13 @@ class WarmupTracer:
             optimizer.after_step = functools.partial(self._tune_step, optimizer)
         return plan
 
-    @staticmethod
-    def _apply(optimizer: ZeroCacheOptimizer, plan: Plan, *, count_switch: bool = False, trial: bool = False) -> int:
-        """Put ``plan`` in force between steps; returns the shards and groups moved. ``count_switch``: ``plan`` only
-        changes the device-step count (nothing moves), so only the chunks it changes are waited for; ``trial``: a
-        count the tuner tries, whose dropped kept gradients are kept for the next trial (the settled count's apply
-        frees what is left over)."""
-        if count_switch:  # the chunks whose route or kept gradient changes: the rest runs on under the next forward
-            now = optimizer.store.plan
-            optimizer.finish_chunks(sorted(set(now.device_stepped) ^ set(plan.device_stepped)
-                                           | set(now.kept_gradients) ^ set(plan.kept_gradients)))
-        else:
-            optimizer.finish_pending()
-        moved = optimizer.store.apply_plan(plan, keep_spare_gradients=trial)
-        optimizer.device_stepped = frozenset(plan.device_stepped)
-        return moved
-
     def _tune_step(self, optimizer: ZeroCacheOptimizer, step_seconds: float) -> None:
         """A step measured under the tuner's count: switch to the next count to try, or settle on the fastest."""
         count = self.tuner.observe(step_seconds, optimizer.last_backward_seconds)
         if not self.tuner.done:
             if count is not None:
-                self._apply(optimizer, with_device_step_count(self.inputs, optimizer.store.plan, count),
-                            count_switch=True, trial=True)
+                optimizer.apply_plan(with_device_step_count(self.inputs, optimizer.store.plan, count),
+                                     count_switch=True, trial=True)
             return
         # (done: the best count is applied once below, at the rates the tuning measured)
         optimizer.after_step = None
@@ -216,7 +193,7 @@ class WarmupTracer:
         self.rates = with_host_adam(self.rates, optimizer.host.adam_work.take())
         self.inputs = replace(self.inputs, rates=self.rates)
         plan = with_device_step_count(self.inputs, optimizer.store.plan, self.tuner.best)
-        self._apply(optimizer, plan, count_switch=True)
+        optimizer.apply_plan(plan, count_switch=True)
         self._log_prediction(self.tuner.measured[self.tuner.best], self.tuner.backward.get(self.tuner.best), plan,
                              updates_after_backward=optimizer.last_updates_after_backward)
 

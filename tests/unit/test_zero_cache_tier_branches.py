@@ -25,7 +25,6 @@ ALLOWED = {
     "zero_cache/storage/state_homes.py": "the optimizer-state homes' registry",
     "zero_cache/plan/state_costs.py": "the optimizer-state homes' costs and fill order, by name",
     "angelptm/memory/plan_report.py": "the plan report: a row per tier",
-    "zero_cache/warmup.py": "the lead engineer's module: `NVME in plan.optimizer_tier` picks the disk's rate probe",
 }
 """File -> why it may compare tier names."""
 

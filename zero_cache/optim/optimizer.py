@@ -451,6 +451,31 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
 
+    def apply_plan(self, plan: Plan, *, count_switch: bool = False, trial: bool = False) -> int:
+        """Put ``plan`` in force between steps; returns the shards and groups moved. In this order: the work in flight
+        is finished, the store moves the shards and optimizer groups whose home changed
+        (:meth:`ChunkStore.apply_plan <zero_cache.storage.chunks.ChunkStore.apply_plan>`), the exchange takes the
+        plan's working set (gradient buckets, prefetch depth, live groups), and the step its device-stepped groups.
+
+        Args:
+            plan: the plan to run under (a re-plan, the warm-up's, or a device-step count the tuner tries).
+            count_switch: ``plan`` only changes the device-step count (nothing moves), so only the chunks whose
+                route or kept gradient it changes are waited for, not the whole host tier.
+            trial: a count the tuner tries: the kept gradients it drops stay allocated for the next trial (the
+                settled count's apply frees what is left over).
+        """
+        if count_switch:  # the chunks whose route or kept gradient changes: the rest runs on under the next forward
+            now = self.store.plan
+            self.finish_chunks(sorted(set(now.device_stepped) ^ set(plan.device_stepped)
+                                      | set(now.kept_gradients) ^ set(plan.kept_gradients)))
+        else:
+            self.finish_pending()
+        moved = self.store.apply_plan(plan, keep_spare_gradients=trial)
+        if self.exchange is not None:
+            self.exchange.apply_working_set(plan)
+        self.device_stepped = frozenset(plan.device_stepped)
+        return moved
+
     def finish_chunks(self, chunks: Iterable[int]) -> None:
         """Block until the host work and device-step copies of ``chunks`` have landed: what a switch of the
         device-step count waits for (it changes only their route and kept gradients), where :meth:`finish_pending`

@@ -36,7 +36,6 @@ from zero_cache.storage.homes import ParamHome, home_class
 from zero_cache.storage.state_home import (STATE_FIELDS, OptimizerGroup, StateHome,  # noqa: F401  (re-exported)
                                            state_field)
 from zero_cache.storage.state_homes import state_homes
-from zero_cache.storage.tiers import BufferPool
 
 class ChunkStore:
     """Owns every chunk's storage and binds the module's parameters to views of it.
@@ -240,11 +239,19 @@ class ChunkStore:
         how its states are reached."""
         return self.groups[chunk].home
 
-    @property
-    def swap_buffers(self) -> BufferPool | None:
-        """The pinned buffers the optimizer states pass through to and from disk, if a state home has them."""
-        return next((home.bounce_buffers for home in self.state_homes.values() if home.bounce_buffers is not None),
+    @contextlib.contextmanager
+    def lent_bounce_buffer(self) -> Iterator[torch.Tensor | None]:
+        """A free pinned buffer of the bounce buffers the optimizer states pass through to and from their home (NVMe),
+        lent for the block where a group of this store lives in such a home (so the buffer is in the host's plan);
+        None where no group does, or none is free now. For a probe of the disk through the step's own buffers."""
+        pool = next((group.home.bounce_buffers for group in self.groups if group.home.bounce_buffers is not None),
                     None)
+        buffer = pool.try_acquire() if pool is not None else None
+        try:
+            yield buffer
+        finally:
+            if buffer is not None:
+                pool.release(buffer)
 
     @contextlib.contextmanager
     def open_states(self, chunk: int, *, write_back: bool = False, fresh: bool = False) -> Iterator[torch.Tensor]:
