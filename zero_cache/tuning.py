@@ -1,6 +1,6 @@
 """The device-step count chosen by measured step times, not by the cost model alone (pure logic).
 
-The planner's floor (:mod:`zero_cache.step_cost`) treats every stream as overlapping compute. Device steps
+The planner's floor (:mod:`zero_cache.plan.step_cost`) treats every stream as overlapping compute. Device steps
 do not quite: they start after backward (only then is the global norm known) and the next forward needs
 their chunks first, so their copies overlap the forward alone, and how long that is depends on the model
 (an fp32 head, biases and LayerNorms, recompute) and on the machine (its PCIe and its host's Adam). Seen on
@@ -9,7 +9,7 @@ the floor, and 13B on the H200 ran 28% slower with the plan's count than with no
 
 So with ``zero_cache.device_steps: "auto"`` the runtime tries a few counts around the plan's, each for a few
 steps of real training (the placement stays: only which host groups are stepped on the device changes, see
-:func:`zero_cache.planner.with_device_step_count`), and keeps the fastest. Each trial's first step settles
+:func:`zero_cache.plan.planner.with_device_step_count`), and keeps the fastest. Each trial's first step settles
 (it pays for the switch) and is not counted; the mean of the next ones stands for the count. Not their fastest:
 a step can leave work to the next one (the host's updates and the device steps' copies run on into the next
 forward), so one step may look fast while the next pays. At 4.4B on the H100 the fastest of two steps had 9 groups
