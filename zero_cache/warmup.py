@@ -141,7 +141,7 @@ class WarmupTracer:
         optimizer.finish_pending()  # the warm-up's host updates are done, and timed
         nonmodel = optimizer.nonmodel_peak_bytes = self._measured_nonmodel_bytes()
         # The bus now (after the peak was read). Not the host's Adam: in the warm-up it ran at 1.0 G elements/s where
-        # the next steps ran at 3.9 (2.7B on the lent H100: first touches of its states), so its rate is taken
+        # the next steps ran at 3.9 (2.7B on an H100: first touches of its states), so its rate is taken
         # from the steps after it.
         optimizer.host.adam_work.take()
         self.rates = measured_copies(device_tier.device, host_tier, self.rates)

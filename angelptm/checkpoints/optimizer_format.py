@@ -2,8 +2,8 @@
 
 The replicated engine's :class:`~angelptm.engine.mixed_precision.MixedPrecisionOptimizer` saves torch's Adam state
 (``{"state": {index: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [... "params": [index, ...]]}``); ZeRO-Cache's
-optimizer (:mod:`zero_cache.optimizer_state`) saves one ``step`` and the moments by parameter name, flat. Both save
-the fp32 masters by parameter name, in the optimizer's parameter order, which is torch's index order. So the
+optimizer (:mod:`zero_cache.optim.optimizer_state`) saves one ``step`` and the moments by parameter name, flat. Both
+save the fp32 masters by parameter name, in the optimizer's parameter order, which is torch's index order. So the
 moments map 1:1 and the conversion is exact: the same numbers, reshaped. What cannot map exactly (parameters
 without moments, unequal per-parameter steps, other parameter groups) is refused by name, with how to go on.
 """

@@ -257,7 +257,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
         as ordinary tensors, so a new ``initialize()`` over it starts from them: accelerate's ``free_memory()``
         calls this, and transformers' ``Trainer.train()`` called again. A window between ``backward()`` and
         ``step()`` is dropped first (as ``zero_grad()`` drops it). ZeRO-Cache's gathered params (sharded or
-        streamed) come back as whole copies in host memory (see :mod:`zero_cache.release`).
+        streamed) come back as whole copies in host memory (see :mod:`zero_cache.optim.release`).
 
         Afterwards the engine cannot run, train or checkpoint (the module itself can); a second call does nothing.
         Every rank calls it when ZeRO-Cache shards the states over ranks (unlike DeepSpeed's, it is a collective

@@ -29,7 +29,7 @@ class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds ``deepspeed[.X]`` as ``angelptm[.X]``; loading returns the already imported target module."""
 
     aliases = ALIAS
-    """What it answers for: code that needs the real package for a moment (``zero_cache.host_adam`` loading
+    """What it answers for: code that needs the real package for a moment (``zero_cache.optim.host_adam`` loading
     DeepSpeed's C++ Adam) looks for this attribute to step the finder aside."""
 
     def find_spec(self, fullname: str, path: Sequence[str] | None = None,

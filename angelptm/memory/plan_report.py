@@ -19,7 +19,7 @@ from angelptm.pretraining.models import build_model
 from zero_cache import DEVICE, HOST, NVME, Plan
 
 DEFAULT_TFLOPS = 400.0
-"""Model TFLOPS one GPU sustains, for the compute floor: the lent H200's bf16 GPT figures are 419-472
+"""Model TFLOPS one GPU sustains, for the compute floor: an H200's bf16 GPT figures are 419-472
 (DESIGN.md); an A100 or a 24 GB card sustains less, so pass ``--tflops`` for them."""
 
 

@@ -3,12 +3,12 @@
 The planner compares placements by this estimate. Transfers in both directions and the host's
 Adam run on their own streams and thread beside the GPU's compute, so each is a floor under the
 step time and the step is bound by the largest of them (or by compute, which no placement
-changes). The rates are :class:`Rates`: until the machine has been measured, the lent H200's as
+changes). The rates are :class:`Rates`: until the machine has been measured, an H200's as
 DESIGN.md records them (:data:`NOMINAL_RATES`: pinned copies 51 GiB/s each way, DeepSpeedCPUAdam 4.3 G
 params/s on 16 cores); after the warm-up step, this machine's (:mod:`zero_cache.runtime.rates`). Their ratio decides
 the placement: on the H200 a chunk's CPU Adam costs about six one-way copies of its bf16 params, so a
 device byte is worth more as a resident param shard than as an eighth of an optimizer group
-only while the shard's copies stay cheaper than that; on the lent H100's host the Adam ran at 2.9 G/s.
+only while the shard's copies stay cheaper than that; on an H100's host the Adam ran at 2.9 G/s.
 
 A host-held optimizer group can also be stepped on the device (:mod:`zero_cache.optim.device_steps`): its
 states cross PCIe both ways instead of costing CPU Adam, so while the copies have room the host's
@@ -42,7 +42,7 @@ class Rates:
     """CPU Adam over fp32 masters and moments (with its reads and writes of the chunk's gradient and params)."""
     disk_bytes_per_s: float = 1.0e9
     """The swap files' disk, reads and writes together (DESIGN.md: reads 0.9-1.3, writes 1.6-2.2 GB/s through
-    O_DIRECT on the lent H200's machine)."""
+    O_DIRECT on an H200's machine)."""
     measured: bool = False
     """The bus and the host's Adam measured on this machine (else the nominal figures)."""
     disk_measured: bool = False
@@ -55,7 +55,7 @@ class Rates:
 
 
 NOMINAL_RATES = Rates(h2d_bytes_per_s=51 * 2**30, d2h_bytes_per_s=51 * 2**30, host_adam_elements_per_s=4.3e9)
-"""The lent H200's, measured there (DESIGN.md): what a plan assumes before this machine is measured."""
+"""An H200's, measured there (DESIGN.md): what a plan assumes before this machine is measured."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """This machine's rates for the plan's cost model: PCIe copies timed by a probe, the host's Adam by its own work.
 
-A plan made before the first step compares placements at :data:`~zero_cache.plan.step_cost.NOMINAL_RATES` (the
-lent H200's). Machines differ in the ratio that decides the placement: on the lent H100 the host's Adam ran
+A plan made before the first step compares placements at :data:`~zero_cache.plan.step_cost.NOMINAL_RATES` (an
+H200's). Machines differ in the ratio that decides the placement: on an H100 the host's Adam ran
 3.9 G elements/s over training steps against the H200's 4.3, and the floor of a 2.7B plan under a 22 GB cap
 was 0.367 s at the nominal rates and 0.443 s at the measured ones (the step ran 0.537 s at best). From the
 warm-up step on, plans use:
@@ -10,11 +10,11 @@ warm-up step on, plans use:
   CUDA events, the fastest of :data:`PROBE_REPEATS` (the bus alone; the step's copies then run beside compute);
 - **disk** (where there is a swap file): a probe of up to :data:`PROBE_BYTES` written where the next slot of the
   optimizer groups' swap file goes and read back through the tier's own IO, timed on the host (reads and writes
-  together, as the plan counts the step's disk bytes). On the lent H100's machine the steps with params on NVMe
+  together, as the plan counts the step's disk bytes). On an H100's machine the steps with params on NVMe
   moved 9.0 GiB in 5.0 s where the nominal 1.0 GB/s priced them at 8.0 s;
 - **host Adam**: the elements the host worker stepped over the seconds it spent in the update itself
   (inputs landed, before the new params leave), so contention with the copies and the training thread is in it;
-  taken over the steps that tune the device-step count, not the warm-up (there, 2.7B on the lent H100 ran it
+  taken over the steps that tune the device-step count, not the warm-up (there, 2.7B on an H100 ran it
   at 1.0 G elements/s, the steps after at 3.9: first touches of the states' pages).
 
 On a CPU-only run there is no bus and the "device" shares the host's cores: the nominal copy and Adam rates stay
