@@ -65,6 +65,7 @@ def test_pretrain_trains_the_tiny_moe_config(tmp_path):
     config = json.loads((ROOT / "configs" / "tiny_moe.json").read_text())
     config["model"].update(num_layers=2, max_seq_len=64)
     config["train_micro_batch_size_per_gpu"] = 8
+    config["bf16"] = {"enabled": False}  # (bf16 matmuls crawl on a CPU without bf16 units; not the point here)
     config["train"].update(steps=10, log_interval=5, save_dir=str(tmp_path / "ckpt"))
     config["data"]["cache_dir"] = str(ROOT / ".cache" / "angelptm")  # tokenize the shipped corpus once
     path = tmp_path / "moe.json"
