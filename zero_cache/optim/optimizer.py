@@ -57,9 +57,10 @@ from zero_cache.optim.host_adam import HostAdam, torch_fused_adam
 from zero_cache.optim.host_update import ChunkUpdate, HostUpdater
 from zero_cache.optim.optimizer_gradients import GradientIntake
 from zero_cache.optim.optimizer_sharded import ShardedGradients
-from zero_cache.optim.optimizer_state import OptimizerCheckpoint
+from zero_cache.optim.optimizer_state import NamedStates, OptimizerCheckpoint
 from zero_cache.optim.release import release
 from zero_cache.optim.revision import SpeculationWindow
+from zero_cache.optim.step_clock import StepClock
 from zero_cache.plan.layout import TensorSlot
 from zero_cache.plan.placement import Plan
 from zero_cache.plan.state_costs import UPDATED_HERE, Route
@@ -171,13 +172,11 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         self.nonmodel_peak_bytes: int | None = None
         """Device bytes the warm-up's re-plan measured beside the model states (activations, library workspaces,
         fragmentation): what its plan leaves room for."""
-        self.clock = time.perf_counter
-        """What step times are read from (a fake one in tests)."""
-        self._synced_at: float | None = None  # when the last step's norm reached the host
-        self._backward_started: torch.cuda.Event | float | None = None  # the window's last engine backward's start
-        self.last_backward_seconds: float | None = None
-        """The last step's backward, from the start of the window's last engine backward to the gradients' norm,
-        timed where it runs (the step's prediction, :meth:`~zero_cache.plan.step_cost.StepTraffic.predicted_step`)."""
+        self.step_clock = StepClock(self.device)
+        """Times each step and its backward (:attr:`clock`, :attr:`last_backward_seconds`)."""
+        self.named_states = NamedStates(store, self.members, optimizer=optimizer, loss_scaler=loss_scaler,
+                                        settle=self.finish_pending, restore_params=self._restore_params)
+        """The states by parameter name: the checkpoint surface's (:class:`OptimizerCheckpoint`)."""
         self.last_updates_after_backward = False
         """Whether the last step's host updates waited for its backward to end (no speculation in backward)."""
         self._params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
@@ -226,6 +225,21 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         return self.store.shard_params
 
     # ------------------------------------------------------------------ what reports may read (not the store)
+    @property
+    def clock(self) -> Any:
+        """What step times are read from (a fake one in tests): :attr:`step_clock`'s."""
+        return self.step_clock.clock
+
+    @clock.setter
+    def clock(self, clock: Any) -> None:
+        self.step_clock.clock = clock
+
+    @property
+    def last_backward_seconds(self) -> float | None:
+        """The last step's backward as it ran (:attr:`StepClock.last_backward_seconds
+        <zero_cache.optim.step_clock.StepClock.last_backward_seconds>`)."""
+        return self.step_clock.last_backward_seconds
+
     @property
     def plan(self) -> Plan:
         """The placement plan in force (its summary, and what it predicted a step costs)."""
@@ -289,15 +303,9 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         if self.exchange is not None:
             self._reduce_gradients()
             scale *= self.sharding.world_size  # the owners hold the sum of W ranks' gradients: step on the mean
-        backward_ended = self._mark_time()
+        backward_ended = self.step_clock.mark()
         norm = self._grad_norm() / scale
-        # The norm is the step's one sync with the device: from one to the next is a whole step as it runs.
-        now = self.clock()
-        step_seconds = None if self._synced_at is None else now - self._synced_at
-        self._synced_at = now
-        self.last_backward_seconds = (None if self._backward_started is None
-                                      else self._seconds_between(self._backward_started, backward_ended))
-        self._backward_started = None
+        step_seconds = self.step_clock.norm_synced(backward_ended)  # (the step's one sync with the device)
         self.last_updates_after_backward = not self._speculating
         self.overflow = not math.isfinite(norm)  # a non-finite gradient skips the step in any precision
         if self.loss_scaler is not None:

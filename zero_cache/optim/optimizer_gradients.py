@@ -54,7 +54,7 @@ class GradientIntake:
         backward runs is summed into it by autograd and taken with it, as DeepSpeed's step includes it.
         """
         self._engine_backward = True
-        self._backward_started = self._mark_time()
+        self.step_clock.backward_starts()
         try:
             yield
         finally:
@@ -172,22 +172,6 @@ class GradientIntake:
             self._missing[slot.chunk] -= 1
             if self._missing[slot.chunk] == 0 and self._speculates(slot.chunk):
                 self._queue_speculative(slot.chunk, None)  # runs after its accumulations (zero_cache.runtime.jobs)
-
-    def _mark_time(self) -> torch.cuda.Event | float:
-        """Now, where the work runs: a timing event on the current stream on CUDA, the step clock on the CPU."""
-        if self.device.type != "cuda":
-            return self.clock()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-    @staticmethod
-    def _seconds_between(start: torch.cuda.Event | float, end: torch.cuda.Event | float) -> float | None:
-        """Seconds from one :meth:`_mark_time` to a later one; None where the device has not reached ``end`` yet
-        (the step's norm read only host memory: waiting for it here would stall the step)."""
-        if not isinstance(start, torch.cuda.Event):
-            return end - start
-        return start.elapsed_time(end) / 1e3 if end.query() else None
 
     def _reset_window(self) -> None:
         self._written.clear()

@@ -4,30 +4,58 @@ States are read and written chunk by chunk through :meth:`ChunkStore.open_states
 read into a bounce buffer, and written back when loading). Sharded over ranks, each rank covers the
 chunks it owns: a checkpoint's states are keyed by parameter name, so a rank takes whichever names
 it owns at load time, at any world size.
+
+:class:`NamedStates` does the reading and writing, given the store, the parameters in the optimizer's
+order and two callbacks of the optimizer's; :class:`OptimizerCheckpoint` is the public face
+(``ZeroCacheOptimizer``'s methods of the same names, and the type ``angelptm`` recognises the format by).
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Any, Collection
+from typing import Any, Callable, Collection
 
 import torch
 
-from zero_cache.storage.chunks import STATE_FIELDS
+from zero_cache.plan.layout import TensorSlot
+from zero_cache.storage.chunks import STATE_FIELDS, ChunkStore
 
 
-class OptimizerCheckpoint:
-    """Mixed into :class:`~zero_cache.optim.optimizer.ZeroCacheOptimizer`, whose ``store``, ``optimizer``,
-    ``members``, ``names``, ``step_count``, ``loss_scaler``, ``finish_pending`` and ``_restore_params``
-    it uses."""
+class NamedStates:
+    """An optimizer's chunked states (masters, Adam moments) read and written by parameter name.
+
+    Args:
+        store: the chunk storage that holds the states.
+        members: (param-group index, slot) of every trained parameter, in the optimizer's order (the order a
+            state dict lists them in).
+        optimizer: the client's torch optimizer; only its ``param_groups`` (the hyperparameters) are read and
+            loaded.
+        loss_scaler: fp16 loss scaler saved and loaded beside the states, or None.
+        settle: blocks until every update and copy in flight has landed (the optimizer's ``finish_pending``); run
+            before the states are read and after masters are written.
+        restore_params: rewrites the compute copies of the named parameters from their masters (given a frozenset
+            of names; sharded, the other ranks' come back from their owners).
+    """
+
+    def __init__(self, store: ChunkStore, members: list[tuple[int, TensorSlot]], *, optimizer: torch.optim.Optimizer,
+                 loss_scaler: Any, settle: Callable[[], None], restore_params: Callable[[frozenset], None]) -> None:
+        self.store = store
+        self.members = members
+        self.optimizer = optimizer
+        self.loss_scaler = loss_scaler
+        self.settle = settle
+        self.restore_params = restore_params
+        self._slots_of_chunk: dict[int, list[TensorSlot]] = {}
+        for _, slot in members:
+            self._slots_of_chunk.setdefault(slot.chunk, []).append(slot)
 
     def _chunk_states(self, *, write_back: bool = False, names: Collection[str] | None = None):
         """(slots, states) per chunk; the states are in memory while the caller holds them (NVMe: read, and
         written back with ``write_back``). Synchronous, one chunk at a time. ``names``: only the chunks
         holding these parameters, and only their slots."""
-        self.finish_pending()
-        for chunk, members in sorted(self._members_of_chunk.items()):
-            slots = [slot for _, slot in members if names is None or slot.name in names]
+        self.settle()
+        for chunk, slots_of_chunk in sorted(self._slots_of_chunk.items()):
+            slots = [slot for slot in slots_of_chunk if names is None or slot.name in names]
             if not slots or not self.store.state_home(chunk).owned:
                 continue
             with self.store.open_states(chunk, write_back=write_back) as states:
@@ -65,8 +93,8 @@ class OptimizerCheckpoint:
             for slots, states in self._chunk_states(write_back=True):
                 for slot in slots:
                     self.store.state_view(slot, "master", states).copy_(state[slot.name].reshape(-1))
-            self._restore_params(frozenset(self.names))
-        self.finish_pending()
+            self.restore_params(frozenset(slot.name for _, slot in self.members))
+        self.settle()
 
     def master_values(self, names: Collection[str]) -> dict[str, torch.Tensor]:
         """fp32 masters (shaped CPU copies) of the named parameters this rank owns; reads only their chunks."""
@@ -75,17 +103,17 @@ class OptimizerCheckpoint:
                 for slots, states in self._chunk_states(names=wanted) for slot in slots}
 
     def set_master_values(self, values: dict[str, torch.Tensor], *, names: Collection[str] | None = None) -> None:
-        """Write the fp32 masters of the owned parameters in ``values``, then rewrite the compute copies of
-        ``names`` (default: those in ``values``; sharded, the other ranks' come back from their owners) from
-        their masters. Every rank calls it when the params are sharded."""
+        """See :meth:`OptimizerCheckpoint.set_master_values`."""
         with torch.no_grad():
             for slots, states in self._chunk_states(write_back=True, names=set(values)):
                 for slot in slots:
                     self.store.state_view(slot, "master", states).copy_(values[slot.name].reshape(-1))
-            self._restore_params(frozenset(names if names is not None else values))
-        self.finish_pending()
+            self.restore_params(frozenset(names if names is not None else values))
+        self.settle()
 
     def refresh_masters_from_params(self) -> None:
+        """Copy each owned parameter's compute values into its fp32 master (after the weights were loaded into the
+        module directly)."""
         with torch.no_grad():
             for slots, states in self._chunk_states(write_back=True):
                 with self.store.open_params(slots[0].chunk) as values:  # (a home on NVMe: read in)
@@ -93,24 +121,25 @@ class OptimizerCheckpoint:
                         master = self.store.state_view(slot, "master", states)
                         master.copy_(values[slot.offset:slot.offset + slot.numel])
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, step: int, speculate_next: bool) -> dict[str, Any]:
+        """The states by name, with the optimizer's ``step`` and whether its next step updates during backward."""
         fields = self._read_fields(STATE_FIELDS)
         masters = fields.pop("master")
         hypers = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
-        # speculate_next: whether the next step updates during backward (a clipped step predicts another; kept so
-        # a resumed run takes the same path, bit for bit).
-        return {"optimizer": {"step": self.step_count, "param_groups": hypers, "speculate_next": self._speculating,
-                              **fields},
+        return {"optimizer": {"step": step, "param_groups": hypers, "speculate_next": speculate_next, **fields},
                 "masters": {name: masters[name].view(shape) for name, shape in self._owned_shapes()},
                 "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None}
 
-    def load_state_dict(self, state: dict[str, Any], *, load_optimizer_states: bool = True) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, load_optimizer_states: bool = True) -> tuple[int, bool] | None:
+        """Load the masters, and with ``load_optimizer_states`` the hyperparameters, moments and loss scale.
+
+        Returns:
+            The saved (step, speculate_next) for the optimizer to resume with; None without optimizer states.
+        """
         self.load_master_state_dict(state["masters"])
         if not load_optimizer_states:
-            return
+            return None
         saved = state["optimizer"]
-        self.step_count = saved["step"]
-        self._speculating = self.update_in_backward and saved.get("speculate_next", True)
         for group, hyper in zip(self.optimizer.param_groups, saved["param_groups"]):
             group.update(hyper)
         with torch.no_grad():
@@ -119,3 +148,54 @@ class OptimizerCheckpoint:
                     self.store.state_view(slot, field, states).copy_(saved[field][slot.name])
         if self.loss_scaler is not None and state.get("loss_scaler"):
             self.loss_scaler.load_state_dict(state["loss_scaler"])
+        return saved["step"], saved.get("speculate_next", True)
+
+
+class OptimizerCheckpoint:
+    """The checkpoint surface of :class:`~zero_cache.optim.optimizer.ZeroCacheOptimizer`, which inherits it: each
+    method hands over to the optimizer's :class:`NamedStates` (``named_states``).
+
+    Kept a base class rather than folded into the optimizer because ``angelptm`` tells the two checkpoint formats
+    apart by it (``isinstance(optimizer, OptimizerCheckpoint)``). Beside ``named_states`` it reads and writes only
+    the optimizer's step state: ``step_count``, ``update_in_backward`` and ``_speculating``.
+    """
+
+    named_states: NamedStates
+
+    @property
+    def owned_names(self) -> list[str]:
+        """Parameters whose optimizer state this rank holds (all of them unless sharded)."""
+        return self.named_states.owned_names
+
+    def master_state_dict(self) -> dict[str, torch.Tensor]:
+        """fp32 masters by name (sharded: of the owned parameters only)."""
+        return self.named_states.master_state_dict()
+
+    def load_master_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load fp32 masters by name; sharded, each rank takes its owned ones (``state`` may hold more)."""
+        self.named_states.load_master_state_dict(state)
+
+    def master_values(self, names: Collection[str]) -> dict[str, torch.Tensor]:
+        """fp32 masters (shaped CPU copies) of the named parameters this rank owns; reads only their chunks."""
+        return self.named_states.master_values(names)
+
+    def set_master_values(self, values: dict[str, torch.Tensor], *, names: Collection[str] | None = None) -> None:
+        """Write the fp32 masters of the owned parameters in ``values``, then rewrite the compute copies of
+        ``names`` (default: those in ``values``; sharded, the other ranks' come back from their owners) from
+        their masters. Every rank calls it when the params are sharded."""
+        self.named_states.set_master_values(values, names=names)
+
+    def refresh_masters_from_params(self) -> None:
+        """Copy each owned parameter's compute values into its fp32 master."""
+        self.named_states.refresh_masters_from_params()
+
+    def state_dict(self) -> dict[str, Any]:
+        # speculate_next: whether the next step updates during backward (a clipped step predicts another; kept so
+        # a resumed run takes the same path, bit for bit).
+        return self.named_states.state_dict(step=self.step_count, speculate_next=self._speculating)
+
+    def load_state_dict(self, state: dict[str, Any], *, load_optimizer_states: bool = True) -> None:
+        resumed = self.named_states.load_state_dict(state, load_optimizer_states=load_optimizer_states)
+        if resumed is not None:
+            self.step_count, speculate_next = resumed
+            self._speculating = self.update_in_backward and speculate_next

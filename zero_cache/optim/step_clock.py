@@ -1,0 +1,67 @@
+"""How long a step and its backward take, as they run: what the device-step count's tuning is fed.
+
+A step's one sync with the device is its gradient norm reaching the host, so the time from one norm to the next is
+a whole step. The backward is timed where it runs: on CUDA by events on the compute stream (read only once the
+device has passed them, so the step never waits for a timing), on the CPU by the clock itself.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+
+class StepClock:
+    """Times each step (norm to norm) and each window's last engine backward (its start to the gradients' norm).
+
+    Args:
+        device: the compute device (CUDA: backward timed by stream events; otherwise by :attr:`clock`).
+        clock: what times are read from, in seconds (a fake one in tests).
+    """
+
+    def __init__(self, device: torch.device, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.device = device
+        self.clock = clock
+        """What step times are read from (a fake one in tests)."""
+        self._synced_at: float | None = None  # when the last step's norm reached the host
+        self._backward_started: torch.cuda.Event | float | None = None  # the window's last engine backward's start
+        self.last_backward_seconds: float | None = None
+        """The last step's backward, from the start of the window's last engine backward to the gradients' norm,
+        timed where it runs (the step's prediction, :meth:`~zero_cache.plan.step_cost.StepTraffic.predicted_step`)."""
+
+    def mark(self) -> torch.cuda.Event | float:
+        """Now, where the work runs: a timing event on the current stream on CUDA, the step clock on the CPU."""
+        if self.device.type != "cuda":
+            return self.clock()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    @staticmethod
+    def seconds_between(start: torch.cuda.Event | float, end: torch.cuda.Event | float) -> float | None:
+        """Seconds from one :meth:`mark` to a later one; None where the device has not reached ``end`` yet
+        (the step's norm read only host memory: waiting for it here would stall the step)."""
+        if not isinstance(start, torch.cuda.Event):
+            return end - start
+        return start.elapsed_time(end) / 1e3 if end.query() else None
+
+    def backward_starts(self) -> None:
+        """An engine backward starts (the window's last one is the one timed)."""
+        self._backward_started = self.mark()
+
+    def norm_synced(self, backward_ended: torch.cuda.Event | float) -> float | None:
+        """The step's gradient norm has reached the host; ``backward_ended``: a :meth:`mark` taken before the norm.
+        Sets :attr:`last_backward_seconds`.
+
+        Returns:
+            Seconds since the last step's norm (the last step as it ran); None at the first step.
+        """
+        now = self.clock()
+        step_seconds = None if self._synced_at is None else now - self._synced_at
+        self._synced_at = now
+        self.last_backward_seconds = (None if self._backward_started is None
+                                      else self.seconds_between(self._backward_started, backward_ended))
+        self._backward_started = None
+        return step_seconds
