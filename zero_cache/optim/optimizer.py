@@ -33,17 +33,23 @@ under the rest of backward. ``step()`` waits for them, takes the global norm fro
 (one all-reduce of a float per chunk), updates the owned chunks with the mean gradient, and marks
 every group stale; the next forward all-gathers each group in its pre-hook, ahead of use. The
 worker thread never issues a collective, so every rank issues them in the same order. That side
-lives in :mod:`zero_cache.optim.optimizer_sharded`, the checkpoint surface in :mod:`zero_cache.optim.optimizer_state`.
+lives in :mod:`zero_cache.optim.optimizer_sharded`.
 With gathered params each owned chunk is this rank's shard: its gradients arrive by reduce-scatter from
 a bucket, the update rewrites it from the masters as above, and the other ranks' chunks exist only while
 gathered (:mod:`zero_cache.runtime.gathered`). A shard at home on the host (streamed params, on one rank too)
 receives its gradients from the device->host stream and the host worker updates it in place: the next
 gather copies the new weights in, so no host->device copy follows the update.
+
+**Parts.** The gradient intake and the sharded side are mixins, as the accumulation window's bookkeeping is shared
+between them and the step (their docstrings say what they use). The rest are collaborators given what they use:
+the states by parameter name for checkpoints (:class:`~zero_cache.optim.optimizer_state.NamedStates`, behind the
+public :class:`~zero_cache.optim.optimizer_state.OptimizerCheckpoint` methods), the step's timing
+(:class:`~zero_cache.optim.step_clock.StepClock`) and the counts a report reads
+(:class:`~zero_cache.optim.counters.OptimizerCounters`).
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import math
 import time
@@ -52,6 +58,7 @@ from typing import Any, Iterable
 import torch
 
 from zero_cache.optim.chunk_adam import adam_step, fp32_gradient
+from zero_cache.optim.counters import OptimizerCounters
 from zero_cache.optim.device_steps import DeviceSteps
 from zero_cache.optim.host_adam import HostAdam, torch_fused_adam
 from zero_cache.optim.host_update import ChunkUpdate, HostUpdater
@@ -156,15 +163,11 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         self._queued: dict[int, ChunkUpdate] = {}  # host chunk -> its speculative update from this window's backward
         self._window: SpeculationWindow | None = None  # this window's speculation (see zero_cache.optim.revision)
         self._speculating = update_in_backward  # whether this window updates during backward (the prediction)
-        self.counts = dict.fromkeys(("speculated_chunks", "revised_chunks", "device_stepped_chunks", "clipped_steps",
-                                     "skipped_steps"), 0)
-        """Since the last report: chunks updated during backward, of them revised at the step, host chunks stepped on
-        the device, steps clipped / skipped."""
         self._pending: dict[int, ChunkUpdate] = {}  # host chunk -> its latest queued update, until waited for
         self._boundary = True
         self._replanned = False
-        self.timings = dict.fromkeys(("grad_wait", "chunk_wait"), 0.0)
-        """Seconds the training thread waited for host gradient accumulation / for host chunk updates."""
+        self.counters = OptimizerCounters(store, self.transfers, self.host, self.device)
+        """The counts and waits since the last :meth:`report` (:attr:`counts`, :attr:`timings`), and the report."""
         self.after_first_step: Any = None
         """Called once after the first applied step (the warm-up re-plan)."""
         self.after_step: Any = None
@@ -245,17 +248,28 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         """The placement plan in force (its summary, and what it predicted a step costs)."""
         return self.store.plan
 
+    @property
+    def counts(self) -> dict[str, int]:
+        """Since the last report: chunks updated during backward, of them revised at the step, host chunks stepped on
+        the device, steps clipped / skipped (:data:`~zero_cache.optim.counters.COUNTS`)."""
+        return self.counters.counts
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """Seconds the training thread waited for host gradient accumulation / for host chunk updates."""
+        return self.counters.timings
+
     def tier_usage(self) -> dict[str, tuple[int, int]]:
         """Tier name -> (bytes in use, budget bytes), now."""
-        return {name: (tier.used_bytes, tier.budget_bytes) for name, tier in self.store.tiers.items()}
+        return self.counters.tier_usage()
 
     def tier_counts(self) -> dict[str, int]:
         """Tier name -> optimizer groups there now (after any re-plan; REMOTE: another rank's)."""
-        return dict(collections.Counter(group.tier for group in self.store.groups))
+        return self.counters.tier_counts()
 
     def param_home_counts(self) -> dict[str, int]:
         """Tier name -> this rank's param shards at home there now (gathered params; empty when resident)."""
-        return dict(collections.Counter(self.store.param_home))
+        return self.counters.param_home_counts()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Start a new accumulation window: drop the gradients of this one (and take back its updates made
@@ -508,25 +522,6 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
             torch.cuda.current_stream(self.device).synchronize()
 
     def report(self) -> dict[str, float]:
-        """Per-tier bytes and the traffic and waiting since the previous report (then resets those).
-
-        ``overlap`` is the share of the host worker's time (gradient accumulation and CPU Adam)
-        that the training thread did not wait for: 1.0 means fully hidden under GPU compute.
-        """
-        host_work, self.host.busy_s = self.host.busy_s, 0.0
-        waited = self.timings["grad_wait"] + self.timings["chunk_wait"]
-        report = {f"zero_cache_{name}_bytes": tier.used_bytes for name, tier in self.store.tiers.items()}
-        report.update({f"zero_cache_{way}_bytes": moved for way, moved in self.transfers.traffic.take().items()})
-        # (optimizer states and param shards at home on the disk: their swap files)
-        for home in [*self.store.state_homes.values(), *self.store.homes.values()]:
-            for what, num_bytes in home.disk_report().items():
-                key = f"zero_cache_nvme_{what}" if what == "bytes" else f"zero_cache_nvme_{what}_bytes"
-                report[key] = report.get(key, 0) + num_bytes
-        report.update({f"zero_cache_{name}_s": seconds for name, seconds in self.timings.items()})
-        report["zero_cache_host_update_s"] = host_work
-        report.update({f"zero_cache_{name}": count for name, count in self.counts.items()})
-        self.counts = dict.fromkeys(self.counts, 0)
-        if host_work > 0 and self.device.type == "cuda":  # on CPU the "device" competes for the same cores
-            report["zero_cache_overlap"] = max(0.0, 1.0 - waited / host_work)
-        self.timings = dict.fromkeys(self.timings, 0.0)
-        return report
+        """Per-tier bytes and the traffic and waiting since the previous report (then resets those): see
+        :meth:`OptimizerCounters.report <zero_cache.optim.counters.OptimizerCounters.report>`."""
+        return self.counters.report()

@@ -25,7 +25,16 @@ from zero_cache.storage.tiers import wait
 
 class GradientIntake:
     """Mixed into :class:`~zero_cache.optim.optimizer.ZeroCacheOptimizer` (its store, exchange, host worker, transfers,
-    speculation settings and per-window bookkeeping, which ``_reset_window`` starts again)."""
+    speculation settings and per-window bookkeeping, which ``_reset_window`` starts again).
+
+    A mixin still, unlike the checkpoint surface (:class:`~zero_cache.optim.optimizer_state.NamedStates`) and the
+    step's timing (:class:`~zero_cache.optim.step_clock.StepClock`): it is one half of the accumulation window,
+    whose bookkeeping (``_written``, ``_missing``, ``_group_missing``, ``_queued``, ``_chunk_squares`` ...) ``step()``,
+    ``zero_grad()`` and :class:`~zero_cache.optim.optimizer_sharded.ShardedGradients` read and write as well, and a
+    gradient it takes may start that chunk's update at once (``_queue_host_update``, ``_group_written``). As a
+    collaborator it would take 29 of the optimizer's attributes and 5 of its methods; splitting it well needs the
+    window's state as an object of its own first.
+    """
 
     def prepare_backward(self, boundary: bool) -> None:
         """Told by the engine before each backward whether it completes an accumulation window."""

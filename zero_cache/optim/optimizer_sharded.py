@@ -19,7 +19,14 @@ from zero_cache.storage.tiers import wait
 
 class ShardedGradients:
     """Mixed into :class:`~zero_cache.optim.optimizer.ZeroCacheOptimizer` (its ``exchange``, ``sharding``, ``store``,
-    host worker, transfers and per-window bookkeeping)."""
+    host worker, transfers and per-window bookkeeping).
+
+    A mixin still, for the reason :class:`~zero_cache.optim.optimizer_gradients.GradientIntake` is one: a reduced
+    group is the accumulation window's business, so this part reads and writes the window's bookkeeping
+    (``_accumulated``, ``_chunk_squares``, ``_group_missing``, ``_micro_step_open``, ``_queued``) and hands chunks to
+    the update side (``_queue_speculative``, ``_rewrite_from_masters``); the gradient intake and ``step()`` call it
+    in turn. As a collaborator it would take 15 of the optimizer's attributes and 7 of its methods.
+    """
 
     def _group_written(self, chunk: int) -> None:
         """One more gradient of ``chunk``'s group written on this rank; reduce the group once complete."""
