@@ -40,8 +40,9 @@ gathered (:mod:`zero_cache.runtime.gathered`). A shard at home on the host (stre
 receives its gradients from the device->host stream and the host worker updates it in place: the next
 gather copies the new weights in, so no host->device copy follows the update.
 
-**Parts.** The gradient intake and the sharded side are mixins, as the accumulation window's bookkeeping is shared
-between them and the step (their docstrings say what they use). The rest are collaborators given what they use:
+**Parts.** The gradient intake and the sharded side are mixins, as what they take in goes straight to the step's
+update side (their docstrings say what they use); the window's bookkeeping they share with the step is an object,
+:class:`~zero_cache.optim.window.AccumulationWindow`. The rest are collaborators given what they use:
 the states by parameter name for checkpoints (:class:`~zero_cache.optim.optimizer_state.NamedStates`, behind the
 public :class:`~zero_cache.optim.optimizer_state.OptimizerCheckpoint` methods), the step's timing
 (:class:`~zero_cache.optim.step_clock.StepClock`) and the counts a report reads
@@ -68,6 +69,7 @@ from zero_cache.optim.optimizer_state import NamedStates, OptimizerCheckpoint
 from zero_cache.optim.release import release
 from zero_cache.optim.revision import SpeculationWindow
 from zero_cache.optim.step_clock import StepClock
+from zero_cache.optim.window import AccumulationWindow
 from zero_cache.plan.layout import TensorSlot
 from zero_cache.plan.placement import Plan
 from zero_cache.plan.state_costs import UPDATED_HERE, Route
@@ -147,21 +149,11 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         self.step_count = 0
         self.overflow = False
         self.last_grad_norm: float | None = None
-        # Squared gradient norms: per chunk on the device (in-param gradients), per host slot from
-        # the worker (host accumulators); both summed once per step.
-        self._chunk_squares = torch.zeros(store.layout.num_chunks, dtype=torch.float32, device=self.device)
-        self._squares_pinned = torch.zeros(store.layout.num_chunks, dtype=torch.float32,
-                                           pin_memory=self.device.type == "cuda")
-        self._host_squares: list[float] = []
-        self._completed_order: list[TensorSlot] = []  # slots in the order the window's last backward wrote them
-        self._written: set[str] = set()  # slots that received a gradient in this accumulation window
-        num_groups = self.sharding.num_groups(store.layout.num_chunks)
-        self._group_missing: list[int] = [0] * num_groups  # gradients still to come per collective group
-        self._accumulated: set[int] = set()  # sharded, accumulating: owned chunks that received a reduced slice
-        self._micro_step_open = False  # sharded, accumulating: this micro-step wrote a gradient bucket
-        self._missing: dict[int, int] = {}  # gradients still to come per chunk, this window
-        self._queued: dict[int, ChunkUpdate] = {}  # host chunk -> its speculative update from this window's backward
-        self._window: SpeculationWindow | None = None  # this window's speculation (see zero_cache.optim.revision)
+        self.window = AccumulationWindow(self._members_of_chunk, num_chunks=store.layout.num_chunks,
+                                         group_of=self.sharding.group_of,
+                                         num_groups=self.sharding.num_groups(store.layout.num_chunks),
+                                         device=self.device)
+        """This accumulation window's bookkeeping, shared by the gradient intake, the sharded side and the step."""
         self._speculating = update_in_backward  # whether this window updates during backward (the prediction)
         self._pending: dict[int, ChunkUpdate] = {}  # host chunk -> its latest queued update, until waited for
         self._boundary = True
@@ -220,7 +212,12 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
     @property
     def gradients_pending(self) -> bool:
         """A backward of this window wrote gradients that no step has taken yet (in param chunks, or accumulators)."""
-        return bool(self._written)
+        return bool(self.window.written)
+
+    @property
+    def _queued(self) -> dict[int, ChunkUpdate]:
+        """This window's speculative updates by host chunk (:attr:`window`'s; kept under this name for the tests)."""
+        return self.window.queued
 
     @property
     def params_sharded(self) -> bool:
@@ -277,11 +274,11 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         if self.exchange is not None:  # reductions in flight write into the chunks about to be restored
             self._finish_micro_step() if self.store.grads_in_accumulators else self.exchange.completed()
         self._drain_host_gradients()
-        self._take_back(frozenset(self._written), restore_unreached=False)
+        self._take_back(frozenset(self.window.written), restore_unreached=False)
 
     def _take_back(self, written: frozenset, *, restore_unreached: bool) -> None:
         """End the window without a step: revise the speculative updates away, restore overwritten params."""
-        for chunk in sorted(self._queued):
+        for chunk in sorted(self.window.queued):
             self._queue_revision(chunk, skip=True)
         if written and not self.store.grads_in_accumulators:
             self._restore_params(written)  # the dropped gradients overwrote parameters
@@ -290,7 +287,7 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         self._reset_window()
 
     def _queue_revision(self, chunk: int, *, grad_factor: float = 0.0, skip: bool = False) -> None:
-        original = self._queued[chunk]
+        original = self.window.queued[chunk]
         revision = ChunkUpdate(chunk=chunk, members=original.members, hypers=original.hypers, step=original.step,
                                grad_factor=grad_factor, revises=original, skip=skip)
         self._pending[chunk] = revision
@@ -324,7 +321,7 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         self.overflow = not math.isfinite(norm)  # a non-finite gradient skips the step in any precision
         if self.loss_scaler is not None:
             self.loss_scaler.update(self.overflow)
-        written = frozenset(self._written)
+        written = frozenset(self.window.written)
         if self.overflow:
             self.last_grad_norm = None
             self.counts["skipped_steps"] += 1
@@ -341,7 +338,7 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         self._update_device_chunks(written, hypers, grad_factor)
         self.device_steps.begin()
         for chunk in self._chunks_in((Route.HOST_ADAM,), written):
-            if chunk in self._queued:
+            if chunk in self.window.queued:
                 self._queue_revision(chunk, grad_factor=grad_factor)
             elif self._steps_on_device(chunk):
                 self._step_on_device(chunk, written, hypers, grad_factor)
@@ -379,13 +376,13 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
             # One rank, streamed params: per parameter in double, in the order the resident path sums them.
             return math.sqrt(sum(float(torch.linalg.vector_norm(self.store.state_view(slot, "grad"),
                                                                 dtype=torch.float32)) ** 2
-                                 for slot in self._completed_order))
+                                 for slot in self.window.completed_order))
         if not self.store.grads_in_accumulators or self.exchange is not None:
-            return math.sqrt(float(self._chunk_squares.sum()))  # sharded: summed over the owners
+            return math.sqrt(float(self.window.chunk_squares.sum()))  # sharded: summed over the owners
         self._drain_host_gradients()
-        total = sum(self._host_squares)
+        total = sum(self.window.host_squares)
         on_device = [torch.linalg.vector_norm(self.store.state_view(slot, "grad"), dtype=torch.float32).square()
-                     for _, slot in self.members if slot.name in self._written
+                     for _, slot in self.members if slot.name in self.window.written
                      and self.store.state_home(slot.chunk).route is Route.DEVICE_ADAM]
         if on_device:
             total += float(torch.stack(on_device).double().sum())
@@ -441,7 +438,7 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
     def _restore_params(self, written: frozenset) -> None:
         """Rewrite param chunks that hold this window's gradients from their masters (no step taken; the
         speculatively updated ones are revised instead)."""
-        chunks = [c for c in self._chunks_in(UPDATED_HERE, written) if c not in self._queued]
+        chunks = [c for c in self._chunks_in(UPDATED_HERE, written) if c not in self.window.queued]
         self._rewrite_from_masters(chunks, written)
         self._mark_stale()  # the non-owned chunks come back from their owners
 

@@ -25,15 +25,15 @@ from zero_cache.storage.tiers import wait
 
 class GradientIntake:
     """Mixed into :class:`~zero_cache.optim.optimizer.ZeroCacheOptimizer` (its store, exchange, host worker, transfers,
-    speculation settings and per-window bookkeeping, which ``_reset_window`` starts again).
+    speculation settings and :class:`~zero_cache.optim.window.AccumulationWindow`, which ``_reset_window`` starts
+    again).
 
     A mixin still, unlike the checkpoint surface (:class:`~zero_cache.optim.optimizer_state.NamedStates`) and the
-    step's timing (:class:`~zero_cache.optim.step_clock.StepClock`): it is one half of the accumulation window,
-    whose bookkeeping (``_written``, ``_missing``, ``_group_missing``, ``_queued``, ``_chunk_squares`` ...) ``step()``,
-    ``zero_grad()`` and :class:`~zero_cache.optim.optimizer_sharded.ShardedGradients` read and write as well, and a
-    gradient it takes may start that chunk's update at once (``_queue_host_update``, ``_group_written``). As a
-    collaborator it would take 29 of the optimizer's attributes and 5 of its methods; splitting it well needs the
-    window's state as an object of its own first.
+    step's timing (:class:`~zero_cache.optim.step_clock.StepClock`): a gradient it takes may start its chunk's update
+    at once (``_queue_host_update``, ``_queue_speculative``) or its group's reduction (``_group_written``), and what
+    decides that is the step's own state (``step_count``, ``_speculating``, ``device_stepped``, ``_hypers``). As a
+    collaborator it would take 18 of the optimizer's attributes and 5 of its methods; the window's bookkeeping, which
+    it shares with the step and :class:`~zero_cache.optim.optimizer_sharded.ShardedGradients`, is one of them.
     """
 
     def prepare_backward(self, boundary: bool) -> None:
@@ -83,10 +83,10 @@ class GradientIntake:
         """Move ``param``'s gradient out of autograd into ZeRO-Cache (post-accumulate-grad hook)."""
         grad = param.grad
         param.grad = None
-        first = slot.name not in self._written  # the first gradient of a window is copied, not added
-        self._written.add(slot.name)
+        first = slot.name not in self.window.written  # the first gradient of a window is copied, not added
+        self.window.written.add(slot.name)
         if self._boundary:
-            self._completed_order.append(slot)
+            self.window.completed_order.append(slot)
         self.wait_for_chunk(slot.chunk)  # the chunk's last host update has landed before we write it
         if self.exchange is not None and self.exchange.uses_buckets:  # reduced from the group's bucket
             if not first and not self.store.grads_in_accumulators:
@@ -94,7 +94,7 @@ class GradientIntake:
             self.exchange.bucket_view(slot.chunk)[slot.offset:slot.offset + slot.numel].copy_(grad.reshape(-1))
             if not (self.sharding.sharded or self.store.grads_in_accumulators):
                 self._add_square(slot.chunk, grad)  # one rank: summed per parameter, in the resident path's order
-            self._micro_step_open = self.store.grads_in_accumulators
+            self.window.micro_step_open = self.store.grads_in_accumulators
             self._group_written(slot.chunk)
         elif not self.store.grads_in_accumulators:
             self._write_over_param(slot, grad, first)
@@ -109,15 +109,15 @@ class GradientIntake:
         if not first:
             raise self._second_gradient(slot)
         self.store.param_view(slot).copy_(grad)
-        self._missing[slot.chunk] -= 1
+        self.window.missing[slot.chunk] -= 1
         if self.exchange is not None:
             self._group_written(slot.chunk)
             return
         self._add_square(slot.chunk, grad)
-        if self._missing[slot.chunk] == 0 and self._speculates(slot.chunk):
+        if self.window.missing[slot.chunk] == 0 and self._speculates(slot.chunk):
             # The chunk's gradients are complete: update it now, under the rest of backward.
-            squares = self._squares_pinned[slot.chunk:slot.chunk + 1]
-            squares.copy_(self._chunk_squares[slot.chunk:slot.chunk + 1], non_blocking=True)
+            squares = self.window.squares_pinned[slot.chunk:slot.chunk + 1]
+            squares.copy_(self.window.chunk_squares[slot.chunk:slot.chunk + 1], non_blocking=True)
             self._queue_speculative(slot.chunk, squares)
 
     def _speculates(self, chunk: int) -> bool:
@@ -136,16 +136,16 @@ class GradientIntake:
         """Update ``chunk`` now with the clip factor taken as 1; ``step()`` revises it (``squares``: its squared
         gradient norm, copied from the device; None: the worker takes it from the accumulator)."""
         factor = self._unscale_factor()
-        if self._window is None:
-            self._window = SpeculationWindow(self.gradient_clipping, factor)
-        self._queued[chunk] = self._queue_host_update(chunk, frozenset(self._written), self._hypers(),
-                                                      step=self.step_count + 1, grad_factor=factor,
-                                                      squares=squares, window=self._window)
+        if self.window.speculation is None:
+            self.window.speculation = SpeculationWindow(self.gradient_clipping, factor)
+        self.window.queued[chunk] = self._queue_host_update(chunk, frozenset(self.window.written), self._hypers(),
+                                                            step=self.step_count + 1, grad_factor=factor,
+                                                            squares=squares, window=self.window.speculation)
         self.counts["speculated_chunks"] += 1
 
     def _add_square(self, chunk: int, grad: torch.Tensor) -> None:
         square = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
-        self._chunk_squares[chunk:chunk + 1].add_(square)
+        self.window.chunk_squares[chunk:chunk + 1].add_(square)
 
     @staticmethod
     def _second_gradient(slot: TensorSlot) -> RuntimeError:
@@ -174,29 +174,20 @@ class GradientIntake:
             accumulator.copy_(staged) if first else accumulator.add_(staged)
             self.host.gradient_pool.release(buffer)
             if boundary:
-                self._host_squares.append(float(torch.linalg.vector_norm(accumulator, dtype=torch.float32)) ** 2)
+                self.window.host_squares.append(float(torch.linalg.vector_norm(accumulator, dtype=torch.float32)) ** 2)
 
         self.host.submit(accumulate)
         if boundary and self.exchange is None:
-            self._missing[slot.chunk] -= 1
-            if self._missing[slot.chunk] == 0 and self._speculates(slot.chunk):
+            self.window.missing[slot.chunk] -= 1
+            if self.window.missing[slot.chunk] == 0 and self._speculates(slot.chunk):
                 self._queue_speculative(slot.chunk, None)  # runs after its accumulations (zero_cache.runtime.jobs)
 
     def _reset_window(self) -> None:
-        self._written.clear()
-        self._queued.clear()
-        self._window = None
-        self._accumulated.clear()
-        self._host_squares.clear()
-        self._completed_order.clear()
-        self._chunk_squares.zero_()
-        self._missing = {chunk: len(members) for chunk, members in self._members_of_chunk.items()}
+        self.window.reset()
         self._reset_group_counts()
 
     def _reset_group_counts(self) -> None:
         """Gradients to come per collective group in the next backward; a new micro-step for the exchange."""
-        self._group_missing = [0] * len(self._group_missing)
-        for chunk, members in self._members_of_chunk.items():
-            self._group_missing[self.sharding.group_of(chunk)] += len(members)
+        self.window.reset_group_counts()
         if self.exchange is not None:
             self.exchange.new_micro_step()

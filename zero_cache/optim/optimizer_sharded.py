@@ -19,20 +19,19 @@ from zero_cache.storage.tiers import wait
 
 class ShardedGradients:
     """Mixed into :class:`~zero_cache.optim.optimizer.ZeroCacheOptimizer` (its ``exchange``, ``sharding``, ``store``,
-    host worker, transfers and per-window bookkeeping).
+    host worker, transfers and :class:`~zero_cache.optim.window.AccumulationWindow`).
 
     A mixin still, for the reason :class:`~zero_cache.optim.optimizer_gradients.GradientIntake` is one: a reduced
-    group is the accumulation window's business, so this part reads and writes the window's bookkeeping
-    (``_accumulated``, ``_chunk_squares``, ``_group_missing``, ``_micro_step_open``, ``_queued``) and hands chunks to
-    the update side (``_queue_speculative``, ``_rewrite_from_masters``); the gradient intake and ``step()`` call it
-    in turn. As a collaborator it would take 15 of the optimizer's attributes and 7 of its methods.
+    group goes straight to the update side (``_queue_speculative``, ``_speculates``, ``_rewrite_from_masters``), and
+    the gradient intake and ``step()`` call this part in turn. As a collaborator it would take 10 of the optimizer's
+    attributes and 7 of its methods.
     """
 
     def _group_written(self, chunk: int) -> None:
         """One more gradient of ``chunk``'s group written on this rank; reduce the group once complete."""
         group = self.sharding.group_of(chunk)
-        self._group_missing[group] -= 1
-        if self._group_missing[group] > 0:
+        self.window.group_missing[group] -= 1
+        if self.window.group_missing[group] > 0:
             return
         if not self.overlap_comm and not self.store.shard_params:  # without overlap: all at the step
             return
@@ -49,11 +48,11 @@ class ShardedGradients:
 
     def _finish_micro_step(self) -> None:
         """Accumulating: reduce the groups backward left open, add every reduced slice to its owner's accumulator."""
-        if not self._micro_step_open:
+        if not self.window.micro_step_open:
             return
         self.exchange.reduce_rest()
         self._accumulate_reduced(self.exchange.completed())
-        self._micro_step_open = False
+        self.window.micro_step_open = False
         self._reset_group_counts()
 
     def _owned_in(self, group: int) -> list[int]:
@@ -70,8 +69,8 @@ class ShardedGradients:
 
     def _add_to_accumulator(self, chunk: int, reduced: torch.Tensor) -> Any:
         """Add an owned chunk's reduced gradients to its fp32 accumulator; returns what reads ``reduced`` until done."""
-        first = chunk not in self._accumulated  # the window's first micro-step is copied, not added
-        self._accumulated.add(chunk)
+        first = chunk not in self.window.accumulated  # the window's first micro-step is copied, not added
+        self.window.accumulated.add(chunk)
         accumulator = self.store.groups[chunk].grad
         if self.store.state_home(chunk).route is Route.DEVICE_ADAM:  # (its accumulator is on the device)
             accumulator.copy_(reduced) if first else accumulator.add_(reduced)
@@ -97,16 +96,17 @@ class ShardedGradients:
             self._finish_micro_step()
             self._drain_host_gradients()
             for chunk in owned:
-                if chunk in self._accumulated:
+                if chunk in self.window.accumulated:
                     accumulator = self.store.groups[chunk].grad
-                    self._chunk_squares[chunk] = torch.linalg.vector_norm(accumulator, dtype=torch.float32).square()
+                    square = torch.linalg.vector_norm(accumulator, dtype=torch.float32).square()
+                    self.window.chunk_squares[chunk] = square
         else:
             self.exchange.reduce_rest()
             self.exchange.completed()
             for chunk in owned:
-                if chunk not in self._queued:  # a queued chunk's squares are in; its update may be overwriting it
-                    self._chunk_squares[chunk] = self._owned_square(chunk)
-        self.sharding.all_reduce_sum(self._chunk_squares)
+                if chunk not in self.window.queued:  # a queued chunk's squares are in; its update may be overwriting it
+                    self.window.chunk_squares[chunk] = self._owned_square(chunk)
+        self.sharding.all_reduce_sum(self.window.chunk_squares)
 
     def _updated_now(self, group: int) -> bool:
         """Whether :meth:`_update_reduced` queues an owned chunk of ``group`` as soon as its reduction is done."""
@@ -115,9 +115,9 @@ class ShardedGradients:
     def _update_reduced(self, groups: list[int]) -> None:
         """Queue the host updates of the owned chunks of reduced groups (update during backward)."""
         for chunk in [chunk for group in groups for chunk in self._owned_in(group) if self._speculates(chunk)]:
-            self._chunk_squares[chunk] = self._owned_square(chunk)
-            squares = self._squares_pinned[chunk:chunk + 1]
-            squares.copy_(self._chunk_squares[chunk:chunk + 1], non_blocking=True)
+            self.window.chunk_squares[chunk] = self._owned_square(chunk)
+            squares = self.window.squares_pinned[chunk:chunk + 1]
+            squares.copy_(self.window.chunk_squares[chunk:chunk + 1], non_blocking=True)
             self._queue_speculative(chunk, squares)
 
     def _restore_unreached(self, written: frozenset) -> None:
@@ -131,7 +131,7 @@ class ShardedGradients:
 
     def _owned_square(self, chunk: int) -> torch.Tensor:
         if not self.sharding.sharded:  # one rank (streamed params): the gradient hook summed it per parameter
-            return self._chunk_squares[chunk].clone()
+            return self.window.chunk_squares[chunk].clone()
         # Padding inside a chunk is zero on every rank, so the whole chunk's norm is its gradients'.
         taken = self.exchange.reduced_squares.get(self.sharding.group_of(chunk))  # (a shard at home on the host)
         if taken is not None:
