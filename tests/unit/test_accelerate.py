@@ -139,9 +139,15 @@ with real_deepspeed():
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     assert deepspeed is not angelptm and deepspeed.__file__.endswith("deepspeed/__init__.py"), deepspeed
     assert DeepSpeedCPUAdam.__module__ == "deepspeed.ops.adam.cpu_adam", DeepSpeedCPUAdam.__module__
+real_class = DeepSpeedCPUAdam
 import deepspeed
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 assert deepspeed is angelptm and DeepSpeedCPUAdam.__module__ == "angelptm.ops.adam", DeepSpeedCPUAdam.__module__
+with real_deepspeed():  # a second engine's host Adam: the same real class, so its optimizer ids go on counting
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    assert DeepSpeedCPUAdam is real_class
+import sys
+assert sys.modules["deepspeed"] is angelptm and type(sys.meta_path[0]).__name__ == "_AliasFinder", sys.meta_path
 print("ok")
 """
 

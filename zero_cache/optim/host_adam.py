@@ -219,23 +219,29 @@ def real_deepspeed() -> Iterator[None]:
     scripts then reach this engine's ``deepspeed.ops.adam``, a torch Adam without the C++ op).
 
     The alias's modules and finders (a finder says it is one with an ``aliases = "deepspeed"`` attribute) step
-    aside for the block and come back after it; the real modules imported meanwhile leave ``sys.modules`` again
-    but stay alive in ``_HOLDERS`` with the objects made from them.
+    aside for the block and come back after it, each finder where it was. The real modules are imported once and
+    kept in :data:`_REAL` between blocks: a second block gets the same classes, so DeepSpeedCPUAdam's optimizer ids
+    keep counting (a fresh import would start them at 0 again and replace the first engine's C++ optimizer).
     """
     aliased = getattr(sys.modules.get("deepspeed"), "__name__", "deepspeed") != "deepspeed"
-    finders = [finder for finder in sys.meta_path if getattr(finder, "aliases", None) == "deepspeed"]
+    finders = [(index, finder) for index, finder in enumerate(sys.meta_path)
+               if getattr(finder, "aliases", None) == "deepspeed"]
     if not aliased and not finders:
         yield
         return
     hidden = {name: sys.modules.pop(name) for name in [n for n in sys.modules if _is_deepspeed(n)]}
-    for finder in finders:
+    for _, finder in finders:
         sys.meta_path.remove(finder)
+    sys.modules.update(_REAL)
     try:
         yield
     finally:
-        _HOLDERS.append({name: sys.modules.pop(name) for name in [n for n in sys.modules if _is_deepspeed(n)]})
+        _REAL.update({name: sys.modules.pop(name) for name in [n for n in sys.modules if _is_deepspeed(n)]})
         sys.modules.update(hidden)
-        sys.meta_path[:0] = finders
+        for index, finder in finders:  # (ascending: each goes back to its old place)
+            sys.meta_path.insert(index, finder)
 
 
+_REAL: dict = {}
+"""The real DeepSpeed's modules, by name, imported by :func:`real_deepspeed` while ``deepspeed`` was an alias."""
 _HOLDERS: list = []  # keeps the C++ optimizer objects alive for the life of the process
