@@ -48,14 +48,14 @@ from angelptm.errors import ConfigError
 from angelptm.memory.fit_check import BuildWatch
 from angelptm.engine.init_on_device import RandomFillsOnDevice
 from zero_cache import AUTO
-from zero_cache.storage.homes import home_class
+from zero_cache.plan.home_costs import home_costs
 
 REMOTE_DEVICES = (None, "none", "cuda", "cpu", "nvme")
 
 
 def _homes_off_device(param_home: str) -> bool:
     """Whether ``zero_cache.param_home`` names a home off the device for every shard (host, NVMe)."""
-    return param_home != AUTO and home_class(param_home).streams
+    return param_home != AUTO and home_costs(param_home).streams
 
 
 _PRECISION_SECTIONS = ("fp16", "bf16", "bfloat16")

@@ -31,7 +31,7 @@ from zero_cache.plan.units import AUTO, format_bytes
 from zero_cache.resolve import plan_inputs
 from zero_cache.runtime.rates import measured_copies, measured_disk, with_host_adam
 from zero_cache.runtime.shard_params import agree_working_set, gather_objects
-from zero_cache.storage.homes import home_class
+from zero_cache.plan.home_costs import home_costs
 from zero_cache.tuning import DeviceStepTuner
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class WarmupTracer:
         gathered = optimizer.exchange.gathered if optimizer.exchange is not None else None
         if gathered is not None:
             self.gathers_as_planned = (gathered.max_live - gathered.ahead, frozenset(
-                g for g, home in enumerate(first.param_home) if home_class(home).streams))
+                g for g, home in enumerate(first.param_home) if home_costs(home).streams))
         optimizer.apply_plan(warmup)
 
     def record(self, chunks: list[int]) -> None:

@@ -210,7 +210,9 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the gradients accumulated so far (they live in the optimizer's fp32 buffers)."""
+        """Drop the gradients accumulated so far (they live in the optimizer's fp32 buffers), and with them
+        whether one of their losses was non-finite."""
+        self._loss_nonfinite = None
         if self.optimizer is not None:
             self.optimizer.zero_grad()
         self.module.zero_grad(set_to_none=set_to_none)

@@ -6,7 +6,6 @@ reads them with the tiers and the copy streams' traffic, then starts them again 
 
 from __future__ import annotations
 
-import collections
 
 import torch
 
@@ -40,18 +39,6 @@ class OptimizerCounters:
         """See :data:`COUNTS`."""
         self.timings = dict.fromkeys(WAITS, 0.0)
         """See :data:`WAITS`."""
-
-    def tier_usage(self) -> dict[str, tuple[int, int]]:
-        """Tier name -> (bytes in use, budget bytes), now."""
-        return {name: (tier.used_bytes, tier.budget_bytes) for name, tier in self.store.tiers.items()}
-
-    def tier_counts(self) -> dict[str, int]:
-        """Tier name -> optimizer groups there now (after any re-plan; REMOTE: another rank's)."""
-        return dict(collections.Counter(group.tier for group in self.store.groups))
-
-    def param_home_counts(self) -> dict[str, int]:
-        """Tier name -> this rank's param shards at home there now (gathered params; empty when resident)."""
-        return dict(collections.Counter(self.store.param_home))
 
     def report(self) -> dict[str, float]:
         """Per-tier bytes and the traffic and waiting since the previous report (then resets those).

@@ -51,6 +51,7 @@ public :class:`~zero_cache.optim.optimizer_state.OptimizerCheckpoint` methods), 
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import time
@@ -169,8 +170,9 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         fragmentation): what its plan leaves room for."""
         self.step_clock = StepClock(self.device)
         """Times each step and its backward (:attr:`clock`, :attr:`last_backward_seconds`)."""
-        self.named_states = NamedStates(store, self.members, optimizer=optimizer, loss_scaler=loss_scaler,
-                                        settle=self.finish_pending, restore_params=self._restore_params)
+        self.named_states = NamedStates(store, self.members, self._members_of_chunk, optimizer=optimizer,
+                                        loss_scaler=loss_scaler, settle=self.finish_pending,
+                                        restore_params=self._restore_params)
         """The states by parameter name: the checkpoint surface's (:class:`OptimizerCheckpoint`)."""
         self.last_updates_after_backward = False
         """Whether the last step's host updates waited for its backward to end (no speculation in backward)."""
@@ -258,15 +260,15 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
 
     def tier_usage(self) -> dict[str, tuple[int, int]]:
         """Tier name -> (bytes in use, budget bytes), now."""
-        return self.counters.tier_usage()
+        return {name: (tier.used_bytes, tier.budget_bytes) for name, tier in self.store.tiers.items()}
 
     def tier_counts(self) -> dict[str, int]:
         """Tier name -> optimizer groups there now (after any re-plan; REMOTE: another rank's)."""
-        return self.counters.tier_counts()
+        return dict(collections.Counter(group.tier for group in self.store.groups))
 
     def param_home_counts(self) -> dict[str, int]:
         """Tier name -> this rank's param shards at home there now (gathered params; empty when resident)."""
-        return self.counters.param_home_counts()
+        return dict(collections.Counter(self.store.param_home))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Start a new accumulation window: drop the gradients of this one (and take back its updates made

@@ -28,6 +28,7 @@ class NamedStates:
         store: the chunk storage that holds the states.
         members: (param-group index, slot) of every trained parameter, in the optimizer's order (the order a
             state dict lists them in).
+        members_of_chunk: the same members by chunk (the optimizer's own index of them).
         optimizer: the client's torch optimizer; only its ``param_groups`` (the hyperparameters) are read and
             loaded.
         loss_scaler: fp16 loss scaler saved and loaded beside the states, or None.
@@ -37,7 +38,8 @@ class NamedStates:
             of names; sharded, the other ranks' come back from their owners).
     """
 
-    def __init__(self, store: ChunkStore, members: list[tuple[int, TensorSlot]], *, optimizer: torch.optim.Optimizer,
+    def __init__(self, store: ChunkStore, members: list[tuple[int, TensorSlot]],
+                 members_of_chunk: dict[int, list[tuple[int, TensorSlot]]], *, optimizer: torch.optim.Optimizer,
                  loss_scaler: Any, settle: Callable[[], None], restore_params: Callable[[frozenset], None]) -> None:
         self.store = store
         self.members = members
@@ -45,17 +47,16 @@ class NamedStates:
         self.loss_scaler = loss_scaler
         self.settle = settle
         self.restore_params = restore_params
-        self._slots_of_chunk: dict[int, list[TensorSlot]] = {}
-        for _, slot in members:
-            self._slots_of_chunk.setdefault(slot.chunk, []).append(slot)
+        self.members_of_chunk = members_of_chunk
+        self._all_names = frozenset(slot.name for _, slot in members)
 
     def _chunk_states(self, *, write_back: bool = False, names: Collection[str] | None = None):
         """(slots, states) per chunk; the states are in memory while the caller holds them (NVMe: read, and
         written back with ``write_back``). Synchronous, one chunk at a time. ``names``: only the chunks
         holding these parameters, and only their slots."""
         self.settle()
-        for chunk, slots_of_chunk in sorted(self._slots_of_chunk.items()):
-            slots = [slot for slot in slots_of_chunk if names is None or slot.name in names]
+        for chunk, members in sorted(self.members_of_chunk.items()):
+            slots = [slot for _, slot in members if names is None or slot.name in names]
             if not slots or not self.store.state_home(chunk).owned:
                 continue
             with self.store.open_states(chunk, write_back=write_back) as states:
@@ -93,7 +94,7 @@ class NamedStates:
             for slots, states in self._chunk_states(write_back=True):
                 for slot in slots:
                     self.store.state_view(slot, "master", states).copy_(state[slot.name].reshape(-1))
-            self.restore_params(frozenset(slot.name for _, slot in self.members))
+            self.restore_params(self._all_names)
         self.settle()
 
     def master_values(self, names: Collection[str]) -> dict[str, torch.Tensor]:

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zero_cache.plan.home_costs import DISK_BLOCK_BYTES, home_costs
+from zero_cache.plan.home_costs import DISK_BLOCK_BYTES, align_up, home_costs
 from zero_cache.plan.step_cost import NOMINAL_RATES, STATE_BYTES_PER_ELEMENT, Rates, StepTraffic
 from zero_cache.plan.tier_names import DEVICE, HOST, NVME, REMOTE
 from zero_cache.plan.units import format_bytes
 from zero_cache.plan.working_set import WorkingSet
 
-SWAP_ALIGN_BYTES = DISK_BLOCK_BYTES
-"""Swap slots and bounce buffers are whole 4 KiB blocks (O_DIRECT)."""
 DEVICE_MARGIN_FRACTION = 0.03
 """Device budget kept free for allocator fragmentation and transients."""
 
@@ -115,12 +113,12 @@ class PlanInputs:
     @property
     def swap_slot_bytes(self) -> int:
         """Disk bytes of one optimizer group: its fp32 states, padded to whole 4 KiB blocks."""
-        return -(-self.chunk_numel * STATE_BYTES_PER_ELEMENT // SWAP_ALIGN_BYTES) * SWAP_ALIGN_BYTES
+        return align_up(self.chunk_numel * STATE_BYTES_PER_ELEMENT)
 
     @property
     def swap_buffer_bytes(self) -> int:
         """Host bytes of one bounce buffer: a slot plus the slack ``Tier.allocate_aligned`` takes to align it."""
-        return self.swap_slot_bytes + SWAP_ALIGN_BYTES
+        return self.swap_slot_bytes + DISK_BLOCK_BYTES
 
     @property
     def live_group_bytes(self) -> int:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from zero_cache.config import ZeroCacheConfig
+from zero_cache.plan.home_costs import home_costs
 from zero_cache.plan.layout import ChunkLayout
 from zero_cache.plan.planner import Plan, PlanError
 from zero_cache.plan.tier_names import DEVICE
@@ -21,7 +22,6 @@ from zero_cache.plan.units import AUTO
 from zero_cache.plan.working_set import agreed
 from zero_cache.runtime.gathered import GatheredGroups
 from zero_cache.runtime.sharding import Sharding
-from zero_cache.storage.homes import home_class
 
 
 def gather_ahead_groups(config: ZeroCacheConfig, layout: ChunkLayout, sharding: Sharding) -> int:
@@ -75,7 +75,7 @@ def choose_streaming(config: ZeroCacheConfig, plan_for: Callable[[bool], Plan]) 
     Raises:
         PlanError: no allowed placement fits (the gathered one's shortfall, which needs the least device).
     """
-    allowed = (False, True) if config.param_home == AUTO else (home_class(config.param_home).streams,)
+    allowed = (False, True) if config.param_home == AUTO else (home_costs(config.param_home).streams,)
     plans: dict[bool, Plan] = {}
     errors: dict[bool, PlanError] = {}
     for gathered in allowed:

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from zero_cache.config import AioConfig, ZeroCacheConfig
-from zero_cache.plan.home_costs import HOME_COSTS
+from zero_cache.plan.home_costs import DISK_BLOCK_BYTES, HOME_COSTS, align_up
 from zero_cache.plan.tier_names import NVME
 from zero_cache.plan.units import format_bytes
 from zero_cache.runtime.timeline import Timeline
@@ -52,7 +52,7 @@ from zero_cache.storage.tiers import TierFullError, TrafficCounter
 
 logger = logging.getLogger(__name__)
 
-ALIGN_BYTES = 4096
+ALIGN_BYTES = DISK_BLOCK_BYTES
 """O_DIRECT transfers need buffer addresses, file offsets and lengths aligned to the logical block size."""
 SWAP_PREFIX = "angelptm-zero-cache-"
 AUTO_MARGIN_FRACTION = 0.02
@@ -109,10 +109,6 @@ class _CheckedRead:
 
 class NvmeSetupError(ValueError):
     """zero_cache.nvme_path cannot hold the swap file (missing, not writable, or too small)."""
-
-
-def align_up(num_bytes: int) -> int:
-    return -(-num_bytes // ALIGN_BYTES) * ALIGN_BYTES
 
 
 def check_directory(path: str) -> Path:
