@@ -110,7 +110,7 @@ def run_step(engine, optimizer, catcher, batches, factor: float) -> tuple[bool, 
         engine.backward(engine(**batch) * factor)
         if batch is batches[-1]:
             optimizer.host.drain()  # (lets the test read which speculative updates were applied or deferred)
-            outcomes = [update.outcome for update in optimizer._queued.values()]
+            outcomes = [update.outcome for update in optimizer.window.queued.values()]
         engine.step()
     return not optimizer.overflow, outcomes
 
@@ -217,7 +217,7 @@ def test_zero_grad_after_updates_made_during_backward_takes_them_back(host_kerne
     run_step(engine, optimizer, catcher, batches[:1], 1.0)
     before = states(optimizer)
     engine.backward(engine(**batches[1]))
-    assert optimizer._queued, "host chunks were updated during that backward"
+    assert optimizer.window.queued, "host chunks were updated during that backward"
     engine.zero_grad()
     catcher.take()
     assert_states_close(states(optimizer), before, "after zero_grad")

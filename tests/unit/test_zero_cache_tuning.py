@@ -150,7 +150,7 @@ def test_training_tunes_the_count_by_step_time_and_stays_exact(monkeypatch, capl
         elapsed[0] += cost[len(optimizer.device_stepped)]
         return elapsed[0]
 
-    optimizer.clock = clock
+    optimizer.step_clock.clock = clock
     steps = 1 + MAX_TRIALS * (SETTLE_STEPS + MEASURED_STEPS) + 2  # the warm-up, the tuning's bound, two after it
     batches = random_batches(seed, count=steps, batch=2)
     seen, losses = [], []
@@ -193,7 +193,7 @@ def test_switching_between_trial_counts_allocates_no_kept_gradient_twice(monkeyp
         elapsed[0] += 0.5 + len(optimizer.device_stepped)
         return elapsed[0]
 
-    optimizer.clock = clock
+    optimizer.step_clock.clock = clock
     train_steps(engine, batches[:1])  # the warm-up and its re-plan
     store = optimizer.store
     kept_before, host_before, allocations_before = len(store.plan.kept_gradients), store.tiers[HOST].used_bytes, len(allocated)

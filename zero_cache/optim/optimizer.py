@@ -169,7 +169,7 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         """Device bytes the warm-up's re-plan measured beside the model states (activations, library workspaces,
         fragmentation): what its plan leaves room for."""
         self.step_clock = StepClock(self.device)
-        """Times each step and its backward (:attr:`clock`, :attr:`last_backward_seconds`)."""
+        """Times each step and its backward (its ``clock``, faked by tests; :attr:`last_backward_seconds`)."""
         self.named_states = NamedStates(store, self.members, self._members_of_chunk, optimizer=optimizer,
                                         loss_scaler=loss_scaler, settle=self.finish_pending,
                                         restore_params=self._restore_params)
@@ -217,25 +217,11 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         return bool(self.window.written)
 
     @property
-    def _queued(self) -> dict[int, ChunkUpdate]:
-        """This window's speculative updates by host chunk (:attr:`window`'s; kept under this name for the tests)."""
-        return self.window.queued
-
-    @property
     def params_sharded(self) -> bool:
         """Each rank stores only its shards of the params: the weights are whole only in the fp32 masters."""
         return self.store.shard_params
 
     # ------------------------------------------------------------------ what reports may read (not the store)
-    @property
-    def clock(self) -> Any:
-        """What step times are read from (a fake one in tests): :attr:`step_clock`'s."""
-        return self.step_clock.clock
-
-    @clock.setter
-    def clock(self, clock: Any) -> None:
-        self.step_clock.clock = clock
-
     @property
     def last_backward_seconds(self) -> float | None:
         """The last step's backward as it ran (:attr:`StepClock.last_backward_seconds
