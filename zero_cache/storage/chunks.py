@@ -21,7 +21,7 @@ Sharded params reduce from gradient buckets into the shard instead, with the sam
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -185,6 +185,24 @@ class ChunkStore:
         new.kept, old.kept = old.kept, None  # (host memory either way)
         self._free_group(old)
 
+    @property
+    def spare_kept(self) -> int:
+        """Kept gradients a trial plan dropped, there for the next to take (:meth:`apply_plan`)."""
+        return len(self._spare_kept)
+
+    def release_kept(self, chunks: Iterable[int], *, spare: bool) -> None:
+        """Let go of the kept gradients :meth:`apply_plan` retained for ``chunks`` (no host work reads them now): to
+        the spares while counts are tried, else freed."""
+        for chunk in chunks:
+            group = self.groups[chunk]
+            if group.kept is None or chunk in self.plan.kept_gradients:
+                continue
+            if spare:
+                self._spare_kept.append(group.kept)
+            else:
+                self.tiers[HOST].free(group.kept)
+            group.kept = None
+
     def _allocate_kept(self) -> torch.Tensor:
         """A kept gradient (:attr:`OptimizerGroup.kept`): one param chunk in the compute dtype, on the host."""
         return self.tiers[HOST].allocate(self.layout.chunk_numel, self.compute_dtype, zero=False)
@@ -280,7 +298,7 @@ class ChunkStore:
         self.groups, self.scratch, self.shards, self.param_chunks, self.group_buffers = [], {}, [], [], []
         self.state_homes, self.homes = {}, {}
 
-    def apply_plan(self, plan: Plan, *, keep_spare_gradients: bool = False) -> int:
+    def apply_plan(self, plan: Plan, *, keep_spare_gradients: bool = False, retain: frozenset = frozenset()) -> int:
         """Move shards and optimizer groups whose tier changed; returns the number moved.
 
         Each move goes when its new tier has room for it, and of those that could go, the one after which the most
@@ -294,9 +312,12 @@ class ChunkStore:
         the kept gradients it drops stay allocated for the next trial to take, so a switch registers no pinned
         memory (at 10B on the H100 each switch's step took 2-3 times the settled one). The next plan applied
         without it frees what is left over.
+
+        ``retain``: chunks whose kept gradient the plan drops but whose host work may still read it: they keep it
+        until :meth:`release_kept` (a count switch does not wait for the host's queue).
         """
-        for chunk, group in enumerate(self.groups):  # between steps, no kept gradient is in use
-            if group.kept is not None and chunk not in plan.kept_gradients:
+        for chunk, group in enumerate(self.groups):  # between steps, no other kept gradient is in use
+            if group.kept is not None and chunk not in plan.kept_gradients and chunk not in retain:
                 self._spare_kept.append(group.kept)
                 group.kept = None
         for chunk in plan.kept_gradients:  # (a moved group takes its kept gradient along)
