@@ -7,7 +7,7 @@ their chunks first, so their copies overlap the forward alone, and how long that
 the H100 with a GPT written from ``torch.nn`` modules: 7 device-stepped groups made the step 40% slower than
 the floor, and 13B on the H200 ran 28% slower with the plan's count than with none.
 
-So with ``zero_cache.device_steps: "auto"`` the runtime tries a few counts around the plan's, each for a few
+So with ``zero_cache.device_steps: "auto"`` the runtime tries a few counts below the plan's, each for a few
 steps of real training (the placement stays: only which host groups are stepped on the device changes, see
 :func:`zero_cache.plan.planner.with_device_step_count`), and keeps the fastest. Each trial's first step settles
 (it pays for the switch) and is not counted; the mean of the next ones stands for the count. Not their fastest:
@@ -17,15 +17,17 @@ at 0.98 s, and the steps run with 9 groups after the tuning took 1.32 s (median)
 
 The user should not feel it (issue 37: at 10B on the H100 the first ~21 steps swung between 1.1 and 6.4 s while
 five counts were tried for four steps each). So at most :data:`MAX_TRIALS` counts are tried, chosen as the
-measurements come (:func:`next_count`: the plan's, half of it, then on in the direction that was faster), which
-settles within ``MAX_TRIALS * (SETTLE_STEPS + MEASURED_STEPS)`` steps of the warm-up; and a count whose measured
-step runs :data:`SLOW_FACTOR` times the best mean so far is dropped after that one step.
+measurements come (:func:`next_count`: half the plan's, a quarter, then on in the direction that was faster), which
+settles within ``MAX_TRIALS * (SETTLE_STEPS + MEASURED_STEPS)`` steps of the warm-up; a count whose measured
+step runs :data:`SLOW_FACTOR` times the best mean so far is dropped after that one step; and a switch waits for
+none of the host's queued work (``ZeroCacheOptimizer.apply_plan``).
 
-What this does not bound: a count whose work does not fit the step leaves work to the next step, more each step
-(13B on the H200 with the plan's 7 groups: 1.45, 2.06, 3.23 s, where 2 groups settle at 1.43 s), and a switch does not
-cancel that work: the step after it pays. Ending such a trial after its first grown step was tried (a measured step
-1.3x the fastest of the tuning) and measured: the 3.2 s step moved from the trial's last step to the next count's
-first, as slow.
+Two things made the tuning's slowest steps (13B on the H200, the plan's 7 groups first: 1.45, 2.06, 3.23 s, where
+2 groups settle at 1.43 s). The switch waited for the host updates and device steps of the chunks it changed: about
+1.2 s of the 3.23. And the plan's count leaves work to the next step, more each step (2.03, 2.55 s once the switch
+waited for nothing): its floor prices the device steps' copies as overlapping the whole step, where they overlap
+only the next forward, which is why the tuning starts below it. Pricing them right is the floor's to do
+(:mod:`zero_cache.plan.step_cost`).
 """
 
 from __future__ import annotations
@@ -44,22 +46,32 @@ SLOW_FACTOR = 1.5
 
 def next_count(planned: int, most: int, measured: dict[int, float]) -> int | None:
     """The count to try after those ``measured`` (count -> mean step seconds, in the order tried), or None when
-    the tuning is done: the plan's count, then half of it (a plan of none: a third of the host groups), then a
-    step further the way that was faster: down to a quarter, or up to a third more than the plan's."""
+    the tuning is done.
+
+    A plan of none (its floor says device steps do not pay) is tried as it is, then a third of the host groups, then
+    twice that if it was faster. Otherwise the plan's count is where the floor balances the host's Adam against
+    copies it prices as overlapping the whole step; they overlap only the next forward, so its count is the most the
+    copies may allow, and steps under it leave work to the next (13B on the H200: the plan's 7 ran 2.03 and 2.55 s,
+    4 ran 1.78 s, 2 ran 1.43 s). So the tuning starts at half the plan's count (at least one), then half of that,
+    then a step further the way that was faster: down to an eighth of the plan's, or up to three quarters of it.
+    On the rows measured (13B on the H200, 10B and 2.7B on the H100) the fastest count lay in those three."""
     tried = list(measured)
     if len(tried) >= MAX_TRIALS or most <= 0 and tried:
         return None
-    if not tried:
-        return planned
-    if len(tried) == 1:
-        following = round(planned / 2) if planned else max(1, round(most / 3))
+    if not planned:
+        if not tried:
+            return 0
+        following = max(1, round(most / 3)) if len(tried) == 1 else (
+            min(most, 2 * tried[1]) if measured[tried[1]] < measured[tried[0]] else None)
     else:
-        first, second = tried[0], tried[1]
-        lower = measured[second] < measured[first]
-        if planned:
-            following = round(planned / 4) if lower else min(most, round(4 * planned / 3))
+        first = min(most, max(1, round(planned / 2)))
+        if not tried:
+            return first
+        if len(tried) == 1:
+            following = round(first / 2)
         else:
-            following = min(most, 2 * second) if lower else None
+            lower = measured[tried[1]] < measured[tried[0]]
+            following = round(first / 4) if lower else min(most, round(3 * planned / 4))
     return following if following is not None and following not in measured else None
 
 
@@ -68,18 +80,18 @@ class DeviceStepTuner:
     """Tries counts as measured step times come in (:func:`next_count`), then settles on the fastest.
 
     Args:
-        planned: the plan's device-step count (in force when the tuner starts).
+        planned: the plan's device-step count (the tuner's first count is put in force in its stead).
         most: host groups there are to step.
     """
 
     planned: int
     most: int
+    current: int = field(init=False)
+    """The count in force: the first to try (:func:`next_count`) until the tuning moves on."""
     measured: dict[int, float] = field(init=False, default_factory=dict)
     """Count -> the mean of its measured steps, seconds, in the order tried."""
     backward: dict[int, float] = field(init=False, default_factory=dict)
     """Count -> the mean backward of its measured steps, seconds, where they were timed."""
-    current: int = field(init=False)
-    """The count in force."""
     done: bool = field(init=False, default=False)
     _steps: list[float] = field(init=False, default_factory=list)
     _backwards: list[float] = field(init=False, default_factory=list)
@@ -88,7 +100,7 @@ class DeviceStepTuner:
     def __post_init__(self) -> None:
         if not 0 <= self.planned <= max(0, self.most):
             raise ValueError(f"planned device steps {self.planned} must lie in 0..{self.most}")
-        self.current = self.planned
+        self.current = next_count(self.planned, self.most, {})
 
     @property
     def counts(self) -> list[int]:
@@ -97,9 +109,9 @@ class DeviceStepTuner:
 
     @property
     def best(self) -> int:
-        """The fastest count measured so far (the plan's before any measurement); the fewest among equals."""
+        """The fastest count measured so far (the one in force before any measurement); the fewest among equals."""
         if not self.measured:
-            return self.planned
+            return self.current
         return min(self.measured, key=lambda count: (self.measured[count], count))
 
     def observe(self, step_seconds: float, backward_seconds: float | None = None) -> int | None:

@@ -167,14 +167,16 @@ class WarmupTracer:
         if plan is None:
             logger.warning("ZeRO-Cache re-plan after warm-up failed, keeping the current placement: %s", failure)
             return None
+        host_groups = plan.optimizer_tier.count(HOST)
+        if self.tune_device_steps and host_groups:
+            self.tuner = DeviceStepTuner(len(plan.device_stepped), host_groups)
+            if self.tuner.current != len(plan.device_stepped):  # (the count the tuning tries first)
+                plan = with_device_step_count(inputs, plan, self.tuner.current)
+            optimizer.after_step = functools.partial(self._tune_step, optimizer)
         moved = optimizer.apply_plan(plan)
         logger.info("ZeRO-Cache re-plan after warm-up (non-model peak %d MiB; %s): %s; %d groups moved",
                     nonmodel // 2**20, self.rates.describe(), plan.summary(), moved)
         self.inputs = inputs
-        host_groups = plan.optimizer_tier.count(HOST)
-        if self.tune_device_steps and host_groups:
-            self.tuner = DeviceStepTuner(len(plan.device_stepped), host_groups)
-            optimizer.after_step = functools.partial(self._tune_step, optimizer)
         return plan
 
     def _tune_step(self, optimizer: ZeroCacheOptimizer, step_seconds: float) -> None:
