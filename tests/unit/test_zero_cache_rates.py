@@ -54,7 +54,9 @@ def test_the_host_adam_rate_is_taken_only_from_enough_work():
     elements = random.randint(MIN_MEASURED_ELEMENTS, 10**10)
     seconds = random.uniform(0.01, 5.0)
     measured = with_host_adam(rates, (elements, seconds))
-    assert measured.host_adam_elements_per_s == pytest.approx(elements / seconds) and measured.measured
+    assert measured.host_adam_elements_per_s == pytest.approx(elements / seconds) and measured.host_adam_measured
+    assert not measured.measured, "the bus was not probed"
+    assert "G elements/s (measured here)" in measured.describe() and "(nominal: an H200's" in measured.describe()
     assert (measured.h2d_bytes_per_s, measured.d2h_bytes_per_s) == (10e9, 11e9)
     assert with_host_adam(rates, (MIN_MEASURED_ELEMENTS - 1, seconds)) == rates  # too little to time
     assert with_host_adam(rates, (elements, 0.0)) == rates

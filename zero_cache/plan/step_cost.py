@@ -44,14 +44,18 @@ class Rates:
     """The swap files' disk, reads and writes together (DESIGN.md: reads 0.9-1.3, writes 1.6-2.2 GB/s through
     O_DIRECT on an H200's machine)."""
     measured: bool = False
-    """The bus and the host's Adam measured on this machine (else the nominal figures)."""
+    """The bus measured on this machine (else the nominal copy rates)."""
+    host_adam_measured: bool = False
+    """The host's Adam timed over this machine's training steps (else the nominal rate: the copy probe does not
+    time it)."""
     disk_measured: bool = False
     """The disk's rate measured on this machine's swap directory (:func:`zero_cache.runtime.rates.measured_disk`)."""
 
     def describe(self) -> str:
-        return (f"H2D {self.h2d_bytes_per_s / 2**30:.0f} GiB/s, D2H {self.d2h_bytes_per_s / 2**30:.0f} GiB/s, "
-                f"host Adam {self.host_adam_elements_per_s / 1e9:.1f} G elements/s "
-                f"({'measured here' if self.measured else 'nominal: an H200 host, until this one is measured'})")
+        copies = "measured here" if self.measured else "nominal: an H200's, until this machine is measured"
+        adam = "measured here" if self.host_adam_measured else "nominal: an H200 host's, until training steps time it"
+        return (f"H2D {self.h2d_bytes_per_s / 2**30:.0f} GiB/s, D2H {self.d2h_bytes_per_s / 2**30:.0f} GiB/s "
+                f"({copies}), host Adam {self.host_adam_elements_per_s / 1e9:.1f} G elements/s ({adam})")
 
 
 NOMINAL_RATES = Rates(h2d_bytes_per_s=51 * 2**30, d2h_bytes_per_s=51 * 2**30, host_adam_elements_per_s=4.3e9)

@@ -124,4 +124,4 @@ def with_host_adam(rates: Rates, host_adam: tuple[int, float]) -> Rates:
     elements, seconds = host_adam
     if elements < MIN_MEASURED_ELEMENTS or seconds <= 0:
         return rates
-    return replace(rates, host_adam_elements_per_s=elements / seconds, measured=True)
+    return replace(rates, host_adam_elements_per_s=elements / seconds, host_adam_measured=True)
