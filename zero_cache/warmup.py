@@ -29,7 +29,7 @@ from zero_cache.plan.step_cost import NOMINAL_RATES
 from zero_cache.plan.tier_names import DEVICE, HOST, NVME
 from zero_cache.plan.units import AUTO, format_bytes
 from zero_cache.resolve import plan_inputs
-from zero_cache.runtime.rates import measured_copies, measured_disk, with_host_adam
+from zero_cache.runtime.rates import measured_copies, measured_disk, with_device_step_rate, with_host_adam
 from zero_cache.runtime.shard_params import agree_working_set, gather_objects
 from zero_cache.plan.home_costs import home_costs
 from zero_cache.tuning import DeviceStepTuner
@@ -144,6 +144,7 @@ class WarmupTracer:
         # the next steps ran at 3.9 (2.7B on an H100: first touches of its states), so its rate is taken
         # from the steps after it.
         optimizer.host.adam_work.take()
+        optimizer.device_steps.restart_timing()  # (the warm-up's ran beside its streaming, as the later steps' do not)
         self.rates = measured_copies(device_tier.device, host_tier, self.rates)
         # The disk through a bounce buffer of the state homes where groups pass through one (their buffers are in
         # the host's plan), else from the host tier's room.
@@ -191,8 +192,10 @@ class WarmupTracer:
         optimizer.after_step = None
         logger.info("ZeRO-Cache host groups stepped on the device, by measured step time: %s", self.tuner.summary())
         # The warm-up timed the host's Adam over one step; the tuning steps time it over several, under every
-        # count: the plan's floor is worked out again at that rate (the same placement, nothing moves).
-        self.rates = with_host_adam(self.rates, optimizer.host.adam_work.take())
+        # count: the plan's floor is worked out again at that rate (the same placement, nothing moves). The device
+        # steps' own rate, timed over the same steps, goes into the step's prediction only.
+        self.rates = with_device_step_rate(with_host_adam(self.rates, optimizer.host.adam_work.take()),
+                                           optimizer.device_steps.work.take())
         self.inputs = replace(self.inputs, rates=self.rates)
         plan = with_device_step_count(self.inputs, optimizer.store.plan, self.tuner.best)
         optimizer.apply_plan(plan, count_switch=True)

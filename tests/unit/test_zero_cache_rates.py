@@ -19,7 +19,7 @@ from zero_cache.config import AioConfig
 from zero_cache.plan.planner import HOST, make_plan
 from zero_cache.plan.step_cost import NOMINAL_RATES, Rates
 from zero_cache.runtime.rates import (MIN_MEASURED_ELEMENTS, MIN_PROBE_BYTES, PROBE_BYTES, Throughput, measured_copies,
-                                      measured_disk, with_host_adam)
+                                      measured_disk, with_device_step_rate, with_host_adam)
 from zero_cache.storage.nvme import ALIGN_BYTES, NvmeTier, check_directory
 from zero_cache.storage.tiers import Tier
 
@@ -155,3 +155,14 @@ def test_the_disk_probe_grows_the_swap_file_by_its_own_bytes_not_by_a_slot(tmp_p
     assert measured_disk(nvme, host, NOMINAL_RATES).disk_measured
     assert nvme.file.reserved_bytes == slot + PROBE_BYTES and nvme.used_bytes == slot
     assert nvme.allocate_slot() == taken + slot and nvme.file.reserved_bytes == 2 * slot
+
+
+def test_the_device_step_rate_is_taken_only_from_enough_work():
+    rates = Rates(h2d_bytes_per_s=10e9, d2h_bytes_per_s=11e9, host_adam_elements_per_s=3e9)
+    elements = random.randint(MIN_MEASURED_ELEMENTS, 10**10)
+    seconds = random.uniform(0.01, 5.0)
+    timed = with_device_step_rate(rates, (elements, seconds))
+    assert timed.device_step_elements_per_s == pytest.approx(elements / seconds)
+    assert dataclasses.replace(timed, device_step_elements_per_s=0.0) == rates  # (nothing else changes)
+    assert with_device_step_rate(rates, (MIN_MEASURED_ELEMENTS - 1, seconds)) == rates  # too little to time
+    assert with_device_step_rate(rates, (elements, 0.0)) == rates

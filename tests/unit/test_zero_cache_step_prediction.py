@@ -94,3 +94,30 @@ def test_updating_in_backward_leaves_after_it_what_did_not_fit_in_it_and_the_chu
         assert predicted == pytest.approx(max(backward + max(after.values()), traffic.seconds))
         # Waiting for the norm never makes a step cheaper.
         assert traffic.predicted_step(backward, updates_after_backward=True)[0] >= predicted - 1e-12
+
+
+def test_device_steps_at_their_measured_rate_follow_backward_and_price_nothing_else():
+    """Once the tuning has timed the device steps (13B on the H200: their copies in and out ran one after the
+    other), the work after backward counts them at that rate, and nothing else moves: no other stream, no
+    whole-step floor (the plan's choices stay on the bus's rates)."""
+    for _ in range(300):
+        traffic, n = random_traffic()
+        stepped = n["stepped_resident"] + n["stepped_streamed"]
+        rate = random.uniform(0.5, 8) * 1e9
+        timed = dataclasses.replace(traffic, rates=dataclasses.replace(n["rates"], device_step_elements_per_s=rate))
+        assert timed.device_step_elements == stepped * n["numel"]
+        backward = random.uniform(0.05, 2.0)
+        device_steps = stepped * n["numel"] / rate
+        for after_backward in (True, False):
+            after = timed.after_backward_floors(backward, updates_after_backward=after_backward)
+            untimed = traffic.after_backward_floors(backward, updates_after_backward=after_backward)
+            if stepped:
+                assert after.pop("device steps") == pytest.approx(device_steps)
+            assert after == untimed
+            predicted, bound = timed.predicted_step(backward, updates_after_backward=after_backward)
+            was, _ = traffic.predicted_step(backward, updates_after_backward=after_backward)
+            assert predicted == pytest.approx(max(was, backward + device_steps if stepped else 0.0))
+            if stepped and backward + device_steps > was:
+                assert bound == "backward, then device steps after it"
+        assert timed.seconds == traffic.seconds and timed.floors == traffic.floors
+        assert "device steps" in timed.rates.describe() and "device steps" not in traffic.rates.describe()

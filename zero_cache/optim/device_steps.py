@@ -30,12 +30,14 @@ copies (what the unit tests exercise).
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Callable
 
 import torch
 
 from zero_cache.plan.layout import TensorSlot
 from zero_cache.plan.tier_names import DEVICE
+from zero_cache.runtime.rates import Throughput
 from zero_cache.storage.chunks import STATE_FIELDS, ChunkStore
 from zero_cache.storage.tiers import wait
 
@@ -71,15 +73,21 @@ class DeviceSteps:
         self._next_slot = 0
         self._last_out: Any = None  # the latest copy out: every use of the scratch so far is before it
         self._copies: dict[int, Any] = {}  # chunk -> its last copy (in or out) of host memory, until waited for
+        self.work = Throughput()
+        """Elements stepped here and the seconds each step's took, from the end of its backward to its last copy out
+        (the step's prediction prices the device steps by it: :func:`zero_cache.runtime.rates.with_device_step_rate`)."""
+        self._span: tuple[Any, Any, int] | None = None  # this step's: (started, last copy out, elements)
 
     # ------------------------------------------------------------------ one chunk
     def begin(self) -> None:
         """A step's updates follow: order them after what the current stream has queued (it used the scratch
         last, and wrote the gradients read here) and after the last step's copies out (the states read here)."""
+        self._time_last_step()
         if self.cuda:
             self.h2d.wait_stream(torch.cuda.current_stream(self.store.tiers[DEVICE].device))
             if self._last_out is not None:
                 self.h2d.wait_event(self._last_out)
+        self._span = (self._mark(self.h2d), None, 0)
 
     def step(self, chunk: int, members: dict[int, list[TensorSlot]], hypers: list[dict[str, Any]], step: int,
              grad_factor: float, grads_ready: Any = None) -> Any:
@@ -108,7 +116,34 @@ class DeviceSteps:
             ready = self._step_piece(start, end, fields, grads, grads_on_host, params, home_on_host, members, hypers,
                                      step, grad_factor, grads_ready)
         self._copies[chunk] = self._last_out
+        if self._span is not None:
+            self._span = (self._span[0], self._mark(self.d2h), self._span[2] + store.layout.chunk_numel)
         return ready
+
+    def _mark(self, stream: Any) -> Any:
+        """A point in time on ``stream``: a timing event on a GPU, the host's clock on CPU (where copies are sync)."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def restart_timing(self) -> None:
+        """Drop what :attr:`work` holds and the step not yet added to it (the warm-up's, beside its streaming)."""
+        self._span = None
+        self.work.take()
+
+    def _time_last_step(self) -> None:
+        """Add the last step's device steps to :attr:`work`, where they have landed (the next step's norm has
+        waited for its forward, which waited for their params; a copy out still running drops the sample)."""
+        if self._span is None or not self._span[2]:
+            return
+        started, ended, elements = self._span
+        self._span = None
+        if not self.cuda:
+            self.work.add(elements, ended - started)
+        elif ended.query():
+            self.work.add(elements, started.elapsed_time(ended) / 1e3)
 
     def _step_piece(self, start: int, end: int, fields: list[torch.Tensor], grads: torch.Tensor, grads_on_host: bool,
                     params: torch.Tensor, home_on_host: bool, members: dict[int, list[TensorSlot]],

@@ -50,12 +50,18 @@ class Rates:
     time it)."""
     disk_measured: bool = False
     """The disk's rate measured on this machine's swap directory (:func:`zero_cache.runtime.rates.measured_disk`)."""
+    device_step_elements_per_s: float = 0.0
+    """Host-held groups stepped on the device, from the end of backward to their last copy out, timed over training
+    steps (:func:`zero_cache.runtime.rates.with_device_step_rate`); 0 until then, when their copies are priced as
+    running beside everything else at the bus's rates."""
 
     def describe(self) -> str:
         copies = "measured here" if self.measured else "nominal: an H200's, until this machine is measured"
         adam = "measured here" if self.host_adam_measured else "nominal: an H200 host's, until training steps time it"
+        stepped = (f", device steps {self.device_step_elements_per_s / 1e9:.2f} G elements/s (measured here)"
+                   if self.device_step_elements_per_s else "")
         return (f"H2D {self.h2d_bytes_per_s / 2**30:.0f} GiB/s, D2H {self.d2h_bytes_per_s / 2**30:.0f} GiB/s "
-                f"({copies}), host Adam {self.host_adam_elements_per_s / 1e9:.1f} G elements/s ({adam})")
+                f"({copies}), host Adam {self.host_adam_elements_per_s / 1e9:.1f} G elements/s ({adam}){stepped}")
 
 
 NOMINAL_RATES = Rates(h2d_bytes_per_s=51 * 2**30, d2h_bytes_per_s=51 * 2**30, host_adam_elements_per_s=4.3e9)
@@ -74,6 +80,8 @@ class StepTraffic:
     """Elements of the chunks whose optimizer group is on the host or NVMe, less those stepped on the device."""
     device_stepped: int = 0
     """Host-held optimizer groups whose states are copied to the device and stepped there (after backward)."""
+    device_step_elements: int = 0
+    """Elements of those groups."""
     rates: Rates = NOMINAL_RATES
     """What the floors are worked out at."""
     disk_bytes: int = 0
@@ -124,15 +132,21 @@ class StepTraffic:
         """Seconds of the work between backward and the next forward's use of the chunks: "host Adam" (what the host
         has left to update: every host-updated chunk where the updates wait for the global norm; else those that do
         not keep their gradient, and what of the others' updates during ``backward_seconds`` did not fit), "H2D" (new
-        params and the device steps' states in) and "D2H" (the device steps' states out). Each chunk's update, on
-        the host or stepped on the device, comes before the next forward can use it."""
+        params and the device steps' states in), "D2H" (the device steps' states out), and "device steps" at their
+        measured rate once it is known (13B on the H200: their copies in and out ran one after the other, not side
+        by side as the H2D and D2H floors allow). Each chunk's update, on the host or stepped on the device, comes
+        before the next forward can use it."""
         rates = self.rates
         host = self.host_adam_elements / rates.host_adam_elements_per_s
         if not updates_after_backward:
             during = self.speculated_elements / rates.host_adam_elements_per_s
             host -= min(during, backward_seconds)
-        return {"host Adam": host, "H2D": (self.h2d_bytes - self.gather_bytes) / rates.h2d_bytes_per_s,
-                "D2H": self.device_step_d2h_bytes / rates.d2h_bytes_per_s}
+        after = {"host Adam": host, "H2D": (self.h2d_bytes - self.gather_bytes) / rates.h2d_bytes_per_s,
+                 "D2H": self.device_step_d2h_bytes / rates.d2h_bytes_per_s}
+        if rates.device_step_elements_per_s and self.device_step_elements:
+            # (timed as they ran: their copies both ways, their Adam, and whatever the bus carried beside them)
+            after["device steps"] = self.device_step_elements / rates.device_step_elements_per_s
+        return after
 
     def predicted_step(self, backward_seconds: float, *, updates_after_backward: bool) -> tuple[float, str]:
         """The least step time this traffic allows once backward is measured, and what bounds it.
@@ -224,7 +238,8 @@ def with_device_steps(traffic: StepTraffic, stepped: Sequence[HostChunk], *, chu
                    d2h_bytes=traffic.d2h_bytes + d2h * chunk_numel,
                    device_step_d2h_bytes=traffic.device_step_d2h_bytes + out * chunk_numel,
                    host_adam_elements=traffic.host_adam_elements - len(stepped) * chunk_numel,
-                   device_stepped=traffic.device_stepped + len(stepped))
+                   device_stepped=traffic.device_stepped + len(stepped),
+                   device_step_elements=traffic.device_step_elements + len(stepped) * chunk_numel)
 
 
 def cheapest_device_steps(traffic: StepTraffic, candidates: Sequence[HostChunk], *, chunk_numel: int,

@@ -12,6 +12,9 @@ warm-up step on, plans use:
   optimizer groups' swap file goes and read back through the tier's own IO, timed on the host (reads and writes
   together, as the plan counts the step's disk bytes). On an H100's machine the steps with params on NVMe
   moved 9.0 GiB in 5.0 s where the nominal 1.0 GB/s priced them at 8.0 s;
+- **device steps**: the elements of the host groups stepped on the device over the seconds from the end of each
+  step's backward to its last copy out, taken over the tuning's steps like the host's Adam; only the step's
+  prediction uses it (the plan's choices stay on the bus's rates);
 - **host Adam**: the elements the host worker stepped over the seconds it spent in the update itself
   (inputs landed, before the new params leave), so contention with the copies and the training thread is in it;
   taken over the steps that tune the device-step count, not the warm-up (there, 2.7B on an H100 ran it
@@ -117,6 +120,15 @@ def measured_disk(nvme: NvmeTier | None, host_tier: Tier, known: Rates = NOMINAL
     if timed is None or sum(timed) <= 0:
         return known
     return replace(known, disk_bytes_per_s=2 * nbytes / sum(timed), disk_measured=True)
+
+
+def with_device_step_rate(rates: Rates, device_steps: tuple[int, float]) -> Rates:
+    """``rates`` with the device steps' rate over ``(elements, seconds)`` (each step's, from the end of its backward
+    to its last copy out: ``DeviceSteps.work``) where that is enough work to time."""
+    elements, seconds = device_steps
+    if elements < MIN_MEASURED_ELEMENTS or seconds <= 0:
+        return rates
+    return replace(rates, device_step_elements_per_s=elements / seconds)
 
 
 def with_host_adam(rates: Rates, host_adam: tuple[int, float]) -> Rates:
