@@ -25,7 +25,7 @@ from zero_cache.optim.optimizer import ZeroCacheOptimizer
 from zero_cache.plan.eviction import gathers_per_group
 from zero_cache.plan.layout import ChunkLayout
 from zero_cache.plan.planner import Plan, PlanError, PlanInputs, make_plan, with_device_step_count
-from zero_cache.plan.step_cost import NOMINAL_RATES
+from zero_cache.plan.step_cost import NOMINAL_RATES, agreed_rates
 from zero_cache.plan.tier_names import DEVICE, HOST, NVME
 from zero_cache.plan.units import AUTO, format_bytes
 from zero_cache.resolve import plan_inputs
@@ -150,6 +150,7 @@ class WarmupTracer:
         # the host's plan), else from the host tier's room.
         with store.lent_bounce_buffer() as bounce:
             self.rates = measured_disk(nvme_tier, host_tier, self.rates, bounce)
+        self.rates = agreed_rates(gather_objects(store.sharding)(self.rates))  # (one rank's probe may read low)
         inputs = plan_inputs(self.layout, self.config, self.compute_dtype, device_tier.budget_bytes,
                              host_tier.budget_bytes, self.accumulation_steps, tuple(self.trace), nonmodel,
                              nvme_budget=nvme_tier.budget_bytes + nvme_tier.split_bytes if nvme_tier is not None else 0,

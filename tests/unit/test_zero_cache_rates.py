@@ -17,7 +17,7 @@ from test_zero_cache_streamed import config
 from test_zero_cache_tuning import random_inputs
 from zero_cache.config import AioConfig
 from zero_cache.plan.planner import HOST, make_plan
-from zero_cache.plan.step_cost import NOMINAL_RATES, Rates
+from zero_cache.plan.step_cost import NOMINAL_RATES, Rates, agreed_rates
 from zero_cache.runtime.rates import (MIN_MEASURED_ELEMENTS, MIN_PROBE_BYTES, PROBE_BYTES, Throughput, measured_copies,
                                       measured_disk, with_device_step_rate, with_host_adam)
 from zero_cache.storage.nvme import ALIGN_BYTES, NvmeTier, check_directory
@@ -166,3 +166,31 @@ def test_the_device_step_rate_is_taken_only_from_enough_work():
     assert dataclasses.replace(timed, device_step_elements_per_s=0.0) == rates  # (nothing else changes)
     assert with_device_step_rate(rates, (MIN_MEASURED_ELEMENTS - 1, seconds)) == rates  # too little to time
     assert with_device_step_rate(rates, (elements, 0.0)) == rates
+
+
+def test_the_ranks_plan_on_one_set_of_rates_the_middle_reading_of_each():
+    """Each rank probes its own bus; one probe reading low (49B on 4 H200s: one rank's H2D 35 GiB/s against about
+    50) must not give that rank another placement. Every rate is the middle of the ranks' readings, measured only
+    where every rank measured it, and one rank's rates stand as they are."""
+    rng = random.Random(random.randrange(10**6))
+    fields = ("h2d_bytes_per_s", "d2h_bytes_per_s", "host_adam_elements_per_s", "disk_bytes_per_s",
+              "device_step_elements_per_s")
+    for _ in range(200):
+        ranks = [dataclasses.replace(random_rates(rng), disk_bytes_per_s=rng.uniform(0.5, 3) * 1e9,
+                                     device_step_elements_per_s=rng.choice([0.0, rng.uniform(1, 4) * 1e9]),
+                                     measured=rng.random() < 0.8, host_adam_measured=rng.random() < 0.8,
+                                     disk_measured=rng.random() < 0.8)
+                 for _ in range(rng.randint(1, 8))]
+        agreed = agreed_rates(ranks)
+        for name in fields:
+            values = [getattr(rates, name) for rates in ranks]
+            below = sum(value < getattr(agreed, name) for value in values)
+            above = sum(value > getattr(agreed, name) for value in values)
+            assert getattr(agreed, name) in values and below <= (len(values) - 1) // 2 and above <= len(values) // 2
+        for flag in ("measured", "host_adam_measured", "disk_measured"):
+            assert getattr(agreed, flag) == all(getattr(rates, flag) for rates in ranks)
+        assert agreed_rates(ranks[:1]) == ranks[0]
+    low = dataclasses.replace(NOMINAL_RATES, h2d_bytes_per_s=35 * 2**30)
+    assert agreed_rates([NOMINAL_RATES, low, NOMINAL_RATES, NOMINAL_RATES]).h2d_bytes_per_s == 51 * 2**30
+    with pytest.raises(ValueError, match="at least one rank"):
+        agreed_rates([])

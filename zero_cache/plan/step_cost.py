@@ -64,6 +64,29 @@ class Rates:
                 f"({copies}), host Adam {self.host_adam_elements_per_s / 1e9:.1f} G elements/s ({adam}){stepped}")
 
 
+def agreed_rates(ranks: Sequence[Rates]) -> Rates:
+    """One set of rates for every data-parallel rank: each rate the median of the ranks' (the lower middle one for
+    an even count), measured only where every rank measured it.
+
+    Each rank probes its own bus, and a probe can read one rank low: at 49B on 4 H200s of one host one rank read
+    H2D 35 GiB/s where the others read about 50, and planned another placement. The ranks of a job run on the same
+    kind of machine, so the middle reading stands for all of them, and every rank prices its plan alike.
+    """
+    if not ranks:
+        raise ValueError("agreed_rates needs the rates of at least one rank")
+
+    def middle(values: list[float]) -> float:
+        return sorted(values)[(len(values) - 1) // 2]
+
+    return Rates(h2d_bytes_per_s=middle([r.h2d_bytes_per_s for r in ranks]),
+                 d2h_bytes_per_s=middle([r.d2h_bytes_per_s for r in ranks]),
+                 host_adam_elements_per_s=middle([r.host_adam_elements_per_s for r in ranks]),
+                 disk_bytes_per_s=middle([r.disk_bytes_per_s for r in ranks]),
+                 device_step_elements_per_s=middle([r.device_step_elements_per_s for r in ranks]),
+                 measured=all(r.measured for r in ranks), host_adam_measured=all(r.host_adam_measured for r in ranks),
+                 disk_measured=all(r.disk_measured for r in ranks))
+
+
 NOMINAL_RATES = Rates(h2d_bytes_per_s=51 * 2**30, d2h_bytes_per_s=51 * 2**30, host_adam_elements_per_s=4.3e9)
 """An H200's, measured there (DESIGN.md): what a plan assumes before this machine is measured."""
 
