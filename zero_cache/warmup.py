@@ -164,20 +164,24 @@ class WarmupTracer:
             # The text, not the error: a log record keeps its args, and the error's traceback would keep
             # this frame's optimizer (and its pinned memory and swap file) alive for as long as the record.
             failure = str(err)
-        # Each rank measured its own peak and rates: the ranks agree on one working set, or all keep the current one.
+        # Each rank measured its own peak: the ranks agree on one working set, or all keep the current one.
         plan = agree_working_set(plan, gather_objects(store.sharding))
         if plan is None:
             logger.warning("ZeRO-Cache re-plan after warm-up failed, keeping the current placement: %s", failure)
             return None
         host_groups = plan.optimizer_tier.count(HOST)
+        tuning = ""
         if self.tune_device_steps and host_groups:
-            self.tuner = DeviceStepTuner(len(plan.device_stepped), host_groups)
-            if self.tuner.current != len(plan.device_stepped):  # (the count the tuning tries first)
+            planned = len(plan.device_stepped)
+            self.tuner = DeviceStepTuner(planned, host_groups)
+            if self.tuner.current != planned:  # (the count the tuning tries first)
                 plan = with_device_step_count(inputs, plan, self.tuner.current)
+                tuning = (f"; the plan's floor steps {planned} host groups on the device, the tuning starts at "
+                          f"{len(plan.device_stepped)}")
             optimizer.after_step = functools.partial(self._tune_step, optimizer)
         moved = optimizer.apply_plan(plan)
-        logger.info("ZeRO-Cache re-plan after warm-up (non-model peak %d MiB; %s): %s; %d groups moved",
-                    nonmodel // 2**20, self.rates.describe(), plan.summary(), moved)
+        logger.info("ZeRO-Cache re-plan after warm-up (non-model peak %d MiB; %s): %s; %d groups moved%s",
+                    nonmodel // 2**20, self.rates.describe(), plan.summary(), moved, tuning)
         self.inputs = inputs
         return plan
 

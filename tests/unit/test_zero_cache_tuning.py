@@ -305,3 +305,24 @@ def test_a_count_switch_waits_for_no_queued_host_update_and_training_stays_exact
     assert losses == pytest.approx(train_steps(reference, batches), rel=1e-6)
     reference_optimizer.finish_pending()
     assert_close_to(optimizer.master_state_dict(), reference_optimizer.master_state_dict(), start, rtol=1e-6)
+
+
+def test_the_replan_puts_the_tunings_first_count_in_force_and_says_so(monkeypatch, caplog):
+    """The re-plan's floor steps 4 host groups on the device (forced here: on CPU it steps none); the tuning starts
+    at half of it, in force from the step after the warm-up, and the log names both."""
+    warmup = importlib.import_module("zero_cache.warmup")
+    monkeypatch.setattr(warmup, "tunes_on", lambda device: True)
+
+    def plan_stepping_four(inputs):
+        plan = make_plan(inputs)
+        return with_device_step_count(inputs, plan, 4)
+
+    monkeypatch.setattr(warmup, "make_plan", plan_stepping_four)
+    caplog.set_level(logging.INFO, logger="zero_cache")
+    seed = torch.randint(0, 10_000, ()).item()
+    engine, optimizer, _, _ = angelptm.initialize(model=tiny_llama(seed), config=config("host"))
+    train_steps(engine, random_batches(seed, count=2, batch=2))
+    host = [c for c, group in enumerate(optimizer.store.groups) if group.tier == HOST]
+    assert len(host) >= 4 and len(optimizer.device_stepped) == 2 == len(optimizer.store.plan.device_stepped)
+    assert "the plan's floor steps 4 host groups on the device, the tuning starts at 2" in caplog.text
+    optimizer.finish_pending()
