@@ -74,9 +74,11 @@ class DeviceSteps:
         self._last_out: Any = None  # the latest copy out: every use of the scratch so far is before it
         self._copies: dict[int, Any] = {}  # chunk -> its last copy (in or out) of host memory, until waited for
         self.work = Throughput()
-        """Elements stepped here and the seconds each step's took, from the end of its backward to its last copy out
-        (the step's prediction prices the device steps by it: :func:`zero_cache.runtime.rates.with_device_step_rate`)."""
+        """Elements stepped here and the seconds each step's took, from when they could start (backward and the
+        device-held groups' Adam done) to their last copy out (the step's prediction prices the device steps by it:
+        :func:`zero_cache.runtime.rates.with_device_step_rate`)."""
         self._span: tuple[Any, Any, int] | None = None  # this step's: (started, last copy out, elements)
+        self._unfinished: list[tuple[Any, Any, int]] = []  # earlier steps' still running when the next began
 
     # ------------------------------------------------------------------ one chunk
     def begin(self) -> None:
@@ -129,21 +131,25 @@ class DeviceSteps:
         return event
 
     def restart_timing(self) -> None:
-        """Drop what :attr:`work` holds and the step not yet added to it (the warm-up's, beside its streaming)."""
-        self._span = None
+        """Drop what :attr:`work` holds and the steps not yet added to it (the warm-up's, beside its streaming)."""
+        self._span, self._unfinished = None, []
         self.work.take()
 
     def _time_last_step(self) -> None:
-        """Add the last step's device steps to :attr:`work`, where they have landed (the next step's norm has
-        waited for its forward, which waited for their params; a copy out still running drops the sample)."""
-        if self._span is None or not self._span[2]:
-            return
-        started, ended, elements = self._span
+        """Add the earlier steps' device steps to :attr:`work` once their last copy out has landed; one still running
+        (a step that leaves work to the next: the slow ones) is added at a later step, not dropped."""
+        if self._span is not None and self._span[2]:
+            self._unfinished.append(self._span)
         self._span = None
-        if not self.cuda:
-            self.work.add(elements, ended - started)
-        elif ended.query():
-            self.work.add(elements, started.elapsed_time(ended) / 1e3)
+        running = []
+        for started, ended, elements in self._unfinished:
+            if not self.cuda:
+                self.work.add(elements, ended - started)
+            elif ended.query():
+                self.work.add(elements, started.elapsed_time(ended) / 1e3)
+            else:
+                running.append((started, ended, elements))
+        self._unfinished = running
 
     def _step_piece(self, start: int, end: int, fields: list[torch.Tensor], grads: torch.Tensor, grads_on_host: bool,
                     params: torch.Tensor, home_on_host: bool, members: dict[int, list[TensorSlot]],

@@ -496,16 +496,17 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         or update, as every step's are; one joining them is updated on the device only after its host update
         (:meth:`_step_on_device`). Only a kept gradient the plan drops may still be read by the chunk's queued host
         update or lazy fold, so it stays with its chunk until the next step lets go of it (:meth:`_release_retired`,
-        by when the forward has waited for that update). Where the chunks gaining a kept gradient would need new
-        memory beside them, those are finished now instead.
+        by when the forward has waited for that update). That holds for chunks joining the device steps, which
+        the step never updates in backward; any other chunk dropping its kept gradient (a plan the tuner does not
+        make), or chunks gaining one that would need new memory beside the retained, are finished now instead.
         """
         now = self.store.plan
-        retain = frozenset(now.kept_gradients) - frozenset(plan.kept_gradients)
+        dropping = frozenset(now.kept_gradients) - frozenset(plan.kept_gradients)
         gaining = len(frozenset(plan.kept_gradients) - frozenset(now.kept_gradients))
-        if retain and gaining > self.store.spare_kept:
-            self.finish_chunks(sorted(retain))
+        if dropping - frozenset(plan.device_stepped) or dropping and gaining > self.store.spare_kept:
+            self.finish_chunks(sorted(dropping))
             return frozenset()
-        return retain
+        return dropping
 
     def _release_retired(self) -> None:
         """Let go of the kept gradients the last count switch retained, once their chunks' host work is done."""

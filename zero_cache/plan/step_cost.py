@@ -20,7 +20,7 @@ forward waits on after it, which the engine logs against the measured step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Sequence
 
 from zero_cache.plan.units import format_bytes
@@ -75,16 +75,11 @@ def agreed_rates(ranks: Sequence[Rates]) -> Rates:
     if not ranks:
         raise ValueError("agreed_rates needs the rates of at least one rank")
 
-    def middle(values: list[float]) -> float:
-        return sorted(values)[(len(values) - 1) // 2]
-
-    return Rates(h2d_bytes_per_s=middle([r.h2d_bytes_per_s for r in ranks]),
-                 d2h_bytes_per_s=middle([r.d2h_bytes_per_s for r in ranks]),
-                 host_adam_elements_per_s=middle([r.host_adam_elements_per_s for r in ranks]),
-                 disk_bytes_per_s=middle([r.disk_bytes_per_s for r in ranks]),
-                 device_step_elements_per_s=middle([r.device_step_elements_per_s for r in ranks]),
-                 measured=all(r.measured for r in ranks), host_adam_measured=all(r.host_adam_measured for r in ranks),
-                 disk_measured=all(r.disk_measured for r in ranks))
+    agreed = {}
+    for name in (field.name for field in fields(Rates)):
+        values = [getattr(rates, name) for rates in ranks]
+        agreed[name] = all(values) if isinstance(values[0], bool) else sorted(values)[(len(values) - 1) // 2]
+    return Rates(**agreed)
 
 
 NOMINAL_RATES = Rates(h2d_bytes_per_s=51 * 2**30, d2h_bytes_per_s=51 * 2**30, host_adam_elements_per_s=4.3e9)

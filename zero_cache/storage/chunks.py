@@ -296,7 +296,7 @@ class ChunkStore:
         for home in [*self.homes.values(), *self.state_homes.values()]:
             home.close()
         self.groups, self.scratch, self.shards, self.param_chunks, self.group_buffers = [], {}, [], [], []
-        self.state_homes, self.homes = {}, {}
+        self.state_homes, self.homes, self._spare_kept = {}, {}, []
 
     def apply_plan(self, plan: Plan, *, keep_spare_gradients: bool = False, retain: frozenset = frozenset()) -> int:
         """Move shards and optimizer groups whose tier changed; returns the number moved.
