@@ -51,8 +51,8 @@ class Rates:
     disk_measured: bool = False
     """The disk's rate measured on this machine's swap directory (:func:`zero_cache.runtime.rates.measured_disk`)."""
     device_step_elements_per_s: float = 0.0
-    """Host-held groups stepped on the device, from the end of backward to their last copy out, timed over training
-    steps (:func:`zero_cache.runtime.rates.with_device_step_rate`); 0 until then, when their copies are priced as
+    """Host-held groups stepped on the device, from when they may start (backward and the device-held groups' Adam
+    done) to their last copy out, timed over training steps (:func:`zero_cache.runtime.rates.with_device_step_rate`); 0 until then, when their copies are priced as
     running beside everything else at the bus's rates."""
 
     def describe(self) -> str:

@@ -12,8 +12,8 @@ warm-up step on, plans use:
   optimizer groups' swap file goes and read back through the tier's own IO, timed on the host (reads and writes
   together, as the plan counts the step's disk bytes). On an H100's machine the steps with params on NVMe
   moved 9.0 GiB in 5.0 s where the nominal 1.0 GB/s priced them at 8.0 s;
-- **device steps**: the elements of the host groups stepped on the device over the seconds from the end of each
-  step's backward to its last copy out, taken over the tuning's steps like the host's Adam; only the step's
+- **device steps**: the elements of the host groups stepped on the device over the seconds from when each step's
+  may start (backward and the device-held groups' Adam done) to its last copy out, taken over the tuning's steps like the host's Adam; only the step's
   prediction uses it (the plan's choices stay on the bus's rates);
 - **host Adam**: the elements the host worker stepped over the seconds it spent in the update itself
   (inputs landed, before the new params leave), so contention with the copies and the training thread is in it;
@@ -123,8 +123,8 @@ def measured_disk(nvme: NvmeTier | None, host_tier: Tier, known: Rates = NOMINAL
 
 
 def with_device_step_rate(rates: Rates, device_steps: tuple[int, float]) -> Rates:
-    """``rates`` with the device steps' rate over ``(elements, seconds)`` (each step's, from the end of its backward
-    to its last copy out: ``DeviceSteps.work``) where that is enough work to time."""
+    """``rates`` with the device steps' rate over ``(elements, seconds)`` (each step's, from when they may start to
+    their last copy out: ``DeviceSteps.work``) where that is enough work to time."""
     elements, seconds = device_steps
     if elements < MIN_MEASURED_ELEMENTS or seconds <= 0:
         return rates
