@@ -6,8 +6,12 @@
 #
 #   H200 (kind nvidia-h200):  source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200_13b h200_13b_no_device_steps
 #   H100 (nvidia-h100-x1):    source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h100_10b h100_2p7b_capped
-#                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h100_2p7b_whole h100_llama_capped h100_nvme_2p7b
+#                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h100_2p7b_whole h100_llama_capped
+#                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h100_nvme_2p7b
 #   2x H200 (nvidia-h200-x2): source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200x2_6p9b_scaling
+#
+# One device call runs at most 600 s. Wall times measured (session 44): h200_13b with h200_13b_no_device_steps 260 s;
+# h100_10b 290 s, with h100_2p7b_capped 445 s; h100_2p7b_capped, h100_llama_capped and h100_2p7b_whole 394 s.
 #
 # Every row is a DeepSpeed script of a user's model (bench/user_models.py: the GPT written from torch.nn modules,
 # transformers' Llama) driven by its DeepSpeed JSON unchanged (bench/configs/), micro-batch 8, seq 1024, bf16; its
