@@ -3,6 +3,8 @@ gradients written home on the D2H stream and updated there by the worker."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -76,6 +78,35 @@ def test_host_groups_stepped_on_the_gpu_track_the_reference_whatever_the_prefetc
     assert expected[-1] < expected[0] - 0.3
     assert losses == pytest.approx(expected, rel=2e-2)
     assert_masters_close(masters, expected_masters, dict(tiny_gpt(seed).named_parameters()))
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_count_switches_under_work_in_flight_on_cuda_track_the_reference(clip):
+    """Half the host groups joining and leaving the device steps every other step, each switch made while the host's
+    updates and the device steps' copies of the chunks it changes are still in flight on their streams (a switch
+    waits for none of them): training follows hand-written mixed precision, and CUDA events timed the device steps."""
+    seed = torch.randint(0, 10_000, ()).item()
+    batches = random_batches(seed, count=12, batch=4)
+    engine, optimizer, _, _ = angelptm.initialize(model=tiny_gpt(seed), config=config(
+        clip=clip, accumulation=1, prefetch_depth=1))
+    losses = train_steps(engine, batches[:1])  # the warm-up and its re-plan (a fixed count: no tuning)
+    settled = optimizer.store.plan
+    host = [chunk for chunk, group in enumerate(optimizer.store.groups) if group.tier == HOST]
+    joining = tuple(host[:len(host) // 2])
+    assert joining and not settled.device_stepped
+    stepping = dataclasses.replace(settled, device_stepped=joining,
+                                   kept_gradients=tuple(c for c in settled.kept_gradients if c not in joining))
+    for index, batch in enumerate(batches[1:]):
+        losses += train_steps(engine, [batch])
+        if index % 2 == 0:
+            optimizer.apply_plan(stepping if index % 4 == 0 else settled, count_switch=True, trial=True)
+    optimizer.finish_pending()
+    elements, seconds = optimizer.device_steps.work.take()
+    assert elements >= len(joining) * optimizer.store.layout.chunk_numel and seconds > 0
+    expected, expected_masters = reference_loop(tiny_gpt(seed), batches, dtype=torch.bfloat16, accumulation=1,
+                                                lr=3e-3, clip=clip, device="cuda")
+    assert losses == pytest.approx(expected, rel=2e-2)
+    assert_masters_close(optimizer.master_state_dict(), expected_masters, dict(tiny_gpt(seed).named_parameters()))
 
 
 def test_built_on_the_host_the_gpu_never_holds_the_model():
