@@ -251,13 +251,8 @@ def test_host_chunks_update_in_backward_after_every_unclipped_step_under_clippin
     assert optimizer.counts["speculated_chunks"] > 0
 
 
-@pytest.mark.parametrize("param_home", ["device", "host"])
-def test_a_count_switch_waits_for_no_queued_host_update_and_training_stays_exact(monkeypatch, param_home):
-    """The tuner's switches run while the host's updates of the chunks they change are still queued (waiting for them
-    made each switching step the tuning's slowest: 1.1-1.2 s more at 10B on the H100 and 13B on the H200). With the
-    worker held, a switch that steps half the host groups on the device (dropping their kept gradients), one back
-    (taking them again) and another forth each return at once, and the run trains as the host's updates alone do,
-    with params resident on the device or streamed from the host."""
+def hold_host_updates(monkeypatch) -> tuple[threading.Event, list[bool]]:
+    """While ``held[0]`` is true, the host worker waits at the start of each update until ``gate`` is set."""
     gate, held = threading.Event(), [False]
     original = HostUpdater._update
 
@@ -267,6 +262,17 @@ def test_a_count_switch_waits_for_no_queued_host_update_and_training_stays_exact
         return original(self, update, fetched)
 
     monkeypatch.setattr(HostUpdater, "_update", update)
+    return gate, held
+
+
+@pytest.mark.parametrize("param_home", ["device", "host"])
+def test_a_count_switch_waits_for_no_queued_host_update_and_training_stays_exact(monkeypatch, param_home):
+    """The tuner's switches run while the host's updates of the chunks they change are still queued (waiting for them
+    made each switching step the tuning's slowest: 1.1-1.2 s more at 10B on the H100 and 13B on the H200). With the
+    worker held, a switch that steps half the host groups on the device (dropping their kept gradients), one back
+    (taking them again) and another forth each return at once, and the run trains as the host's updates alone do,
+    with params resident on the device or streamed from the host."""
+    gate, held = hold_host_updates(monkeypatch)
     seed = torch.randint(0, 10_000, ()).item()
     start = {n: p.detach().clone() for n, p in tiny_llama(seed).named_parameters()}
     budget = resident_budget(tiny_llama(seed)) if param_home == "device" else "auto"  # (no optimizer group fits)
@@ -336,15 +342,7 @@ def test_the_replan_puts_the_tunings_first_count_in_force_and_says_so(monkeypatc
 def test_a_switch_dropping_the_kept_gradient_of_a_host_updated_chunk_waits_for_its_update(monkeypatch):
     """Not a plan the tuner makes: the chunk stays updated by the host, in the next backward too, so its kept gradient
     cannot stay with it until the next step; the switch finishes the chunk's queued update before letting it go."""
-    gate, held = threading.Event(), [False]
-    original = HostUpdater._update
-
-    def update(self, update, fetched):
-        if held[0]:
-            gate.wait(30)
-        return original(self, update, fetched)
-
-    monkeypatch.setattr(HostUpdater, "_update", update)
+    gate, held = hold_host_updates(monkeypatch)
     seed = torch.randint(0, 10_000, ()).item()
     engine, optimizer, _, _ = angelptm.initialize(model=tiny_llama(seed), config=config("host", clip=0.0))
     batches = random_batches(seed, count=4, batch=2)
