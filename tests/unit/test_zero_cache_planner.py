@@ -219,7 +219,7 @@ def test_gathered_plan_takes_the_cheapest_split_of_the_device(seed):
     # draw made an input that cannot fit, and the test failed on PlanError now and then.
     # Machines differ: the bus each way and the host's Adam drawn apart, as measured rates may be.
     rates = Rates(h2d_bytes_per_s=rng.uniform(5, 60) * 2**30, d2h_bytes_per_s=rng.uniform(5, 60) * 2**30,
-                  host_adam_elements_per_s=rng.uniform(0.5, 6) * 1e9, measured=True)
+                  host_adam_elements_per_s=rng.uniform(0.5, 6) * 1e9, copies_measured=True)
     inp = streamed(device_budget_bytes=rng.randint(20_000, 200_000), trace=trace, gather_ahead=rng.randint(1, 2),
                    live_groups=0, rates=rates)
     plan = make_plan(inp)

@@ -26,7 +26,7 @@ from zero_cache.storage.tiers import Tier
 
 def random_rates(rng: random.Random) -> Rates:
     return Rates(h2d_bytes_per_s=rng.uniform(5, 60) * 2**30, d2h_bytes_per_s=rng.uniform(5, 60) * 2**30,
-                 host_adam_elements_per_s=rng.uniform(0.5, 6) * 1e9, measured=True)
+                 host_adam_elements_per_s=rng.uniform(0.5, 6) * 1e9, copies_measured=True)
 
 
 def test_a_slower_host_adam_steps_at_least_as_many_groups_on_the_device():
@@ -55,7 +55,7 @@ def test_the_host_adam_rate_is_taken_only_from_enough_work():
     seconds = random.uniform(0.01, 5.0)
     measured = with_host_adam(rates, (elements, seconds))
     assert measured.host_adam_elements_per_s == pytest.approx(elements / seconds) and measured.host_adam_measured
-    assert not measured.measured, "the bus was not probed"
+    assert not measured.copies_measured, "the bus was not probed"
     assert "G elements/s (measured here)" in measured.describe() and "(nominal: an H200's" in measured.describe()
     assert (measured.h2d_bytes_per_s, measured.d2h_bytes_per_s) == (10e9, 11e9)
     assert with_host_adam(rates, (MIN_MEASURED_ELEMENTS - 1, seconds)) == rates  # too little to time
@@ -119,7 +119,7 @@ def test_the_disk_probe_writes_and_reads_the_next_slot_through_the_tier_and_take
 
     nvme.io.submit = recorded_submit
     rates = measured_disk(nvme, host, NOMINAL_RATES)
-    assert rates.disk_measured and not rates.measured and rates.disk_bytes_per_s > 0
+    assert rates.disk_measured and not rates.copies_measured and rates.disk_bytes_per_s > 0
     assert rates.h2d_bytes_per_s == NOMINAL_RATES.h2d_bytes_per_s  # only the disk's rate is measured
     assert [(offset, write) for offset, _, write in seen] == [(slot, True), (slot, False)] and seen[0][0] != taken
     assert seen[0][1] == slot  # the whole slot: it is under PROBE_BYTES
@@ -178,7 +178,7 @@ def test_the_ranks_plan_on_one_set_of_rates_the_middle_reading_of_each():
     for _ in range(200):
         ranks = [dataclasses.replace(random_rates(rng), disk_bytes_per_s=rng.uniform(0.5, 3) * 1e9,
                                      device_step_elements_per_s=rng.choice([0.0, rng.uniform(1, 4) * 1e9]),
-                                     measured=rng.random() < 0.8, host_adam_measured=rng.random() < 0.8,
+                                     copies_measured=rng.random() < 0.8, host_adam_measured=rng.random() < 0.8,
                                      disk_measured=rng.random() < 0.8)
                  for _ in range(rng.randint(1, 8))]
         agreed = agreed_rates(ranks)
@@ -187,7 +187,7 @@ def test_the_ranks_plan_on_one_set_of_rates_the_middle_reading_of_each():
             below = sum(value < getattr(agreed, name) for value in values)
             above = sum(value > getattr(agreed, name) for value in values)
             assert getattr(agreed, name) in values and below <= (len(values) - 1) // 2 and above <= len(values) // 2
-        for flag in ("measured", "host_adam_measured", "disk_measured"):
+        for flag in ("copies_measured", "host_adam_measured", "disk_measured"):
             assert getattr(agreed, flag) == all(getattr(rates, flag) for rates in ranks)
         assert agreed_rates(ranks[:1]) == ranks[0]
     low = dataclasses.replace(NOMINAL_RATES, h2d_bytes_per_s=35 * 2**30)

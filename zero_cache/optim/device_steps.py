@@ -77,7 +77,7 @@ class DeviceSteps:
         """Elements stepped here and the seconds each step's took, from when they could start (backward and the
         device-held groups' Adam done) to their last copy out (the step's prediction prices the device steps by it:
         :func:`zero_cache.runtime.rates.with_device_step_rate`)."""
-        self._span: tuple[Any, Any, int] | None = None  # this step's: (started, last copy out, elements)
+        self._span: tuple[Any, Any, int] | None = None  # this step's, once it steps one: (started, last out, elements)
         self._unfinished: list[tuple[Any, Any, int]] = []  # earlier steps' still running when the next began
 
     # ------------------------------------------------------------------ one chunk
@@ -89,7 +89,6 @@ class DeviceSteps:
             self.h2d.wait_stream(torch.cuda.current_stream(self.store.tiers[DEVICE].device))
             if self._last_out is not None:
                 self.h2d.wait_event(self._last_out)
-        self._span = (self._mark(self.h2d), None, 0)
 
     def step(self, chunk: int, members: dict[int, list[TensorSlot]], hypers: list[dict[str, Any]], step: int,
              grad_factor: float, grads_ready: Any = None) -> Any:
@@ -104,6 +103,8 @@ class DeviceSteps:
             grads_ready: the event after which the gradients are complete where they are read.
         """
         store = self.store
+        if self._span is None:  # the step's first: timed from here, where the copies in queue after begin()'s waits
+            self._span = (self._mark(self.h2d), None, 0)
         group = store.groups[chunk]
         assert group.home.device_steppable and group.states is not None, \
             f"chunk {chunk}'s optimizer group is not in a home the device may step"
@@ -118,8 +119,7 @@ class DeviceSteps:
             ready = self._step_piece(start, end, fields, grads, grads_on_host, params, home_on_host, members, hypers,
                                      step, grad_factor, grads_ready)
         self._copies[chunk] = self._last_out
-        if self._span is not None:
-            self._span = (self._span[0], self._mark(self.d2h), self._span[2] + store.layout.chunk_numel)
+        self._span = (self._span[0], self._mark(self.d2h), self._span[2] + store.layout.chunk_numel)
         return ready
 
     def _mark(self, stream: Any) -> Any:
@@ -138,7 +138,7 @@ class DeviceSteps:
     def _time_last_step(self) -> None:
         """Add the earlier steps' device steps to :attr:`work` once their last copy out has landed; one still running
         (a step that leaves work to the next: the slow ones) is added at a later step, not dropped."""
-        if self._span is not None and self._span[2]:
+        if self._span is not None:
             self._unfinished.append(self._span)
         self._span = None
         running = []

@@ -43,7 +43,7 @@ class Rates:
     disk_bytes_per_s: float = 1.0e9
     """The swap files' disk, reads and writes together (DESIGN.md: reads 0.9-1.3, writes 1.6-2.2 GB/s through
     O_DIRECT on an H200's machine)."""
-    measured: bool = False
+    copies_measured: bool = False
     """The bus measured on this machine (else the nominal copy rates)."""
     host_adam_measured: bool = False
     """The host's Adam timed over this machine's training steps (else the nominal rate: the copy probe does not
@@ -56,7 +56,7 @@ class Rates:
     running beside everything else at the bus's rates."""
 
     def describe(self) -> str:
-        copies = "measured here" if self.measured else "nominal: an H200's, until this machine is measured"
+        copies = "measured here" if self.copies_measured else "nominal: an H200's, until this machine is measured"
         adam = "measured here" if self.host_adam_measured else "nominal: an H200 host's, until training steps time it"
         stepped = (f", device steps {self.device_step_elements_per_s / 1e9:.2f} G elements/s (measured here)"
                    if self.device_step_elements_per_s else "")

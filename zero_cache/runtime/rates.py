@@ -94,7 +94,7 @@ def measured_copies(device: torch.device, host_tier: Tier, known: Rates = NOMINA
     rates = copy_rates(device, host_tier)
     if rates is None:
         return known
-    return replace(known, h2d_bytes_per_s=rates[0], d2h_bytes_per_s=rates[1], measured=True)
+    return replace(known, h2d_bytes_per_s=rates[0], d2h_bytes_per_s=rates[1], copies_measured=True)
 
 
 def measured_disk(nvme: NvmeTier | None, host_tier: Tier, known: Rates = NOMINAL_RATES,
@@ -122,18 +122,20 @@ def measured_disk(nvme: NvmeTier | None, host_tier: Tier, known: Rates = NOMINAL
     return replace(known, disk_bytes_per_s=2 * nbytes / sum(timed), disk_measured=True)
 
 
+def _timed_rate(work: tuple[int, float]) -> float | None:
+    """Elements per second over ``(elements, seconds)``, or None where that is too little work to time."""
+    elements, seconds = work
+    return elements / seconds if elements >= MIN_MEASURED_ELEMENTS and seconds > 0 else None
+
+
 def with_device_step_rate(rates: Rates, device_steps: tuple[int, float]) -> Rates:
     """``rates`` with the device steps' rate over ``(elements, seconds)`` (each step's, from when they may start to
     their last copy out: ``DeviceSteps.work``) where that is enough work to time."""
-    elements, seconds = device_steps
-    if elements < MIN_MEASURED_ELEMENTS or seconds <= 0:
-        return rates
-    return replace(rates, device_step_elements_per_s=elements / seconds)
+    rate = _timed_rate(device_steps)
+    return rates if rate is None else replace(rates, device_step_elements_per_s=rate)
 
 
 def with_host_adam(rates: Rates, host_adam: tuple[int, float]) -> Rates:
     """``rates`` with the host Adam's rate over ``(elements, seconds)`` where that is enough work to time."""
-    elements, seconds = host_adam
-    if elements < MIN_MEASURED_ELEMENTS or seconds <= 0:
-        return rates
-    return replace(rates, host_adam_elements_per_s=elements / seconds, host_adam_measured=True)
+    rate = _timed_rate(host_adam)
+    return rates if rate is None else replace(rates, host_adam_elements_per_s=rate, host_adam_measured=True)
