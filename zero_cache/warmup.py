@@ -24,7 +24,8 @@ from zero_cache.nonmodel import NonModelMeter
 from zero_cache.optim.optimizer import ZeroCacheOptimizer
 from zero_cache.plan.eviction import gathers_per_group
 from zero_cache.plan.layout import ChunkLayout
-from zero_cache.plan.planner import Plan, PlanError, PlanInputs, make_plan, with_device_step_count
+from zero_cache.plan.planner import (Plan, PlanError, PlanInputs, device_steppable_groups, make_plan,
+                                     with_device_step_count)
 from zero_cache.plan.step_cost import NOMINAL_RATES, agreed_rates
 from zero_cache.plan.tier_names import DEVICE, HOST, NVME
 from zero_cache.plan.units import AUTO, format_bytes
@@ -169,11 +170,11 @@ class WarmupTracer:
         if plan is None:
             logger.warning("ZeRO-Cache re-plan after warm-up failed, keeping the current placement: %s", failure)
             return None
-        host_groups = plan.optimizer_tier.count(HOST)
+        steppable = len(device_steppable_groups(inputs, plan))
         tuning = ""
-        if self.tune_device_steps and host_groups:
+        if self.tune_device_steps and steppable:
             planned = len(plan.device_stepped)
-            self.tuner = DeviceStepTuner(planned, host_groups)
+            self.tuner = DeviceStepTuner(planned, steppable)
             if self.tuner.current != planned:  # (the count the tuning tries first)
                 plan = with_device_step_count(inputs, plan, self.tuner.current)
                 tuning = (f"; the plan's floor steps {planned} host groups on the device, the tuning starts at "

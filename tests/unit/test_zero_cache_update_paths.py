@@ -81,7 +81,7 @@ def test_zero_grad_after_backward_restores_the_params_the_gradients_overwrote():
 
 def poison(engine, optimizer, tier: str) -> str:
     """Make one parameter of a chunk in ``tier`` receive a NaN gradient; returns its name."""
-    tiers = {slot.name: optimizer.store.tier_of(slot) for slot in optimizer.store.slots}
+    tiers = {slot.name: optimizer.store.groups[slot.chunk].tier for slot in optimizer.store.slots}
     name, param = next((n, p) for n, p in engine.module.named_parameters() if tiers[n] == tier)
     param.register_hook(lambda grad: grad * float("nan"))
     return name

@@ -51,7 +51,7 @@ class OptimizerCounters:
         report = {f"zero_cache_{name}_bytes": tier.used_bytes for name, tier in self.store.tiers.items()}
         report.update({f"zero_cache_{way}_bytes": moved for way, moved in self.transfers.traffic.take().items()})
         # (optimizer states and param shards at home on the disk: their swap files)
-        for home in [*self.store.state_homes.values(), *self.store.homes.values()]:
+        for home in self.store.all_homes():
             for what, num_bytes in home.disk_report().items():
                 key = f"zero_cache_nvme_{what}" if what == "bytes" else f"zero_cache_nvme_{what}_bytes"
                 report[key] = report.get(key, 0) + num_bytes

@@ -36,6 +36,7 @@ from typing import Any, Callable
 import torch
 
 from zero_cache.plan.layout import TensorSlot
+from zero_cache.optim.step_clock import seconds_between, stream_mark
 from zero_cache.plan.tier_names import DEVICE
 from zero_cache.runtime.rates import Throughput
 from zero_cache.storage.chunks import STATE_FIELDS, ChunkStore
@@ -124,11 +125,7 @@ class DeviceSteps:
 
     def _mark(self, stream: Any) -> Any:
         """A point in time on ``stream``: a timing event on a GPU, the host's clock on CPU (where copies are sync)."""
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(stream)
-        return event
+        return stream_mark(stream) if self.cuda else time.perf_counter()
 
     def restart_timing(self) -> None:
         """Drop what :attr:`work` holds and the steps not yet added to it (the warm-up's, beside its streaming)."""
@@ -143,12 +140,11 @@ class DeviceSteps:
         self._span = None
         running = []
         for started, ended, elements in self._unfinished:
-            if not self.cuda:
-                self.work.add(elements, ended - started)
-            elif ended.query():
-                self.work.add(elements, started.elapsed_time(ended) / 1e3)
-            else:
+            seconds = seconds_between(started, ended)
+            if seconds is None:
                 running.append((started, ended, elements))
+            else:
+                self.work.add(elements, seconds)
         self._unfinished = running
 
     def _step_piece(self, start: int, end: int, fields: list[torch.Tensor], grads: torch.Tensor, grads_on_host: bool,

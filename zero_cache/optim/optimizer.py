@@ -134,7 +134,7 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         self._stepped_ready: dict[int, torch.cuda.Event | None] = {}  # chunk -> its device step's params in place
         self.timeline = self.transfers.timeline
         """The step's timeline (copies, host jobs, disk requests, waits); recording only while a step is traced."""
-        for home in [*store.state_homes.values(), *store.homes.values()]:
+        for home in store.all_homes():
             home.use_timeline(self.timeline)
         slot_of = {slot.name: slot for slot in store.slots}
         # (param-group index, slot) for every parameter, in the optimizer's group order.

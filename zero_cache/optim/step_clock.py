@@ -13,17 +13,31 @@ from typing import Callable
 import torch
 
 
+def stream_mark(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    """A timing event recorded on ``stream``: when the device reaches this point of it."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream)
+    return event
+
+
+def seconds_between(start: torch.cuda.Event | float, end: torch.cuda.Event | float) -> float | None:
+    """Seconds from one mark (a :func:`stream_mark`, or a host clock's reading on CPU) to a later one; None where
+    the device has not reached ``end`` yet (waiting for it here would stall the step)."""
+    if not isinstance(start, torch.cuda.Event):
+        return end - start
+    return start.elapsed_time(end) / 1e3 if end.query() else None
+
+
 class StepClock:
     """Times each step (norm to norm) and each window's last engine backward (its start to the gradients' norm).
 
     Args:
         device: the compute device (CUDA: backward timed by stream events; otherwise by :attr:`clock`).
-        clock: what times are read from, in seconds (a fake one in tests).
     """
 
-    def __init__(self, device: torch.device, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.clock = clock
+        self.clock: Callable[[], float] = time.perf_counter
         """What step times are read from (a fake one in tests)."""
         self._synced_at: float | None = None  # when the last step's norm reached the host
         self._backward_started: torch.cuda.Event | float | None = None  # the window's last engine backward's start
@@ -35,17 +49,7 @@ class StepClock:
         """Now, where the work runs: a timing event on the current stream on CUDA, the step clock on the CPU."""
         if self.device.type != "cuda":
             return self.clock()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-    @staticmethod
-    def seconds_between(start: torch.cuda.Event | float, end: torch.cuda.Event | float) -> float | None:
-        """Seconds from one :meth:`mark` to a later one; None where the device has not reached ``end`` yet
-        (the step's norm read only host memory: waiting for it here would stall the step)."""
-        if not isinstance(start, torch.cuda.Event):
-            return end - start
-        return start.elapsed_time(end) / 1e3 if end.query() else None
+        return stream_mark(torch.cuda.current_stream(self.device))
 
     def backward_starts(self) -> None:
         """An engine backward starts (the window's last one is the one timed)."""
@@ -62,6 +66,6 @@ class StepClock:
         step_seconds = None if self._synced_at is None else now - self._synced_at
         self._synced_at = now
         self.last_backward_seconds = (None if self._backward_started is None
-                                      else self.seconds_between(self._backward_started, backward_ended))
+                                      else seconds_between(self._backward_started, backward_ended))
         self._backward_started = None
         return step_seconds

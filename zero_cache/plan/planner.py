@@ -374,6 +374,13 @@ def _device_steps_and_kept(inputs: PlanInputs, traffic: StepTraffic, off_device:
     return traffic, tuple(on_host[:stepping]), kept, host_bytes + num_kept * kept_chunk_bytes
 
 
+def device_steppable_groups(inputs: PlanInputs, plan: Plan) -> list[int]:
+    """The optimizer groups this rank updates that ``plan`` leaves off the device in a home the device may step,
+    in use order: those a device-step count chooses among (:func:`with_device_step_count`)."""
+    costs = {c: state_costs(plan.optimizer_tier[c]) for c in _owned_in_use_order(inputs)}
+    return [c for c, cost in costs.items() if cost.route is not Route.DEVICE_ADAM and cost.device_steppable]
+
+
 def with_device_step_count(inputs: PlanInputs, plan: Plan, count: int) -> Plan:
     """``plan``'s placement with ``count`` of its host groups (those the next forward needs first) stepped on the
     device, and the kept gradients that leaves room for: what the runtime's measured choice of the count applies
@@ -388,7 +395,7 @@ def with_device_step_count(inputs: PlanInputs, plan: Plan, count: int) -> Plan:
     routes = {c: state_costs(plan.optimizer_tier[c]).route for c in owned}
     device_optim = [c for c in owned if routes[c] is Route.DEVICE_ADAM]
     off_device = [c for c in owned if routes[c] is not Route.DEVICE_ADAM]
-    on_host = [c for c in off_device if state_costs(plan.optimizer_tier[c]).device_steppable]
+    on_host = device_steppable_groups(inputs, plan)
     traffic = _traffic(inputs, plan.param_home, owned, len(device_optim), device_optim)
     without_kept = plan.host_bytes - len(plan.kept_gradients) * inputs.chunk_numel * inputs.kept_bytes_per_element
     traffic, stepped, kept, host_bytes = _device_steps_and_kept(inputs, traffic, off_device, on_host, plan.param_home,

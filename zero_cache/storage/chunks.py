@@ -249,9 +249,6 @@ class ChunkStore:
         whole = self.groups[slot.chunk].field(field) if states is None or field == "grad" else state_field(states, field)
         return whole[slot.offset:slot.offset + slot.numel]
 
-    def tier_of(self, slot: TensorSlot) -> str:
-        return self.groups[slot.chunk].tier
-
     def state_home(self, chunk: int) -> StateHome:
         """The home of ``chunk``'s optimizer group (:mod:`zero_cache.storage.state_homes`): which Adam updates it, and
         how its states are reached."""
@@ -282,9 +279,13 @@ class ChunkStore:
         with group.home.open(group, write_back=write_back, fresh=fresh) as states:
             yield states
 
+    def all_homes(self) -> list[StateHome | ParamHome]:
+        """The optimizer-state homes, then the param homes: what owns tier memory, files and disk traffic."""
+        return [*self.state_homes.values(), *self.homes.values()]
+
     def flush(self) -> None:
         """Wait for the state homes' writes in flight, the param homes' too (raises a failed write's error)."""
-        for home in [*self.state_homes.values(), *self.homes.values()]:
+        for home in self.all_homes():
             home.flush()
 
     def close(self) -> None:
