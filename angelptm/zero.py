@@ -47,8 +47,7 @@ from angelptm.launch.distributed import launcher_world_size
 from angelptm.errors import ConfigError
 from angelptm.memory.fit_check import BuildWatch
 from angelptm.engine.init_on_device import RandomFillsOnDevice
-from zero_cache import AUTO
-from zero_cache.plan.home_costs import home_costs
+from zero_cache import AUTO, home_costs
 
 REMOTE_DEVICES = (None, "none", "cuda", "cpu", "nvme")
 

@@ -43,6 +43,7 @@ _EXPORTS = {
     "Plan": "zero_cache.plan.placement", "PlanError": "zero_cache.plan.placement",
     "PlanInputs": "zero_cache.plan.placement", "make_plan": "zero_cache.plan.planner",
     "DEVICE": "zero_cache.plan.tier_names", "HOST": "zero_cache.plan.tier_names", "NVME": "zero_cache.plan.tier_names",
+    "home_costs": "zero_cache.plan.home_costs",
     "AUTO": "zero_cache.plan.units", "format_bytes": "zero_cache.plan.units", "parse_budget": "zero_cache.plan.units",
     "parse_bytes": "zero_cache.plan.units",
     "Sharding": "zero_cache.runtime.sharding", "hierarchical_groups": "zero_cache.runtime.sharding",
@@ -58,8 +59,8 @@ _EXPORTS = {
 __all__ = ["AUTO", "AioConfig", "DEVICE", "HOST", "Hardware", "Interval", "NVME", "NvmeSetupError",
            "OptimizerCheckpoint", "Plan", "PlanError", "PlanInputs", "Sharding", "SwapCorruptionError", "TRACKS",
            "TierBudgets", "TierFullError", "Timeline", "ZeroCacheConfig", "ZeroCacheOptimizer", "attach",
-           "check_explicit_budgets", "dry_run", "format_bytes", "hierarchical_groups", "make_plan", "overlap_shares",
-           "parse_budget", "parse_bytes", "tier_budgets"]
+           "check_explicit_budgets", "dry_run", "format_bytes", "hierarchical_groups", "home_costs", "make_plan",
+           "overlap_shares", "parse_budget", "parse_bytes", "tier_budgets"]
 
 
 def __getattr__(name: str) -> Any:

@@ -29,7 +29,6 @@ imports three ``runtime`` modules it builds on (``sharding``: which chunks a ran
 track; ``native``: the AIO extension's loader), so that pair is not in the rule."""
 ZERO_CACHE_MODULES_IN_USE = {
     "zero_cache.storage.nvme": {"ALIGN_BYTES", "NvmeTier"},  # (bench/nvme_tier.py times the tier)
-    "zero_cache.plan.home_costs": {"home_costs"},  # (angelptm/zero.py: whether a home streams)
     "zero_cache.optim.host_adam": {"HostAdam"},  # (bench/host_adam.py times it)
     "zero_cache.tuning": {"MAX_TRIALS", "MEASURED_STEPS", "SETTLE_STEPS"},
 }

@@ -84,7 +84,8 @@ def test_built_under_zero_init_with_a_budget_below_the_weights_the_device_tier_n
     engine, optimizer, _, _ = angelptm.initialize(model=model, config=config)
     store = optimizer.store
     assert HOST in store.param_home  # the weights do not fit: some of them stream (the plan keeps the rest there)
-    losses = train_steps(engine, random_batches(seed, count=4, batch=2))
+    # One batch four times: its loss falls whatever the seed (four fresh random batches did not, now and then).
+    losses = train_steps(engine, random_batches(seed, count=1, batch=2) * 4)
     shard_bytes = sum(shard.numel() * shard.element_size() for shard in store.shards)
     assert store.tiers[DEVICE].peak_bytes <= budget < shard_bytes
     assert losses[-1] < losses[0]
