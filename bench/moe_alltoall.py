@@ -62,7 +62,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe.alltoall import Exchange, ExchangePlan, flat_plan, hierarchical_plan  # noqa: E402
 from moe.topology import (ExpertParallelGroups, Link, build_expert_parallel_groups, crossover_bytes,  # noqa: E402
-                          fit_link, flat_all_to_all_s, hierarchical_all_to_all_s, measured_crossover_bytes)
+                          crossover_under_noise, fit_link, flat_all_to_all_s, hierarchical_all_to_all_s,
+                          measured_crossover_bytes)
 
 SIZES_BYTES = [2 ** p for p in range(16, 29, 2)]  # 64 KiB .. 256 MiB per rank
 TABLE_BYTES = [256 * 2 ** 10, 2 * 2 ** 20, 16 * 2 ** 20, 128 * 2 ** 20]
@@ -365,11 +366,7 @@ def measured_crossover(results: list[dict]) -> tuple[float | None, str]:
 def crossover_spread(results: list[dict], noise: float = 0.02) -> str:
     """How far the measured crossover moves if each hierarchical time were ``noise`` faster or slower (one size
     at a time): a ratio near 1 over many sizes makes the crossover itself a noisy measurement."""
-    found = []
-    for i, sign in itertools.product(range(len(results)), (-1, 1)):
-        moved = [(r["bytes"], r["flat_s"], r["hier_s"] * (1 + sign * noise if j == i else 1))
-                 for j, r in enumerate(results)]
-        found.append(measured_crossover_bytes(moved))
+    found = crossover_under_noise([(r["bytes"], r["flat_s"], r["hier_s"]) for r in results], noise)
     known = [f / 2 ** 20 for f in found if f is not None]
     span = f"{min(known):.3f} .. {max(known):.3f} MiB" if known else "no crossover"
     return (f"measured crossover if one size's hierarchical time moved by {noise:.0%}: {span}"

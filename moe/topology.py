@@ -172,6 +172,14 @@ def measured_crossover_bytes(points: list[tuple[float, float, float]]) -> float 
     return math.exp(math.log(xa) + (math.log(xb) - math.log(xa)) * da / (da - db))
 
 
+def crossover_under_noise(points: list[tuple[float, float, float]], noise: float = 0.02) -> list[float | None]:
+    """:func:`measured_crossover_bytes` with one size's hierarchical time ``noise`` faster, then slower, for each size
+    in turn: how far timing noise moves the measured crossover (None where it removes it)."""
+    return [measured_crossover_bytes([(x, flat, hier * (1 + sign * noise) if j == i else hier)
+                                      for j, (x, flat, hier) in enumerate(points)])
+            for i in range(len(points)) for sign in (-1, 1)]
+
+
 def ranks_per_node_from_env(override: int | None = None) -> int:
     """Ranks per node: ``override`` (``moe.ranks_per_node``) or the launcher's LOCAL_WORLD_SIZE, else 1.
 
