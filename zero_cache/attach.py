@@ -7,10 +7,11 @@ those measurements and optimizer groups move between tiers if it changed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch import nn
@@ -135,7 +136,8 @@ def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, 
 def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int, str], config: ZeroCacheConfig,
            *, compute_dtype: torch.dtype, device: torch.device, decoupled_weight_decay: bool = True,
            loss_scaler: Any = None, gradient_clipping: float = 0.0, accumulation_steps: int = 1,
-           sharding: Sharding = Sharding()) -> ZeroCacheOptimizer:
+           sharding: Sharding = Sharding(),
+           deepspeed_import: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> ZeroCacheOptimizer:
     """Move ``module``'s trainable parameters into ZeRO-Cache and return the hybrid optimizer.
 
     Args:
@@ -147,6 +149,8 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
         decoupled_weight_decay, loss_scaler, gradient_clipping: as in the replicated optimizer.
         accumulation_steps: micro-batches per step (1 writes gradients over the params: no gradient buffers).
         sharding: the data-parallel ranks that share the chunks' optimizer states (one rank: none).
+        deepspeed_import: the context in which ``import deepspeed`` gives the installed DeepSpeed, whose C++ Adam the
+            host updates use (the caller's to know: its own ``deepspeed`` alias may be in force).
 
     Raises:
         PlanError: the model states do not fit; nothing has been allocated.
@@ -194,7 +198,7 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
                                 overlap_comm=config.overlap_comm,
                                 gather_ahead=plan.gather_ahead or gather_ahead_groups(config, layout, sharding),
                                 max_live_groups=plan.cache_slots, gradient_buckets=plan.gradient_buckets,
-                                device_stepped=plan.device_stepped)
+                                device_stepped=plan.device_stepped, deepspeed_import=deepspeed_import)
     tracer = WarmupTracer(layout, config, compute_dtype, accumulation_steps, in_backward, device)
     if warmup is not plan:
         tracer.warm_up_under(hybrid, plan, warmup)

@@ -19,6 +19,7 @@ from angelptm.engine.loss_scaler import LossScaler
 from angelptm.engine.mixed_precision import MixedPrecisionOptimizer
 from angelptm.engine.schedulers import build_scheduler
 from angelptm.errors import ConfigError
+from angelptm.integrations import deepspeed_alias
 from angelptm.launch.distributed import DistContext
 from angelptm.launch.log_output import set_log_level
 
@@ -165,7 +166,7 @@ def _attach_zero_cache(model: nn.Module, inner: torch.optim.Optimizer, names: di
                                  device=ctx.device, decoupled_weight_decay=decoupled, loss_scaler=scaler,
                                  gradient_clipping=cfg.gradient_clipping,
                                  accumulation_steps=cfg.batch.gradient_accumulation_steps,
-                                 sharding=_sharding(cfg, ctx))
+                                 sharding=_sharding(cfg, ctx), deepspeed_import=deepspeed_alias.suspended)
     except (ValueError, NotImplementedError) as err:  # does not fit, chunk_size too small, or a feature not built
         raise ConfigError(str(err)) from None
 

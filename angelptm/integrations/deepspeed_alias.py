@@ -14,23 +14,20 @@ DeepSpeed wheel, which accelerate and Lightning compare against their minimum ve
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
 import types
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 ALIAS, TARGET = "deepspeed", "angelptm"
 
 
 class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds ``deepspeed[.X]`` as ``angelptm[.X]``; loading returns the already imported target module."""
-
-    aliases = ALIAS
-    """What it answers for: code that needs the real package for a moment (``zero_cache.optim.host_adam`` loading
-    DeepSpeed's C++ Adam) looks for this attribute to step the finder aside."""
 
     def find_spec(self, fullname: str, path: Sequence[str] | None = None,
                   target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
@@ -78,6 +75,42 @@ def install() -> None:
                           "import angelptm.integrations.accelerate / .lightning first, at the top of the script")
     sys.meta_path.insert(0, _AliasFinder())
     importlib.import_module(ALIAS)  # sys.modules["deepspeed"] is angelptm from here on
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """Within the block ``import deepspeed`` gives the installed DeepSpeed, also while it is this alias: what ZeRO-Cache's
+    host Adam loads DeepSpeed's C++ Adam in (``zero_cache.attach``'s ``deepspeed_import``). Under the alias, accelerate's
+    and Lightning's scripts would reach this engine's ``deepspeed.ops.adam``, a torch Adam without the C++ op.
+
+    The alias's modules and finder step aside for the block and come back after it, the finder where it was. The real
+    modules are imported once and kept in :data:`_REAL` between blocks: a second block gets the same classes, so
+    DeepSpeedCPUAdam's optimizer ids keep counting (a fresh import would start them at 0 again and replace the first
+    engine's C++ optimizer).
+    """
+    finders = [(index, finder) for index, finder in enumerate(sys.meta_path) if isinstance(finder, _AliasFinder)]
+    if not installed():
+        yield
+        return
+    hidden = {name: sys.modules.pop(name) for name in [n for n in sys.modules if _is_alias(n)]}
+    for _, finder in finders:
+        sys.meta_path.remove(finder)
+    sys.modules.update(_REAL)
+    try:
+        yield
+    finally:
+        _REAL.update({name: sys.modules.pop(name) for name in [n for n in sys.modules if _is_alias(n)]})
+        sys.modules.update(hidden)
+        for index, finder in finders:  # (ascending: each goes back to its old place)
+            sys.meta_path.insert(index, finder)
+
+
+def _is_alias(name: str) -> bool:
+    return name == ALIAS or name.startswith(ALIAS + ".")
+
+
+_REAL: dict = {}
+"""The real DeepSpeed's modules, by name, imported by :func:`suspended` while ``deepspeed`` was the alias."""
 
 
 def _importer(module: Any) -> str:

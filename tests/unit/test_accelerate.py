@@ -8,6 +8,7 @@ with params and optimizer offloaded. The alias itself is checked in subprocesses
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -133,8 +134,8 @@ def test_alias_gives_angelptms_own_modules_and_names_what_it_lacks() -> None:
 REAL_FOR_A_BLOCK = """
 import angelptm.integrations.accelerate
 import angelptm
-from zero_cache.optim.host_adam import real_deepspeed
-with real_deepspeed():
+from angelptm.integrations.deepspeed_alias import suspended
+with suspended():
     import deepspeed
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     assert deepspeed is not angelptm and deepspeed.__file__.endswith("deepspeed/__init__.py"), deepspeed
@@ -143,7 +144,7 @@ real_class = DeepSpeedCPUAdam
 import deepspeed
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 assert deepspeed is angelptm and DeepSpeedCPUAdam.__module__ == "angelptm.ops.adam", DeepSpeedCPUAdam.__module__
-with real_deepspeed():  # a second engine's host Adam: the same real class, so its optimizer ids go on counting
+with suspended():  # a second engine's host Adam: the same real class, so its optimizer ids go on counting
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     assert DeepSpeedCPUAdam is real_class
 import sys
@@ -159,3 +160,35 @@ def test_host_adam_reaches_the_real_deepspeed_op_under_the_alias_and_the_alias_c
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("ok")
+
+
+def test_the_engine_hands_zero_cache_the_alias_suspension_for_its_host_adam(monkeypatch) -> None:
+    """ZeRO-Cache knows nothing of angelptm's alias: the engine passes the context its host Adam imports DeepSpeed
+    in, and HostAdam imports inside it (here the context refuses, so no op is built, and the host Adam falls back)."""
+    import angelptm
+    from angelptm.engine import builders
+    from angelptm.integrations import deepspeed_alias
+    from test_zero_cache_device_steps import tiny_llama
+    from test_zero_cache_streamed import config
+    from zero_cache.optim.host_adam import HostAdam
+
+    handed = []
+    attach = builders.zero_cache.attach
+
+    def recording_attach(*args, **kwargs):
+        handed.append(kwargs)
+        return attach(*args, **kwargs)
+
+    monkeypatch.setattr(builders.zero_cache, "attach", recording_attach)
+    angelptm.initialize(model=tiny_llama(0), config=config("host"))
+    assert [kwargs["deepspeed_import"] for kwargs in handed] == [deepspeed_alias.suspended]
+    entered = []
+
+    @contextlib.contextmanager
+    def refusing():
+        entered.append(True)
+        raise ImportError("refused by the test")
+        yield
+
+    assert HostAdam(True, try_deepspeed=True, deepspeed_import=refusing).name == "torch fused CPU Adam"
+    assert entered == [True]

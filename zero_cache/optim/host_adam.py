@@ -14,8 +14,7 @@ import contextlib
 import logging
 import math
 import os
-import sys
-from typing import Any, Iterator
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -49,9 +48,13 @@ class HostAdam:
     Args:
         decoupled: AdamW (True) or Adam with L2 weight decay (False).
         try_deepspeed: attempt to load DeepSpeed's cpu_adam op (a JIT C++ build on first use).
+        try_native: build and use ``csrc/fused_host_adam.cpp``.
+        deepspeed_import: the context in which ``import deepspeed`` gives the installed DeepSpeed (the caller's to
+            know: ``angelptm.integrations`` may have made ``deepspeed`` another name of its engine).
     """
 
-    def __init__(self, decoupled: bool, *, try_deepspeed: bool, try_native: bool = False) -> None:
+    def __init__(self, decoupled: bool, *, try_deepspeed: bool, try_native: bool = False,
+                 deepspeed_import: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
         self.decoupled = decoupled
         self._ds = None
         self._native = load_csrc("fused_host_adam") if try_native else None
@@ -59,7 +62,7 @@ class HostAdam:
         # Every core but one: the training thread must keep launching GPU kernels meanwhile.
         self.threads = max(1, len(os.sched_getaffinity(0)) - 1)
         if try_deepspeed:
-            self._ds = _load_deepspeed_cpu_adam(decoupled)
+            self._ds = _load_deepspeed_cpu_adam(decoupled, deepspeed_import)
         self.name = "deepspeed cpu_adam" if self._ds is not None else "torch fused CPU Adam"
         if self._native is not None:
             self.name = f"csrc fused_host_adam (bf16/fp32 gradients; {self.name} otherwise)"
@@ -192,10 +195,10 @@ def undo_adam_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     exp_avg_sq.addcmul_(grad, grad, value=-(1 - beta2)).div_(beta2).clamp_(min=0)
 
 
-def _load_deepspeed_cpu_adam(decoupled: bool):
+def _load_deepspeed_cpu_adam(decoupled: bool, deepspeed_import: Callable[[], ContextManager[Any]]):
     """(op module, optimizer id) of a DeepSpeedCPUAdam instance, or None if it cannot be built here."""
     try:
-        with real_deepspeed():
+        with deepspeed_import():
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
             # The instance is only a handle on the C++ optimizer state (its id); it never steps itself.
@@ -208,40 +211,4 @@ def _load_deepspeed_cpu_adam(decoupled: bool):
     return holder.ds_opt_adam, holder.opt_id
 
 
-def _is_deepspeed(name: str) -> bool:
-    return name == "deepspeed" or name.startswith("deepspeed.")
-
-
-@contextlib.contextmanager
-def real_deepspeed() -> Iterator[None]:
-    """Within the block ``import deepspeed`` gives the installed DeepSpeed, also where ``deepspeed`` is another
-    package's alias in this process (``angelptm.integrations`` makes it one for accelerate and Lightning, whose
-    scripts then reach this engine's ``deepspeed.ops.adam``, a torch Adam without the C++ op).
-
-    The alias's modules and finders (a finder says it is one with an ``aliases = "deepspeed"`` attribute) step
-    aside for the block and come back after it, each finder where it was. The real modules are imported once and
-    kept in :data:`_REAL` between blocks: a second block gets the same classes, so DeepSpeedCPUAdam's optimizer ids
-    keep counting (a fresh import would start them at 0 again and replace the first engine's C++ optimizer).
-    """
-    aliased = getattr(sys.modules.get("deepspeed"), "__name__", "deepspeed") != "deepspeed"
-    finders = [(index, finder) for index, finder in enumerate(sys.meta_path)
-               if getattr(finder, "aliases", None) == "deepspeed"]
-    if not aliased and not finders:
-        yield
-        return
-    hidden = {name: sys.modules.pop(name) for name in [n for n in sys.modules if _is_deepspeed(n)]}
-    for _, finder in finders:
-        sys.meta_path.remove(finder)
-    sys.modules.update(_REAL)
-    try:
-        yield
-    finally:
-        _REAL.update({name: sys.modules.pop(name) for name in [n for n in sys.modules if _is_deepspeed(n)]})
-        sys.modules.update(hidden)
-        for index, finder in finders:  # (ascending: each goes back to its old place)
-            sys.meta_path.insert(index, finder)
-
-
-_REAL: dict = {}
-"""The real DeepSpeed's modules, by name, imported by :func:`real_deepspeed` while ``deepspeed`` was an alias."""
 _HOLDERS: list = []  # keeps the C++ optimizer objects alive for the life of the process

@@ -52,10 +52,11 @@ public :class:`~zero_cache.optim.optimizer_state.OptimizerCheckpoint` methods), 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import math
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, ContextManager, Iterable
 
 import torch
 
@@ -104,13 +105,15 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         max_live_groups: sharded params: groups gathered at once (from ``ZeroCacheConfig.max_live_elements``).
         gradient_buckets: gradient buckets the plan gives the device (``Plan.gradient_buckets``).
         device_stepped: host-tier chunks stepped on the device after backward (``Plan.device_stepped``).
+        deepspeed_import: where ``import deepspeed`` gives the installed DeepSpeed (:class:`HostAdam`).
     """
 
     def __init__(self, store: ChunkStore, optimizer: torch.optim.Optimizer, names: dict[int, str], *,
                  decoupled_weight_decay: bool = True, loss_scaler: Any = None, gradient_clipping: float = 0.0,
                  update_in_backward: bool = False, native_host_adam: bool = False, overlap_comm: bool = True,
                  gather_ahead: int = 1, max_live_groups: int = 0, gradient_buckets: int = GRADIENT_BUCKETS,
-                 device_stepped: tuple[int, ...] = ()) -> None:
+                 device_stepped: tuple[int, ...] = (),
+                 deepspeed_import: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
         self.store = store
         self.optimizer = optimizer
         self.loss_scaler = loss_scaler
@@ -126,7 +129,7 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
                          if self.sharding.sharded or store.shard_params else None)
         self._device_adam = functools.partial(torch_fused_adam, decoupled=decoupled_weight_decay)
         self.host_adam = HostAdam(decoupled_weight_decay, try_deepspeed=self.device.type == "cuda",
-                                  try_native=native_host_adam)
+                                  try_native=native_host_adam, deepspeed_import=deepspeed_import)
         self.host = HostUpdater(store, self.transfers, self.host_adam)
         self.device_steps = DeviceSteps(store, self.transfers, self._device_adam)
         self.device_stepped = frozenset(device_stepped)
