@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -10,6 +11,15 @@ from pathlib import Path
 
 
 _HANDED_OUT: set[int] = set()
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def shipped_config(name: str) -> dict:
+    """``configs/<name>`` as shipped, in fp32: its bf16 matmuls would crawl on a CPU without bf16 units, and what the
+    multi-process tests check does not depend on the dtype."""
+    config = json.loads((ROOT / "configs" / name).read_text())
+    config["bf16"] = {"enabled": False}
+    return config
 
 
 def free_port() -> int:

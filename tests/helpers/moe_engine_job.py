@@ -120,6 +120,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    from reference import end_job  # (this script's folder, first on sys.path)
+    from reference import end_job  # (tests/helpers: the script's own folder is on sys.path)
 
     end_job()  # out before interpreter teardown, where gloo's threads abort a finished job now and then

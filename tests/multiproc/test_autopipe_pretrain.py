@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import run, torchrun
+from launch import run, shipped_config, torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 LOSS = re.compile(r"step (\d+)/\d+ \| loss (\d+\.\d+)")
@@ -20,8 +20,7 @@ pytestmark = pytest.mark.dist
 def pretrain(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     """The shipped tiny_autopipe config under torchrun, in fp32: its bf16 matmuls would take 8x as long on a CPU
     without bf16 units, and the split, its checkpoint and the resume do not depend on the dtype."""
-    config = json.loads((ROOT / "configs" / "tiny_autopipe.json").read_text())
-    config["bf16"] = {"enabled": False}
+    config = shipped_config("tiny_autopipe.json")
     path = tmp_path / "tiny_autopipe_fp32.json"
     path.write_text(json.dumps(config))
     return run(torchrun(2, ROOT / "pretrain.py", "--config", str(path), *args), cwd=tmp_path, timeout=600)

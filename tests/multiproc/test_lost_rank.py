@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import free_port, torchrun
+from launch import free_port, shipped_config, torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 STEP = re.compile(r"step \d+/\d+ \| loss")
@@ -22,8 +22,7 @@ pytestmark = pytest.mark.dist
 
 
 def write_config(tmp_path: Path) -> Path:
-    config = json.loads((ROOT / "configs" / "tiny.json").read_text())
-    config["bf16"] = {"enabled": False}  # fp32 on CPU
+    config = shipped_config("tiny.json")
     config["train_micro_batch_size_per_gpu"] = 2
     config["model"].update(num_layers=1, hidden_size=32, max_seq_len=32)
     config["data"]["seq_len"] = 32

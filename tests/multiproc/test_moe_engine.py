@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import run, run_ok, torchrun
+from launch import run, run_ok, shipped_config, torchrun
 
 from angelptm.checkpoints.export import consolidated_fp32_state_dict
 
@@ -64,10 +64,9 @@ def expert_name(reference: dict) -> str:
 
 
 def test_pretrain_trains_and_resumes_gpt_moe_with_experts_on_two_ranks(tmp_path):
-    config = json.loads((ROOT / "configs" / "tiny_moe.json").read_text())
+    config = shipped_config("tiny_moe.json")
     config["model"].update(num_layers=2, max_seq_len=64)
     config["moe"]["ep_size"] = 2
-    config["bf16"] = {"enabled": False}  # (bf16 matmuls crawl on a CPU without bf16 units; not the point here)
     config["train_micro_batch_size_per_gpu"] = 4
     config["train"].update(steps=6, log_interval=3, save_interval=6, save_dir=str(tmp_path / "ckpt"))
     config["data"]["cache_dir"] = str(ROOT / ".cache" / "angelptm")  # tokenize the shipped corpus once

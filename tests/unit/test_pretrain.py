@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from launch import shipped_config
+
 ROOT = Path(__file__).resolve().parents[2]
 LOSS = re.compile(r"step (\d+)/\d+ \| loss (\d+\.\d+)")
 
@@ -148,8 +150,8 @@ def test_config_whose_top_level_is_not_an_object_is_a_config_error(tmp_path, top
 def test_zero_cache_job_plans_trains_and_reports_its_tiers(tmp_path):
     # The shipped config in fp32 (its bf16 matmuls take 10x as long as the whole run on a CPU without bf16 units),
     # with the device budget that gives fp32's larger chunks the same split: one chunk's states on each tier.
-    config = json.loads((ROOT / "configs" / "tiny_zero_cache.json").read_text())
-    config["bf16"], config["zero_cache"]["device_memory_budget"] = {"enabled": False}, "24MiB"
+    config = shipped_config("tiny_zero_cache.json")
+    config["zero_cache"]["device_memory_budget"] = "24MiB"
     path = tmp_path / "tiny_zero_cache_fp32.json"
     path.write_text(json.dumps(config))
     plan = pretrain(tmp_path, "--config", str(path), "--plan")
