@@ -29,7 +29,9 @@ imports three ``runtime`` modules it builds on (``sharding``: which chunks a ran
 track; ``native``: the AIO extension's loader), so that pair is not in the rule."""
 ZERO_CACHE_MODULES_IN_USE = {
     "zero_cache.storage.nvme": {"ALIGN_BYTES", "NvmeTier"},  # (bench/nvme_tier.py times the tier)
-    "zero_cache.optim.host_adam": {"HostAdam"},  # (bench/host_adam.py times it)
+    "zero_cache.optim.host_adam": {"HostAdam", "torch_fused_adam"},  # (bench/host_adam.py times it)
+    "zero_cache.optim.chunk_adam": {"fp32_gradient"},  # (bench/device_adam.py times the device's Adam
+    "zero_cache.optim.device_adam": {"adam_in_one_pass"},  # in four passes and in one)
     "zero_cache.tuning": {"MAX_TRIALS", "MEASURED_STEPS", "SETTLE_STEPS"},
 }
 """Names ``angelptm`` and ``bench`` import from zero_cache's modules beside the package's ``__all__``: pinned, so

@@ -62,6 +62,7 @@ import torch
 
 from zero_cache.optim.chunk_adam import adam_step, fp32_gradient
 from zero_cache.optim.counters import OptimizerCounters
+from zero_cache.optim.device_adam import adam_in_one_pass, contiguous_runs, one_pass_available
 from zero_cache.optim.device_steps import DeviceSteps
 from zero_cache.optim.host_adam import HostAdam, torch_fused_adam
 from zero_cache.optim.host_update import ChunkUpdate, HostUpdater
@@ -79,7 +80,7 @@ from zero_cache.plan.tier_names import DEVICE
 from zero_cache.plan.working_set import GRADIENT_BUCKETS
 from zero_cache.runtime.exchange import ChunkExchange
 from zero_cache.runtime.transfers import Transfers
-from zero_cache.storage.chunks import ChunkStore
+from zero_cache.storage.chunks import STATE_FIELDS, ChunkStore
 
 
 class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, torch.optim.Optimizer):
@@ -128,6 +129,8 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
                                        buckets=gradient_buckets, overlap_comm=overlap_comm, transfers=self.transfers)
                          if self.sharding.sharded or store.shard_params else None)
         self._device_adam = functools.partial(torch_fused_adam, decoupled=decoupled_weight_decay)
+        self._decoupled = decoupled_weight_decay
+        self._one_pass = one_pass_available(self.device)  # (device chunks: Adam in one pass over device memory)
         self.host_adam = HostAdam(decoupled_weight_decay, try_deepspeed=self.device.type == "cuda",
                                   try_native=native_host_adam, deepspeed_import=deepspeed_import)
         self.host = HostUpdater(store, self.transfers, self.host_adam)
@@ -419,15 +422,28 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         return self.exchange.landed.get(self.sharding.group_of(chunk)) if self.exchange is not None else None
 
     def _update_device_chunks(self, written: frozenset, hypers: list[dict[str, Any]], grad_factor: float) -> None:
-        """Fused Adam over each written device chunk, then its param chunk rewritten from the masters."""
+        """Adam over each written device chunk and its param chunk rewritten from the masters: in one pass where
+        Triton runs (:mod:`zero_cache.optim.device_adam`), else through the fp32 scratch and torch's fused Adam."""
         self.device_steps.fence()  # (the scratch, which the last step's device steps used)
         for chunk in self._chunks_in((Route.DEVICE_ADAM,), written):
             group = self.store.groups[chunk]
-            source = group.grad if self.store.grads_in_accumulators else self.store.param_chunks[chunk]
-            grads = fp32_gradient(source, self.store.scratch[DEVICE], grad_factor)
-            for index, slots in self._step_members(chunk, written).items():
-                adam_step(self.store, slots, grads, hypers[index], self.step_count, self._device_adam)
-            self.store.param_chunks[chunk].copy_(group.field("master"))
+            params = self.store.param_chunks[chunk]
+            source = group.grad if self.store.grads_in_accumulators else params
+            members = self._step_members(chunk, written)
+            if self._one_pass:
+                states = [group.field(name) for name in STATE_FIELDS]
+                for index, slots in members.items():
+                    for low, high in contiguous_runs(slots):
+                        adam_in_one_pass([state[low:high] for state in states], source[low:high], params[low:high],
+                                         grad_factor=grad_factor, step=self.step_count, decoupled=self._decoupled,
+                                         **hypers[index])
+                if sum(map(len, members.values())) == len(self._members_of_chunk[chunk]):
+                    continue  # (else the params of those without a gradient come from their masters below)
+            else:
+                grads = fp32_gradient(source, self.store.scratch[DEVICE], grad_factor)
+                for index, slots in members.items():
+                    adam_step(self.store, slots, grads, hypers[index], self.step_count, self._device_adam)
+            params.copy_(group.field("master"))
 
     def _restore_params(self, written: frozenset) -> None:
         """Rewrite param chunks that hold this window's gradients from their masters (no step taken; the
