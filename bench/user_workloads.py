@@ -108,13 +108,17 @@ def train(kind: str, size: str, config: dict, engine_name: str, steps: int, trac
         loss = user_models.loss_of(engine(input_ids=ids[:, :-1], labels=ids[:, 1:]))
         engine.backward(loss)
         engine.step()
+        norm = engine.get_global_grad_norm()  # (both engines' step computed it; whether it clipped is read here)
+        norms.append(None if norm is None else round(float(norm), 4))
         return loss
 
+    norms: list[float | None] = []
     finish_pending = getattr(optimizer, "finish_pending", None)  # (this engine's host worker)
     times, losses, disk, drained = timed_steps(step, steps, config, size, device, f"{kind} {size} {engine_name}",
                                                drain=finish_pending)
     result = {**timings(kind, size, engine_name, num_params, times, losses, disk, drained, config,
-                        drained_before=finish_pending is not None), "built_s": built_s, "init_s": init_s}
+                        drained_before=finish_pending is not None), "built_s": built_s, "init_s": init_s,
+              "grad_norms": norms}
     plan = getattr(optimizer, "plan", None)
     if plan is not None:  # this engine: what its plan predicted the step would cost
         result["plan"] = plan.summary()

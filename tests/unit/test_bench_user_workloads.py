@@ -41,6 +41,8 @@ def test_the_nvme_json_runs_and_reports_disk_bytes(tmp_path):
     assert cells[-1] == f"{result['disk_read_gib']:.2f} / {result['disk_written_gib']:.2f}"  # the steps' mean
     assert "step 2" in done.stdout and "disk read" in done.stdout  # each step's line
     assert "pending work after the last step" in done.stdout
+    norms = result["grad_norms"]  # each step's global norm, as the engine computed it (whether it clipped)
+    assert len(norms) == 3 and all(norm > 0 for norm in norms)
     assert float(cells[6]) == pytest.approx(result["mean_step_s"], abs=1e-3)
     assert sorted(p.name for p in swap.iterdir()) == ["a_file_of_someone_else"]
 
