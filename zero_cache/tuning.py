@@ -17,7 +17,7 @@ at 0.98 s, and the steps run with 9 groups after the tuning took 1.32 s (median)
 
 The user should not feel it (issue 37: at 10B on the H100 the first ~21 steps swung between 1.1 and 6.4 s while
 five counts were tried for four steps each). So at most :data:`MAX_TRIALS` counts are tried, chosen as the
-measurements come (:func:`next_count`: a quarter of the plan's, an eighth, then on in the direction that was faster), which
+measurements come (:func:`next_count`: half the plan's, a quarter, then on in the direction that was faster), which
 settles within ``MAX_TRIALS * (SETTLE_STEPS + MEASURED_STEPS)`` steps of the warm-up; a count whose measured
 step runs :data:`SLOW_FACTOR` times the best mean so far is dropped after that one step; and a switch waits for
 none of the host's queued work (``ZeroCacheOptimizer.apply_plan``).
@@ -26,8 +26,7 @@ Two things made the tuning's slowest steps (13B on the H200, the plan's 7 groups
 2 groups settle at 1.43 s). The switch waited for the host updates and device steps of the chunks it changed: about
 1.2 s of the 3.23. And the plan's count leaves work to the next step, more each step (2.03, 2.55 s once the switch
 waited for nothing): its floor prices the device steps' copies as overlapping the whole step, where they overlap
-only the next forward, which is why the tuning starts below it (at a quarter of it: at 13B half the plan's count
-still made the slowest step, 1.64x the settled one). Pricing them right is the floor's to do
+only the next forward, which is why the tuning starts below it. Pricing them right is the floor's to do
 (:mod:`zero_cache.plan.step_cost`).
 """
 
@@ -52,13 +51,10 @@ def next_count(planned: int, most: int, measured: dict[int, float]) -> int | Non
     A plan of none (its floor says device steps do not pay) is tried as it is, then a third of the host groups, then
     twice that if it was faster. Otherwise the plan's count is where the floor balances the host's Adam against
     copies it prices as overlapping the whole step; they overlap only the next forward, so its count is the most the
-    copies may allow, and steps under it leave work to the next. On every row measured the fastest count lay between
-    an eighth and a half of the plan's (counts: mean step seconds; 13B on the H200, plan 7-8: 7: 2.03, 4: 1.78,
-    2: 1.43, and 4: 2.08, 2: 1.75, 1: 1.56; 10B on the H100, plan 11: 11: 1.68, 6: 1.52-1.57, 3: 1.54-1.55; 2.7B
-    capped on the H100, plan 7: 4 and 2 within 3%), and a count of half the plan's made the tuning's slowest step
-    (13B: 2.35 s, 1.64x the settled 1.43 s). So the tuning starts at a quarter of the plan's count (at least one),
-    then half that, then a step further the way that was faster: half again (down to none), or up to half the
-    plan's."""
+    copies may allow, and steps under it leave work to the next (13B on the H200: the plan's 7 ran 2.03 and 2.55 s,
+    4 ran 1.78 s, 2 ran 1.43 s). So the tuning starts at half the plan's count (at least one), then half of that,
+    then a step further the way that was faster: down to an eighth of the plan's, or up to three quarters of it.
+    On the rows measured (13B on the H200, 10B and 2.7B on the H100) the fastest count lay in those three."""
     tried = list(measured)
     if len(tried) >= MAX_TRIALS or most <= 0 and tried:
         return None
@@ -68,14 +64,14 @@ def next_count(planned: int, most: int, measured: dict[int, float]) -> int | Non
         following = max(1, round(most / 3)) if len(tried) == 1 else (
             min(most, 2 * tried[1]) if measured[tried[1]] < measured[tried[0]] else None)
     else:
-        first = min(most, max(1, (planned + 2) // 4))  # (a quarter of the plan's, rounded half up)
+        first = min(most, max(1, round(planned / 2)))
         if not tried:
             return first
         if len(tried) == 1:
-            following = first // 2
+            following = round(first / 2)
         else:
             lower = measured[tried[1]] < measured[tried[0]]
-            following = tried[1] // 2 if lower else min(most, max(first + 1, (planned + 1) // 2))
+            following = round(first / 4) if lower else min(most, round(3 * planned / 4))
     return following if following is not None and following not in measured else None
 
 
