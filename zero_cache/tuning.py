@@ -54,7 +54,12 @@ def next_count(planned: int, most: int, measured: dict[int, float]) -> int | Non
     copies may allow, and steps under it leave work to the next (13B on the H200: the plan's 7 ran 2.03 and 2.55 s,
     4 ran 1.78 s, 2 ran 1.43 s). So the tuning starts at half the plan's count (at least one), then half of that,
     then a step further the way that was faster: down to an eighth of the plan's, or up to three quarters of it.
-    On the rows measured (13B on the H200, 10B and 2.7B on the H100) the fastest count lay in those three."""
+    On the rows measured (13B on the H200, 10B and 2.7B on the H100) the fastest count lay in those three.
+
+    Starting lower is not better: at 13B on the H200 the four steps after the re-plan's first ran 2.0-2.4 s whatever
+    the count in force (4, or 2 when the tuning started at a quarter of the plan's), against 1.43 s settled, so the
+    first count tried is measured slow and the later ones fast. Started at 2, the tuning went on down to none and
+    settled there at 1.67 s, where 1 settles at 1.43 s (``bench/results/h200-matrix-13b-*-session45.out``)."""
     tried = list(measured)
     if len(tried) >= MAX_TRIALS or most <= 0 and tried:
         return None
