@@ -4,6 +4,8 @@ zero_cache.plan.step_cost)."""
 from __future__ import annotations
 
 import dataclasses
+import errno
+import logging
 import random
 import threading
 
@@ -144,6 +146,41 @@ def test_no_disk_probe_without_room_in_the_disk_budget_or_a_slot_long_enough_to_
     assert measured_disk(small, host, NOMINAL_RATES) == NOMINAL_RATES
     assert measured_disk(None, host, NOMINAL_RATES) == NOMINAL_RATES
     assert host.used_bytes == 0
+
+
+def test_a_disk_probe_that_meets_a_full_disk_keeps_the_known_rates_and_takes_nothing(tmp_path, caplog):
+    """The probe runs on a machine the plan has just filled: a write that fails (ENOSPC) is logged and the plan keeps
+    the rates it knew, not a traceback at the end of the first step."""
+    host = Tier("host", torch.device("cpu"), 64 * 2**20)
+    slot = MIN_PROBE_BYTES + ALIGN_BYTES
+    nvme = NvmeTier(check_directory(tmp_path), slot, 3 * slot, AioConfig())
+    taken = nvme.allocate_slot()
+    known = dataclasses.replace(NOMINAL_RATES, disk_bytes_per_s=1.7e9, disk_measured=True)
+
+    def full_disk(path, fd, buffer, offset, *, write):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    nvme.io.submit = full_disk
+    with caplog.at_level(logging.WARNING, logger="zero_cache"):
+        assert measured_disk(nvme, host, known) == known
+    assert "the swap file's disk probe failed (OSError: [Errno 28] No space left on device" in caplog.text
+    assert host.used_bytes == 0 and nvme.used_bytes == nvme.slot_bytes  # its buffer given back, no slot taken
+    assert nvme.allocate_slot() == taken + slot
+
+
+def test_a_copy_probe_without_device_memory_keeps_the_known_rates_and_takes_nothing(monkeypatch, caplog):
+    host = Tier("host", torch.device("cpu"), 2 * PROBE_BYTES)
+    known = random_rates(random.Random(torch.randint(0, 10_000, ()).item()))
+
+    def no_device_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
+
+    monkeypatch.setattr(torch, "empty", no_device_memory)
+    with caplog.at_level(logging.WARNING, logger="zero_cache"):
+        assert measured_copies(torch.device("cuda"), host, known) == known
+    monkeypatch.undo()
+    assert "the PCIe copy probe failed (OutOfMemoryError: CUDA out of memory" in caplog.text
+    assert known.describe() in caplog.text and host.used_bytes == 0
 
 
 def test_the_disk_probe_grows_the_swap_file_by_its_own_bytes_not_by_a_slot(tmp_path):

@@ -22,18 +22,27 @@ warm-up step on, plans use:
 
 On a CPU-only run there is no bus and the "device" shares the host's cores: the nominal copy and Adam rates stay
 (the disk is measured there too).
+
+A probe runs at the first step's end, on a machine the plan has just filled, so it may meet a full one: no device
+memory for its 64 MiB, no pinned memory, a full or failing disk (:data:`PROBE_FAILURES`). Then it logs why and the
+plan keeps the rates it knew; a probe is a measurement, not a reason to end the run. (A full disk that the groups
+on NVMe then need is the step's to report, where it happens.)
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import replace
+from typing import Callable
 
 import torch
 
 from zero_cache.plan.step_cost import NOMINAL_RATES, Rates
 from zero_cache.storage.nvme import ALIGN_BYTES, NvmeTier
-from zero_cache.storage.tiers import Tier
+from zero_cache.storage.tiers import Tier, TierFullError
+
+logger = logging.getLogger(__name__)
 
 PROBE_BYTES = 64 * 2**20
 """Bytes of one probe copy: enough to reach the bus's rate, little enough to fit beside any plan."""
@@ -42,6 +51,8 @@ MIN_PROBE_BYTES = 8 * 2**20
 """A probe shorter than this would time the launch more than the bus: below it (a full host tier) none is run."""
 MIN_MEASURED_ELEMENTS = 1 << 20
 """Host Adam work below this many elements is too short to time; the rate it would give is not used."""
+PROBE_FAILURES = (torch.OutOfMemoryError, TierFullError, OSError)
+"""What a probe may meet on a full machine: no device or pinned memory for its buffer, a full or failing disk."""
 
 
 class Throughput:
@@ -66,35 +77,53 @@ class Throughput:
 
 def copy_rates(device: torch.device, host_tier: Tier, nbytes: int = PROBE_BYTES) -> tuple[float, float] | None:
     """(host->device, device->host) bytes per second of pinned copies to and from ``device`` (a GPU); the host
-    buffer comes from ``host_tier`` (pinned exactly, counted, given back after), None when it has no room."""
+    buffer comes from ``host_tier`` (pinned exactly, counted, given back after, whatever happens), None when it has
+    no room."""
     nbytes = min(nbytes, host_tier.free_bytes)
     if nbytes < MIN_PROBE_BYTES:
         return None
+    on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)  # (first: an OOM here takes nothing)
     host = host_tier.allocate(nbytes, torch.uint8, zero=False)
-    on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    stream = torch.cuda.Stream(device)
-    best = {"h2d": float("inf"), "d2h": float("inf")}
-    with torch.cuda.stream(stream):
-        for _ in range(PROBE_REPEATS):
-            for way, (into, source) in (("h2d", (on_device, host)), ("d2h", (host, on_device))):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record(stream)
-                into.copy_(source, non_blocking=True)
-                end.record(stream)
-                end.synchronize()
-                best[way] = min(best[way], start.elapsed_time(end) / 1e3)
-    host_tier.free(host)
+    try:
+        stream = torch.cuda.Stream(device)
+        best = {"h2d": float("inf"), "d2h": float("inf")}
+        with torch.cuda.stream(stream):
+            for _ in range(PROBE_REPEATS):
+                for way, (into, source) in (("h2d", (on_device, host)), ("d2h", (host, on_device))):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record(stream)
+                    into.copy_(source, non_blocking=True)
+                    end.record(stream)
+                    end.synchronize()
+                    best[way] = min(best[way], start.elapsed_time(end) / 1e3)
+    finally:
+        host_tier.free(host)
     return nbytes / best["h2d"], nbytes / best["d2h"]
 
 
+def _probed(what: str, probe: Callable[[], Rates], known: Rates) -> Rates:
+    """``probe()``'s rates, or ``known`` (logged) where it meets a full machine (:data:`PROBE_FAILURES`)."""
+    try:
+        return probe()
+    except PROBE_FAILURES as error:
+        logger.warning("ZeRO-Cache: the %s probe failed (%s: %s); the plan keeps the rates it knew: %s", what,
+                       type(error).__name__, error, known.describe())
+        return known
+
+
 def measured_copies(device: torch.device, host_tier: Tier, known: Rates = NOMINAL_RATES) -> Rates:
-    """``known`` with the copy probe's rates on a GPU; unchanged on a CPU-only run (no bus) or without host room."""
+    """``known`` with the copy probe's rates on a GPU; unchanged on a CPU-only run (no bus), without host room, or
+    where the probe fails (:func:`_probed`)."""
     if device.type != "cuda":
         return known
-    rates = copy_rates(device, host_tier)
-    if rates is None:
-        return known
-    return replace(known, h2d_bytes_per_s=rates[0], d2h_bytes_per_s=rates[1], copies_measured=True)
+
+    def probe() -> Rates:
+        rates = copy_rates(device, host_tier)
+        if rates is None:
+            return known
+        return replace(known, h2d_bytes_per_s=rates[0], d2h_bytes_per_s=rates[1], copies_measured=True)
+
+    return _probed("PCIe copy", probe, known)
 
 
 def measured_disk(nvme: NvmeTier | None, host_tier: Tier, known: Rates = NOMINAL_RATES,
@@ -102,24 +131,29 @@ def measured_disk(nvme: NvmeTier | None, host_tier: Tier, known: Rates = NOMINAL
     """``known`` with the disk's rate from a probe of the optimizer groups' swap file (:meth:`NvmeTier.time_io`):
     bytes written and read back over the seconds both took. The probe's buffer is ``bounce`` (a free swap bounce
     buffer, already in the host's plan where groups are on disk, so a full host tier does not stop the probe), else
-    taken from the host tier's room and given back. Unchanged without a swap file or room in its budget, or where a
-    slot or the buffer is under :data:`MIN_PROBE_BYTES` (too short to time)."""
+    taken from the host tier's room and given back. Unchanged without a swap file or room in its budget, where a
+    slot or the buffer is under :data:`MIN_PROBE_BYTES` (too short to time), or where the probe fails (a full disk:
+    :func:`_probed`)."""
     if nvme is None:
         return known
     room = bounce.numel() if bounce is not None else host_tier.free_bytes - ALIGN_BYTES
     nbytes = min(PROBE_BYTES, nvme.slot_bytes, room) // ALIGN_BYTES * ALIGN_BYTES
     if nbytes < MIN_PROBE_BYTES:
         return known
-    raw = None if bounce is not None else host_tier.allocate(nbytes + ALIGN_BYTES, torch.uint8, zero=False)
-    start = 0 if raw is None else -raw.data_ptr() % ALIGN_BYTES
-    try:
-        timed = nvme.time_io((bounce if raw is None else raw)[start:start + nbytes])
-    finally:
-        if raw is not None:
-            host_tier.free(raw)
-    if timed is None or sum(timed) <= 0:
-        return known
-    return replace(known, disk_bytes_per_s=2 * nbytes / sum(timed), disk_measured=True)
+
+    def probe() -> Rates:
+        raw = None if bounce is not None else host_tier.allocate(nbytes + ALIGN_BYTES, torch.uint8, zero=False)
+        start = 0 if raw is None else -raw.data_ptr() % ALIGN_BYTES
+        try:
+            timed = nvme.time_io((bounce if raw is None else raw)[start:start + nbytes])
+        finally:
+            if raw is not None:
+                host_tier.free(raw)
+        if timed is None or sum(timed) <= 0:
+            return known
+        return replace(known, disk_bytes_per_s=2 * nbytes / sum(timed), disk_measured=True)
+
+    return _probed("swap file's disk", probe, known)
 
 
 def _timed_rate(work: tuple[int, float]) -> float | None:
