@@ -209,7 +209,8 @@ def timed_steps(step: Any, steps: int, config: dict, size: str, device: Any, lab
         disk.append(disk_delta(now_disk, last_disk))
         last_disk = now_disk
         print(f"bench: {label} step {index} {times[-1]:.3f} s loss {losses[-1]:.4f} disk read "
-              f"{disk[-1][0] / 2**30:.2f} GiB written {disk[-1][1] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+              f"{disk[-1][0] / 2**30:.2f} GiB written {disk[-1][1] / 2**30:.2f} GiB{_retries(device)}", file=sys.stderr,
+              flush=True)
     if drain is not None:
         drain()
     if device.type == "cuda":
@@ -218,6 +219,16 @@ def timed_steps(step: Any, steps: int, config: dict, size: str, device: Any, lab
     print(f"bench: {label} pending work after the last step {drained[0]:.3f} s, disk read {drained[1][0] / 2**30:.2f} "
           f"GiB written {drained[1][1] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
     return times, losses, disk, drained
+
+
+def _retries(device: Any) -> str:
+    """", allocator retries N": the CUDA caching allocator's retries so far (each frees its cache and allocates
+    again, synchronizing the device: a slow step on a full GPU), or nothing off a GPU."""
+    import torch
+
+    if device.type != "cuda":
+        return ""
+    return f", allocator retries {torch.cuda.memory_stats(device).get('num_alloc_retries', 0)}"
 
 
 def timings(kind: str, size: str, engine_name: str, num_params: int, times: list[float], losses: list[float],
