@@ -37,10 +37,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import user_models  # noqa: E402  (bench/ is not a package)
-from zero_cache.tuning import MAX_TRIALS, MEASURED_STEPS, SETTLE_STEPS  # noqa: E402
+from zero_cache.tuning import MAX_TRIALS, MEASURED_STEPS, RESTARTS, SETTLE_STEPS  # noqa: E402
 
-TUNING_STEPS = 1 + MAX_TRIALS * (SETTLE_STEPS + MEASURED_STEPS)
-"""The warm-up and the device-step tuner's trials (:mod:`zero_cache.tuning`: at most MAX_TRIALS counts)."""
+TUNING_STEPS = 1 + (1 + RESTARTS) * MAX_TRIALS * (SETTLE_STEPS + MEASURED_STEPS)
+"""The warm-up and the device-step tuner's trials (:mod:`zero_cache.tuning`: at most MAX_TRIALS counts, started over
+at most RESTARTS times where the norm falls under the clip threshold during them, as random tokens' does at 13B)."""
 
 
 def edited_config(path: str, edits: list[str], engine: str) -> dict:

@@ -18,7 +18,8 @@ at 0.98 s, and the steps run with 9 groups after the tuning took 1.32 s (median)
 The user should not feel it (issue 37: at 10B on the H100 the first ~21 steps swung between 1.1 and 6.4 s while
 five counts were tried for four steps each). So at most :data:`MAX_TRIALS` counts are tried, chosen as the
 measurements come (:func:`next_count`: half the plan's, a quarter, then on in the direction that was faster), which
-settles within ``MAX_TRIALS * (SETTLE_STEPS + MEASURED_STEPS)`` steps of the warm-up; a count whose measured
+settles within ``MAX_TRIALS * (SETTLE_STEPS + MEASURED_STEPS)`` steps of the warm-up (twice that where the steps'
+update timing changes during it: :class:`DeviceStepTuner`); a count whose measured
 step runs :data:`SLOW_FACTOR` times the best mean so far is dropped after that one step; and a switch waits for
 none of the host's queued work (``ZeroCacheOptimizer.apply_plan``).
 
@@ -42,6 +43,8 @@ MAX_TRIALS = 3
 """Counts tried at most."""
 SLOW_FACTOR = 1.5
 """A count whose measured step takes this many times the best mean so far is not measured further."""
+RESTARTS = 1
+"""Times the tuning starts over when the steps' update timing changes under it (see :class:`DeviceStepTuner`)."""
 
 
 def next_count(planned: int, most: int, measured: dict[int, float]) -> int | None:
@@ -84,6 +87,15 @@ def next_count(planned: int, most: int, measured: dict[int, float]) -> int | Non
 class DeviceStepTuner:
     """Tries counts as measured step times come in (:func:`next_count`), then settles on the fastest.
 
+    Counts are compared under one update timing. A step whose host updates wait for the global norm (the step
+    before it clipped, so this one is expected to) runs them after backward; one that speculates runs them during
+    it. The two cost different counts differently: at 13B on the H200, random tokens clipped the first four steps,
+    and the steps that waited for the norm ran 2.0-2.4 s whatever the count, against 1.43 s once the updates ran in
+    backward. A tuning begun under the first timing measured its first count slow and the later ones fast, and so
+    chose by the clip, not the count. So when a measured step's timing differs from that of the measurements so
+    far, the tuning starts over from its first count (at most :data:`RESTARTS` times, so that a run whose norm
+    hovers at the threshold still settles), and that step is not counted.
+
     Args:
         planned: the plan's device-step count (the tuner's first count is put in force in its stead).
         most: host groups there are to step.
@@ -98,6 +110,10 @@ class DeviceStepTuner:
     backward: dict[int, float] = field(init=False, default_factory=dict)
     """Count -> the mean backward of its measured steps, seconds, where they were timed."""
     done: bool = field(init=False, default=False)
+    waited_for_norm: bool | None = field(init=False, default=None)
+    """The update timing of the measurements so far (None before any, or where the steps do not say)."""
+    restarts: int = field(init=False, default=0)
+    """Times the tuning started over for a change of the update timing."""
     _steps: list[float] = field(init=False, default_factory=list)
     _backwards: list[float] = field(init=False, default_factory=list)
     _seen: int = field(init=False, default=0)
@@ -119,14 +135,23 @@ class DeviceStepTuner:
             return self.current
         return min(self.measured, key=lambda count: (self.measured[count], count))
 
-    def observe(self, step_seconds: float, backward_seconds: float | None = None) -> int | None:
+    def observe(self, step_seconds: float, backward_seconds: float | None = None, *,
+                waited_for_norm: bool | None = None) -> int | None:
         """One step's measured time (and its backward's) under :attr:`current`; returns the count to switch to now,
-        or None to stay."""
+        or None to stay.
+
+        ``waited_for_norm``: whether the step's host updates waited for the global norm (None: not known, every
+        step alike)."""
         if self.done:
             return None
         self._seen += 1
         if self._seen <= SETTLE_STEPS:
             return None
+        if waited_for_norm is not None and self.measured and self.waited_for_norm not in (None, waited_for_norm) \
+                and self.restarts < RESTARTS:
+            return self._restart()
+        if waited_for_norm is not None and self.waited_for_norm is None:
+            self.waited_for_norm = waited_for_norm
         others = [seconds for count, seconds in self.measured.items() if count != self.current]
         self._steps.append(step_seconds)
         if backward_seconds is not None:
@@ -145,6 +170,14 @@ class DeviceStepTuner:
             following = self.best
         self.current = following
         return following if following != previous else None
+
+    def _restart(self) -> int | None:
+        """Start over from the first count (the update timing changed); returns it where it is a switch."""
+        self.restarts += 1
+        self.measured, self.backward, self.waited_for_norm = {}, {}, None
+        self._seen, self._steps, self._backwards = 0, [], []
+        previous, self.current = self.current, next_count(self.planned, self.most, {})
+        return self.current if self.current != previous else None
 
     def summary(self) -> str:
         """``5 groups (7: 0.604 s, 5: 0.545 s, ...)``: the choice, then each count tried with its mean step."""

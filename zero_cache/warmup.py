@@ -188,7 +188,13 @@ class WarmupTracer:
 
     def _tune_step(self, optimizer: ZeroCacheOptimizer, step_seconds: float) -> None:
         """A step measured under the tuner's count: switch to the next count to try, or settle on the fastest."""
-        count = self.tuner.observe(step_seconds, optimizer.last_backward_seconds)
+        restarts = self.tuner.restarts
+        count = self.tuner.observe(step_seconds, optimizer.last_backward_seconds,
+                                   waited_for_norm=optimizer.last_updates_after_backward)
+        if self.tuner.restarts > restarts:
+            logger.info("ZeRO-Cache: the host updates now %s; the device-step tuning starts over at %d groups",
+                        "wait for the global norm (the last step clipped)" if optimizer.last_updates_after_backward
+                        else "run in backward (the last step did not clip)", self.tuner.current)
         if not self.tuner.done:
             if count is not None:
                 optimizer.apply_plan(with_device_step_count(self.inputs, optimizer.store.plan, count),

@@ -32,7 +32,7 @@ ZERO_CACHE_MODULES_IN_USE = {
     "zero_cache.optim.host_adam": {"HostAdam", "torch_fused_adam"},  # (bench/host_adam.py times it)
     "zero_cache.optim.chunk_adam": {"fp32_gradient"},  # (bench/device_adam.py times the device's Adam
     "zero_cache.optim.device_adam": {"adam_in_one_pass"},  # in four passes and in one)
-    "zero_cache.tuning": {"MAX_TRIALS", "MEASURED_STEPS", "SETTLE_STEPS"},
+    "zero_cache.tuning": {"MAX_TRIALS", "MEASURED_STEPS", "RESTARTS", "SETTLE_STEPS"},
 }
 """Names ``angelptm`` and ``bench`` import from zero_cache's modules beside the package's ``__all__``: pinned, so
 that the surface they use does not grow unnoticed (a new one goes in ``__all__``, or here with its reason)."""

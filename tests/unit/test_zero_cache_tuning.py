@@ -18,7 +18,8 @@ from test_zero_cache_streamed import assert_close_to, config, resident_budget
 from zero_cache.optim.host_update import HostUpdater
 from zero_cache.plan.planner import DEVICE, HOST, PlanInputs, make_plan, with_device_step_count
 from zero_cache.storage.chunks import ChunkStore
-from zero_cache.tuning import MAX_TRIALS, MEASURED_STEPS, SETTLE_STEPS, SLOW_FACTOR, DeviceStepTuner, next_count
+from zero_cache.tuning import (MAX_TRIALS, MEASURED_STEPS, RESTARTS, SETTLE_STEPS, SLOW_FACTOR, DeviceStepTuner,
+                               next_count)
 
 
 def drive(tuner: DeviceStepTuner, cost: dict[int, float], noise: float = 0.05) -> tuple[list[int], list[float]]:
@@ -121,6 +122,63 @@ def test_a_count_whose_steps_leave_work_to_the_next_is_measured_by_its_mean_not_
             tuner.observe(step)
         assert tuner.best != first and len(tuner.measured) > 1
         assert tuner.measured[first] >= 1.3 > max(tuner.measured[c] for c in tuner.measured if c != first)
+
+
+TUNING_STEPS = MAX_TRIALS * (SETTLE_STEPS + MEASURED_STEPS)
+
+
+def test_a_change_of_update_timing_starts_the_tuning_over_and_it_chooses_by_the_later_timing():
+    """13B on the H200: the first steps clip (their updates wait for the global norm) and run slow whatever the count,
+    then the norm falls under the threshold. The counts are compared under the later timing alone."""
+    for _ in range(100):
+        most = random.randint(2, 30)
+        planned = random.randint(1, most)
+        clipped = random.randint(2, 4)  # steps whose updates wait (the tuning is still on), then all run in backward
+        after = {count: random.uniform(0.5, 1.0) for count in range(most + 1)}
+        waiting = {count: 2.5 - after[count] for count in after}  # the other order: the slowest later, the fastest
+        tuner = DeviceStepTuner(planned, most)
+        seen = []
+        while not tuner.done:
+            waited = len(seen) < clipped
+            seconds = (waiting if waited else after)[tuner.current]
+            seen.append((tuner.current, waited))
+            tuner.observe(seconds, waited_for_norm=waited)
+            assert len(seen) <= (1 + RESTARTS) * TUNING_STEPS
+        assert tuner.restarts == 1 and tuner.waited_for_norm is False
+        assert tuner.measured == {count: after[count] for count in tuner.measured}  # none of the clipped steps
+        assert tuner.best == min(tuner.measured, key=lambda count: (after[count], count))
+
+
+def test_an_update_timing_that_flips_every_step_starts_the_tuning_over_once_and_it_settles():
+    for _ in range(50):
+        most = random.randint(1, 30)
+        tuner = DeviceStepTuner(random.randint(0, most), most)
+        steps = 0
+        while not tuner.done:
+            tuner.observe(random.uniform(0.5, 1.0), waited_for_norm=bool(steps % 2))
+            steps += 1
+        assert tuner.restarts == RESTARTS and steps <= (1 + RESTARTS) * TUNING_STEPS
+
+
+def test_the_tuning_is_told_each_steps_update_timing(monkeypatch):
+    warmup = importlib.import_module("zero_cache.warmup")
+    monkeypatch.setattr(warmup, "tunes_on", lambda device: True)
+    monkeypatch.setattr(warmup, "make_plan", lambda inputs: with_device_step_count(inputs, make_plan(inputs), 4))
+    told, flags = [], []
+    observe = DeviceStepTuner.observe
+
+    def recorded(tuner, *args, waited_for_norm=None):
+        told.append(waited_for_norm)
+        return observe(tuner, *args, waited_for_norm=waited_for_norm)
+
+    monkeypatch.setattr(DeviceStepTuner, "observe", recorded)
+    seed = torch.randint(0, 10_000, ()).item()
+    engine, optimizer, _, _ = angelptm.initialize(model=tiny_llama(seed), config=config("host", clip=0.05))
+    for batch in random_batches(seed, count=4, batch=2):
+        train_steps(engine, [batch])
+        flags.append(optimizer.last_updates_after_backward)
+    optimizer.finish_pending()
+    assert told == flags[1:] and all(told)  # (a clip of 0.05 clips every step: every later one waits)
 
 
 def test_a_planned_count_outside_the_host_groups_is_refused():
