@@ -127,7 +127,10 @@ def test_device_chunks_updated_in_one_pass_train_like_the_four_passes(one_pass, 
     four, four_opt = _engine(seed)
     monkeypatch.setattr(optimizer_module, "one_pass_available", lambda device: True)
     monkeypatch.setattr(optimizer_module, "adam_in_one_pass", one_pass.adam_in_one_pass)
+    warmed = []
+    monkeypatch.setattr(optimizer_module, "warm_one_pass", lambda *args: (warmed.append(args), one_pass.warm(*args)))
     once, once_opt = _engine(seed)
+    assert warmed == [(torch.device("cpu"), torch.bfloat16, torch.bfloat16, True)]  # (compiled before any step)
     assert once_opt._one_pass
     device_chunks = [c for c, group in enumerate(once_opt.store.groups) if group.tier == DEVICE]
     assert device_chunks, "the budgets must leave some optimizer groups on the device"

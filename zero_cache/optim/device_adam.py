@@ -48,7 +48,7 @@ try:  # (an optional dependency: CUDA builds of torch bring it)
 except ImportError:
     triton = None
 else:
-    @triton.jit
+    @triton.jit(do_not_specialize=["numel"])  # (one compile whatever the runs' lengths: see warm())
     def _adam_kernel(master_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_ptr, param_ptr, numel, grad_factor, lr,
                      weight_decay, beta1, beta2, eps, step_size, bias_correction2_sqrt,
                      DECOUPLED: tl.constexpr, WRITE_PARAMS: tl.constexpr, PARAMS_BF16: tl.constexpr,
@@ -112,3 +112,14 @@ def adam_in_one_pass(states: Sequence[torch.Tensor], grad: torch.Tensor, params:
         float(lr), float(weight_decay), float(beta1), float(beta2), float(eps), float(lr) / (1 - beta1 ** step),
         (1 - beta2 ** step) ** 0.5, DECOUPLED=decoupled, WRITE_PARAMS=params is not None,
         PARAMS_BF16=params is not None and params.dtype == torch.bfloat16, BLOCK=BLOCK)
+
+
+def warm(device: torch.device, grad_dtype: torch.dtype, param_dtype: torch.dtype, decoupled: bool) -> None:
+    """Compile the kernel for these dtypes now, on a few elements (Triton compiles on first use, and a compile in the
+    first steps after the warm-up was measured as the tuning's first count: 1.78 s against 0.63 at 2.7B on an H100).
+    Slots start on 64-element boundaries, so the chunks' runs are aligned as these tensors are, and the length is
+    not specialized on: the runs of training reuse this compile."""
+    states = [torch.zeros(64, device=device) for _ in range(3)]
+    adam_in_one_pass(states, torch.zeros(64, dtype=grad_dtype, device=device),
+                     torch.zeros(64, dtype=param_dtype, device=device), grad_factor=1.0, step=1, lr=0.0,
+                     betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled=decoupled)

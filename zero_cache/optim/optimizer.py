@@ -63,6 +63,7 @@ import torch
 from zero_cache.optim.chunk_adam import adam_step, fp32_gradient
 from zero_cache.optim.counters import OptimizerCounters
 from zero_cache.optim.device_adam import adam_in_one_pass, contiguous_runs, one_pass_available
+from zero_cache.optim.device_adam import warm as warm_one_pass
 from zero_cache.optim.device_steps import DeviceSteps
 from zero_cache.optim.host_adam import HostAdam, torch_fused_adam
 from zero_cache.optim.host_update import ChunkUpdate, HostUpdater
@@ -131,6 +132,9 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         self._device_adam = functools.partial(torch_fused_adam, decoupled=decoupled_weight_decay)
         self._decoupled = decoupled_weight_decay
         self._one_pass = one_pass_available(self.device)  # (device chunks: Adam in one pass over device memory)
+        if self._one_pass:
+            warm_one_pass(self.device, torch.float32 if store.grads_in_accumulators else store.compute_dtype,
+                          store.compute_dtype, decoupled_weight_decay)
         self.host_adam = HostAdam(decoupled_weight_decay, try_deepspeed=self.device.type == "cuda",
                                   try_native=native_host_adam, deepspeed_import=deepspeed_import)
         self.host = HostUpdater(store, self.transfers, self.host_adam)
