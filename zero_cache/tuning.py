@@ -59,10 +59,11 @@ def next_count(planned: int, most: int, measured: dict[int, float]) -> int | Non
     then a step further the way that was faster: down to an eighth of the plan's, or up to three quarters of it.
     On the rows measured (13B on the H200, 10B and 2.7B on the H100) the fastest count lay in those three.
 
-    Starting lower is not better: at 13B on the H200 the four steps after the re-plan's first ran 2.0-2.4 s whatever
-    the count in force (4, or 2 when the tuning started at a quarter of the plan's), against 1.43 s settled, so the
-    first count tried is measured slow and the later ones fast. Started at 2, the tuning went on down to none and
-    settled there at 1.67 s, where 1 settles at 1.43 s (``bench/results/h200-matrix-13b-*-session45.out``)."""
+    Starting at a quarter was tried and reverted: at 13B on the H200 random tokens clip the first four steps, and
+    the steps that pay for their updates ran 2.0-2.4 s whatever the count in force, against 1.43 s settled. Begun at
+    2, the tuning measured 2 slow, went on down to none and settled there at 1.67 s, where 1 settles at 1.43 s
+    (``bench/results/h200-matrix-13b-*-session45.out``). The tuner now starts over when that timing changes
+    (:class:`DeviceStepTuner`)."""
     tried = list(measured)
     if len(tried) >= MAX_TRIALS or most <= 0 and tried:
         return None

@@ -7,10 +7,11 @@ masters moves 14. The update is bound by memory bandwidth, so on the whole H100 
 the gap to plain torch (0.359 against 0.326 s a step). :func:`adam_in_one_pass` reads the gradient, master and
 moments and writes the master, moments and params once: 28 bytes an element.
 
-It is a Triton kernel, so it runs where Triton does: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (read when
-this module is imported; the CPU tests reload it so); :func:`one_pass_available` says where. Elsewhere the callers keep the four passes. The arithmetic
-is torch's fused Adam's (``_fused_adam_`` / ``_fused_adamw_``) line for line, in fp32 with IEEE-rounded square root
-and division, so the two agree to an ulp or two of fp32.
+It is a Triton kernel, so it runs where Triton does: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (read
+when this module is imported; the CPU tests reload it so); :func:`one_pass_available` says where. Elsewhere the
+callers keep the four passes. The arithmetic is torch's fused Adam's (``_fused_adam_`` / ``_fused_adamw_``) line for
+line, in fp32 with IEEE-rounded square root and division, so the two agree to an ulp or two of fp32; bf16 params are
+rounded to nearest even, as torch rounds.
 """
 
 from __future__ import annotations
