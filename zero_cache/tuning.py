@@ -44,7 +44,9 @@ MAX_TRIALS = 3
 SLOW_FACTOR = 1.5
 """A count whose measured step takes this many times the best mean so far is not measured further."""
 RESTARTS = 1
-"""Times the tuning starts over when the steps' update timing changes under it (see :class:`DeviceStepTuner`)."""
+"""Times the tuning starts over when the steps' update timing changes (see :class:`DeviceStepTuner`)."""
+RETUNE_STEPS = 3
+"""Steps in a row under another update timing than the tuning's that start it over once it has settled."""
 
 
 def next_count(planned: int, most: int, measured: dict[int, float]) -> int | None:
@@ -94,8 +96,10 @@ class DeviceStepTuner:
     and the steps that waited for the norm ran 2.0-2.4 s whatever the count, against 1.43 s once the updates ran in
     backward. A tuning begun under the first timing measured its first count slow and the later ones fast, and so
     chose by the clip, not the count. So when a measured step's timing differs from that of the measurements so
-    far, the tuning starts over from its first count (at most :data:`RESTARTS` times, so that a run whose norm
-    hovers at the threshold still settles), and that step is not counted.
+    far, the tuning starts over from its first count, and that step is not counted. Once settled, it starts over
+    where :data:`RETUNE_STEPS` steps in a row run under the other timing: a run that clips through its first hundred
+    steps settles on the count for waiting updates, and keeps training long after its norm has fallen. Either
+    happens at most :data:`RESTARTS` times, so that a run whose norm hovers at the threshold still settles.
 
     Args:
         planned: the plan's device-step count (the tuner's first count is put in force in its stead).
@@ -118,6 +122,7 @@ class DeviceStepTuner:
     _steps: list[float] = field(init=False, default_factory=list)
     _backwards: list[float] = field(init=False, default_factory=list)
     _seen: int = field(init=False, default=0)
+    _other_timing: int = field(init=False, default=0)  # (settled: steps in a row under the other timing)
 
     def __post_init__(self) -> None:
         if not 0 <= self.planned <= max(0, self.most):
@@ -142,8 +147,13 @@ class DeviceStepTuner:
         or None to stay.
 
         ``waited_for_norm``: whether the step's host updates waited for the global norm (None: not known, every
-        step alike)."""
+        step alike). Once settled, returns the first count where the tuning starts over (:attr:`done` is False
+        again), else None."""
         if self.done:
+            changed = waited_for_norm is not None and self.waited_for_norm not in (None, waited_for_norm)
+            self._other_timing = self._other_timing + 1 if changed else 0
+            if self._other_timing >= RETUNE_STEPS and self.restarts < RESTARTS:
+                return self._restart()
             return None
         self._seen += 1
         if self._seen <= SETTLE_STEPS:
@@ -175,8 +185,8 @@ class DeviceStepTuner:
     def _restart(self) -> int | None:
         """Start over from the first count (the update timing changed); returns it where it is a switch."""
         self.restarts += 1
-        self.measured, self.backward, self.waited_for_norm = {}, {}, None
-        self._seen, self._steps, self._backwards = 0, [], []
+        self.measured, self.backward, self.waited_for_norm, self.done = {}, {}, None, False
+        self._seen, self._steps, self._backwards, self._other_timing = 0, [], [], 0
         previous, self.current = self.current, next_count(self.planned, self.most, {})
         return self.current if self.current != previous else None
 

@@ -33,7 +33,7 @@ from zero_cache.resolve import plan_inputs
 from zero_cache.runtime.rates import measured_copies, measured_disk, with_device_step_rate, with_host_adam
 from zero_cache.runtime.shard_params import agree_working_set, gather_objects
 from zero_cache.plan.home_costs import home_costs
-from zero_cache.tuning import DeviceStepTuner
+from zero_cache.tuning import RESTARTS, DeviceStepTuner
 
 logger = logging.getLogger(__name__)
 
@@ -187,8 +187,9 @@ class WarmupTracer:
         return plan
 
     def _tune_step(self, optimizer: ZeroCacheOptimizer, step_seconds: float) -> None:
-        """A step measured under the tuner's count: switch to the next count to try, or settle on the fastest."""
-        restarts = self.tuner.restarts
+        """A step measured under the tuner's count: switch to the next count to try, or settle on the fastest (and,
+        settled, watch for a change of the update timing that starts the tuning over)."""
+        settled, restarts = self.tuner.done, self.tuner.restarts
         count = self.tuner.observe(step_seconds, optimizer.last_backward_seconds,
                                    waited_for_norm=optimizer.last_updates_after_backward)
         if self.tuner.restarts > restarts:
@@ -200,8 +201,11 @@ class WarmupTracer:
                 optimizer.apply_plan(with_device_step_count(self.inputs, optimizer.store.plan, count),
                                      count_switch=True, trial=True)
             return
+        if settled:
+            return
         # (done: the best count is applied once below, at the rates the tuning measured)
-        optimizer.after_step = None
+        if self.tuner.restarts >= RESTARTS:
+            optimizer.after_step = None  # (nothing left to watch for)
         logger.info("ZeRO-Cache host groups stepped on the device, by measured step time: %s", self.tuner.summary())
         # The warm-up timed the host's Adam over one step; the tuning steps time it over several, under every
         # count: the plan's floor is worked out again at that rate (the same placement, nothing moves). The device

@@ -18,8 +18,8 @@ from test_zero_cache_streamed import assert_close_to, config, resident_budget
 from zero_cache.optim.host_update import HostUpdater
 from zero_cache.plan.planner import DEVICE, HOST, PlanInputs, make_plan, with_device_step_count
 from zero_cache.storage.chunks import ChunkStore
-from zero_cache.tuning import (MAX_TRIALS, MEASURED_STEPS, RESTARTS, SETTLE_STEPS, SLOW_FACTOR, DeviceStepTuner,
-                               next_count)
+from zero_cache.tuning import (MAX_TRIALS, MEASURED_STEPS, RESTARTS, RETUNE_STEPS, SETTLE_STEPS, SLOW_FACTOR,
+                               DeviceStepTuner, next_count)
 
 
 def drive(tuner: DeviceStepTuner, cost: dict[int, float], noise: float = 0.05) -> tuple[list[int], list[float]]:
@@ -149,6 +149,36 @@ def test_a_change_of_update_timing_starts_the_tuning_over_and_it_chooses_by_the_
         assert tuner.best == min(tuner.measured, key=lambda count: (after[count], count))
 
 
+def test_a_settled_tuning_starts_over_once_the_update_timing_has_changed_for_some_steps():
+    """A run that clips through its first steps settles on the count for updates that wait for the norm; once its
+    norm stays under the threshold (RETUNE_STEPS steps in a row), it tunes again for updates in backward. One step
+    under the other timing does not; nor does anything after the last restart."""
+    for _ in range(100):
+        most = random.randint(2, 30)
+        planned = random.randint(1, most)
+        waiting = {count: random.uniform(0.5, 1.0) for count in range(most + 1)}
+        after = {count: 2.5 - waiting[count] for count in waiting}  # (the other order)
+        tuner = DeviceStepTuner(planned, most)
+        while not tuner.done:
+            tuner.observe(waiting[tuner.current], waited_for_norm=True)
+        first_choice = tuner.best
+        assert tuner.observe(1.0, waited_for_norm=False) is None and tuner.done  # (one unclipped step: nothing)
+        assert tuner.observe(1.0, waited_for_norm=True) is None and tuner.done
+        switched = [tuner.observe(after[tuner.current], waited_for_norm=False) for _ in range(RETUNE_STEPS)]
+        assert not tuner.done and tuner.restarts == 1 and tuner.measured == {}
+        assert switched[:-1] == [None] * (RETUNE_STEPS - 1)
+        assert switched[-1] == (tuner.current if tuner.current != first_choice else None)
+        steps = 0
+        while not tuner.done:
+            tuner.observe(after[tuner.current], waited_for_norm=False)
+            steps += 1
+            assert steps <= TUNING_STEPS
+        assert tuner.measured == {count: after[count] for count in tuner.measured}
+        assert tuner.best == min(tuner.measured, key=lambda count: (after[count], count))
+        for _ in range(2 * RETUNE_STEPS):  # (the restarts are spent: it stays settled)
+            assert tuner.observe(1.0, waited_for_norm=True) is None and tuner.done
+
+
 def test_an_update_timing_that_flips_every_step_starts_the_tuning_over_once_and_it_settles():
     for _ in range(50):
         most = random.randint(1, 30)
@@ -216,6 +246,12 @@ def test_a_device_step_count_keeps_the_placement_and_matches_the_plan_made_for_i
         assert changed.host_bytes <= inputs.host_budget_bytes
 
 
+def tuning_settled(optimizer) -> bool:
+    """The tuning has settled: its step hook is gone, or its tuner is done and only watches the update timing."""
+    hook = optimizer.after_step
+    return hook is None or hook.func.__self__.tuner.done
+
+
 def test_training_tunes_the_count_by_step_time_and_stays_exact(monkeypatch, caplog):
     """With the tuning on (a GPU's "auto", here on CPU) and a clock that makes one count fastest, the run ends on
     that count, switching between counts as it goes, and trains exactly as the host's updates do."""
@@ -240,7 +276,7 @@ def test_training_tunes_the_count_by_step_time_and_stays_exact(monkeypatch, capl
     for batch in batches:
         losses += train_steps(engine, [batch])
         seen.append(len(optimizer.device_stepped))
-    assert optimizer.after_step is None, "the tuning ended"
+    assert tuning_settled(optimizer), "the tuning ended"
     # The backward is timed from the engine's backward to the norm: one tick of this clock, at the last count.
     assert optimizer.last_backward_seconds == pytest.approx(cost[seen[-1]])
     assert "the step runs at" in caplog.text and "the plan predicts at least" in caplog.text
@@ -285,7 +321,7 @@ def test_switching_between_trial_counts_allocates_no_kept_gradient_twice(monkeyp
     for batch in batches[1:]:
         train_steps(engine, [batch])
         seen.append(len(optimizer.device_stepped))
-    assert optimizer.after_step is None and max(seen) > 0 and seen[-1] == 0
+    assert tuning_settled(optimizer) and max(seen) > 0 and seen[-1] == 0
     assert len(allocated) == allocations_before, "a kept gradient was allocated again"
     assert len(store.plan.kept_gradients) == kept_before and store.tiers[HOST].used_bytes == host_before
 
