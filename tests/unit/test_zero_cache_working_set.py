@@ -79,7 +79,10 @@ def needed_budget(groups: int, size: int = 1) -> int:
 @pytest.mark.parametrize("seed, size", [(seed, size) for seed in range(3) for size in (1, 2, 4)])
 def test_a_device_short_of_the_wanted_working_set_gets_a_smaller_one_and_only_below_the_least_a_refusal(seed, size):
     rng = random.Random(seed * 7919 + random.randrange(10**6))
-    num_chunks, ahead = rng.randint(5, 16), rng.randint(1, 3)
+    ahead = rng.randint(1, 3)
+    # More groups than the wanted working set: with fewer, "auto" may hold every param resident under it (5 groups
+    # of one chunk fit in less than 3 ahead, 2 in use and 2 buckets), and nothing streams.
+    num_chunks = rng.randint(ahead + GROUPS_IN_USE + GRADIENT_BUCKETS + 1, 16)
     wanted = needed_budget(ahead + GROUPS_IN_USE + GRADIENT_BUCKETS, size)  # the old refusal threshold
     least = needed_budget(1 + GROUPS_IN_USE + GROUPS_IN_USE, size)
     for budget in [least, wanted - 1, *(rng.randint(least, wanted - 1) for _ in range(4))]:
