@@ -30,10 +30,11 @@ from zero_cache.plan.step_cost import NOMINAL_RATES, agreed_rates
 from zero_cache.plan.tier_names import DEVICE, HOST, NVME
 from zero_cache.plan.units import AUTO, format_bytes
 from zero_cache.resolve import plan_inputs
-from zero_cache.runtime.rates import measured_copies, measured_disk, with_device_step_rate, with_host_adam
+from zero_cache.runtime.rates import (measured_copies, measured_disk, with_device_adam_rate, with_device_step_rate,
+                                     with_host_adam)
 from zero_cache.runtime.shard_params import agree_working_set, gather_objects
 from zero_cache.plan.home_costs import home_costs
-from zero_cache.tuning import RESTARTS, DeviceStepTuner
+from zero_cache.tuning import MEASURED_STEPS, RESTARTS, SETTLE_STEPS, DeviceStepTuner
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,8 @@ class WarmupTracer:
         self.tune_device_steps = config.device_steps == AUTO and tunes_on(device)
         """Choose the device-step count by measured step time after the re-plan (:mod:`zero_cache.tuning`)."""
         self.tuner: DeviceStepTuner | None = None
+        self._watched: list[tuple[float, float | None, bool]] = []  # an untuned plan's steps: seconds, backward,
+        self._watch_restarted = False  # and whether their updates waited for the norm
         self.inputs: PlanInputs | None = None
         """The inputs of the plan in force (the re-plan's)."""
         self.rates = NOMINAL_RATES
@@ -145,7 +148,8 @@ class WarmupTracer:
         # the next steps ran at 3.9 (2.7B on an H100: first touches of its states), so its rate is taken
         # from the steps after it.
         optimizer.host.adam_work.take()
-        optimizer.device_steps.restart_timing()  # (the warm-up's ran beside its streaming, as the later steps' do not)
+        optimizer.device_steps.timing.restart()  # (the warm-up's ran beside its streaming, as the later steps' do not)
+        optimizer.device_adam_timing.restart()
         self.rates = measured_copies(device_tier.device, host_tier, self.rates)
         # The disk through a bounce buffer of the state homes where groups pass through one (their buffers are in
         # the host's plan), else from the host tier's room.
@@ -180,6 +184,8 @@ class WarmupTracer:
                 tuning = (f"; the plan's floor steps {planned} host groups on the device, the tuning starts at "
                           f"{len(plan.device_stepped)}")
             optimizer.after_step = functools.partial(self._tune_step, optimizer)
+        elif tunes_on(device_tier.device):  # (no tuning: the step is still checked against the plan's prediction)
+            optimizer.after_step = functools.partial(self._watch_step, optimizer)
         moved = optimizer.apply_plan(plan)
         logger.info("ZeRO-Cache re-plan after warm-up (non-model peak %d MiB; %s): %s; %d groups moved%s",
                     nonmodel // 2**20, self.rates.describe(), plan.summary(), moved, tuning)
@@ -209,14 +215,41 @@ class WarmupTracer:
         logger.info("ZeRO-Cache host groups stepped on the device, by measured step time: %s", self.tuner.summary())
         # The warm-up timed the host's Adam over one step; the tuning steps time it over several, under every
         # count: the plan's floor is worked out again at that rate (the same placement, nothing moves). The device
-        # steps' own rate, timed over the same steps, goes into the step's prediction only.
-        self.rates = with_device_step_rate(with_host_adam(self.rates, optimizer.host.adam_work.take()),
-                                           optimizer.device_steps.work.take())
-        self.inputs = replace(self.inputs, rates=self.rates)
+        # steps' own rate and the device's Adam, timed over the same steps, go into the step's prediction only.
+        self._measure_rates(optimizer)
         plan = with_device_step_count(self.inputs, optimizer.store.plan, self.tuner.best)
         optimizer.apply_plan(plan, count_switch=True)
         self._log_prediction(self.tuner.measured[self.tuner.best], self.tuner.backward.get(self.tuner.best), plan,
                              updates_after_backward=optimizer.last_updates_after_backward)
+
+    def _measure_rates(self, optimizer: ZeroCacheOptimizer) -> None:
+        """The rates with what the steps since the re-plan timed: the host's Adam (the warm-up timed it over one
+        step), and for the step's prediction only, the device steps and the device's Adam."""
+        rates = with_host_adam(self.rates, optimizer.host.adam_work.take())
+        rates = with_device_step_rate(rates, optimizer.device_steps.timing.work.take())
+        self.rates = with_device_adam_rate(rates, optimizer.device_adam_timing.work.take())
+        self.inputs = replace(self.inputs, rates=self.rates)
+
+    def _watch_step(self, optimizer: ZeroCacheOptimizer, step_seconds: float) -> None:
+        """A step of a plan that is not tuned (no host groups to step on the device, or a count the config fixes):
+        after one that settles, :data:`~zero_cache.tuning.MEASURED_STEPS` + 1 are measured, then the step is logged
+        against the plan's prediction at the rates they timed, as a tuning's end logs it. Where the update timing
+        changes on the way (:class:`~zero_cache.tuning.DeviceStepTuner`), the watch starts over, once."""
+        waited = optimizer.last_updates_after_backward
+        if self._watched and self._watched[-1][2] != waited and not self._watch_restarted:
+            self._watched, self._watch_restarted = [], True
+        self._watched.append((step_seconds, optimizer.last_backward_seconds, waited))
+        if len(self._watched) < SETTLE_STEPS + MEASURED_STEPS + 1:
+            return
+        optimizer.after_step = None
+        measured = self._watched[SETTLE_STEPS:]
+        self._measure_rates(optimizer)
+        backwards = [backward for _, backward, _ in measured if backward is not None]
+        plan = optimizer.store.plan
+        self._log_prediction(sum(seconds for seconds, _, _ in measured) / len(measured),
+                             sum(backwards) / len(backwards) if backwards else None,
+                             replace(plan, traffic=replace(plan.traffic, rates=self.rates)),
+                             updates_after_backward=waited)
 
     def _log_prediction(self, measured: float, backward: float | None, plan: Plan, *,
                         updates_after_backward: bool) -> None:

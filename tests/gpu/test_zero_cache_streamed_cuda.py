@@ -101,7 +101,7 @@ def test_count_switches_under_work_in_flight_on_cuda_track_the_reference(clip):
         if index % 2 == 0:
             optimizer.apply_plan(stepping if index % 4 == 0 else settled, count_switch=True, trial=True)
     optimizer.finish_pending()
-    elements, seconds = optimizer.device_steps.work.take()
+    elements, seconds = optimizer.device_steps.timing.work.take()
     assert elements >= len(joining) * optimizer.store.layout.chunk_numel and seconds > 0
     expected, expected_masters = reference_loop(tiny_gpt(seed), batches, dtype=torch.bfloat16, accumulation=1,
                                                 lr=3e-3, clip=clip, device="cuda")

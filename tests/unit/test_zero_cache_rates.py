@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import importlib
 import logging
 import random
 import threading
@@ -18,12 +19,14 @@ from test_zero_cache_device_steps import tiny_llama
 from test_zero_cache_streamed import config
 from test_zero_cache_tuning import random_inputs
 from zero_cache.config import AioConfig
-from zero_cache.plan.planner import HOST, make_plan
+from zero_cache.plan.planner import DEVICE, HOST, make_plan
 from zero_cache.plan.step_cost import NOMINAL_RATES, Rates, agreed_rates
 from zero_cache.runtime.rates import (MIN_MEASURED_ELEMENTS, MIN_PROBE_BYTES, PROBE_BYTES, Throughput, measured_copies,
                                       measured_disk, with_device_step_rate, with_host_adam)
 from zero_cache.storage.nvme import ALIGN_BYTES, NvmeTier, check_directory
 from zero_cache.storage.tiers import Tier
+from zero_cache.tuning import MEASURED_STEPS, SETTLE_STEPS
+from zero_cache_setup import budgets, six_layer_llama, zero_cache_config
 
 
 def random_rates(rng: random.Random) -> Rates:
@@ -231,3 +234,50 @@ def test_the_ranks_plan_on_one_set_of_rates_the_middle_reading_of_each():
     assert agreed_rates([NOMINAL_RATES, low, NOMINAL_RATES, NOMINAL_RATES]).h2d_bytes_per_s == 51 * 2**30
     with pytest.raises(ValueError, match="at least one rank"):
         agreed_rates([])
+
+
+def test_the_plan_counts_the_devices_adam_over_the_groups_it_holds():
+    held = 0
+    for _ in range(200):
+        inputs = random_inputs()
+        plan = make_plan(inputs)
+        on_device = [c for c in range(inputs.num_chunks) if plan.optimizer_tier[c] == DEVICE]
+        assert plan.traffic.device_adam_elements == len(on_device) * inputs.chunk_numel
+        held += bool(on_device)
+    assert held, "some of the random placements must hold groups on the device"
+
+
+def device_groups_engine(seed: int, **zero_cache):
+    config = zero_cache_config(*budgets(six_layer_llama(seed)), clip=0.0)
+    config["zero_cache"].update(param_home="device", **zero_cache)
+    engine, optimizer, _, _ = angelptm.initialize(model=six_layer_llama(seed), config=config)
+    return engine, optimizer
+
+
+def test_the_devices_adam_is_timed_where_it_runs_each_step_after_the_warm_up():
+    """On CPU by the step clock; each step's span is added when the next step's begins, and the re-plan drops the
+    warm-up's."""
+    seed = torch.randint(0, 10_000, ()).item()
+    engine, optimizer = device_groups_engine(seed)
+    train_steps(engine, random_batches(seed, count=4, batch=2))
+    device = [c for c, group in enumerate(optimizer.store.groups) if group.tier == DEVICE]
+    assert device, "the budgets must leave some optimizer groups on the device"
+    elements, seconds = optimizer.device_adam_timing.work.take()
+    assert elements == 2 * len(device) * optimizer.store.layout.chunk_numel and seconds > 0  # (steps 1 and 2)
+
+
+def test_a_plan_not_tuned_is_checked_against_its_prediction_with_the_devices_adam(monkeypatch, caplog):
+    """No device steps to tune (a count the config fixes, or no host groups): the engine still logs the measured
+    step against the plan's prediction, with the device's Adam timed, as a tuning's end does."""
+    monkeypatch.setattr(importlib.import_module("zero_cache.warmup"), "tunes_on", lambda device: True)
+    monkeypatch.setattr(importlib.import_module("zero_cache.runtime.rates"), "MIN_MEASURED_ELEMENTS", 1)  # (tiny)
+    caplog.set_level(logging.INFO, logger="zero_cache")
+    seed = torch.randint(0, 10_000, ()).item()
+    engine, optimizer = device_groups_engine(seed, device_steps=0)
+    steps = 1 + SETTLE_STEPS + MEASURED_STEPS + 1
+    train_steps(engine, random_batches(seed, count=steps, batch=2))
+    assert optimizer.after_step is None, "the watch ended"
+    line = next(r.getMessage() for r in caplog.records if "the step runs at" in r.getMessage())
+    assert "device Adam" in line.split("after backward:")[1].split(";")[0]  # (a term of the work after backward)
+    assert "device Adam" in line.split("; at ")[1] and "(measured here)" in line
+    optimizer.finish_pending()

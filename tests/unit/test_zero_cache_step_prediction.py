@@ -121,3 +121,29 @@ def test_device_steps_at_their_measured_rate_follow_backward_and_price_nothing_e
                 assert bound == "backward, then device steps after it"
         assert timed.seconds == traffic.seconds and timed.floors == traffic.floors
         assert "device steps" in timed.rates.describe() and "device steps" not in traffic.rates.describe()
+
+
+def test_the_devices_adam_at_its_measured_rate_follows_backward_and_prices_nothing_else():
+    """A whole-GPU plan has no host traffic, so its floor was 0 s (its step 0.338 s on an H100). Once the device's
+    own Adam is timed, the work after backward counts it, and a plan of device groups alone is predicted as its
+    backward, then that Adam."""
+    for _ in range(300):
+        traffic, n = random_traffic()
+        groups = random.randint(0, 12)
+        rate = random.uniform(5, 200) * 1e9
+        untimed = dataclasses.replace(traffic, device_adam_elements=groups * n["numel"])
+        timed = dataclasses.replace(untimed, rates=dataclasses.replace(n["rates"], device_adam_elements_per_s=rate))
+        backward = random.uniform(0.05, 2.0)
+        for after_backward in (True, False):
+            after = timed.after_backward_floors(backward, updates_after_backward=after_backward)
+            if groups:
+                assert after.pop("device Adam") == pytest.approx(groups * n["numel"] / rate)
+            assert after == untimed.after_backward_floors(backward, updates_after_backward=after_backward)
+        assert timed.seconds == untimed.seconds and "device Adam" in timed.rates.describe()
+        whole_gpu = step_traffic(chunk_numel=n["numel"], param_bytes_per_element=n["pb"], streamed_shards=0,
+                                 owned_streamed=0, host_updated_resident=0, host_updated=0, gathers_per_step=1.0,
+                                 rates=timed.rates, device_updated=groups)
+        assert whole_gpu.seconds == 0 and whole_gpu.device_adam_elements == groups * n["numel"]
+        predicted, bound = whole_gpu.predicted_step(backward, updates_after_backward=False)
+        assert predicted == pytest.approx(backward + groups * n["numel"] / rate)
+        assert bound == ("backward, then device Adam after it" if groups else "backward")

@@ -36,9 +36,8 @@ from typing import Any, Callable
 import torch
 
 from zero_cache.plan.layout import TensorSlot
-from zero_cache.optim.step_clock import seconds_between, stream_mark
+from zero_cache.optim.step_clock import TimedSpans, stream_mark
 from zero_cache.plan.tier_names import DEVICE
-from zero_cache.runtime.rates import Throughput
 from zero_cache.storage.chunks import STATE_FIELDS, ChunkStore
 from zero_cache.storage.tiers import wait
 
@@ -74,18 +73,16 @@ class DeviceSteps:
         self._next_slot = 0
         self._last_out: Any = None  # the latest copy out: every use of the scratch so far is before it
         self._copies: dict[int, Any] = {}  # chunk -> its last copy (in or out) of host memory, until waited for
-        self.work = Throughput()
+        self.timing = TimedSpans()
         """Elements stepped here and the seconds each step's took, from when they could start (backward and the
         device-held groups' Adam done) to their last copy out (the step's prediction prices the device steps by it:
         :func:`zero_cache.runtime.rates.with_device_step_rate`)."""
-        self._span: tuple[Any, Any, int] | None = None  # this step's, once it steps one: (started, last out, elements)
-        self._unfinished: list[tuple[Any, Any, int]] = []  # earlier steps' still running when the next began
 
     # ------------------------------------------------------------------ one chunk
     def begin(self) -> None:
         """A step's updates follow: order them after what the current stream has queued (it used the scratch
         last, and wrote the gradients read here) and after the last step's copies out (the states read here)."""
-        self._time_last_step()
+        self.timing.close_step()
         if self.cuda:
             self.h2d.wait_stream(torch.cuda.current_stream(self.store.tiers[DEVICE].device))
             if self._last_out is not None:
@@ -104,8 +101,8 @@ class DeviceSteps:
             grads_ready: the event after which the gradients are complete where they are read.
         """
         store = self.store
-        if self._span is None:  # the step's first: timed from here, where the copies in queue after begin()'s waits
-            self._span = (self._mark(self.h2d), None, 0)
+        if not self.timing.open:  # the step's first: timed from here, where the copies in queue after begin()'s waits
+            self.timing.start(self._mark(self.h2d))
         group = store.groups[chunk]
         assert group.home.device_steppable and group.states is not None, \
             f"chunk {chunk}'s optimizer group is not in a home the device may step"
@@ -120,32 +117,12 @@ class DeviceSteps:
             ready = self._step_piece(start, end, fields, grads, grads_on_host, params, home_on_host, members, hypers,
                                      step, grad_factor, grads_ready)
         self._copies[chunk] = self._last_out
-        self._span = (self._span[0], self._mark(self.d2h), self._span[2] + store.layout.chunk_numel)
+        self.timing.extend(self._mark(self.d2h), store.layout.chunk_numel)
         return ready
 
     def _mark(self, stream: Any) -> Any:
         """A point in time on ``stream``: a timing event on a GPU, the host's clock on CPU (where copies are sync)."""
         return stream_mark(stream) if self.cuda else time.perf_counter()
-
-    def restart_timing(self) -> None:
-        """Drop what :attr:`work` holds and the steps not yet added to it (the warm-up's, beside its streaming)."""
-        self._span, self._unfinished = None, []
-        self.work.take()
-
-    def _time_last_step(self) -> None:
-        """Add the earlier steps' device steps to :attr:`work` once their last copy out has landed; one still running
-        (a step that leaves work to the next: the slow ones) is added at a later step, not dropped."""
-        if self._span is not None:
-            self._unfinished.append(self._span)
-        self._span = None
-        running = []
-        for started, ended, elements in self._unfinished:
-            seconds = seconds_between(started, ended)
-            if seconds is None:
-                running.append((started, ended, elements))
-            else:
-                self.work.add(elements, seconds)
-        self._unfinished = running
 
     def _step_piece(self, start: int, end: int, fields: list[torch.Tensor], grads: torch.Tensor, grads_on_host: bool,
                     params: torch.Tensor, home_on_host: bool, members: dict[int, list[TensorSlot]],

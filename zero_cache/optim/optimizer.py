@@ -72,7 +72,7 @@ from zero_cache.optim.optimizer_sharded import ShardedGradients
 from zero_cache.optim.optimizer_state import NamedStates, OptimizerCheckpoint
 from zero_cache.optim.release import release
 from zero_cache.optim.revision import SpeculationWindow
-from zero_cache.optim.step_clock import StepClock
+from zero_cache.optim.step_clock import StepClock, TimedSpans
 from zero_cache.optim.window import AccumulationWindow
 from zero_cache.plan.layout import TensorSlot
 from zero_cache.plan.placement import Plan
@@ -182,6 +182,9 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         fragmentation): what its plan leaves room for."""
         self.step_clock = StepClock(self.device)
         """Times each step and its backward (its ``clock``, faked by tests; :attr:`last_backward_seconds`)."""
+        self.device_adam_timing = TimedSpans()
+        """The device's Adam over the groups it holds, timed on the compute stream each step (the step's prediction
+        prices it by this: :func:`zero_cache.runtime.rates.with_device_adam_rate`)."""
         self.named_states = NamedStates(store, self.members, self._members_of_chunk, optimizer=optimizer,
                                         loss_scaler=loss_scaler, settle=self.finish_pending,
                                         restore_params=self._restore_params)
@@ -429,7 +432,11 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         """Adam over each written device chunk and its param chunk rewritten from the masters: in one pass where
         Triton runs (:mod:`zero_cache.optim.device_adam`), else through the fp32 scratch and torch's fused Adam."""
         self.device_steps.fence()  # (the scratch, which the last step's device steps used)
-        for chunk in self._chunks_in((Route.DEVICE_ADAM,), written):
+        self.device_adam_timing.close_step()
+        chunks = list(self._chunks_in((Route.DEVICE_ADAM,), written))
+        if chunks:
+            self.device_adam_timing.start(self.step_clock.mark())
+        for chunk in chunks:
             group = self.store.groups[chunk]
             params = self.store.param_chunks[chunk]
             source = group.grad if self.store.grads_in_accumulators else params
@@ -448,6 +455,8 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
                 for index, slots in members.items():
                     adam_step(self.store, slots, grads, hypers[index], self.step_count, self._device_adam)
             params.copy_(group.field("master"))
+        if chunks:
+            self.device_adam_timing.extend(self.step_clock.mark(), len(chunks) * self.store.layout.chunk_numel)
 
     def _restore_params(self, written: frozenset) -> None:
         """Rewrite param chunks that hold this window's gradients from their masters (no step taken; the

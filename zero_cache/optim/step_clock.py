@@ -8,9 +8,11 @@ device has passed them, so the step never waits for a timing), on the CPU by the
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
+
+from zero_cache.runtime.rates import Throughput
 
 
 def stream_mark(stream: torch.cuda.Stream) -> torch.cuda.Event:
@@ -26,6 +28,52 @@ def seconds_between(start: torch.cuda.Event | float, end: torch.cuda.Event | flo
     if not isinstance(start, torch.cuda.Event):
         return end - start
     return start.elapsed_time(end) / 1e3 if end.query() else None
+
+
+class TimedSpans:
+    """Work timed where it runs, a span a step, without waiting for the device: a span (from its first mark to its
+    last, and the elements done between) is added to :attr:`work` once the device has passed its end. One still
+    running at the next step (a step that leaves work to the next: the slow ones) is added at a later step, not
+    dropped: dropping it biased the rate fast."""
+
+    def __init__(self) -> None:
+        self.work = Throughput()
+        """Elements and the seconds their spans took, once finished."""
+        self._span: tuple[Any, Any, int] | None = None  # this step's: (started, ended, elements), once it has work
+        self._unfinished: list[tuple[Any, Any, int]] = []  # earlier steps' still running when the next began
+
+    @property
+    def open(self) -> bool:
+        """Whether this step's span has started."""
+        return self._span is not None
+
+    def start(self, mark: torch.cuda.Event | float) -> None:
+        """This step's span starts at ``mark`` (a :func:`stream_mark`, or the host clock on CPU)."""
+        self._span = (mark, None, 0)
+
+    def extend(self, mark: torch.cuda.Event | float, elements: int) -> None:
+        """This step's span now ends at ``mark``, with ``elements`` more done in it."""
+        started, _, done = self._span
+        self._span = (started, mark, done + elements)
+
+    def close_step(self) -> None:
+        """A new step begins: add the spans the device has finished to :attr:`work`; keep the others for later."""
+        if self._span is not None and self._span[1] is not None:
+            self._unfinished.append(self._span)
+        self._span = None
+        running = []
+        for started, ended, elements in self._unfinished:
+            seconds = seconds_between(started, ended)
+            if seconds is None:
+                running.append((started, ended, elements))
+            else:
+                self.work.add(elements, seconds)
+        self._unfinished = running
+
+    def restart(self) -> None:
+        """Drop what :attr:`work` holds and the spans not yet added to it."""
+        self._span, self._unfinished = None, []
+        self.work.take()
 
 
 class StepClock:

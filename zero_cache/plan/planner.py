@@ -262,7 +262,8 @@ def _traffic(inputs: PlanInputs, home: tuple[str, ...], owned: list[int], device
     traffic = step_traffic(chunk_numel=inputs.chunk_numel, param_bytes_per_element=inputs.param_bytes_per_element,
                            streamed_shards=len(streamed), owned_streamed=owned_streamed,
                            host_updated_resident=len(host_updated) - owned_streamed, host_updated=len(host_updated),
-                           gathers_per_step=inputs.gathers_per_step, rates=inputs.rates)
+                           gathers_per_step=inputs.gathers_per_step, rates=inputs.rates,
+                           device_updated=len(owned) - len(host_updated))
     disk = _home_disk_bytes(inputs, home, owned, {})
     return replace(traffic, disk_bytes=disk) if disk else traffic
 

@@ -55,11 +55,18 @@ class Rates:
     done) to their last copy out, timed over training steps (:func:`zero_cache.runtime.rates.with_device_step_rate`); 0 until then, when their copies are priced as
     running beside everything else at the bus's rates."""
 
+    device_adam_elements_per_s: float = 0.0
+    """The device's Adam over the groups it holds (one pass over the master, moments, gradient and params), timed
+    where it runs over training steps (:func:`zero_cache.runtime.rates.with_device_adam_rate`); 0 until then, when
+    it is not counted (a whole-GPU plan's floor was 0 s, its step 0.338 s)."""
+
     def describe(self) -> str:
         copies = "measured here" if self.copies_measured else "nominal: an H200's, until this machine is measured"
         adam = "measured here" if self.host_adam_measured else "nominal: an H200 host's, until training steps time it"
         stepped = (f", device steps {self.device_step_elements_per_s / 1e9:.2f} G elements/s (measured here)"
                    if self.device_step_elements_per_s else "")
+        stepped += (f", device Adam {self.device_adam_elements_per_s / 1e9:.1f} G elements/s (measured here)"
+                    if self.device_adam_elements_per_s else "")
         return (f"H2D {self.h2d_bytes_per_s / 2**30:.0f} GiB/s, D2H {self.d2h_bytes_per_s / 2**30:.0f} GiB/s "
                 f"({copies}), host Adam {self.host_adam_elements_per_s / 1e9:.1f} G elements/s ({adam}){stepped}")
 
@@ -123,6 +130,9 @@ class StepTraffic:
     device_step_d2h_bytes: int = 0
     """Of :attr:`d2h_bytes`: the device steps' states (and params to a home on the host) going out after their
     update. The rest are gradients, going out during backward."""
+    device_adam_elements: int = 0
+    """Elements of the optimizer groups held on the device, which the device's Adam updates after backward (before
+    the next forward uses their params)."""
 
     @property
     def floors(self) -> dict[str, float]:
@@ -150,9 +160,10 @@ class StepTraffic:
         """Seconds of the work between backward and the next forward's use of the chunks: "host Adam" (what the host
         has left to update: every host-updated chunk where the updates wait for the global norm; else those that do
         not keep their gradient, and what of the others' updates during ``backward_seconds`` did not fit), "H2D" (new
-        params and the device steps' states in), "D2H" (the device steps' states out), and "device steps" at their
+        params and the device steps' states in), "D2H" (the device steps' states out), "device steps" at their
         measured rate once it is known (13B on the H200: their copies in and out ran one after the other, not side
-        by side as the H2D and D2H floors allow). Each chunk's update, on the host or stepped on the device, comes
+        by side as the H2D and D2H floors allow), and "device Adam" over the device's own groups at its measured rate
+        once that is known. Each chunk's update, on the host or stepped on the device, comes
         before the next forward can use it."""
         rates = self.rates
         host = self.host_adam_elements / rates.host_adam_elements_per_s
@@ -164,6 +175,8 @@ class StepTraffic:
         if rates.device_step_elements_per_s and self.device_step_elements:
             # (timed as they ran: their copies both ways, their Adam, and whatever the bus carried beside them)
             after["device steps"] = self.device_step_elements / rates.device_step_elements_per_s
+        if rates.device_adam_elements_per_s and self.device_adam_elements:
+            after["device Adam"] = self.device_adam_elements / rates.device_adam_elements_per_s
         return after
 
     def predicted_step(self, backward_seconds: float, *, updates_after_backward: bool) -> tuple[float, str]:
@@ -201,7 +214,7 @@ def _count(elements: int) -> str:
 
 def step_traffic(*, chunk_numel: int, param_bytes_per_element: int, streamed_shards: int, owned_streamed: int,
                  host_updated_resident: int, host_updated: int, gathers_per_step: float,
-                 rates: Rates = NOMINAL_RATES) -> StepTraffic:
+                 rates: Rates = NOMINAL_RATES, device_updated: int = 0) -> StepTraffic:
     """The traffic of one placement.
 
     Args:
@@ -213,13 +226,14 @@ def step_traffic(*, chunk_numel: int, param_bytes_per_element: int, streamed_sha
         host_updated: every chunk this rank updates on the host or from NVMe.
         gathers_per_step: times a streamed group is brought onto the device per step.
         rates: what its floors are worked out at.
+        device_updated: chunks this rank updates on the device from groups held there.
     """
     chunk_bytes = chunk_numel * param_bytes_per_element
     gathers = int(streamed_shards * gathers_per_step * chunk_bytes)
     return StepTraffic(
         h2d_bytes=gathers + host_updated_resident * chunk_bytes, gather_bytes=gathers,
         d2h_bytes=(owned_streamed + host_updated_resident) * chunk_bytes,
-        host_adam_elements=host_updated * chunk_numel, rates=rates)
+        host_adam_elements=host_updated * chunk_numel, rates=rates, device_adam_elements=device_updated * chunk_numel)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,8 @@ warm-up step on, plans use:
 - **device steps**: the elements of the host groups stepped on the device over the seconds from when each step's
   may start (backward and the device-held groups' Adam done) to its last copy out, taken over the tuning's steps like the host's Adam; only the step's
   prediction uses it (the plan's choices stay on the bus's rates);
+- **device Adam**: the elements of the device-held groups over the seconds the device's Adam took on the compute
+  stream each step; only the step's prediction uses it (a whole-GPU plan has no other work after backward);
 - **host Adam**: the elements the host worker stepped over the seconds it spent in the update itself
   (inputs landed, before the new params leave), so contention with the copies and the training thread is in it;
   taken over the steps that tune the device-step count, not the warm-up (there, 2.7B on an H100 ran it
@@ -164,9 +166,16 @@ def _timed_rate(work: tuple[int, float]) -> float | None:
 
 def with_device_step_rate(rates: Rates, device_steps: tuple[int, float]) -> Rates:
     """``rates`` with the device steps' rate over ``(elements, seconds)`` (each step's, from when they may start to
-    their last copy out: ``DeviceSteps.work``) where that is enough work to time."""
+    their last copy out: ``DeviceSteps.timing``) where that is enough work to time."""
     rate = _timed_rate(device_steps)
     return rates if rate is None else replace(rates, device_step_elements_per_s=rate)
+
+
+def with_device_adam_rate(rates: Rates, device_adam: tuple[int, float]) -> Rates:
+    """``rates`` with the device's Adam over its own groups, over ``(elements, seconds)`` (each step's, timed where it
+    runs: ``ZeroCacheOptimizer.device_adam_timing``) where that is enough work to time."""
+    rate = _timed_rate(device_adam)
+    return rates if rate is None else replace(rates, device_adam_elements_per_s=rate)
 
 
 def with_host_adam(rates: Rates, host_adam: tuple[int, float]) -> Rates:
