@@ -1,13 +1,20 @@
 """The device's Adam in one pass compiled for the GPU (``zero_cache.optim.device_adam``): torch's fused Adam to a few
 ulps on fresh random inputs the size of a chunk, and the params its rounded masters. Training through it is checked
-against hand-written mixed precision by the other GPU tests (their device chunks take it)."""
+against hand-written mixed precision by the other GPU tests (their device chunks take it). And a whole-GPU run times
+it and checks its step against a prediction that counts it."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
 
+import angelptm
+from angelptm.pretraining.models import ModelConfig, build_model
+from reference import SEQ, VOCAB, ds_config, random_batches, train_steps
 from zero_cache.optim.device_adam import adam_in_one_pass, one_pass_available
+from zero_cache.plan.planner import DEVICE
 from zero_cache.optim.host_adam import torch_fused_adam
 
 pytestmark = pytest.mark.gpu
@@ -38,3 +45,22 @@ def test_one_pass_on_cuda_is_torch_fused_adam_to_a_few_ulps(decoupled, grad_dtyp
         assert (want != old).float().mean() > 0.99, name
         torch.testing.assert_close(got, want, rtol=4 * EPS, atol=4 * EPS * old.abs().mean().item(), msg=name)
     assert torch.equal(params, master.to(param_dtype))
+
+
+def test_a_whole_gpu_run_times_its_adam_and_checks_its_step_against_the_prediction(caplog):
+    """Every group on the GPU: no host traffic (the floor is 0 s) and no device steps to tune. The device's Adam is
+    timed on the compute stream, and after the warm-up and four steps the engine logs the step against a prediction
+    that counts it."""
+    caplog.set_level(logging.INFO, logger="zero_cache")
+    seed = torch.randint(0, 10_000, ()).item()
+    torch.manual_seed(seed)
+    model = build_model(ModelConfig(flavour="llama", vocab_size=VOCAB, max_seq_len=SEQ, num_layers=6, hidden_size=320,
+                                    num_heads=4))
+    config = ds_config(bf16={"enabled": True}, gradient_clipping=1.0,
+                       zero_cache={"enabled": True, "chunk_size": 2**20})
+    engine, optimizer, _, _ = angelptm.initialize(model=model, config=config)
+    train_steps(engine, random_batches(seed, count=6, batch=4))
+    assert all(group.tier == DEVICE for group in optimizer.store.groups), "the whole GPU holds every group"
+    assert optimizer.plan.traffic.seconds == 0 and optimizer.plan.traffic.device_adam_elements > 0
+    line = next(r.getMessage() for r in caplog.records if "the step runs at" in r.getMessage())
+    assert "device Adam" in line.split("after backward:")[1] and "device Adam" in line.split("; at ")[1]
