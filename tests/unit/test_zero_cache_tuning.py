@@ -135,7 +135,7 @@ def test_a_change_of_update_timing_starts_the_tuning_over_and_it_chooses_by_the_
         planned = random.randint(1, most)
         clipped = random.randint(2, 4)  # steps whose updates wait (the tuning is still on), then all run in backward
         after = {count: random.uniform(0.5, 1.0) for count in range(most + 1)}
-        waiting = {count: 2.5 - after[count] for count in after}  # the other order: the slowest later, the fastest
+        waiting = {count: 2.5 - after[count] for count in after}  # (the counts in the opposite order)
         tuner = DeviceStepTuner(planned, most)
         seen = []
         while not tuner.done:
@@ -157,7 +157,7 @@ def test_a_settled_tuning_starts_over_once_the_update_timing_has_changed_for_som
         most = random.randint(2, 30)
         planned = random.randint(1, most)
         waiting = {count: random.uniform(0.5, 1.0) for count in range(most + 1)}
-        after = {count: 2.5 - waiting[count] for count in waiting}  # (the other order)
+        after = {count: 2.5 - waiting[count] for count in waiting}  # (the counts in the opposite order)
         tuner = DeviceStepTuner(planned, most)
         while not tuner.done:
             tuner.observe(waiting[tuner.current], waited_for_norm=True)

@@ -63,12 +63,12 @@ class Rates:
     def describe(self) -> str:
         copies = "measured here" if self.copies_measured else "nominal: an H200's, until this machine is measured"
         adam = "measured here" if self.host_adam_measured else "nominal: an H200 host's, until training steps time it"
-        stepped = (f", device steps {self.device_step_elements_per_s / 1e9:.2f} G elements/s (measured here)"
-                   if self.device_step_elements_per_s else "")
-        stepped += (f", device Adam {self.device_adam_elements_per_s / 1e9:.1f} G elements/s (measured here)"
-                    if self.device_adam_elements_per_s else "")
+        on_device = (f", device steps {self.device_step_elements_per_s / 1e9:.2f} G elements/s (measured here)"
+                     if self.device_step_elements_per_s else "")
+        on_device += (f", device Adam {self.device_adam_elements_per_s / 1e9:.1f} G elements/s (measured here)"
+                      if self.device_adam_elements_per_s else "")
         return (f"H2D {self.h2d_bytes_per_s / 2**30:.0f} GiB/s, D2H {self.d2h_bytes_per_s / 2**30:.0f} GiB/s "
-                f"({copies}), host Adam {self.host_adam_elements_per_s / 1e9:.1f} G elements/s ({adam}){stepped}")
+                f"({copies}), host Adam {self.host_adam_elements_per_s / 1e9:.1f} G elements/s ({adam}){on_device}")
 
 
 def agreed_rates(ranks: Sequence[Rates]) -> Rates:
