@@ -29,7 +29,8 @@ run h200_13b 300 "${bench[@]}" "${ours[@]}" --models nngpt --sizes 13b --configs
 # the last 5 of 8 straddled the norm's fall under the threshold, 2.26 s steps beside 1.52 s ones, in session 45)
 run h200_13b_no_device_steps 260 "${bench[@]}" "${ours[@]}" --tuning-steps 6 --models nngpt --sizes 13b \
     --configs $c/zero_offload.json --set angelptm:zero_cache.device_steps=0
-# The whole H100, the ZeRO-Offload JSON: 10B unclipped and with clip 1.0 (random tokens: every step clips).
+# The whole H100, the ZeRO-Offload JSON: 10B unclipped and with clip 1.0 (whether its measured steps clip: the
+# grad norms in each run's JSON line; at 13B random tokens stop clipping at step 4).
 run h100_10b 560 "${bench[@]}" "${ours[@]}" --models nngpt --sizes 10b \
     --configs $c/zero_offload_noclip.json $c/zero_offload.json
 # Under a 22 GB cap: the ZeRO-Infinity JSON (clip 1.0) against DeepSpeed ZeRO-Infinity, the torch.nn GPT and Llama.
