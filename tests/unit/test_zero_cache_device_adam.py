@@ -3,8 +3,9 @@ torch's fused Adam on fresh random inputs, and an engine whose device chunks tak
 chunks take the four passes.
 
 The kernel is Triton's; here it runs under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors, so these
-tests need Triton installed (CUDA builds of torch bring it; the CPU build does not, and CI skips them). The same
-kernel compiled for a GPU is checked in ``tests/gpu/test_zero_cache_device_adam_cuda.py``.
+tests need Triton installed (CUDA builds of torch bring it, and the test extras install it on Linux x86-64: CI runs
+them; elsewhere they are skipped). The same kernel compiled for a GPU is checked in
+``tests/gpu/test_zero_cache_device_adam_cuda.py``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from zero_cache.optim import device_adam, optimizer as optimizer_module
 from zero_cache.optim.host_adam import torch_fused_adam
 from zero_cache.plan.layout import TensorSlot
 from zero_cache.plan.planner import DEVICE
+from test_zero_cache_streamed import assert_close_to
 from zero_cache_setup import budgets, six_layer_llama, zero_cache_config
 
 
@@ -34,12 +36,9 @@ def test_contiguous_runs_are_the_slots_elements_in_maximal_runs():
             slots.append(TensorSlot(f"p{index}", (numel,), 0, offset))
             offset += numel
         chosen = rng.sample(slots, rng.randint(0, len(slots)))
-        start = rng.randint(0, offset)
-        end = rng.choice([None, rng.randint(start, offset + 3)])
-        runs = device_adam.contiguous_runs(chosen, start, end)
+        runs = device_adam.contiguous_runs(chosen)
 
-        expected = {e for s in chosen for e in range(s.offset, s.offset + s.numel)
-                    if e >= start and (end is None or e < end)}
+        expected = {e for s in chosen for e in range(s.offset, s.offset + s.numel)}
         covered = [e for low, high in runs for e in range(low, high)]
         assert covered == sorted(expected)  # every element once, in chunk order
         assert all(low < high for low, high in runs)
@@ -106,11 +105,11 @@ def test_one_pass_reads_a_gradient_held_in_the_params_before_writing_them(one_pa
     assert torch.equal(params, states[0].to(torch.bfloat16))
 
 
-def test_one_pass_refuses_tensors_of_other_lengths(one_pass):
+def test_one_pass_refuses_tensors_of_other_lengths():
     states = [torch.zeros(8), torch.zeros(8), torch.zeros(7)]
-    with pytest.raises(ValueError, match="equally long contiguous"):
-        one_pass.adam_in_one_pass(states, torch.zeros(8), None, grad_factor=1.0, step=1, decoupled=True, lr=1e-3,
-                                  betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    with pytest.raises(ValueError, match="equally long contiguous"):  # (before any Triton: it runs without it)
+        device_adam.adam_in_one_pass(states, torch.zeros(8), torch.zeros(8), grad_factor=1.0, step=1, decoupled=True,
+                                     lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 
 
 def _engine(seed: int):
@@ -130,7 +129,6 @@ def test_device_chunks_updated_in_one_pass_train_like_the_four_passes(one_pass, 
     warmed = []
     monkeypatch.setattr(optimizer_module, "warm_one_pass", lambda *args: (warmed.append(args), one_pass.warm(*args)))
     once, once_opt = _engine(seed)
-    assert warmed == [(torch.device("cpu"), torch.bfloat16, torch.bfloat16, True)]  # (compiled before any step)
     assert once_opt._one_pass
     device_chunks = [c for c, group in enumerate(once_opt.store.groups) if group.tier == DEVICE]
     assert device_chunks, "the budgets must leave some optimizer groups on the device"
@@ -140,12 +138,16 @@ def test_device_chunks_updated_in_one_pass_train_like_the_four_passes(one_pass, 
                         lambda *args, **kwargs: (calls.append(1), one_pass.adam_in_one_pass(*args, **kwargs)))
     four_losses, once_losses = train_steps(four, batches), train_steps(once, batches)
     assert calls, "the device chunks were not updated in one pass"
+    # (compiled once, by the first plan put in force that holds groups on the device)
+    assert warmed == [(torch.device("cpu"), torch.bfloat16, torch.bfloat16, True)]
     assert once_losses == pytest.approx(four_losses, rel=1e-4)
     four_opt.finish_pending(), once_opt.finish_pending()
     four_masters, once_masters = four_opt.master_state_dict(), once_opt.master_state_dict()
-    for name, value in four_masters.items():
-        torch.testing.assert_close(once_masters[name], value, rtol=1e-5, atol=1e-6)
-    for (name, param), (_, expected) in zip(once.module.named_parameters(), four.module.named_parameters()):
+    # Per tensor: the kernels differ by an ulp or two, and over steps a bf16 param rounded the other way moves its
+    # gradient, so single elements part by up to 6e-4 of themselves (1 draw in 10); the tensors stay within 1e-5.
+    start = {name: param.detach().float() for name, param in six_layer_llama(seed).named_parameters()}
+    assert_close_to(once_masters, four_masters, start, rtol=1e-5)
+    for name, param in once.module.named_parameters():
         assert torch.equal(param, once_masters[name].to(param.dtype)), f"{name} does not hold its new master"
 
 

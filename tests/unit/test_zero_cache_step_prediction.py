@@ -140,6 +140,13 @@ def test_the_devices_adam_at_its_measured_rate_follows_backward_and_prices_nothi
                 assert after.pop("device Adam") == pytest.approx(groups * n["numel"] / rate)
             assert after == untimed.after_backward_floors(backward, updates_after_backward=after_backward)
         assert timed.seconds == untimed.seconds and "device Adam" in timed.rates.describe()
+        # Device steps start once the device's Adam is done (their stream waits for it): the two run one after the
+        # other.
+        stepping = dataclasses.replace(timed.rates, device_step_elements_per_s=random.uniform(0.5, 8) * 1e9)
+        both = dataclasses.replace(timed, rates=stepping).after_backward_floors(backward)
+        if timed.device_step_elements and groups:
+            assert both["device steps"] == pytest.approx(
+                groups * n["numel"] / rate + timed.device_step_elements / stepping.device_step_elements_per_s)
         whole_gpu = step_traffic(chunk_numel=n["numel"], param_bytes_per_element=n["pb"], streamed_shards=0,
                                  owned_streamed=0, host_updated_resident=0, host_updated=0, gathers_per_step=1.0,
                                  rates=timed.rates, device_updated=groups)

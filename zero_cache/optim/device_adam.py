@@ -21,25 +21,21 @@ from typing import Iterable, Sequence
 
 import torch
 
-from zero_cache.plan.layout import TensorSlot
+from zero_cache.plan.layout import ALIGN_NUMEL, TensorSlot
 
 BLOCK = 2048
 """Elements per Triton program: memory-bound, so any size that fills the SMs' loads is as fast."""
 
 
-def contiguous_runs(slots: Iterable[TensorSlot], start: int = 0, end: int | None = None) -> list[tuple[int, int]]:
-    """The elements of ``slots`` within ``[start, end)`` as maximal runs of adjacent elements, in chunk order: one
-    launch per run instead of one per parameter (a chunk packs its parameters back to back)."""
+def contiguous_runs(slots: Iterable[TensorSlot]) -> list[tuple[int, int]]:
+    """The elements of ``slots`` as maximal runs of adjacent elements, in chunk order: one launch per run instead of
+    one per parameter (a chunk packs its parameters back to back)."""
     runs: list[tuple[int, int]] = []
     for slot in sorted(slots, key=lambda slot: slot.offset):
-        low = max(start, slot.offset)
-        high = slot.offset + slot.numel if end is None else min(end, slot.offset + slot.numel)
-        if low >= high:
-            continue
-        if runs and runs[-1][1] == low:
-            runs[-1] = (runs[-1][0], high)
+        if runs and runs[-1][1] == slot.offset:
+            runs[-1] = (runs[-1][0], slot.offset + slot.numel)
         else:
-            runs.append((low, high))
+            runs.append((slot.offset, slot.offset + slot.numel))
     return runs
 
 
@@ -52,8 +48,7 @@ else:
     @triton.jit(do_not_specialize=["numel"])  # (one compile whatever the runs' lengths: see warm())
     def _adam_kernel(master_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_ptr, param_ptr, numel, grad_factor, lr,
                      weight_decay, beta1, beta2, eps, step_size, bias_correction2_sqrt,
-                     DECOUPLED: tl.constexpr, WRITE_PARAMS: tl.constexpr, PARAMS_BF16: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     DECOUPLED: tl.constexpr, PARAMS_BF16: tl.constexpr, BLOCK: tl.constexpr):
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = offsets < numel
         weight = tl.load(master_ptr + offsets, mask=inside)
@@ -76,7 +71,7 @@ else:
             rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
             rounded = tl.where(weight != weight, 0x7FC0, rounded)  # NaN stays NaN (torch's quiet one)
             tl.store(param_ptr + offsets, rounded.to(tl.bfloat16, bitcast=True), mask=inside)
-        elif WRITE_PARAMS:
+        else:
             tl.store(param_ptr + offsets, weight.to(param_ptr.dtype.element_ty), mask=inside)
 
 
@@ -85,7 +80,7 @@ def one_pass_available(device: torch.device) -> bool:
     return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
 
 
-def adam_in_one_pass(states: Sequence[torch.Tensor], grad: torch.Tensor, params: torch.Tensor | None, *,
+def adam_in_one_pass(states: Sequence[torch.Tensor], grad: torch.Tensor, params: torch.Tensor, *,
                      grad_factor: float, step: int, lr: float, betas: tuple[float, float], eps: float,
                      weight_decay: float, decoupled: bool) -> None:
     """One Adam step over flat, contiguous, equally long tensors, in place.
@@ -94,14 +89,14 @@ def adam_in_one_pass(states: Sequence[torch.Tensor], grad: torch.Tensor, params:
         states: the fp32 master, exp_avg and exp_avg_sq.
         grad: the gradient in any float dtype (the compute dtype's param chunk, or an fp32 accumulator); it may be
             ``params`` itself (each element is read before it is written), and is not changed otherwise.
-        params: where the new params go, rounded to its dtype (None: the master only).
+        params: where the new params go, rounded to its dtype.
         grad_factor: what the gradient is multiplied by first (unscale and clip).
         step: the Adam step number (from 1), for the bias corrections.
         decoupled: AdamW's weight decay (True) or Adam's L2 term in the gradient (False).
     """
     master, exp_avg, exp_avg_sq = states
     numel = master.numel()
-    tensors = (master, exp_avg, exp_avg_sq, grad) + ((params,) if params is not None else ())
+    tensors = (master, exp_avg, exp_avg_sq, grad, params)
     if any(t.numel() != numel or not t.is_contiguous() for t in tensors):
         raise ValueError(f"adam_in_one_pass takes equally long contiguous tensors; got "
                          f"{[(tuple(t.shape), t.is_contiguous()) for t in tensors]}")
@@ -109,18 +104,18 @@ def adam_in_one_pass(states: Sequence[torch.Tensor], grad: torch.Tensor, params:
         return
     beta1, beta2 = betas
     _adam_kernel[(triton.cdiv(numel, BLOCK),)](
-        master, exp_avg, exp_avg_sq, grad, params if params is not None else master, numel, float(grad_factor),
+        master, exp_avg, exp_avg_sq, grad, params, numel, float(grad_factor),
         float(lr), float(weight_decay), float(beta1), float(beta2), float(eps), float(lr) / (1 - beta1 ** step),
-        (1 - beta2 ** step) ** 0.5, DECOUPLED=decoupled, WRITE_PARAMS=params is not None,
-        PARAMS_BF16=params is not None and params.dtype == torch.bfloat16, BLOCK=BLOCK)
+        (1 - beta2 ** step) ** 0.5, DECOUPLED=decoupled,
+        PARAMS_BF16=params.dtype == torch.bfloat16, BLOCK=BLOCK)
 
 
 def warm(device: torch.device, grad_dtype: torch.dtype, param_dtype: torch.dtype, decoupled: bool) -> None:
     """Compile the kernel for these dtypes now, on a few elements (Triton compiles on first use, and a compile in the
     first steps after the warm-up was measured as the tuning's first count: 1.78 s against 0.63 at 2.7B on an H100).
-    Slots start on 64-element boundaries, so the chunks' runs are aligned as these tensors are, and the length is
-    not specialized on: the runs of training reuse this compile."""
-    states = [torch.zeros(64, device=device) for _ in range(3)]
-    adam_in_one_pass(states, torch.zeros(64, dtype=grad_dtype, device=device),
-                     torch.zeros(64, dtype=param_dtype, device=device), grad_factor=1.0, step=1, lr=0.0,
+    Slots start on :data:`~zero_cache.plan.layout.ALIGN_NUMEL` boundaries, so the chunks' runs are aligned as these
+    tensors are, and the length is not specialized on: the runs of training reuse this compile."""
+    states = [torch.zeros(ALIGN_NUMEL, device=device) for _ in range(3)]
+    adam_in_one_pass(states, torch.zeros(ALIGN_NUMEL, dtype=grad_dtype, device=device),
+                     torch.zeros(ALIGN_NUMEL, dtype=param_dtype, device=device), grad_factor=1.0, step=1, lr=0.0,
                      betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled=decoupled)

@@ -162,8 +162,8 @@ class StepTraffic:
         not keep their gradient, and what of the others' updates during ``backward_seconds`` did not fit), "H2D" (new
         params and the device steps' states in), "D2H" (the device steps' states out), "device steps" at their
         measured rate once it is known (13B on the H200: their copies in and out ran one after the other, not side
-        by side as the H2D and D2H floors allow), and "device Adam" over the device's own groups at its measured rate
-        once that is known. Each chunk's update, on the host or stepped on the device, comes
+        by side as the H2D and D2H floors allow; they follow the device's Adam), and "device Adam" over the device's own
+        groups at its measured rate once that is known. Each chunk's update, on the host or stepped on the device, comes
         before the next forward can use it."""
         rates = self.rates
         host = self.host_adam_elements / rates.host_adam_elements_per_s
@@ -172,11 +172,14 @@ class StepTraffic:
             host -= min(during, backward_seconds)
         after = {"host Adam": host, "H2D": (self.h2d_bytes - self.gather_bytes) / rates.h2d_bytes_per_s,
                  "D2H": self.device_step_d2h_bytes / rates.d2h_bytes_per_s}
+        device_adam = (self.device_adam_elements / rates.device_adam_elements_per_s
+                       if rates.device_adam_elements_per_s and self.device_adam_elements else 0.0)
         if rates.device_step_elements_per_s and self.device_step_elements:
-            # (timed as they ran: their copies both ways, their Adam, and whatever the bus carried beside them)
-            after["device steps"] = self.device_step_elements / rates.device_step_elements_per_s
-        if rates.device_adam_elements_per_s and self.device_adam_elements:
-            after["device Adam"] = self.device_adam_elements / rates.device_adam_elements_per_s
+            # (timed as they ran: their copies both ways, their Adam, and whatever the bus carried beside them; from
+            # when they may start, after the device's own Adam, which their stream waits for)
+            after["device steps"] = device_adam + self.device_step_elements / rates.device_step_elements_per_s
+        if device_adam:
+            after["device Adam"] = device_adam
         return after
 
     def predicted_step(self, backward_seconds: float, *, updates_after_backward: bool) -> tuple[float, str]:
