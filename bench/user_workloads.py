@@ -41,7 +41,10 @@ from zero_cache.tuning import MAX_TRIALS, MEASURED_STEPS, RESTARTS, SETTLE_STEPS
 
 TUNING_STEPS = 1 + (1 + RESTARTS) * MAX_TRIALS * (SETTLE_STEPS + MEASURED_STEPS)
 """The warm-up and the device-step tuner's trials (:mod:`zero_cache.tuning`: at most MAX_TRIALS counts, started over
-at most RESTARTS times where the norm falls under the clip threshold during them, as random tokens' does at 13B)."""
+at most RESTARTS times where the norm falls under the clip threshold during them, as random tokens' does at 13B). Not
+a bound: a norm that falls after the tuning settled starts it over RETUNE_STEPS steps later, which may be inside the
+measured steps; the engine's log then says "the device-step tuning starts over", and the JSON line's grad norms say
+where the norm fell."""
 
 
 def edited_config(path: str, edits: list[str], engine: str) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+import angelptm
 from angelptm.pretraining.models import ModelConfig, build_model
 from reference import SEQ, VOCAB, ds_config
 from zero_cache.plan.layout import pack
@@ -35,3 +36,12 @@ def zero_cache_config(device_budget: int, host_budget: int, *, clip: float = 1.0
                                    "host_memory_budget": host_budget, "chunk_size": CHUNK_NUMEL})
     config.update(overrides)
     return config
+
+
+def resident_engine(seed: int, *, clip: float = 1.0, **zero_cache):
+    """:func:`six_layer_llama` under :func:`budgets`, params resident on the device (streamed ones:
+    ``test_zero_cache_streamed.py``), ``zero_cache`` settings on top; returns (engine, optimizer)."""
+    config = zero_cache_config(*budgets(six_layer_llama(seed)), clip=clip)
+    config["zero_cache"].update(param_home="device", **zero_cache)
+    engine, optimizer, _, _ = angelptm.initialize(model=six_layer_llama(seed), config=config)
+    return engine, optimizer

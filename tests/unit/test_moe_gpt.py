@@ -14,6 +14,7 @@ import torch
 from angelptm.pretraining.models import ModelConfig, build_model
 from angelptm.pretraining.models.gpt import Block, MoEBlock
 from moe import MoEConfig
+from launch import shipped_config
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = dict(vocab_size=64, max_seq_len=16, num_layers=4, hidden_size=32, num_heads=4)
@@ -62,10 +63,9 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients():
 
 
 def test_pretrain_trains_the_tiny_moe_config(tmp_path):
-    config = json.loads((ROOT / "configs" / "tiny_moe.json").read_text())
+    config = shipped_config("tiny_moe.json")
     config["model"].update(num_layers=2, max_seq_len=64)
     config["train_micro_batch_size_per_gpu"] = 8
-    config["bf16"] = {"enabled": False}  # (bf16 matmuls crawl on a CPU without bf16 units; not the point here)
     config["train"].update(steps=10, log_interval=5, save_dir=str(tmp_path / "ckpt"))
     config["data"]["cache_dir"] = str(ROOT / ".cache" / "angelptm")  # tokenize the shipped corpus once
     path = tmp_path / "moe.json"

@@ -16,14 +16,13 @@ import random
 import pytest
 import torch
 
-import angelptm
 from reference import random_batches, train_steps
 from zero_cache.optim import device_adam, optimizer as optimizer_module
 from zero_cache.optim.host_adam import torch_fused_adam
 from zero_cache.plan.layout import TensorSlot
 from zero_cache.plan.planner import DEVICE
 from test_zero_cache_streamed import assert_close_to
-from zero_cache_setup import budgets, six_layer_llama, zero_cache_config
+from zero_cache_setup import resident_engine, six_layer_llama
 
 
 def test_contiguous_runs_are_the_slots_elements_in_maximal_runs():
@@ -112,23 +111,16 @@ def test_one_pass_refuses_tensors_of_other_lengths():
                                      lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 
 
-def _engine(seed: int):
-    config = zero_cache_config(*budgets(six_layer_llama(seed)), clip=1.0)
-    config["zero_cache"]["param_home"] = "device"
-    engine, optimizer, _, _ = angelptm.initialize(model=six_layer_llama(seed), config=config)
-    return engine, optimizer
-
-
 def test_device_chunks_updated_in_one_pass_train_like_the_four_passes(one_pass, monkeypatch):
     seed = torch.randint(0, 10_000, ()).item()
     batches = random_batches(seed, count=4, batch=4)
     monkeypatch.setattr(optimizer_module, "one_pass_available", lambda device: False)
-    four, four_opt = _engine(seed)
+    four, four_opt = resident_engine(seed)
     monkeypatch.setattr(optimizer_module, "one_pass_available", lambda device: True)
     monkeypatch.setattr(optimizer_module, "adam_in_one_pass", one_pass.adam_in_one_pass)
     warmed = []
     monkeypatch.setattr(optimizer_module, "warm_one_pass", lambda *args: (warmed.append(args), one_pass.warm(*args)))
-    once, once_opt = _engine(seed)
+    once, once_opt = resident_engine(seed)
     assert once_opt._one_pass
     device_chunks = [c for c, group in enumerate(once_opt.store.groups) if group.tier == DEVICE]
     assert device_chunks, "the budgets must leave some optimizer groups on the device"

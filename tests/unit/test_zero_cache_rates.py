@@ -22,11 +22,11 @@ from zero_cache.config import AioConfig
 from zero_cache.plan.planner import DEVICE, HOST, make_plan
 from zero_cache.plan.step_cost import NOMINAL_RATES, Rates, agreed_rates
 from zero_cache.runtime.rates import (MIN_MEASURED_ELEMENTS, MIN_PROBE_BYTES, PROBE_BYTES, Throughput, measured_copies,
-                                      measured_disk, with_device_step_rate, with_host_adam)
+                                      measured_disk, with_device_adam_rate, with_device_step_rate, with_host_adam)
 from zero_cache.storage.nvme import ALIGN_BYTES, NvmeTier, check_directory
 from zero_cache.storage.tiers import Tier
 from zero_cache.tuning import MEASURED_STEPS, SETTLE_STEPS
-from zero_cache_setup import budgets, six_layer_llama, zero_cache_config
+from zero_cache_setup import resident_engine
 
 
 def random_rates(rng: random.Random) -> Rates:
@@ -183,6 +183,18 @@ def test_a_copy_probe_without_device_memory_keeps_the_known_rates_and_takes_noth
         assert measured_copies(torch.device("cuda"), host, known) == known
     monkeypatch.undo()
     assert "the PCIe copy probe failed (OutOfMemoryError: CUDA out of memory" in caplog.text
+    assert host.used_bytes == 0  # (the device buffer comes first: nothing was taken)
+    caplog.clear()
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda size, **kwargs: empty(size, dtype=torch.uint8))  # (a "device" buffer)
+    monkeypatch.setattr(torch.cuda, "Stream", no_device_memory)  # fails once the pinned buffer is taken
+    taken = []
+    allocate = host.allocate
+    monkeypatch.setattr(host, "allocate", lambda *args, **kwargs: taken.append(1) or allocate(*args, **kwargs))
+    with caplog.at_level(logging.WARNING, logger="zero_cache"):
+        assert measured_copies(torch.device("cuda"), host, known) == known
+    assert taken and host.used_bytes == 0, "the pinned buffer was taken and not given back"
+    assert "the PCIe copy probe failed" in caplog.text
     assert known.describe() in caplog.text and host.used_bytes == 0
 
 
@@ -197,15 +209,17 @@ def test_the_disk_probe_grows_the_swap_file_by_its_own_bytes_not_by_a_slot(tmp_p
     assert nvme.allocate_slot() == taken + slot and nvme.file.reserved_bytes == 2 * slot
 
 
-def test_the_device_step_rate_is_taken_only_from_enough_work():
+@pytest.mark.parametrize("timed_rate, field", [(with_device_step_rate, "device_step_elements_per_s"),
+                                               (with_device_adam_rate, "device_adam_elements_per_s")])
+def test_a_rate_timed_on_the_device_is_taken_only_from_enough_work(timed_rate, field):
     rates = Rates(h2d_bytes_per_s=10e9, d2h_bytes_per_s=11e9, host_adam_elements_per_s=3e9)
     elements = random.randint(MIN_MEASURED_ELEMENTS, 10**10)
     seconds = random.uniform(0.01, 5.0)
-    timed = with_device_step_rate(rates, (elements, seconds))
-    assert timed.device_step_elements_per_s == pytest.approx(elements / seconds)
-    assert dataclasses.replace(timed, device_step_elements_per_s=0.0) == rates  # (nothing else changes)
-    assert with_device_step_rate(rates, (MIN_MEASURED_ELEMENTS - 1, seconds)) == rates  # too little to time
-    assert with_device_step_rate(rates, (elements, 0.0)) == rates
+    timed = timed_rate(rates, (elements, seconds))
+    assert getattr(timed, field) == pytest.approx(elements / seconds)
+    assert dataclasses.replace(timed, **{field: 0.0}) == rates  # (nothing else changes)
+    assert timed_rate(rates, (MIN_MEASURED_ELEMENTS - 1, seconds)) == rates  # too little to time
+    assert timed_rate(rates, (elements, 0.0)) == rates
 
 
 def test_the_ranks_plan_on_one_set_of_rates_the_middle_reading_of_each():
@@ -213,11 +227,13 @@ def test_the_ranks_plan_on_one_set_of_rates_the_middle_reading_of_each():
     50) must not give that rank another placement. Every rate is the middle of the ranks' readings, measured only
     where every rank measured it, and one rank's rates stand as they are."""
     rng = random.Random(random.randrange(10**6))
-    fields = ("h2d_bytes_per_s", "d2h_bytes_per_s", "host_adam_elements_per_s", "disk_bytes_per_s",
-              "device_step_elements_per_s")
+    every = [field.name for field in dataclasses.fields(Rates)]
+    fields = [name for name in every if not name.endswith("_measured")]
+    flags = [name for name in every if name.endswith("_measured")]
     for _ in range(200):
         ranks = [dataclasses.replace(random_rates(rng), disk_bytes_per_s=rng.uniform(0.5, 3) * 1e9,
                                      device_step_elements_per_s=rng.choice([0.0, rng.uniform(1, 4) * 1e9]),
+                                     device_adam_elements_per_s=rng.choice([0.0, rng.uniform(20, 200) * 1e9]),
                                      copies_measured=rng.random() < 0.8, host_adam_measured=rng.random() < 0.8,
                                      disk_measured=rng.random() < 0.8)
                  for _ in range(rng.randint(1, 8))]
@@ -227,7 +243,7 @@ def test_the_ranks_plan_on_one_set_of_rates_the_middle_reading_of_each():
             below = sum(value < getattr(agreed, name) for value in values)
             above = sum(value > getattr(agreed, name) for value in values)
             assert getattr(agreed, name) in values and below <= (len(values) - 1) // 2 and above <= len(values) // 2
-        for flag in ("copies_measured", "host_adam_measured", "disk_measured"):
+        for flag in flags:
             assert getattr(agreed, flag) == all(getattr(rates, flag) for rates in ranks)
         assert agreed_rates(ranks[:1]) == ranks[0]
     low = dataclasses.replace(NOMINAL_RATES, h2d_bytes_per_s=35 * 2**30)
@@ -247,18 +263,11 @@ def test_the_plan_counts_the_devices_adam_over_the_groups_it_holds():
     assert held, "some of the random placements must hold groups on the device"
 
 
-def device_groups_engine(seed: int, **zero_cache):
-    config = zero_cache_config(*budgets(six_layer_llama(seed)), clip=0.0)
-    config["zero_cache"].update(param_home="device", **zero_cache)
-    engine, optimizer, _, _ = angelptm.initialize(model=six_layer_llama(seed), config=config)
-    return engine, optimizer
-
-
 def test_the_devices_adam_is_timed_where_it_runs_each_step_after_the_warm_up():
     """On CPU by the step clock; each step's span is added when the next step's begins, and the re-plan drops the
     warm-up's."""
     seed = torch.randint(0, 10_000, ()).item()
-    engine, optimizer = device_groups_engine(seed)
+    engine, optimizer = resident_engine(seed, clip=0.0)
     train_steps(engine, random_batches(seed, count=4, batch=2))
     device = [c for c, group in enumerate(optimizer.store.groups) if group.tier == DEVICE]
     assert device, "the budgets must leave some optimizer groups on the device"
@@ -273,7 +282,7 @@ def test_a_plan_not_tuned_is_checked_against_its_prediction_with_the_devices_ada
     monkeypatch.setattr(importlib.import_module("zero_cache.runtime.rates"), "MIN_MEASURED_ELEMENTS", 1)  # (tiny)
     caplog.set_level(logging.INFO, logger="zero_cache")
     seed = torch.randint(0, 10_000, ()).item()
-    engine, optimizer = device_groups_engine(seed, device_steps=0)
+    engine, optimizer = resident_engine(seed, clip=0.0, device_steps=0)
     steps = 1 + SETTLE_STEPS + MEASURED_STEPS + 1
     train_steps(engine, random_batches(seed, count=steps, batch=2))
     assert optimizer.after_step is None, "the watch ended"

@@ -12,15 +12,11 @@ import torch
 import angelptm
 from reference import random_batches, reference_loop, train_steps
 from zero_cache.plan.planner import HOST
-from zero_cache_setup import budgets, six_layer_llama, zero_cache_config
+from zero_cache_setup import budgets, resident_engine, six_layer_llama, zero_cache_config
 
 
 def build(seed: int, *, clip: float = 1.0, update_in_backward: bool | str = "auto"):
-    config = zero_cache_config(*budgets(six_layer_llama(seed)), clip=clip)
-    config["zero_cache"]["update_in_backward"] = update_in_backward
-    config["zero_cache"]["param_home"] = "device"  # params resident (streamed ones: test_zero_cache_streamed.py)
-    engine, optimizer, _, _ = angelptm.initialize(model=six_layer_llama(seed), config=config)
-    return engine, optimizer
+    return resident_engine(seed, clip=clip, update_in_backward=update_in_backward)
 
 
 def host_chunks(optimizer) -> set[int]:
