@@ -4,6 +4,7 @@ gradients written home on the D2H stream and updated there by the worker."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -113,7 +114,11 @@ def test_built_on_the_host_the_gpu_never_holds_the_model():
     """zero.Init(remote_device="cpu") and a device budget of half the weights: the GPU's peak stays below them.
 
     The model's largest tensor is a small part of it (vocab 4096), so chunks can be small enough for the
-    budget's few live groups; the activation reserve is set, not half of so small a budget."""
+    budget's few live groups; the activation reserve is set, not half of so small a budget. Training is checked by
+    the first step alone, seeded: plain torch AdamW on the same batch takes this 24-layer model from 8.47 to 9-15 by
+    its fourth step on some inits, at the tests' 3e-3 and at 3e-4 alike (a CPU reference over 8 seeds), which
+    failed a check of the last loss once on an H100 with nothing wrong in the engine; its first step lowered the
+    loss by 0.3 or more in every draw."""
     model_config = ModelConfig(flavour="gpt2", vocab_size=4096, max_seq_len=256, num_layers=24, hidden_size=768,
                                num_heads=12, activation_checkpointing=True)
     weights = 2 * build_model(model_config).num_params()
@@ -123,6 +128,7 @@ def test_built_on_the_host_the_gpu_never_holds_the_model():
                                 "activation_memory": "64MiB"})
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()  # (what earlier tests left, e.g. a failed one's engine in its traceback)
+    torch.manual_seed(0)
     with angelptm.zero.Init(config_dict_or_path=cfg, remote_device="cpu"):
         model = build_model(model_config)
     assert all(p.device.type == "cpu" for p in model.parameters())
@@ -130,7 +136,7 @@ def test_built_on_the_host_the_gpu_never_holds_the_model():
     assert HOST in set(optimizer.store.param_home)  # (offload_param permits host homes: the plan keeps some)
     ids = torch.randint(0, 4096, (2, 257), generator=torch.Generator().manual_seed(0))
     losses = train_steps(engine, [{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}] * 4)
-    assert losses[-1] < losses[0]
+    assert all(map(math.isfinite, losses)) and losses[1] < losses[0], losses
     assert optimizer.store.tiers[DEVICE].peak_bytes <= weights // 2
     peak = torch.cuda.max_memory_allocated() - before
     assert peak < weights, f"peak {peak} of {weights}"
