@@ -13,7 +13,9 @@
 # One device call runs at most 600 s. Wall times measured (session 44): h100_10b 290 s, with h100_2p7b_capped 445 s;
 # h100_2p7b_capped, h100_llama_capped and h100_2p7b_whole 394 s. Session 45: h200_13b 200 s, with
 # h200_13b_no_device_steps 303 s; h200x2_6p9b_scaling 220 s. Since then each run of ours has 9 more unmeasured
-# steps (a tuning that starts over) and the no-device-steps row 6: about 15 s more a row at 13B.
+# steps (a tuning that starts over) and the no-device-steps row 6: about 15 s more a row at 13B. Session 46, calls
+# with the setup: the two 13B rows 316 s; h100_10b with h100_2p7b_capped 448 s (a fresh machine); h100_llama_capped
+# and h100_2p7b_whole with the GPU tests 364 s.
 #
 # Every row is a DeepSpeed script of a user's model (bench/user_models.py: the GPT written from torch.nn modules,
 # transformers' Llama) driven by its DeepSpeed JSON unchanged (bench/configs/), micro-batch 8, seq 1024, bf16; its

@@ -30,8 +30,8 @@ from zero_cache.plan.step_cost import NOMINAL_RATES, agreed_rates
 from zero_cache.plan.tier_names import DEVICE, HOST, NVME
 from zero_cache.plan.units import AUTO, format_bytes
 from zero_cache.resolve import plan_inputs
-from zero_cache.runtime.rates import (measured_copies, measured_disk, with_device_adam_rate, with_device_step_rate,
-                                     with_host_adam)
+from zero_cache.runtime.rates import (measured_copies, measured_disk, measured_host_memory, with_device_adam_rate,
+                                     with_device_step_rate, with_host_adam)
 from zero_cache.runtime.shard_params import agree_working_set, gather_objects
 from zero_cache.plan.home_costs import home_costs
 from zero_cache.tuning import MEASURED_STEPS, RESTARTS, SETTLE_STEPS, DeviceStepTuner
@@ -151,6 +151,7 @@ class WarmupTracer:
         optimizer.device_steps.timing.restart()  # (the warm-up's ran beside its streaming, as the later steps' do not)
         optimizer.device_adam_timing.restart()
         self.rates = measured_copies(device_tier.device, host_tier, self.rates)
+        self.rates = measured_host_memory(device_tier.device, host_tier, self.rates)
         # The disk through a bounce buffer of the state homes where groups pass through one (their buffers are in
         # the host's plan), else from the host tier's room.
         with store.lent_bounce_buffer() as bounce:
@@ -265,9 +266,11 @@ class WarmupTracer:
         verdict = ("" if abs(off) <= PREDICTION_TOLERANCE else
                    ": more than the tolerance above it, the forward's compute or waits the plan does not count bound it"
                    if off > 0 else ": below it, the plan's rates are slower than the step's")
+        host_memory = (f"; the host's memory moves {traffic.host_memory_bytes / 1e9:.1f} GB a step"
+                       if self.rates.host_memory_bytes_per_s else "")
         logger.info("ZeRO-Cache: the step runs at %.3f s; the plan predicts at least %.3f s (%+.0f%%), bound by %s "
-                    "(backward %s; the updates %s; after backward: %s; at %s)%s",
+                    "(backward %s; the updates %s; after backward: %s%s; at %s)%s",
                     measured, predicted, 100 * off, bound, "not timed" if backward is None else f"{backward:.3f} s",
                     "waited for the global norm" if updates_after_backward else "ran in backward",
-                    ", ".join(f"{stream} {seconds:.3f} s" for stream, seconds in after.items()),
+                    ", ".join(f"{stream} {seconds:.3f} s" for stream, seconds in after.items()), host_memory,
                     self.rates.describe(), verdict)

@@ -21,10 +21,12 @@ from test_zero_cache_tuning import random_inputs
 from zero_cache.config import AioConfig
 from zero_cache.plan.planner import DEVICE, HOST, make_plan
 from zero_cache.plan.step_cost import NOMINAL_RATES, Rates, agreed_rates
-from zero_cache.runtime.rates import (MIN_MEASURED_ELEMENTS, MIN_PROBE_BYTES, PROBE_BYTES, Throughput, measured_copies,
-                                      measured_disk, with_device_adam_rate, with_device_step_rate, with_host_adam)
+from zero_cache.runtime.rates import (MIN_HOST_MEMORY_PROBE_BYTES, MIN_MEASURED_ELEMENTS, MIN_PROBE_BYTES, PROBE_BYTES,
+                                      PROBE_REPEATS, Throughput, host_memory_rate, measured_copies, measured_disk,
+                                      measured_host_memory, with_device_adam_rate, with_device_step_rate,
+                                      with_host_adam)
 from zero_cache.storage.nvme import ALIGN_BYTES, NvmeTier, check_directory
-from zero_cache.storage.tiers import Tier
+from zero_cache.storage.tiers import Tier, TierFullError
 from zero_cache.tuning import MEASURED_STEPS, SETTLE_STEPS
 from zero_cache_setup import resident_engine
 
@@ -278,8 +280,12 @@ def test_the_devices_adam_is_timed_where_it_runs_each_step_after_the_warm_up():
 def test_a_plan_not_tuned_is_checked_against_its_prediction_with_the_devices_adam(monkeypatch, caplog):
     """No device steps to tune (a count the config fixes, or no host groups): the engine still logs the measured
     step against the plan's prediction, with the device's Adam timed, as a tuning's end does."""
-    monkeypatch.setattr(importlib.import_module("zero_cache.warmup"), "tunes_on", lambda device: True)
+    warmup = importlib.import_module("zero_cache.warmup")
+    monkeypatch.setattr(warmup, "tunes_on", lambda device: True)
     monkeypatch.setattr(importlib.import_module("zero_cache.runtime.rates"), "MIN_MEASURED_ELEMENTS", 1)  # (tiny)
+    # (the host memory probe runs on a GPU only; here it reads 7 GB/s)
+    monkeypatch.setattr(warmup, "measured_host_memory",
+                        lambda device, tier, known: dataclasses.replace(known, host_memory_bytes_per_s=7e9))
     caplog.set_level(logging.INFO, logger="zero_cache")
     seed = torch.randint(0, 10_000, ()).item()
     engine, optimizer = resident_engine(seed, clip=0.0, device_steps=0)
@@ -289,4 +295,41 @@ def test_a_plan_not_tuned_is_checked_against_its_prediction_with_the_devices_ada
     line = next(r.getMessage() for r in caplog.records if "the step runs at" in r.getMessage())
     assert "device Adam" in line.split("after backward:")[1].split(";")[0]  # (a term of the work after backward)
     assert "device Adam" in line.split("; at ")[1] and "(measured here)" in line
+    moved = optimizer.store.plan.traffic.host_memory_bytes
+    assert f"the host's memory moves {moved / 1e9:.1f} GB a step" in line and "host memory 7 GB/s" in line
     optimizer.finish_pending()
+
+
+def test_the_host_memory_probe_copies_half_a_host_buffer_onto_the_other_and_gives_it_back():
+    host = Tier("host", torch.device("cpu"), 3 * MIN_HOST_MEMORY_PROBE_BYTES)
+    durations = [random.uniform(0.01, 0.2) for _ in range(PROBE_REPEATS)]
+    ticks = iter([t for d in durations for t in (0.0, d)])
+    taken = []
+    allocate = host.allocate
+    host.allocate = lambda *args, **kwargs: taken.append(args[0]) or allocate(*args, **kwargs)
+    rate = host_memory_rate(host, clock=lambda: next(ticks))
+    assert taken == [3 * MIN_HOST_MEMORY_PROBE_BYTES]  # (the room it had, under the 512 MiB it asks)
+    assert rate == pytest.approx(taken[0] / min(durations))  # bytes read and written over the fastest copy
+    assert host.used_bytes == 0
+    measured = host_memory_rate(host)  # (this machine's, by the real clock: some GB/s, not a cache's TB/s)
+    assert 1e8 < measured < 2e12 and host.used_bytes == 0
+    host.allocate = allocate
+    small = Tier("host", torch.device("cpu"), MIN_HOST_MEMORY_PROBE_BYTES - 2)
+    assert host_memory_rate(small) is None and small.used_bytes == 0
+
+
+def test_the_host_memory_is_probed_for_the_gpus_prediction_and_a_failed_probe_keeps_the_known_rates(caplog):
+    known = random_rates(random.Random(torch.randint(0, 10_000, ()).item()))
+    host = Tier("host", torch.device("cpu"), 2 * MIN_HOST_MEMORY_PROBE_BYTES)
+    assert measured_host_memory(torch.device("cpu"), host, known) == known  # (no GPU: no prediction to check)
+    probed = measured_host_memory(torch.device("cuda"), host, known)
+    assert probed.host_memory_bytes_per_s > 0 and dataclasses.replace(probed, host_memory_bytes_per_s=0.0) == known
+    assert "host memory" in probed.describe() and host.used_bytes == 0
+
+    def full(*args, **kwargs):
+        raise TierFullError("host tier: allocating 256.00 MiB exceeds its budget")
+
+    host.allocate = full
+    with caplog.at_level(logging.WARNING, logger="zero_cache"):
+        assert measured_host_memory(torch.device("cuda"), host, known) == known
+    assert "the host memory probe failed (TierFullError" in caplog.text

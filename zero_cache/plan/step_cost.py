@@ -28,6 +28,9 @@ from zero_cache.plan.units import format_bytes
 STATE_BYTES_PER_ELEMENT = 12
 """fp32 master + exp_avg + exp_avg_sq (a gradient's bytes come on top, by its dtype): what an optimizer group
 holds per element, and what one stepped on the device moves each way."""
+HOST_ADAM_BYTES_PER_ELEMENT = 28
+"""Host memory the host's Adam reads and writes per element: the fp32 master and moments both ways, the bf16
+gradient in and the bf16 param out (a lazy step's fold reads 4 more, left out: a floor)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +62,10 @@ class Rates:
     """The device's Adam over the groups it holds (one pass over the master, moments, gradient and params), timed
     where it runs over training steps (:func:`zero_cache.runtime.rates.with_device_adam_rate`); 0 until then, when
     it is not counted (a whole-GPU plan's floor was 0 s, its step 0.338 s)."""
+    host_memory_bytes_per_s: float = 0.0
+    """The host's memory, read and written together, by a probe (:func:`zero_cache.runtime.rates.host_memory_rate`);
+    0 until then, when it is not counted. The host's Adam and every copy and disk transfer go through it, so it
+    bounds their sum: only the step's prediction uses it (:attr:`StepTraffic.host_memory_bytes`)."""
 
     def describe(self) -> str:
         copies = "measured here" if self.copies_measured else "nominal: an H200's, until this machine is measured"
@@ -67,6 +74,8 @@ class Rates:
                      if self.device_step_elements_per_s else "")
         on_device += (f", device Adam {self.device_adam_elements_per_s / 1e9:.1f} G elements/s (measured here)"
                       if self.device_adam_elements_per_s else "")
+        on_device += (f", host memory {self.host_memory_bytes_per_s / 1e9:.0f} GB/s (measured here)"
+                      if self.host_memory_bytes_per_s else "")
         return (f"H2D {self.h2d_bytes_per_s / 2**30:.0f} GiB/s, D2H {self.d2h_bytes_per_s / 2**30:.0f} GiB/s "
                 f"({copies}), host Adam {self.host_adam_elements_per_s / 1e9:.1f} G elements/s ({adam}){on_device}")
 
@@ -135,6 +144,16 @@ class StepTraffic:
     the next forward uses their params)."""
 
     @property
+    def host_memory_bytes(self) -> int:
+        """Bytes the step moves through the host's memory: the host's Adam (:data:`HOST_ADAM_BYTES_PER_ELEMENT`), and
+        every copy each way and disk transfer, which land in or leave pinned host memory. A device step moves its
+        states through it too (their copies both ways): a group stepped on the device saves the host's cores, but
+        little of its memory's traffic (24 bytes an element of copies, against the host path's 28 and its gradient
+        out and params in)."""
+        return (self.host_adam_elements * HOST_ADAM_BYTES_PER_ELEMENT + self.h2d_bytes + self.d2h_bytes
+                + self.disk_bytes)
+
+    @property
     def floors(self) -> dict[str, float]:
         """Seconds each stream needs for this traffic: "H2D", "D2H", "host Adam", and "disk" when there is any."""
         rates = self.rates
@@ -187,12 +206,21 @@ class StepTraffic:
 
         The step is its backward, then the slowest of :meth:`after_backward_floors`, which the next forward waits
         on (its own compute hides in it unless it is longer), and never less than a stream's whole-step traffic
-        (:attr:`seconds`). Where the updates wait for the global norm (the step clips, or the last one did), the
-        host's Adam starts after backward; otherwise the chunks that keep their gradient are updated during it. The
-        forward's compute is not counted: the prediction is a floor.
+        (:attr:`seconds`), nor than the host's memory moving :attr:`host_memory_bytes` once it is measured. Where the
+        updates wait for the global norm (the step clips, or the last one did), the host's Adam starts after backward;
+        otherwise the chunks that keep their gradient are updated during it. The forward's compute is not counted: the
+        prediction is a floor.
+
+        The host's memory: at 2.7B under a 22 GB cap on an H100 the tuning measured 0.657, 0.665 and 0.663 s at 4, 2
+        and 5 groups stepped on the device, where this prediction (without it) was 0.491 s at 4.
+        What the counts hardly change is the host's memory traffic: 70-73 GB a step at each, 105-110 GB/s over the
+        step. 10B on the whole H100, the same machine, gave 112-114 GB/s at the two fastest of its three counts. Not
+        the plan's choices yet (:attr:`floors`): the probe has not been set against a measured step on a GPU.
         """
         floors = {"backward": backward_seconds, **{f"{stream} (whole step)": seconds
                                                    for stream, seconds in self.floors.items()}}
+        if self.rates.host_memory_bytes_per_s:
+            floors["host memory (whole step)"] = self.host_memory_bytes / self.rates.host_memory_bytes_per_s
         after = self.after_backward_floors(backward_seconds, updates_after_backward=updates_after_backward)
         slowest = max(after, key=after.__getitem__)
         if after[slowest] > 0:
