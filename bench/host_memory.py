@@ -1,0 +1,129 @@
+"""The host's memory as the step uses it: the re-plan's probe against the host's Adam and the bus's copies, alone
+and at once.
+
+    python3 bench/host_memory.py --numel 300000000 --repeats 8
+
+The step's prediction counts the bytes a step moves through the host's memory (``StepTraffic.host_memory_bytes``:
+the host's Adam at 28 bytes an element, every copy byte each way) at the rate of a probe the re-plan runs
+(``zero_cache.runtime.rates.host_memory_rate``). That is right only if the probe reads what the host's Adam and the
+copies get together. This measures, on one machine, in one run:
+
+1. the probe, as the engine runs it;
+2. the host's Adam alone (the csrc kernel over one chunk of bf16 gradients, ``--repeats`` steps), in G elements/s
+   and in GB/s at 28 bytes an element;
+3. on a GPU, pinned copies alone, both ways at once on two streams;
+4. on a GPU, both at once: the copies queued to outlast the Adam, and counted up to the Adam's end.
+
+Prints one JSON line (GB are 1e9 bytes): ``probe_gbs``, ``adam_alone`` and ``adam_mixed`` (G elements/s),
+``copies_alone_gbs`` and ``copies_mixed_gbs`` (both ways together), ``mixed_total_gbs`` (the Adam's bytes and the
+copies' during the same seconds) and ``mixed_over_probe``. In session 46's reading of the matrix the H100's steps
+moved 105-114 GB/s at their fastest device-step counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from zero_cache.optim.host_adam import HostAdam  # noqa: E402
+from zero_cache.plan.step_cost import HOST_ADAM_BYTES_PER_ELEMENT  # noqa: E402
+from zero_cache.runtime.rates import host_memory_rate  # noqa: E402
+from zero_cache.storage.tiers import Tier  # noqa: E402
+
+HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+COPY_BYTES = 1 << 30
+"""Bytes of each pinned copy buffer (one each way)."""
+
+
+def adam_steps(adam: HostAdam, tensors: tuple[torch.Tensor, ...], repeats: int) -> float:
+    """Seconds for ``repeats`` steps of the host's Adam over one chunk (its bf16 gradient rewritten each time, as it
+    lands from the device)."""
+    master, grad_and_param, exp_avg, exp_avg_sq, grad = tensors
+    start = time.perf_counter()
+    for step in range(1, repeats + 1):
+        grad_and_param.copy_(grad)
+        adam.update_in_place(master, grad_and_param, exp_avg, exp_avg_sq, step=step, grad_scale=1.0, **HYPER)
+    return time.perf_counter() - start
+
+
+def queue_copies(count: int, buffers: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                 streams: dict[str, torch.cuda.Stream]) -> tuple[torch.cuda.Event, dict[str, list[torch.cuda.Event]]]:
+    """``count`` copies each way on their own streams; the event they all start after, and each copy's end."""
+    start = torch.cuda.Event(enable_timing=True)
+    start.record()
+    ends: dict[str, list[torch.cuda.Event]] = {way: [] for way in buffers}
+    for way, (into, source) in buffers.items():
+        streams[way].wait_event(start)
+        with torch.cuda.stream(streams[way]):
+            for _ in range(count):
+                into.copy_(source, non_blocking=True)
+                end = torch.cuda.Event(enable_timing=True)
+                end.record(streams[way])
+                ends[way].append(end)
+    return start, ends
+
+
+def copied_by(start: torch.cuda.Event, ends: dict[str, list[torch.cuda.Event]], seconds: float | None) -> tuple[int, float]:
+    """Bytes the queued copies moved by ``seconds`` after ``start`` (all of them where None), and the seconds the
+    last of those took to finish."""
+    torch.cuda.synchronize()
+    moved, last = 0, 0.0
+    for events in ends.values():
+        for end in events:
+            at = start.elapsed_time(end) / 1e3
+            if seconds is None or at <= seconds:
+                moved, last = moved + COPY_BYTES, max(last, at)
+    return moved, last
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--numel", type=int, default=300_000_000, help="elements of the host's Adam chunk")
+    parser.add_argument("--repeats", type=int, default=8, help="Adam steps per timing")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    host = Tier("host", torch.device("cpu"), 2 * COPY_BYTES, pin_memory=cuda)
+    result: dict[str, float | int | str] = {"numel": args.numel, "threads": torch.get_num_threads()}
+    result["probe_gbs"] = host_memory_rate(host) / 1e9
+
+    adam = HostAdam(True, try_deepspeed=False, try_native=True)
+    if not adam.fuses(torch.bfloat16):
+        raise SystemExit("the csrc host Adam did not build here; it is what the step runs")
+    n = args.numel
+    tensors = (torch.randn(n), torch.empty(n, dtype=torch.bfloat16), torch.zeros(n), torch.zeros(n),
+               (torch.randn(n) * 1e-3).bfloat16())
+    adam_steps(adam, tensors, 1)  # (first touches of the pages)
+    alone = adam_steps(adam, tensors, args.repeats)
+    result["adam_alone"] = n * args.repeats / alone / 1e9
+    result["adam_alone_gbs"] = result["adam_alone"] * HOST_ADAM_BYTES_PER_ELEMENT
+
+    if cuda:
+        device = torch.device("cuda")
+        pinned = {way: host.allocate(COPY_BYTES, torch.uint8, zero=False) for way in ("h2d", "d2h")}
+        on_device = {way: torch.empty(COPY_BYTES, dtype=torch.uint8, device=device) for way in ("h2d", "d2h")}
+        buffers = {"h2d": (on_device["h2d"], pinned["h2d"]), "d2h": (pinned["d2h"], on_device["d2h"])}
+        streams = {way: torch.cuda.Stream(device) for way in buffers}
+        moved, seconds = copied_by(*queue_copies(8, buffers, streams), None)
+        result["copies_alone_gbs"] = moved / seconds / 1e9
+        # Enough copies to outlast the Adam at the rate they ran alone, then the Adam on this thread meanwhile.
+        count = int(alone * result["copies_alone_gbs"] * 1e9 / (2 * COPY_BYTES) * 1.5) + 2
+        start, ends = queue_copies(count, buffers, streams)
+        start.synchronize()
+        mixed = adam_steps(adam, tensors, args.repeats)
+        moved, _ = copied_by(start, ends, mixed)
+        result["adam_mixed"] = n * args.repeats / mixed / 1e9
+        result["copies_mixed_gbs"] = moved / mixed / 1e9
+        result["mixed_total_gbs"] = result["adam_mixed"] * HOST_ADAM_BYTES_PER_ELEMENT + result["copies_mixed_gbs"]
+        result["mixed_over_probe"] = result["mixed_total_gbs"] / result["probe_gbs"]
+        result["device"] = torch.cuda.get_device_name()
+    print(json.dumps({key: round(value, 3) if isinstance(value, float) else value for key, value in result.items()}))
+
+
+if __name__ == "__main__":
+    main()
