@@ -101,13 +101,19 @@ class DeviceStepTuner:
     steps settles on the count for waiting updates, and keeps training long after its norm has fallen. Either
     happens at most :data:`RESTARTS` times, so that a run whose norm hovers at the threshold still settles.
 
+    A plan with no count to tune (no host groups to step on the device, or a count the config fixes) is measured the
+    same way by a ``fixed`` tuner, so that its step is checked against the plan's prediction under one update
+    timing too: it keeps ``planned`` and tries no other.
+
     Args:
-        planned: the plan's device-step count (the tuner's first count is put in force in its stead).
+        planned: the plan's device-step count (the tuner's first count is put in force in its stead, unless fixed).
         most: host groups there are to step.
+        fixed: measure ``planned`` alone.
     """
 
     planned: int
     most: int
+    fixed: bool = False
     current: int = field(init=False)
     """The count in force: the first to try (:func:`next_count`) until the tuning moves on."""
     measured: dict[int, float] = field(init=False, default_factory=dict)
@@ -127,7 +133,11 @@ class DeviceStepTuner:
     def __post_init__(self) -> None:
         if not 0 <= self.planned <= max(0, self.most):
             raise ValueError(f"planned device steps {self.planned} must lie in 0..{self.most}")
-        self.current = next_count(self.planned, self.most, {})
+        self.current = self._first()
+
+    def _first(self) -> int:
+        """The count the tuning (and a restart) begins with."""
+        return self.planned if self.fixed else next_count(self.planned, self.most, {})
 
     @property
     def counts(self) -> list[int]:
@@ -174,7 +184,7 @@ class DeviceStepTuner:
         if self._seen < SETTLE_STEPS + MEASURED_STEPS and not too_slow:
             return None
         self._seen, self._steps, self._backwards = 0, [], []
-        following = next_count(self.planned, self.most, self.measured)
+        following = None if self.fixed else next_count(self.planned, self.most, self.measured)
         previous = self.current
         if following is None:
             self.done = True
@@ -187,7 +197,7 @@ class DeviceStepTuner:
         self.restarts += 1
         self.measured, self.backward, self.waited_for_norm, self.done = {}, {}, None, False
         self._seen, self._steps, self._backwards, self._other_timing = 0, [], [], 0
-        previous, self.current = self.current, next_count(self.planned, self.most, {})
+        previous, self.current = self.current, self._first()
         return self.current if self.current != previous else None
 
     def summary(self) -> str:

@@ -34,7 +34,7 @@ from zero_cache.runtime.rates import (measured_copies, measured_disk, measured_h
                                      with_device_step_rate, with_host_adam)
 from zero_cache.runtime.shard_params import agree_working_set, gather_objects
 from zero_cache.plan.home_costs import home_costs
-from zero_cache.tuning import MEASURED_STEPS, RESTARTS, SETTLE_STEPS, DeviceStepTuner
+from zero_cache.tuning import RESTARTS, DeviceStepTuner
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +81,7 @@ class WarmupTracer:
         self.tune_device_steps = config.device_steps == AUTO and tunes_on(device)
         """Choose the device-step count by measured step time after the re-plan (:mod:`zero_cache.tuning`)."""
         self.tuner: DeviceStepTuner | None = None
-        self._watched: list[tuple[float, float | None, bool]] = []  # an untuned plan's steps: seconds, backward,
-        self._watch_restarted = False  # and whether their updates waited for the norm
+        """The device-step count's tuning, or on a GPU without one a fixed tuner that measures the plan's count."""
         self.inputs: PlanInputs | None = None
         """The inputs of the plan in force (the re-plan's)."""
         self.rates = NOMINAL_RATES
@@ -186,7 +185,8 @@ class WarmupTracer:
                           f"{len(plan.device_stepped)}")
             optimizer.after_step = functools.partial(self._tune_step, optimizer)
         elif tunes_on(device_tier.device):  # (no tuning: the step is still checked against the plan's prediction)
-            optimizer.after_step = functools.partial(self._watch_step, optimizer)
+            self.tuner = DeviceStepTuner(len(plan.device_stepped), len(plan.device_stepped), fixed=True)
+            optimizer.after_step = functools.partial(self._tune_step, optimizer)
         moved = optimizer.apply_plan(plan)
         logger.info("ZeRO-Cache re-plan after warm-up (non-model peak %d MiB; %s): %s; %d groups moved%s",
                     nonmodel // 2**20, self.rates.describe(), plan.summary(), moved, tuning)
@@ -195,14 +195,17 @@ class WarmupTracer:
 
     def _tune_step(self, optimizer: ZeroCacheOptimizer, step_seconds: float) -> None:
         """A step measured under the tuner's count: switch to the next count to try, or settle on the fastest (and,
-        settled, watch for a change of the update timing that starts the tuning over)."""
+        settled, watch for a change of the update timing that starts the tuning over). A fixed tuner's (a plan not
+        tuned) only measures: its settling logs the step against the plan's prediction, as a tuning's end does."""
         settled, restarts = self.tuner.done, self.tuner.restarts
         count = self.tuner.observe(step_seconds, optimizer.last_backward_seconds,
                                    waited_for_norm=optimizer.last_updates_after_backward)
         if self.tuner.restarts > restarts:
-            logger.info("ZeRO-Cache: the host updates now %s; the device-step tuning starts over at %d groups",
+            logger.info("ZeRO-Cache: the host updates now %s; %s",
                         "wait for the global norm (the last step clipped)" if optimizer.last_updates_after_backward
-                        else "run in backward (the last step did not clip)", self.tuner.current)
+                        else "run in backward (the last step did not clip)",
+                        "the step's check against the plan starts over" if self.tuner.fixed else
+                        f"the device-step tuning starts over at {self.tuner.current} groups")
         if not self.tuner.done:
             if count is not None:
                 optimizer.apply_plan(with_device_step_count(self.inputs, optimizer.store.plan, count),
@@ -213,13 +216,19 @@ class WarmupTracer:
         # (done: the best count is applied once below, at the rates the tuning measured)
         if self.tuner.restarts >= RESTARTS:
             optimizer.after_step = None  # (nothing left to watch for)
-        logger.info("ZeRO-Cache host groups stepped on the device, by measured step time: %s", self.tuner.summary())
+        if not self.tuner.fixed:
+            logger.info("ZeRO-Cache host groups stepped on the device, by measured step time: %s",
+                        self.tuner.summary())
         # The warm-up timed the host's Adam over one step; the tuning steps time it over several, under every
         # count: the plan's floor is worked out again at that rate (the same placement, nothing moves). The device
         # steps' own rate and the device's Adam, timed over the same steps, go into the step's prediction only.
         self._measure_rates(optimizer)
-        plan = with_device_step_count(self.inputs, optimizer.store.plan, self.tuner.best)
-        optimizer.apply_plan(plan, count_switch=True)
+        plan = optimizer.store.plan
+        if self.tuner.fixed:
+            plan = replace(plan, traffic=replace(plan.traffic, rates=self.rates))
+        else:
+            plan = with_device_step_count(self.inputs, plan, self.tuner.best)
+            optimizer.apply_plan(plan, count_switch=True)
         self._log_prediction(self.tuner.measured[self.tuner.best], self.tuner.backward.get(self.tuner.best), plan,
                              updates_after_backward=optimizer.last_updates_after_backward)
 
@@ -230,27 +239,6 @@ class WarmupTracer:
         rates = with_device_step_rate(rates, optimizer.device_steps.timing.work.take())
         self.rates = with_device_adam_rate(rates, optimizer.device_adam_timing.work.take())
         self.inputs = replace(self.inputs, rates=self.rates)
-
-    def _watch_step(self, optimizer: ZeroCacheOptimizer, step_seconds: float) -> None:
-        """A step of a plan that is not tuned (no host groups to step on the device, or a count the config fixes):
-        after one that settles, :data:`~zero_cache.tuning.MEASURED_STEPS` + 1 are measured, then the step is logged
-        against the plan's prediction at the rates they timed, as a tuning's end logs it. Where the update timing
-        changes on the way (:class:`~zero_cache.tuning.DeviceStepTuner`), the watch starts over, once."""
-        waited = optimizer.last_updates_after_backward
-        if self._watched and self._watched[-1][2] != waited and not self._watch_restarted:
-            self._watched, self._watch_restarted = [], True
-        self._watched.append((step_seconds, optimizer.last_backward_seconds, waited))
-        if len(self._watched) < SETTLE_STEPS + MEASURED_STEPS + 1:
-            return
-        optimizer.after_step = None
-        measured = self._watched[SETTLE_STEPS:]
-        self._measure_rates(optimizer)
-        backwards = [backward for _, backward, _ in measured if backward is not None]
-        plan = optimizer.store.plan
-        self._log_prediction(sum(seconds for seconds, _, _ in measured) / len(measured),
-                             sum(backwards) / len(backwards) if backwards else None,
-                             replace(plan, traffic=replace(plan.traffic, rates=self.rates)),
-                             updates_after_backward=waited)
 
     def _log_prediction(self, measured: float, backward: float | None, plan: Plan, *,
                         updates_after_backward: bool) -> None:

@@ -291,7 +291,8 @@ def test_a_plan_not_tuned_is_checked_against_its_prediction_with_the_devices_ada
     engine, optimizer = resident_engine(seed, clip=0.0, device_steps=0)
     steps = 1 + SETTLE_STEPS + MEASURED_STEPS + 1
     train_steps(engine, random_batches(seed, count=steps, batch=2))
-    assert optimizer.after_step is None, "the watch ended"
+    tuner = optimizer.after_step.func.__self__.tuner  # (settled, it watches the update timing)
+    assert tuner.fixed and tuner.done and tuner.measured.keys() == {len(optimizer.device_stepped)}
     line = next(r.getMessage() for r in caplog.records if "the step runs at" in r.getMessage())
     assert "device Adam" in line.split("after backward:")[1].split(";")[0]  # (a term of the work after backward)
     assert "device Adam" in line.split("; at ")[1] and "(measured here)" in line

@@ -190,6 +190,32 @@ def test_an_update_timing_that_flips_every_step_starts_the_tuning_over_once_and_
         assert tuner.restarts == RESTARTS and steps <= (1 + RESTARTS) * TUNING_STEPS
 
 
+def test_a_fixed_tuner_measures_the_plans_count_alone_under_one_update_timing():
+    """A plan with no count to tune is still checked against its prediction: a fixed tuner measures its count as a
+    tuning measures each, starts over where the update timing changes (13B on the H200 with device steps off: its
+    check measured the clipped steps 1-4 and logged 2.375 s, where the run went on at 1.58 s), and never switches."""
+    for _ in range(100):
+        planned = random.randint(0, 30)
+        tuner = DeviceStepTuner(planned, planned, fixed=True)
+        clipped = random.randint(0, 4)
+        seconds = {True: random.uniform(1.5, 2.5), False: random.uniform(0.5, 1.0)}
+        steps = 0
+        while not tuner.done:
+            waited = steps < clipped
+            assert tuner.observe(seconds[waited], waited_for_norm=waited) is None and tuner.current == planned
+            steps += 1
+            assert steps <= (1 + RESTARTS) * (SETTLE_STEPS + MEASURED_STEPS)
+        assert tuner.measured == {planned: seconds[tuner.waited_for_norm]} and tuner.best == planned
+        # (a clip regime that outlasts the first measurement: measured again once the steps stop clipping)
+        if tuner.waited_for_norm and tuner.restarts < RESTARTS:
+            for _ in range(RETUNE_STEPS):
+                assert tuner.observe(seconds[False], waited_for_norm=False) is None
+            assert not tuner.done and tuner.restarts == 1
+            while not tuner.done:
+                assert tuner.observe(seconds[False], waited_for_norm=False) is None
+            assert tuner.measured == {planned: seconds[False]}
+
+
 @pytest.mark.parametrize("clip", [0.05, 0.0])
 def test_the_tuning_is_told_each_steps_update_timing(monkeypatch, clip):
     warmup = importlib.import_module("zero_cache.warmup")
