@@ -3,8 +3,12 @@ build lock that a killed build left does not hang the next run."""
 
 from __future__ import annotations
 
+import fcntl
 import logging
-import os
+import signal
+import subprocess
+import sys
+import threading
 import time
 
 import torch.utils.cpp_extension
@@ -30,63 +34,67 @@ def test_a_build_is_announced_and_a_cached_one_is_not(monkeypatch, caplog, tmp_p
     assert not caplog.records and built == ["angelptm_fused_host_adam"] * 2
 
 
-def _lock_aged(tmp_path, monkeypatch, seconds: float):
-    """torch's build lock for fused_host_adam in an empty extension cache, ``seconds`` old."""
+def _extension_cache(tmp_path, monkeypatch, *, fake_load: list):
+    """An empty extension cache, torch's build directory for fused_host_adam in it, and a ``load`` that records
+    whether torch's lock was there when it was called."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(logging.getLogger("zero_cache.runtime.native"), "handlers", [])  # conftest's would print it
-    lock = tmp_path / "angelptm_fused_host_adam" / "lock"
-    lock.parent.mkdir()
-    lock.write_bytes(b"")
-    then = time.time() - seconds
-    os.utime(lock, (then, then))
-    return lock
+    directory = tmp_path / "angelptm_fused_host_adam"
+    directory.mkdir()
+    monkeypatch.setattr(torch.utils.cpp_extension, "load",
+                        lambda name, **_: fake_load.append((directory / "lock").exists()) or name)
+    return directory
 
 
 def test_a_lock_a_killed_build_left_is_removed_and_the_build_goes_on(monkeypatch, caplog, tmp_path):
-    """torch waits for its build lock with no limit: a build killed by a time limit left one, and the next runs hung."""
-    lock = _lock_aged(tmp_path, monkeypatch, native.STALE_LOCK_SECONDS + 30)
-    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda name, **_: (name, lock.exists()))
+    """torch waits for its build lock with no limit: a build killed by a time limit (SIGKILL here, while it held the
+    owner's lock and torch's) left one, and the next runs hung."""
+    loads = []
+    directory = _extension_cache(tmp_path, monkeypatch, fake_load=loads)
+    builder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time\n"
+        f"owner = open({str(directory / native.OWNER_FILE)!r}, 'a+')\n"
+        "fcntl.flock(owner, fcntl.LOCK_EX)\n"
+        f"open({str(directory / 'lock')!r}, 'w').close()\n"
+        "print('building', flush=True)\n"
+        "time.sleep(120)\n")], stdout=subprocess.PIPE, text=True)
+    assert builder.stdout.readline().strip() == "building"
+    builder.send_signal(signal.SIGKILL)
+    builder.wait()
+    assert (directory / "lock").exists()
     with caplog.at_level(logging.INFO, logger="zero_cache.runtime.native"):
-        assert native.load_csrc.__wrapped__("fused_host_adam") == ("angelptm_fused_host_adam", False)
-    assert any(record.levelno == logging.WARNING and str(lock) in record.message for record in caplog.records)
+        assert native.load_csrc.__wrapped__("fused_host_adam") == "angelptm_fused_host_adam"
+    assert loads == [False]
+    assert any(record.levelno == logging.WARNING and str(directory / "lock") in record.message
+               for record in caplog.records)
 
 
-def test_a_young_lock_is_waited_for_until_its_build_ends(monkeypatch, caplog, tmp_path):
-    lock = _lock_aged(tmp_path, monkeypatch, 20)
-    slept = []
-
-    def sleep(seconds):  # the other process's build ends while this one waits
-        slept.append(seconds)
-        if len(slept) == 3:
-            lock.unlink()
-
-    with caplog.at_level(logging.INFO, logger="zero_cache.runtime.native"):
-        native.clear_stale_lock("angelptm_fused_host_adam", sleep=sleep)
-    assert slept == [5.0] * 3
-    assert [record.levelno for record in caplog.records] == [logging.INFO]
-    assert "waiting for another process's build" in caplog.records[0].message
-
-
-def test_a_lock_that_ages_while_waited_for_is_removed(monkeypatch, tmp_path):
-    lock = _lock_aged(tmp_path, monkeypatch, native.STALE_LOCK_SECONDS - 7)
-    now = [time.time()]
-    slept = []
-
-    def sleep(seconds):
-        slept.append(seconds)
-        now[0] += seconds
-
-    native.clear_stale_lock("angelptm_fused_host_adam", clock=lambda: now[0], sleep=sleep)
-    assert not lock.exists()
-    assert slept[0] == 5.0 and 0 < slept[1] <= 2.0 + 1e-3 and len(slept) == 2
+def test_a_live_builds_lock_is_waited_for_and_left_to_it(monkeypatch, caplog, tmp_path):
+    loads = []
+    directory = _extension_cache(tmp_path, monkeypatch, fake_load=loads)
+    owner = open(directory / native.OWNER_FILE, "a+")  # (another open file: flock sets it against this process too)
+    fcntl.flock(owner, fcntl.LOCK_EX)
+    (directory / "lock").write_bytes(b"")
+    caplog.set_level(logging.INFO, logger="zero_cache.runtime.native")
+    waiting = threading.Thread(target=native.load_csrc.__wrapped__, args=("fused_host_adam",))
+    waiting.start()
+    time.sleep(0.5)
+    assert waiting.is_alive() and loads == [] and (directory / "lock").exists()
+    assert "waiting for another process's build or load of angelptm_fused_host_adam" in caplog.text
+    (directory / "lock").unlink()  # the build ends: torch removes its lock, then the owner's goes
+    fcntl.flock(owner, fcntl.LOCK_UN)
+    owner.close()
+    waiting.join(timeout=10)
+    assert not waiting.is_alive() and loads == [False]
+    assert not any(record.levelno == logging.WARNING for record in caplog.records)
 
 
-def test_a_lock_taken_anew_since_it_was_judged_stale_is_kept(monkeypatch, tmp_path):
-    """Another process removed the stale lock and took its own between this one's look and its removal."""
-    lock = _lock_aged(tmp_path, monkeypatch, native.STALE_LOCK_SECONDS + 30)
-    seen = lock.stat()
-    lock.unlink()
-    (tmp_path / "other").write_bytes(b"")  # (the new lock must not reuse the old inode)
-    lock.write_bytes(b"")
-    native._remove_if_unchanged(lock, seen, native.STALE_LOCK_SECONDS + 30)
-    assert lock.exists()
+def test_without_torchs_build_directory_the_load_runs_as_before(monkeypatch, tmp_path):
+    loads = []
+    _extension_cache(tmp_path, monkeypatch, fake_load=loads)
+
+    def gone(*args, **kwargs):
+        raise AttributeError("_get_build_directory")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "_get_build_directory", gone)
+    assert native.load_csrc.__wrapped__("fused_host_adam") == "angelptm_fused_host_adam" and loads == [False]

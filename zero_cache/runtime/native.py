@@ -7,19 +7,26 @@ torch serializes builds with a lock file in the build directory, which the build
 ends, and every other process waits for it to go, with no limit. A build killed by a signal (a job's time limit,
 a ``timeout``, SIGKILL) leaves the lock behind, and every later run then waits forever, silently, at its first
 step: on an H100 a pytest killed at 90 s during the first build left it, and the next three runs printed nothing
-until their own 90 s limits killed them.
-So a lock older than :data:`STALE_LOCK_SECONDS` (a build takes about a minute) is removed, with a warning that
-names it, and a younger one is waited for with a log line that says what is awaited.
+until their own 90 s limits killed them. The lock's age cannot tell a killed build from a slow one, so our loads
+of an extension also hold an ``flock`` on a file beside it (:data:`OWNER_FILE`), which the kernel lets go of when
+its process dies, however it dies. Whoever holds that and still finds torch's lock knows it is a dead build's and
+removes it (logged); whoever cannot take it waits for the process that holds it, which is alive. (A process that
+loads the extension without this, an older version of ours, is not seen: its lock is waited for as before.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-import os
-import time
 from pathlib import Path
 from types import ModuleType
+from typing import Iterator
+
+try:
+    import fcntl
+except ImportError:  # (not a POSIX system: torch's lock alone, as before)
+    fcntl = None
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +39,8 @@ _FLAGS: dict[str, dict[str, list[str]]] = {
     "async_io": {"extra_cflags": ["-O2"]},
 }
 
-STALE_LOCK_SECONDS = 600.0
-"""Age past which torch's build lock is taken for one a killed build left: ten builds' time."""
+OWNER_FILE = "angelptm.owner"
+"""The file in an extension's build directory whose ``flock`` a loading process holds (see the module docstring)."""
 
 
 @functools.cache
@@ -47,11 +54,11 @@ def load_csrc(name: str) -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        clear_stale_lock(f"angelptm_{name}")
-        if not _built(f"angelptm_{name}"):  # a minute or two of silence otherwise (issue 28)
-            logger.info("ZeRO-Cache native %s: compiling %s for this machine (first use only, about a minute; "
-                        "cached afterwards)", name, source.name)
-        return load(name=f"angelptm_{name}", sources=[str(source)], verbose=False, **_FLAGS[name])
+        with build_owned(f"angelptm_{name}"):
+            if not _built(f"angelptm_{name}"):  # a minute or two of silence otherwise (issue 28)
+                logger.info("ZeRO-Cache native %s: compiling %s for this machine (first use only, about a minute; "
+                            "cached afterwards)", name, source.name)
+            return load(name=f"angelptm_{name}", sources=[str(source)], verbose=False, **_FLAGS[name])
     except Exception as err:  # no compiler or ninja, or a toolchain error: the library path still works
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
         logger.warning("ZeRO-Cache native %s did not build (%s: %s); using the library path",
@@ -59,43 +66,37 @@ def load_csrc(name: str) -> ModuleType | None:
         return None
 
 
-def clear_stale_lock(extension: str, *, clock=time.time, sleep=time.sleep) -> None:
-    """Return once ``extension``'s build directory holds no build lock: wait while another process's build holds a
-    young one, remove one older than :data:`STALE_LOCK_SECONDS` (logged), return at once where there is none."""
+@contextlib.contextmanager
+def build_owned(extension: str) -> Iterator[None]:
+    """Hold ``extension``'s :data:`OWNER_FILE` lock for the block, waiting (logged) while another process holds it;
+    once held, a torch build lock still in the directory is a dead build's, and is removed (logged). Without
+    ``fcntl`` or a build directory, the block runs as torch alone would run it."""
     directory = _build_directory(extension)
-    if directory is None:
+    if directory is None or fcntl is None:
+        yield
         return
-    lock = directory / "lock"
-    announced = False
-    while True:
+    with open(directory / OWNER_FILE, "a+") as owner:
         try:
-            seen = lock.stat()
-        except FileNotFoundError:
-            return
-        age = clock() - seen.st_mtime
-        if age >= STALE_LOCK_SECONDS:
-            _remove_if_unchanged(lock, seen, age)
-            return
-        if not announced:
-            logger.info("ZeRO-Cache native: waiting for another process's build of %s (its lock %s is %.0f s old; "
-                        "one older than %.0f s is taken for a killed build's and removed)",
-                        extension, lock, age, STALE_LOCK_SECONDS)
-            announced = True
-        sleep(min(5.0, STALE_LOCK_SECONDS - age))
+            fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("ZeRO-Cache native: waiting for another process's build or load of %s (it holds %s)",
+                        extension, directory / OWNER_FILE)
+            fcntl.flock(owner, fcntl.LOCK_EX)
+        try:
+            _remove_dead_lock(directory / "lock")
+            yield
+        finally:
+            fcntl.flock(owner, fcntl.LOCK_UN)
 
 
-def _remove_if_unchanged(lock: Path, seen: os.stat_result, age: float) -> None:
-    """Remove ``lock`` if it is still the file ``seen`` (a process that removed it and took a new one in between
-    keeps its own; the window between this check and the removal is a few microseconds)."""
+def _remove_dead_lock(lock: Path) -> None:
+    """Remove torch's build lock, which no live process of ours holds (the caller holds the owner's lock)."""
     try:
-        now = lock.stat()
-        if (now.st_ino, now.st_mtime_ns) != (seen.st_ino, seen.st_mtime_ns):
-            return
         lock.unlink()
     except FileNotFoundError:
         return
-    logger.warning("ZeRO-Cache native: removed %s, a build lock %.0f s old that a killed build left (torch would "
-                   "wait for it forever); building afresh", lock, age)
+    logger.warning("ZeRO-Cache native: removed %s, a build lock that a killed build left (torch would wait for it "
+                   "forever); building afresh", lock)
 
 
 def _build_directory(extension: str) -> Path | None:
