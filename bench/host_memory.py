@@ -9,15 +9,17 @@ the host's Adam at 28 bytes an element, every copy byte each way) at the rate of
 copies get together. This measures, on one machine, in one run:
 
 1. the probe, as the engine runs it;
-2. the host's Adam alone (the csrc kernel over one chunk of bf16 gradients, ``--repeats`` steps), in G elements/s
-   and in GB/s at 28 bytes an element;
+2. the host's Adam alone (the csrc kernel over one chunk of bf16 gradients, ``--repeats`` steps, each after the
+   gradient lands in its buffer), in G elements/s and in GB/s at 32 bytes an element (the Adam's 28 and the
+   landing copy's 4);
 3. on a GPU, pinned copies alone, both ways at once on two streams;
 4. on a GPU, both at once: the copies queued to outlast the Adam, and counted up to the Adam's end.
 
 Prints one JSON line (GB are 1e9 bytes): ``probe_gbs``, ``adam_alone`` and ``adam_mixed`` (G elements/s),
 ``copies_alone_gbs`` and ``copies_mixed_gbs`` (both ways together), ``mixed_total_gbs`` (the Adam's bytes and the
-copies' during the same seconds) and ``mixed_over_probe``. In session 46's reading of the matrix the H100's steps
-moved 105-114 GB/s at their fastest device-step counts.
+copies' during the same seconds), ``mixed_over_probe``, and ``copies_ran_out`` (true where the queued copies ended
+before the Adam did, so the mixed figures undercount: run again with a larger ``--copy-margin``). In session 46's
+reading of the matrix the H100's steps moved 105-114 GB/s at their fastest device-step counts.
 """
 
 from __future__ import annotations
@@ -32,13 +34,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from zero_cache.optim.host_adam import HostAdam  # noqa: E402
-from zero_cache.plan.step_cost import HOST_ADAM_BYTES_PER_ELEMENT  # noqa: E402
+from zero_cache.plan.step_cost import host_adam_bytes_per_element  # noqa: E402
 from zero_cache.runtime.rates import host_memory_rate  # noqa: E402
 from zero_cache.storage.tiers import Tier  # noqa: E402
 
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 COPY_BYTES = 1 << 30
 """Bytes of each pinned copy buffer (one each way)."""
+LOOP_BYTES = host_adam_bytes_per_element(2) + 4
+"""Host memory per element of one timed Adam step: the Adam's, and the bf16 gradient copied into its buffer."""
 
 
 def adam_steps(adam: HostAdam, tensors: tuple[torch.Tensor, ...], repeats: int) -> float:
@@ -69,7 +73,8 @@ def queue_copies(count: int, buffers: dict[str, tuple[torch.Tensor, torch.Tensor
     return start, ends
 
 
-def copied_by(start: torch.cuda.Event, ends: dict[str, list[torch.cuda.Event]], seconds: float | None) -> tuple[int, float]:
+def copied_by(start: torch.cuda.Event, ends: dict[str, list[torch.cuda.Event]],
+              seconds: float | None) -> tuple[int, float]:
     """Bytes the queued copies moved by ``seconds`` after ``start`` (all of them where None), and the seconds the
     last of those took to finish."""
     torch.cuda.synchronize()
@@ -86,22 +91,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--numel", type=int, default=300_000_000, help="elements of the host's Adam chunk")
     parser.add_argument("--repeats", type=int, default=8, help="Adam steps per timing")
+    parser.add_argument("--copy-margin", type=float, default=2.0,
+                        help="copies queued for the mixed run, over those the Adam's time alone would take")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     host = Tier("host", torch.device("cpu"), 2 * COPY_BYTES, pin_memory=cuda)
-    result: dict[str, float | int | str] = {"numel": args.numel, "threads": torch.get_num_threads()}
-    result["probe_gbs"] = host_memory_rate(host) / 1e9
-
     adam = HostAdam(True, try_deepspeed=False, try_native=True)
     if not adam.fuses(torch.bfloat16):
         raise SystemExit("the csrc host Adam did not build here; it is what the step runs")
+    result: dict[str, float | int | str | bool] = {"numel": args.numel, "adam_threads": adam.threads}
+    result["probe_gbs"] = host_memory_rate(host, adam.threads) / 1e9  # (as the re-plan probes it)
     n = args.numel
     tensors = (torch.randn(n), torch.empty(n, dtype=torch.bfloat16), torch.zeros(n), torch.zeros(n),
                (torch.randn(n) * 1e-3).bfloat16())
     adam_steps(adam, tensors, 1)  # (first touches of the pages)
     alone = adam_steps(adam, tensors, args.repeats)
     result["adam_alone"] = n * args.repeats / alone / 1e9
-    result["adam_alone_gbs"] = result["adam_alone"] * HOST_ADAM_BYTES_PER_ELEMENT
+    result["adam_alone_gbs"] = result["adam_alone"] * LOOP_BYTES
 
     if cuda:
         device = torch.device("cuda")
@@ -112,14 +118,16 @@ def main() -> None:
         moved, seconds = copied_by(*queue_copies(8, buffers, streams), None)
         result["copies_alone_gbs"] = moved / seconds / 1e9
         # Enough copies to outlast the Adam at the rate they ran alone, then the Adam on this thread meanwhile.
-        count = int(alone * result["copies_alone_gbs"] * 1e9 / (2 * COPY_BYTES) * 1.5) + 2
+        count = int(alone * result["copies_alone_gbs"] * 1e9 / (2 * COPY_BYTES) * args.copy_margin) + 2
         start, ends = queue_copies(count, buffers, streams)
         start.synchronize()
         mixed = adam_steps(adam, tensors, args.repeats)
         moved, _ = copied_by(start, ends, mixed)
+        _, last = copied_by(start, ends, None)
+        result["copies_ran_out"] = last < mixed
         result["adam_mixed"] = n * args.repeats / mixed / 1e9
         result["copies_mixed_gbs"] = moved / mixed / 1e9
-        result["mixed_total_gbs"] = result["adam_mixed"] * HOST_ADAM_BYTES_PER_ELEMENT + result["copies_mixed_gbs"]
+        result["mixed_total_gbs"] = result["adam_mixed"] * LOOP_BYTES + result["copies_mixed_gbs"]
         result["mixed_over_probe"] = result["mixed_total_gbs"] / result["probe_gbs"]
         result["device"] = torch.cuda.get_device_name()
     print(json.dumps({key: round(value, 3) if isinstance(value, float) else value for key, value in result.items()}))

@@ -68,6 +68,14 @@ def tunes_on(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def _drop_timed_work(optimizer: ZeroCacheOptimizer) -> None:
+    """Forget the host's Adam, device steps and device Adam timed so far: the rates the tuning's end takes come from
+    the steps after this."""
+    optimizer.host.adam_work.take()
+    optimizer.device_steps.timing.restart()
+    optimizer.device_adam_timing.restart()
+
+
 class WarmupTracer:
     """Records chunk order in the first forward and re-plans after the first step."""
 
@@ -146,11 +154,9 @@ class WarmupTracer:
         # The bus now (after the peak was read). Not the host's Adam: in the warm-up it ran at 1.0 G elements/s where
         # the next steps ran at 3.9 (2.7B on an H100: first touches of its states), so its rate is taken
         # from the steps after it.
-        optimizer.host.adam_work.take()
-        optimizer.device_steps.timing.restart()  # (the warm-up's ran beside its streaming, as the later steps' do not)
-        optimizer.device_adam_timing.restart()
+        _drop_timed_work(optimizer)  # (the warm-up's ran beside its streaming, as the later steps' do not)
         self.rates = measured_copies(device_tier.device, host_tier, self.rates)
-        self.rates = measured_host_memory(device_tier.device, host_tier, self.rates)
+        self.rates = measured_host_memory(device_tier.device, host_tier, optimizer.host_adam.threads, self.rates)
         # The disk through a bounce buffer of the state homes where groups pass through one (their buffers are in
         # the host's plan), else from the host tier's room.
         with store.lent_bounce_buffer() as bounce:
@@ -201,6 +207,7 @@ class WarmupTracer:
         count = self.tuner.observe(step_seconds, optimizer.last_backward_seconds,
                                    waited_for_norm=optimizer.last_updates_after_backward)
         if self.tuner.restarts > restarts:
+            _drop_timed_work(optimizer)  # (what ran under the other timing: the rates are taken from the new one)
             logger.info("ZeRO-Cache: the host updates now %s; %s",
                         "wait for the global norm (the last step clipped)" if optimizer.last_updates_after_backward
                         else "run in backward (the last step did not clip)",
@@ -245,8 +252,10 @@ class WarmupTracer:
         """The settled step against what the plan predicts for it once its backward is measured
         (:meth:`~zero_cache.plan.step_cost.StepTraffic.predicted_step`), and what bounds it."""
         traffic = plan.traffic
-        if backward is None:  # (no backward timed: the floor alone)
-            predicted, bound = traffic.seconds, traffic.bound
+        if backward is None:  # (no backward timed: the whole step's floors alone)
+            floors = traffic.whole_step_floors()
+            bound = max(floors, key=floors.__getitem__)
+            predicted = floors[bound]
         else:
             predicted, bound = traffic.predicted_step(backward, updates_after_backward=updates_after_backward)
         off = measured / predicted - 1 if predicted else float("inf")

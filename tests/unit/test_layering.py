@@ -34,8 +34,8 @@ ZERO_CACHE_MODULES_IN_USE = {
     "zero_cache.optim.device_adam": {"adam_in_one_pass"},  # in four passes and in one)
     "zero_cache.tuning": {"MAX_TRIALS", "MEASURED_STEPS", "RESTARTS", "SETTLE_STEPS"},
     "zero_cache.runtime.rates": {"host_memory_rate"},  # (bench/host_memory.py sets the re-plan's probe against
-    "zero_cache.plan.step_cost": {"HOST_ADAM_BYTES_PER_ELEMENT"},  # the host's Adam and copies, alone and at once,
-    "zero_cache.storage.tiers": {"Tier"},  # through a host tier as the engine's)
+    "zero_cache.plan.step_cost": {"host_adam_bytes_per_element"},  # the host's Adam and copies, alone and at
+    "zero_cache.storage.tiers": {"Tier"},  # once, through a host tier as the engine's)
 }
 """Names ``angelptm`` and ``bench`` import from zero_cache's modules beside the package's ``__all__``: pinned, so
 that the surface they use does not grow unnoticed (a new one goes in ``__all__``, or here with its reason)."""

@@ -285,7 +285,7 @@ def test_a_plan_not_tuned_is_checked_against_its_prediction_with_the_devices_ada
     monkeypatch.setattr(importlib.import_module("zero_cache.runtime.rates"), "MIN_MEASURED_ELEMENTS", 1)  # (tiny)
     # (the host memory probe runs on a GPU only; here it reads 7 GB/s)
     monkeypatch.setattr(warmup, "measured_host_memory",
-                        lambda device, tier, known: dataclasses.replace(known, host_memory_bytes_per_s=7e9))
+                        lambda device, tier, threads, known: dataclasses.replace(known, host_memory_bytes_per_s=7e9))
     caplog.set_level(logging.INFO, logger="zero_cache")
     seed = torch.randint(0, 10_000, ()).item()
     engine, optimizer = resident_engine(seed, clip=0.0, device_steps=0)
@@ -301,29 +301,31 @@ def test_a_plan_not_tuned_is_checked_against_its_prediction_with_the_devices_ada
     optimizer.finish_pending()
 
 
-def test_the_host_memory_probe_copies_half_a_host_buffer_onto_the_other_and_gives_it_back():
+def test_the_host_memory_probe_copies_half_a_host_buffer_onto_the_other_on_the_adams_threads_and_gives_it_back():
     host = Tier("host", torch.device("cpu"), 3 * MIN_HOST_MEMORY_PROBE_BYTES)
     durations = [random.uniform(0.01, 0.2) for _ in range(PROBE_REPEATS)]
     ticks = iter([t for d in durations for t in (0.0, d)])
-    taken = []
+    taken, threads = [], []
     allocate = host.allocate
     host.allocate = lambda *args, **kwargs: taken.append(args[0]) or allocate(*args, **kwargs)
-    rate = host_memory_rate(host, clock=lambda: next(ticks))
-    assert taken == [3 * MIN_HOST_MEMORY_PROBE_BYTES]  # (the room it had, under the 512 MiB it asks)
+    were = torch.get_num_threads()
+    rate = host_memory_rate(host, 1, clock=lambda: threads.append(torch.get_num_threads()) or next(ticks))
+    assert taken == [3 * MIN_HOST_MEMORY_PROBE_BYTES]  # (the room it had, under the 1 GiB it asks)
     assert rate == pytest.approx(taken[0] / min(durations))  # bytes read and written over the fastest copy
+    assert threads == [1] * 2 * PROBE_REPEATS and torch.get_num_threads() == were  # (the Adam's threads, then back)
     assert host.used_bytes == 0
-    measured = host_memory_rate(host)  # (this machine's, by the real clock: some GB/s, not a cache's TB/s)
+    measured = host_memory_rate(host, were)  # (this machine's, by the real clock: some GB/s, not a cache's TB/s)
     assert 1e8 < measured < 2e12 and host.used_bytes == 0
     host.allocate = allocate
     small = Tier("host", torch.device("cpu"), MIN_HOST_MEMORY_PROBE_BYTES - 2)
-    assert host_memory_rate(small) is None and small.used_bytes == 0
+    assert host_memory_rate(small, were) is None and small.used_bytes == 0
 
 
 def test_the_host_memory_is_probed_for_the_gpus_prediction_and_a_failed_probe_keeps_the_known_rates(caplog):
     known = random_rates(random.Random(torch.randint(0, 10_000, ()).item()))
     host = Tier("host", torch.device("cpu"), 2 * MIN_HOST_MEMORY_PROBE_BYTES)
-    assert measured_host_memory(torch.device("cpu"), host, known) == known  # (no GPU: no prediction to check)
-    probed = measured_host_memory(torch.device("cuda"), host, known)
+    assert measured_host_memory(torch.device("cpu"), host, 2, known) == known  # (no GPU: no prediction to check)
+    probed = measured_host_memory(torch.device("cuda"), host, 2, known)
     assert probed.host_memory_bytes_per_s > 0 and dataclasses.replace(probed, host_memory_bytes_per_s=0.0) == known
     assert "host memory" in probed.describe() and host.used_bytes == 0
 
@@ -332,5 +334,5 @@ def test_the_host_memory_is_probed_for_the_gpus_prediction_and_a_failed_probe_ke
 
     host.allocate = full
     with caplog.at_level(logging.WARNING, logger="zero_cache"):
-        assert measured_host_memory(torch.device("cuda"), host, known) == known
+        assert measured_host_memory(torch.device("cuda"), host, 2, known) == known
     assert "the host memory probe failed (TierFullError" in caplog.text

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from zero_cache.plan.step_cost import (HOST_ADAM_BYTES_PER_ELEMENT, STATE_BYTES_PER_ELEMENT, HostChunk, Rates, step_traffic,
-                                      with_device_steps)
+from zero_cache.plan.step_cost import (STATE_BYTES_PER_ELEMENT, HostChunk, Rates, host_adam_bytes_per_element,
+                                      step_traffic, with_device_steps)
 
 
 def random_rates() -> Rates:
@@ -167,10 +167,11 @@ def test_the_host_memory_carries_the_host_adam_and_every_copy_and_is_a_whole_ste
         stepped = n["stepped_resident"] + n["stepped_streamed"]
         host_elements = (n["resident"] + n["owned_streamed"] - stepped) * numel
         gathers = int(n["streamed"] * n["gathers"] * numel * pb)
-        # Each host-updated chunk: the host's Adam (28 bytes an element), its gradient out and (resident) its params
-        # back in. Each stepped one: its states both ways, and a streamed one's gradient home, back in, and its
-        # params out.
-        adam_bytes = host_elements * HOST_ADAM_BYTES_PER_ELEMENT
+        # Each host-updated chunk: the host's Adam (its states both ways, its gradient in and its param out: 28 bytes
+        # an element in bf16, 32 in fp32), its gradient out and (resident) its params back in. Each stepped one: its
+        # states both ways, and a streamed one's gradient home, back in, and its params out.
+        assert host_adam_bytes_per_element(pb) == 24 + 2 * pb == traffic.host_adam_bytes
+        adam_bytes = host_elements * (24 + 2 * pb)
         host_path = ((n["resident"] - n["stepped_resident"]) * 2 * pb + n["owned_streamed"] * pb) * numel
         device_path = (n["stepped_resident"] * 2 * STATE_BYTES_PER_ELEMENT
                        + n["stepped_streamed"] * 2 * (STATE_BYTES_PER_ELEMENT + pb)) * numel

@@ -239,6 +239,35 @@ def test_the_tuning_is_told_each_steps_update_timing(monkeypatch, clip):
     assert told == flags[1:] and set(told) == {clip > 0}
 
 
+def test_a_restart_forgets_the_work_timed_under_the_other_update_timing(monkeypatch):
+    """The rates the tuning's end takes (the host's Adam, the device steps and Adam) come from the steps after the
+    last restart: what ran while the steps clipped is dropped with their times."""
+    warmup = importlib.import_module("zero_cache.warmup")
+    monkeypatch.setattr(warmup, "tunes_on", lambda device: True)
+    monkeypatch.setattr(warmup, "make_plan", lambda inputs: with_device_step_count(inputs, make_plan(inputs), 4))
+    observe, steps = DeviceStepTuner.observe, []
+
+    def first_steps_clipped(tuner, *args, waited_for_norm=None):  # (the engine does not clip; the tuner is told so)
+        steps.append(tuner.restarts)
+        return observe(tuner, *args, waited_for_norm=len(steps) <= 2)
+
+    dropped = []
+    drop = warmup._drop_timed_work
+
+    def recorded(optimizer):
+        drop(optimizer)
+        dropped.append((len(steps), optimizer.host.adam_work.elements))
+
+    monkeypatch.setattr(DeviceStepTuner, "observe", first_steps_clipped)
+    monkeypatch.setattr(warmup, "_drop_timed_work", recorded)
+    seed = torch.randint(0, 10_000, ()).item()
+    engine, optimizer, _, _ = angelptm.initialize(model=tiny_llama(seed), config=config("host"))
+    train_steps(engine, random_batches(seed, count=5, batch=2))
+    optimizer.finish_pending()
+    # At the re-plan, before the first observed step; then at the third, whose timing differs from the second's.
+    assert dropped == [(0, 0), (3, 0)] and steps == [0, 0, 0, 1]
+
+
 def test_a_planned_count_outside_the_host_groups_is_refused():
     with pytest.raises(ValueError, match="planned device steps 5 must lie in 0..3"):
         DeviceStepTuner(5, 3)

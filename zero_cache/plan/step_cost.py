@@ -28,9 +28,13 @@ from zero_cache.plan.units import format_bytes
 STATE_BYTES_PER_ELEMENT = 12
 """fp32 master + exp_avg + exp_avg_sq (a gradient's bytes come on top, by its dtype): what an optimizer group
 holds per element, and what one stepped on the device moves each way."""
-HOST_ADAM_BYTES_PER_ELEMENT = 28
-"""Host memory the host's Adam reads and writes per element: the fp32 master and moments both ways, the bf16
-gradient in and the bf16 param out (a lazy step's fold reads 4 more, left out: a floor)."""
+
+
+def host_adam_bytes_per_element(param_bytes_per_element: int) -> int:
+    """Host memory the host's Adam reads and writes per element: the fp32 master and moments both ways, the gradient
+    in and the param out in the compute dtype (28 bytes in bf16). Left out, as a floor: an fp32 accumulator's 2 more,
+    a lazy step's fold and kept gradient (4 more)."""
+    return 2 * STATE_BYTES_PER_ELEMENT + 2 * param_bytes_per_element
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,16 +146,25 @@ class StepTraffic:
     device_adam_elements: int = 0
     """Elements of the optimizer groups held on the device, which the device's Adam updates after backward (before
     the next forward uses their params)."""
+    host_adam_bytes: int = host_adam_bytes_per_element(2)
+    """Host memory the host's Adam moves per element (:func:`host_adam_bytes_per_element`, by the compute dtype)."""
 
     @property
     def host_memory_bytes(self) -> int:
-        """Bytes the step moves through the host's memory: the host's Adam (:data:`HOST_ADAM_BYTES_PER_ELEMENT`), and
+        """Bytes the step moves through the host's memory: the host's Adam (:attr:`host_adam_bytes` an element), and
         every copy each way and disk transfer, which land in or leave pinned host memory. A device step moves its
         states through it too (their copies both ways): a group stepped on the device saves the host's cores, but
-        little of its memory's traffic (24 bytes an element of copies, against the host path's 28 and its gradient
-        out and params in)."""
-        return (self.host_adam_elements * HOST_ADAM_BYTES_PER_ELEMENT + self.h2d_bytes + self.d2h_bytes
-                + self.disk_bytes)
+        little of its memory's traffic (in bf16, a group whose params stay on the device: 24 bytes an element of
+        copies, against the host path's 28 and its gradient out and params in)."""
+        return self.host_adam_elements * self.host_adam_bytes + self.h2d_bytes + self.d2h_bytes + self.disk_bytes
+
+    def whole_step_floors(self) -> dict[str, float]:
+        """:attr:`floors`, named for the whole step, and the host's memory over it once it is measured: what a step
+        cannot go under whatever runs when (the step's prediction; the plan's choices take :attr:`floors`)."""
+        floors = {f"{stream} (whole step)": seconds for stream, seconds in self.floors.items()}
+        if self.rates.host_memory_bytes_per_s:
+            floors["host memory (whole step)"] = self.host_memory_bytes / self.rates.host_memory_bytes_per_s
+        return floors
 
     @property
     def floors(self) -> dict[str, float]:
@@ -206,7 +219,7 @@ class StepTraffic:
 
         The step is its backward, then the slowest of :meth:`after_backward_floors`, which the next forward waits
         on (its own compute hides in it unless it is longer), and never less than a stream's whole-step traffic
-        (:attr:`seconds`), nor than the host's memory moving :attr:`host_memory_bytes` once it is measured. Where the
+        (:meth:`whole_step_floors`: with the host's memory moving :attr:`host_memory_bytes`, once measured). Where the
         updates wait for the global norm (the step clips, or the last one did), the host's Adam starts after backward;
         otherwise the chunks that keep their gradient are updated during it. The forward's compute is not counted: the
         prediction is a floor.
@@ -217,10 +230,7 @@ class StepTraffic:
         step. 10B on the whole H100, the same machine, gave 112-114 GB/s at the two fastest of its three counts. Not
         the plan's choices yet (:attr:`floors`): the probe has not been set against a measured step on a GPU.
         """
-        floors = {"backward": backward_seconds, **{f"{stream} (whole step)": seconds
-                                                   for stream, seconds in self.floors.items()}}
-        if self.rates.host_memory_bytes_per_s:
-            floors["host memory (whole step)"] = self.host_memory_bytes / self.rates.host_memory_bytes_per_s
+        floors = {"backward": backward_seconds, **self.whole_step_floors()}
         after = self.after_backward_floors(backward_seconds, updates_after_backward=updates_after_backward)
         slowest = max(after, key=after.__getitem__)
         if after[slowest] > 0:
@@ -264,7 +274,8 @@ def step_traffic(*, chunk_numel: int, param_bytes_per_element: int, streamed_sha
     return StepTraffic(
         h2d_bytes=gathers + host_updated_resident * chunk_bytes, gather_bytes=gathers,
         d2h_bytes=(owned_streamed + host_updated_resident) * chunk_bytes,
-        host_adam_elements=host_updated * chunk_numel, rates=rates, device_adam_elements=device_updated * chunk_numel)
+        host_adam_elements=host_updated * chunk_numel, rates=rates, device_adam_elements=device_updated * chunk_numel,
+        host_adam_bytes=host_adam_bytes_per_element(param_bytes_per_element))
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,9 +17,10 @@ warm-up step on, plans use:
   prediction uses it (the plan's choices stay on the bus's rates);
 - **device Adam**: the elements of the device-held groups over the seconds the device's Adam took on the compute
   stream each step; only the step's prediction uses it (a whole-GPU plan has no other work after backward);
-- **host memory**: a probe copying one half of a buffer of the host tier onto the other with the intra-op threads,
-  bytes read and written over the seconds, the fastest of :data:`PROBE_REPEATS`, at least
-  :data:`MIN_HOST_MEMORY_PROBE_BYTES` (past the caches); only the step's prediction uses it, on a GPU;
+- **host memory**: a probe copying one half of a buffer of the host tier onto the other on as many threads as the
+  host's Adam runs, bytes read and written over the seconds, the fastest of :data:`PROBE_REPEATS`, at least
+  :data:`MIN_HOST_MEMORY_PROBE_BYTES` (past most hosts' last-level caches); only the step's prediction uses it, on a
+  GPU. The ranks of a host probe at about the same time, so each reads about its share;
 - **host Adam**: the elements the host worker stepped over the seconds it spent in the update itself
   (inputs landed, before the new params leave), so contention with the copies and the training thread is in it;
   taken over the steps that tune the device-step count, not the warm-up (there, 2.7B on an H100 ran it
@@ -57,9 +58,9 @@ MIN_PROBE_BYTES = 8 * 2**20
 """A probe shorter than this would time the launch more than the bus: below it (a full host tier) none is run."""
 MIN_MEASURED_ELEMENTS = 1 << 20
 """Host Adam work below this many elements is too short to time; the rate it would give is not used."""
-HOST_MEMORY_PROBE_BYTES = 512 * 2**20
+HOST_MEMORY_PROBE_BYTES = 2**30
 """Bytes of the host memory probe's buffer (half copied onto half)."""
-MIN_HOST_MEMORY_PROBE_BYTES = 128 * 2**20
+MIN_HOST_MEMORY_PROBE_BYTES = 256 * 2**20
 """A shorter buffer may sit in the last-level cache and read fast: below it (a full host tier) none is run."""
 PROBE_FAILURES = (torch.OutOfMemoryError, TierFullError, OSError)
 """What a probe may meet on a full machine: no device or pinned memory for its buffer, a full or failing disk."""
@@ -111,36 +112,40 @@ def copy_rates(device: torch.device, host_tier: Tier, nbytes: int = PROBE_BYTES)
     return nbytes / best["h2d"], nbytes / best["d2h"]
 
 
-def host_memory_rate(host_tier: Tier, nbytes: int = HOST_MEMORY_PROBE_BYTES,
+def host_memory_rate(host_tier: Tier, threads: int, nbytes: int = HOST_MEMORY_PROBE_BYTES,
                      clock: Callable[[], float] = time.perf_counter) -> float | None:
     """Bytes per second the host's memory reads and writes together: one half of a buffer from ``host_tier`` (given
-    back after, whatever happens) copied onto the other by torch's intra-op threads; None without room for
-    :data:`MIN_HOST_MEMORY_PROBE_BYTES`."""
+    back after, whatever happens) copied onto the other by torch on ``threads`` threads (the host Adam's: under
+    torchrun torch's own may be 1); None without room for :data:`MIN_HOST_MEMORY_PROBE_BYTES`."""
     nbytes = min(nbytes, host_tier.free_bytes) // 2 * 2
     if nbytes < MIN_HOST_MEMORY_PROBE_BYTES:
         return None
     buffer = host_tier.allocate(nbytes, torch.uint8, zero=False)
+    were = torch.get_num_threads()
     try:
+        torch.set_num_threads(threads)
+        buffer.fill_(1)  # (every page touched before the timing)
         half = nbytes // 2
-        buffer[:half].fill_(1)  # (its pages touched before the timing)
         best = float("inf")
         for _ in range(PROBE_REPEATS):
             start = clock()
             buffer[half:].copy_(buffer[:half])
             best = min(best, clock() - start)
     finally:
+        torch.set_num_threads(were)
         host_tier.free(buffer)
     return nbytes / best if best > 0 else None
 
 
-def measured_host_memory(device: torch.device, host_tier: Tier, known: Rates = NOMINAL_RATES) -> Rates:
-    """``known`` with the host memory probe's rate on a GPU (the step's prediction is checked there); unchanged on a
-    CPU-only run, without host room, or where the probe fails (:func:`_probed`)."""
+def measured_host_memory(device: torch.device, host_tier: Tier, threads: int, known: Rates = NOMINAL_RATES) -> Rates:
+    """``known`` with the host memory probe's rate on ``threads`` threads (the host Adam's), on a GPU (the step's
+    prediction is checked there); unchanged on a CPU-only run, without host room, or where the probe fails
+    (:func:`_probed`)."""
     if device.type != "cuda":
         return known
 
     def probe() -> Rates:
-        rate = host_memory_rate(host_tier)
+        rate = host_memory_rate(host_tier, threads)
         return known if rate is None else replace(known, host_memory_bytes_per_s=rate)
 
     return _probed("host memory", probe, known)
