@@ -289,10 +289,18 @@ def test_a_plan_not_tuned_is_checked_against_its_prediction_with_the_devices_ada
     caplog.set_level(logging.INFO, logger="zero_cache")
     seed = torch.randint(0, 10_000, ()).item()
     engine, optimizer = resident_engine(seed, clip=0.0, device_steps=0)
+    applied, apply_plan = [], optimizer.apply_plan
+
+    def recorded(plan, **kwargs):
+        applied.append(kwargs)
+        return apply_plan(plan, **kwargs)
+
+    monkeypatch.setattr(optimizer, "apply_plan", recorded)
     steps = 1 + SETTLE_STEPS + MEASURED_STEPS + 1
     train_steps(engine, random_batches(seed, count=steps, batch=2))
     tuner = optimizer.after_step.func.__self__.tuner  # (settled, it watches the update timing)
     assert tuner.fixed and tuner.done and tuner.measured.keys() == {len(optimizer.device_stepped)}
+    assert applied == [{}], "the re-plan's placement, then no count switch: the check only measures"
     line = next(r.getMessage() for r in caplog.records if "the step runs at" in r.getMessage())
     assert "device Adam" in line.split("after backward:")[1].split(";")[0]  # (a term of the work after backward)
     assert "device Adam" in line.split("; at ")[1] and "(measured here)" in line
