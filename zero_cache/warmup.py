@@ -30,8 +30,7 @@ from zero_cache.plan.step_cost import NOMINAL_RATES, agreed_rates
 from zero_cache.plan.tier_names import DEVICE, HOST, NVME
 from zero_cache.plan.units import AUTO, format_bytes
 from zero_cache.resolve import plan_inputs
-from zero_cache.runtime.rates import (measured_copies, measured_disk, measured_host_memory, with_device_adam_rate,
-                                     with_device_step_rate, with_host_adam)
+from zero_cache.runtime.rates import measured_copies, measured_disk, measured_host_memory, with_timed_work
 from zero_cache.runtime.shard_params import agree_working_set, gather_objects
 from zero_cache.plan.home_costs import home_costs
 from zero_cache.tuning import RESTARTS, DeviceStepTuner
@@ -242,9 +241,9 @@ class WarmupTracer:
     def _measure_rates(self, optimizer: ZeroCacheOptimizer) -> None:
         """The rates with what the steps since the re-plan timed: the host's Adam (the warm-up timed it over one
         step), and for the step's prediction only, the device steps and the device's Adam."""
-        rates = with_host_adam(self.rates, optimizer.host.adam_work.take())
-        rates = with_device_step_rate(rates, optimizer.device_steps.timing.work.take())
-        self.rates = with_device_adam_rate(rates, optimizer.device_adam_timing.work.take())
+        self.rates = with_timed_work(self.rates, host_adam=optimizer.host.adam_work.take(),
+                                     device_steps=optimizer.device_steps.timing.work.take(),
+                                     device_adam=optimizer.device_adam_timing.work.take())
         self.inputs = replace(self.inputs, rates=self.rates)
 
     def _log_prediction(self, measured: float, backward: float | None, plan: Plan, *,

@@ -23,8 +23,7 @@ from zero_cache.plan.planner import DEVICE, HOST, make_plan
 from zero_cache.plan.step_cost import NOMINAL_RATES, Rates, agreed_rates
 from zero_cache.runtime.rates import (MIN_HOST_MEMORY_PROBE_BYTES, MIN_MEASURED_ELEMENTS, MIN_PROBE_BYTES, PROBE_BYTES,
                                       PROBE_REPEATS, Throughput, host_memory_rate, measured_copies, measured_disk,
-                                      measured_host_memory, with_device_adam_rate, with_device_step_rate,
-                                      with_host_adam)
+                                      measured_host_memory, with_timed_work)
 from zero_cache.storage.nvme import ALIGN_BYTES, NvmeTier, check_directory
 from zero_cache.storage.tiers import Tier, TierFullError
 from zero_cache.tuning import MEASURED_STEPS, SETTLE_STEPS
@@ -60,13 +59,13 @@ def test_the_host_adam_rate_is_taken_only_from_enough_work():
     rates = Rates(h2d_bytes_per_s=10e9, d2h_bytes_per_s=11e9, host_adam_elements_per_s=3e9)
     elements = random.randint(MIN_MEASURED_ELEMENTS, 10**10)
     seconds = random.uniform(0.01, 5.0)
-    measured = with_host_adam(rates, (elements, seconds))
+    measured = with_timed_work(rates, host_adam=(elements, seconds))
     assert measured.host_adam_elements_per_s == pytest.approx(elements / seconds) and measured.host_adam_measured
     assert not measured.copies_measured, "the bus was not probed"
     assert "G elements/s (measured here)" in measured.describe() and "(nominal: an H200's" in measured.describe()
     assert (measured.h2d_bytes_per_s, measured.d2h_bytes_per_s) == (10e9, 11e9)
-    assert with_host_adam(rates, (MIN_MEASURED_ELEMENTS - 1, seconds)) == rates  # too little to time
-    assert with_host_adam(rates, (elements, 0.0)) == rates
+    assert with_timed_work(rates, host_adam=(MIN_MEASURED_ELEMENTS - 1, seconds)) == rates  # too little to time
+    assert with_timed_work(rates, host_adam=(elements, 0.0)) == rates
     # No bus to probe on a CPU-only run: the rates stay what they were.
     assert measured_copies(torch.device("cpu"), None, rates) == rates
 
@@ -211,17 +210,17 @@ def test_the_disk_probe_grows_the_swap_file_by_its_own_bytes_not_by_a_slot(tmp_p
     assert nvme.allocate_slot() == taken + slot and nvme.file.reserved_bytes == 2 * slot
 
 
-@pytest.mark.parametrize("timed_rate, field", [(with_device_step_rate, "device_step_elements_per_s"),
-                                               (with_device_adam_rate, "device_adam_elements_per_s")])
-def test_a_rate_timed_on_the_device_is_taken_only_from_enough_work(timed_rate, field):
+@pytest.mark.parametrize("work, field", [("device_steps", "device_step_elements_per_s"),
+                                         ("device_adam", "device_adam_elements_per_s")])
+def test_a_rate_timed_on_the_device_is_taken_only_from_enough_work(work, field):
     rates = Rates(h2d_bytes_per_s=10e9, d2h_bytes_per_s=11e9, host_adam_elements_per_s=3e9)
     elements = random.randint(MIN_MEASURED_ELEMENTS, 10**10)
     seconds = random.uniform(0.01, 5.0)
-    timed = timed_rate(rates, (elements, seconds))
+    timed = with_timed_work(rates, **{work: (elements, seconds)})
     assert getattr(timed, field) == pytest.approx(elements / seconds)
     assert dataclasses.replace(timed, **{field: 0.0}) == rates  # (nothing else changes)
-    assert timed_rate(rates, (MIN_MEASURED_ELEMENTS - 1, seconds)) == rates  # too little to time
-    assert timed_rate(rates, (elements, 0.0)) == rates
+    assert with_timed_work(rates, **{work: (MIN_MEASURED_ELEMENTS - 1, seconds)}) == rates  # too little to time
+    assert with_timed_work(rates, **{work: (elements, 0.0)}) == rates
 
 
 def test_the_ranks_plan_on_one_set_of_rates_the_middle_reading_of_each():

@@ -76,7 +76,7 @@ class DeviceSteps:
         self.timing = TimedSpans()
         """Elements stepped here and the seconds each step's took, from when they could start (backward and the
         device-held groups' Adam done) to their last copy out (the step's prediction prices the device steps by it:
-        :func:`zero_cache.runtime.rates.with_device_step_rate`)."""
+        :func:`zero_cache.runtime.rates.with_timed_work`)."""
 
     # ------------------------------------------------------------------ one chunk
     def begin(self) -> None:

@@ -182,7 +182,7 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         """Times each step and its backward (its ``clock``, faked by tests; :attr:`last_backward_seconds`)."""
         self.device_adam_timing = TimedSpans()
         """The device's Adam over the groups it holds, timed on the compute stream each step (the step's prediction
-        prices it by this: :func:`zero_cache.runtime.rates.with_device_adam_rate`)."""
+        prices it by this: :func:`zero_cache.runtime.rates.with_timed_work`)."""
         self.named_states = NamedStates(store, self.members, self._members_of_chunk, optimizer=optimizer,
                                         loss_scaler=loss_scaler, settle=self.finish_pending,
                                         restore_params=self._restore_params)

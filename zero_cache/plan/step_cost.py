@@ -59,12 +59,12 @@ class Rates:
     """The disk's rate measured on this machine's swap directory (:func:`zero_cache.runtime.rates.measured_disk`)."""
     device_step_elements_per_s: float = 0.0
     """Host-held groups stepped on the device, from when they may start (backward and the device-held groups' Adam
-    done) to their last copy out, timed over training steps (:func:`zero_cache.runtime.rates.with_device_step_rate`); 0 until then, when their copies are priced as
+    done) to their last copy out, timed over training steps (:func:`zero_cache.runtime.rates.with_timed_work`); 0 until then, when their copies are priced as
     running beside everything else at the bus's rates."""
 
     device_adam_elements_per_s: float = 0.0
     """The device's Adam over the groups it holds (one pass over the master, moments, gradient and params), timed
-    where it runs over training steps (:func:`zero_cache.runtime.rates.with_device_adam_rate`); 0 until then, when
+    where it runs over training steps (:func:`zero_cache.runtime.rates.with_timed_work`); 0 until then, when
     it is not counted (a whole-GPU plan's floor was 0 s, its step 0.338 s)."""
     host_memory_bytes_per_s: float = 0.0
     """The host's memory, read and written together, by a probe (:func:`zero_cache.runtime.rates.host_memory_rate`);

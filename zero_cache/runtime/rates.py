@@ -212,21 +212,26 @@ def _timed_rate(work: tuple[int, float]) -> float | None:
     return elements / seconds if elements >= MIN_MEASURED_ELEMENTS and seconds > 0 else None
 
 
-def with_device_step_rate(rates: Rates, device_steps: tuple[int, float]) -> Rates:
-    """``rates`` with the device steps' rate over ``(elements, seconds)`` (each step's, from when they may start to
-    their last copy out: ``DeviceSteps.timing``) where that is enough work to time."""
-    rate = _timed_rate(device_steps)
-    return rates if rate is None else replace(rates, device_step_elements_per_s=rate)
+NO_WORK = (0, 0.0)
+"""``(elements, seconds)`` of nothing timed."""
 
 
-def with_device_adam_rate(rates: Rates, device_adam: tuple[int, float]) -> Rates:
-    """``rates`` with the device's Adam over its own groups, over ``(elements, seconds)`` (each step's, timed where it
-    runs: ``ZeroCacheOptimizer.device_adam_timing``) where that is enough work to time."""
-    rate = _timed_rate(device_adam)
-    return rates if rate is None else replace(rates, device_adam_elements_per_s=rate)
+def with_timed_work(rates: Rates, *, host_adam: tuple[int, float] = NO_WORK, device_steps: tuple[int, float] = NO_WORK,
+                    device_adam: tuple[int, float] = NO_WORK) -> Rates:
+    """``rates`` with the rates of the work training steps timed, each as ``(elements, seconds)``, where that is
+    enough work to time (:data:`MIN_MEASURED_ELEMENTS`); the others stay as they are:
 
-
-def with_host_adam(rates: Rates, host_adam: tuple[int, float]) -> Rates:
-    """``rates`` with the host Adam's rate over ``(elements, seconds)`` where that is enough work to time."""
-    rate = _timed_rate(host_adam)
-    return rates if rate is None else replace(rates, host_adam_elements_per_s=rate, host_adam_measured=True)
+    - ``host_adam``: the host worker's Adam (``HostUpdater.adam_work``), marked measured;
+    - ``device_steps``: host groups stepped on the device, each step's from when they may start to their last copy
+      out (``DeviceSteps.timing``); only the step's prediction uses it;
+    - ``device_adam``: the device's Adam over the groups it holds, timed where it runs
+      (``ZeroCacheOptimizer.device_adam_timing``); only the step's prediction uses it.
+    """
+    timed: dict[str, float | bool] = {}
+    if (rate := _timed_rate(host_adam)) is not None:
+        timed.update(host_adam_elements_per_s=rate, host_adam_measured=True)
+    if (rate := _timed_rate(device_steps)) is not None:
+        timed["device_step_elements_per_s"] = rate
+    if (rate := _timed_rate(device_adam)) is not None:
+        timed["device_adam_elements_per_s"] = rate
+    return replace(rates, **timed)
