@@ -5,10 +5,11 @@ and at once.
 
 The step's prediction counts the bytes a step moves through the host's memory (``StepTraffic.host_memory_bytes``:
 the host's Adam at 28 bytes an element, every copy byte each way) at the rate of a probe the re-plan runs
-(``zero_cache.runtime.rates.host_memory_rate``). That is right only if the probe reads what the host's Adam and the
-copies get together. This measures, on one machine, in one run:
+(``zero_cache.runtime.rates.host_memory_rate``: the host's Adam over a 1 GiB scratch chunk beside pinned copies both
+ways). That is right only if the probe reads what the host's Adam and the copies get together over a step. This
+measures, on one machine, in one run:
 
-1. the probe, as the engine runs it;
+1. the probe, as the engine runs it (on a GPU after the bus's probe, as the re-plan does);
 2. the host's Adam alone (the csrc kernel over one chunk of bf16 gradients, ``--repeats`` steps, each after the
    gradient lands in its buffer), in G elements/s and in GB/s at 32 bytes an element (the Adam's 28 and the
    landing copy's 4);
@@ -19,7 +20,9 @@ Prints one JSON line (GB are 1e9 bytes): ``probe_gbs``, ``adam_alone`` and ``ada
 ``copies_alone_gbs`` and ``copies_mixed_gbs`` (both ways together), ``mixed_total_gbs`` (the Adam's bytes and the
 copies' during the same seconds), ``mixed_over_probe``, and ``copies_ran_out`` (true where the queued copies ended
 before the Adam did, so the mixed figures undercount: run again with a larger ``--copy-margin``). In session 46's
-reading of the matrix the H100's steps moved 105-114 GB/s at their fastest device-step counts.
+reading of the matrix the H100's steps moved 105-114 GB/s at their fastest device-step counts. On an H200's host
+(session 47) the first probe, one host buffer copied onto another, read 53 GB/s against a mixed 133: the reason the
+probe is now the Adam beside copies.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from zero_cache.optim.host_adam import HostAdam  # noqa: E402
 from zero_cache.plan.step_cost import host_adam_bytes_per_element  # noqa: E402
-from zero_cache.runtime.rates import host_memory_rate  # noqa: E402
+from zero_cache.runtime.rates import host_memory_rate, measured_copies, measured_host_memory  # noqa: E402
 from zero_cache.storage.tiers import Tier  # noqa: E402
 
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -95,12 +98,18 @@ def main() -> None:
                         help="copies queued for the mixed run, over those the Adam's time alone would take")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
-    host = Tier("host", torch.device("cpu"), 2 * COPY_BYTES, pin_memory=cuda)
+    host = Tier("host", torch.device("cpu"), 4 * COPY_BYTES, pin_memory=cuda)  # (the copies' 2, the probe's)
     adam = HostAdam(True, try_deepspeed=False, try_native=True)
     if not adam.fuses(torch.bfloat16):
         raise SystemExit("the csrc host Adam did not build here; it is what the step runs")
     result: dict[str, float | int | str | bool] = {"numel": args.numel, "adam_threads": adam.threads}
-    result["probe_gbs"] = host_memory_rate(host, adam.threads) / 1e9  # (as the re-plan probes it)
+    work = adam.probe_work(torch.bfloat16)
+    device = torch.device("cuda" if cuda else "cpu")
+    if cuda:  # (as the re-plan probes it: the bus, then the host's memory beside copies at the bus's rates)
+        result["probe_gbs"] = measured_host_memory(device, host, work, measured_copies(device, host)
+                                                   ).host_memory_bytes_per_s / 1e9
+    else:
+        result["probe_gbs"] = host_memory_rate(host, work) / 1e9  # (the Adam's alone: no copies)
     n = args.numel
     tensors = (torch.randn(n), torch.empty(n, dtype=torch.bfloat16), torch.zeros(n), torch.zeros(n),
                (torch.randn(n) * 1e-3).bfloat16())
@@ -110,7 +119,6 @@ def main() -> None:
     result["adam_alone_gbs"] = result["adam_alone"] * LOOP_BYTES
 
     if cuda:
-        device = torch.device("cuda")
         pinned = {way: host.allocate(COPY_BYTES, torch.uint8, zero=False) for way in ("h2d", "d2h")}
         on_device = {way: torch.empty(COPY_BYTES, dtype=torch.uint8, device=device) for way in ("h2d", "d2h")}
         buffers = {"h2d": (on_device["h2d"], pinned["h2d"]), "d2h": (pinned["d2h"], on_device["d2h"])}

@@ -155,7 +155,8 @@ class WarmupTracer:
         # from the steps after it.
         _drop_timed_work(optimizer)  # (the warm-up's ran beside its streaming, as the later steps' do not)
         self.rates = measured_copies(device_tier.device, host_tier, self.rates)
-        self.rates = measured_host_memory(device_tier.device, host_tier, optimizer.host_adam.threads, self.rates)
+        self.rates = measured_host_memory(device_tier.device, host_tier,
+                                          optimizer.host_adam.probe_work(self.compute_dtype), self.rates)
         # The disk through a bounce buffer of the state homes where groups pass through one (their buffers are in
         # the host's plan), else from the host tier's room.
         with store.lent_bounce_buffer() as bounce:

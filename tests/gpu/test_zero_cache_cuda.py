@@ -167,3 +167,31 @@ def test_host_tier_pins_exactly_what_it_allocates():
     assert torch.equal(tensor, on_gpu.cpu())
     tier.free(tensor)
     assert tier.used_bytes == 0
+
+
+def test_the_host_memory_probe_counts_copies_that_ran_beside_the_host_adam():
+    """On a GPU the re-plan's probe times the host's Adam while pinned copies run both ways: its figure holds the
+    copies' bytes too (above the Adam's alone, as both users of the host's memory add up), and its buffers go back."""
+    from zero_cache.optim.host_adam import HostAdam
+    from zero_cache.plan.step_cost import NOMINAL_RATES
+    from zero_cache.runtime.rates import copy_load, host_memory_rate, measured_copies
+    from zero_cache.storage.tiers import Tier
+
+    host = Tier("host", torch.device("cpu"), 2**31, pin_memory=True)
+    work = HostAdam(True, try_deepspeed=False, try_native=True).probe_work(torch.bfloat16)
+    if work is None:
+        pytest.skip("no C++ toolchain to build csrc/fused_host_adam.cpp")
+    known = measured_copies(torch.device("cuda"), host, NOMINAL_RATES)
+    assert known.copies_measured and host.used_bytes == 0
+    with copy_load(torch.device("cuda"), host, known) as bus:
+        first = bus.mark()
+        bus.queue(0.05)
+        torch.cuda.synchronize()
+        assert bus.moved_between(first, bus.mark()) == bus.nbytes * len(bus.ends) > 0  # (every copy, all done)
+        counted, moved_between = [], bus.moved_between
+        bus.moved_between = lambda *marks: counted.append(moved_between(*marks)) or counted[-1]
+        mixed = host_memory_rate(host, work, bus)
+    alone = host_memory_rate(host, work)
+    assert host.used_bytes == 0 and alone > 1e9 and mixed > 1e9
+    assert counted[0] > 0, "the copies that ran beside the Adam are counted"
+    print(f"host memory: {mixed / 1e9:.0f} GB/s with copies beside the Adam, {alone / 1e9:.0f} GB/s the Adam alone")

@@ -3,12 +3,14 @@ zero_cache.plan.step_cost)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import importlib
 import logging
 import random
 import threading
+import types
 
 import pytest
 import torch
@@ -20,10 +22,11 @@ from test_zero_cache_streamed import config
 from test_zero_cache_tuning import random_inputs
 from zero_cache.config import AioConfig
 from zero_cache.plan.planner import DEVICE, HOST, make_plan
-from zero_cache.plan.step_cost import NOMINAL_RATES, Rates, agreed_rates
-from zero_cache.runtime.rates import (MIN_HOST_MEMORY_PROBE_BYTES, MIN_MEASURED_ELEMENTS, MIN_PROBE_BYTES, PROBE_BYTES,
-                                      PROBE_REPEATS, Throughput, host_memory_rate, measured_copies, measured_disk,
-                                      measured_host_memory, with_timed_work)
+from zero_cache.plan.step_cost import NOMINAL_RATES, Rates, agreed_rates, host_adam_bytes_per_element
+from zero_cache.optim.host_adam import torch_fused_adam
+from zero_cache.runtime.rates import (COPY_MARGIN, HOST_MEMORY_PASSES, MIN_HOST_MEMORY_PROBE_BYTES, MIN_MEASURED_ELEMENTS,
+                                      MIN_PROBE_BYTES, PROBE_BYTES, PROBE_REPEATS, Throughput, host_memory_rate,
+                                      measured_copies, measured_disk, measured_host_memory, with_timed_work)
 from zero_cache.storage.nvme import ALIGN_BYTES, NvmeTier, check_directory
 from zero_cache.storage.tiers import Tier, TierFullError
 from zero_cache.tuning import MEASURED_STEPS, SETTLE_STEPS
@@ -284,7 +287,7 @@ def test_a_plan_not_tuned_is_checked_against_its_prediction_with_the_devices_ada
     monkeypatch.setattr(importlib.import_module("zero_cache.runtime.rates"), "MIN_MEASURED_ELEMENTS", 1)  # (tiny)
     # (the host memory probe runs on a GPU only; here it reads 7 GB/s)
     monkeypatch.setattr(warmup, "measured_host_memory",
-                        lambda device, tier, threads, known: dataclasses.replace(known, host_memory_bytes_per_s=7e9))
+                        lambda device, tier, work, known: dataclasses.replace(known, host_memory_bytes_per_s=7e9))
     caplog.set_level(logging.INFO, logger="zero_cache")
     seed = torch.randint(0, 10_000, ()).item()
     engine, optimizer = resident_engine(seed, clip=0.0, device_steps=0)
@@ -308,31 +311,122 @@ def test_a_plan_not_tuned_is_checked_against_its_prediction_with_the_devices_ada
     optimizer.finish_pending()
 
 
-def test_the_host_memory_probe_copies_half_a_host_buffer_onto_the_other_on_the_adams_threads_and_gives_it_back():
+class FakeBus:
+    """A :class:`~zero_cache.runtime.rates.CopyLoad` without a GPU: the seconds it was asked to last, and the bytes
+    its copies moved between two marks (the marks are the clock's readings)."""
+
+    def __init__(self, clock, copy_rate: float) -> None:
+        self.clock, self.copy_rate, self.queued = clock, copy_rate, []
+
+    def queue(self, seconds: float) -> None:
+        self.queued.append(seconds)
+
+    def mark(self):
+        return types.SimpleNamespace(at=self.clock.now, synchronize=lambda: None)
+
+    def moved_between(self, first, last) -> int:
+        return int((last.at - first.at) * self.copy_rate)
+
+
+class FakeClock:
+    """Readings that advance only when the host work says it ran."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_host_memory_probe_counts_the_adams_bytes_and_the_copies_beside_it_over_the_adams_seconds():
+    rng = random.Random(random.randrange(10**6))
+    clock = FakeClock()
     host = Tier("host", torch.device("cpu"), 3 * MIN_HOST_MEMORY_PROBE_BYTES)
-    durations = [random.uniform(0.01, 0.2) for _ in range(PROBE_REPEATS)]
-    ticks = iter([t for d in durations for t in (0.0, d)])
-    taken, threads = [], []
-    allocate = host.allocate
-    host.allocate = lambda *args, **kwargs: taken.append(args[0]) or allocate(*args, **kwargs)
-    were = torch.get_num_threads()
-    rate = host_memory_rate(host, 1, clock=lambda: threads.append(torch.get_num_threads()) or next(ticks))
-    assert taken == [3 * MIN_HOST_MEMORY_PROBE_BYTES]  # (the room it had, under the 1 GiB it asks)
-    assert rate == pytest.approx(taken[0] / min(durations))  # bytes read and written over the fastest copy
-    assert threads == [1] * 2 * PROBE_REPEATS and torch.get_num_threads() == were  # (the Adam's threads, then back)
+    alone, mixed = rng.uniform(0.01, 0.05), [rng.uniform(0.02, 0.1) for _ in range(HOST_MEMORY_PASSES)]
+    pass_bytes, copy_rate = rng.randrange(10**8, 10**9), rng.uniform(10, 90) * 1e9
+    seconds = iter([alone, *mixed])
+    prepared = []
+
+    def host_work(buffer):
+        prepared.append(buffer.numel())
+        assert host.used_bytes == buffer.numel()  # (the scratch comes from the host tier)
+
+        def one_pass():
+            clock.now += next(seconds)
+            return pass_bytes
+
+        return one_pass
+
+    bus = FakeBus(clock, copy_rate)
+    rate = host_memory_rate(host, host_work, bus, clock=clock)
+    assert prepared == [3 * MIN_HOST_MEMORY_PROBE_BYTES]  # (the room it had, under the 1 GiB it asks)
+    assert bus.queued == [pytest.approx(HOST_MEMORY_PASSES * alone * COPY_MARGIN)]  # (to outlast the Adam)
+    span = sum(mixed)
+    assert rate == pytest.approx((HOST_MEMORY_PASSES * pass_bytes + int(span * copy_rate)) / span)  # (not `alone`)
     assert host.used_bytes == 0
-    measured = host_memory_rate(host, were)  # (this machine's, by the real clock: some GB/s, not a cache's TB/s)
-    assert 1e8 < measured < 2e12 and host.used_bytes == 0
-    host.allocate = allocate
+    seconds = iter([alone, *mixed])
+    assert host_memory_rate(host, host_work, clock=clock) == pytest.approx(HOST_MEMORY_PASSES * pass_bytes / span)
     small = Tier("host", torch.device("cpu"), MIN_HOST_MEMORY_PROBE_BYTES - 2)
-    assert host_memory_rate(small, were) is None and small.used_bytes == 0
+    assert host_memory_rate(small, host_work) is None and small.used_bytes == 0
+
+    def failing(buffer):
+        raise OSError("the host work failed")
+
+    with pytest.raises(OSError):
+        host_memory_rate(host, failing)
+    assert host.used_bytes == 0  # (given back whatever happens)
 
 
-def test_the_host_memory_is_probed_for_the_gpus_prediction_and_a_failed_probe_keeps_the_known_rates(caplog):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_host_memory_probes_work_is_the_host_adams_step_over_a_carved_chunk(native_adam, dtype):
+    """The probe's work steps a master, its moments and a gradient carved from one scratch buffer as the host's
+    step would, and answers its bytes by the step's own count."""
+    from zero_cache.optim.host_adam import HostAdam
+
+    adam = HostAdam(True, try_deepspeed=False, try_native=True)
+    assert adam.probe_work(torch.float16) is None  # (a gradient dtype the kernel does not take: no probe)
+    element_bytes = 12 + dtype.itemsize
+    numel = random.randrange(10**4, 10**5)
+    buffer = torch.full((numel * element_bytes + random.randrange(element_bytes),), 255, dtype=torch.uint8)
+    one_pass = adam.probe_work(dtype)(buffer)
+    hyper = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    master, exp_avg, exp_avg_sq = (torch.zeros(numel) for _ in range(3))
+    param = torch.full((numel,), 1e-3, dtype=dtype)
+    for step in (1, 2, 3):
+        assert one_pass() == numel * host_adam_bytes_per_element(dtype.itemsize)
+        torch_fused_adam([master], [param.float()], [exp_avg], [exp_avg_sq], decoupled=True, step=step, **hyper)
+        param = master.to(dtype)  # (the pass writes the new weight where its gradient was)
+    states = buffer[:12 * numel].view(torch.float32).view(3, numel)
+    for got, want in zip(states, (master, exp_avg, exp_avg_sq)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-9)
+    assert torch.equal(buffer[12 * numel:element_bytes * numel].view(dtype), states[0].to(dtype))  # (the weight)
+    assert torch.isfinite(states).all() and master.abs().min() > 0  # (a step taken, not the zeros it started at)
+
+
+def test_the_host_memory_is_probed_for_the_gpus_prediction_and_a_failed_probe_keeps_the_known_rates(
+        monkeypatch, caplog):
+    rates = importlib.import_module("zero_cache.runtime.rates")
     known = random_rates(random.Random(torch.randint(0, 10_000, ()).item()))
     host = Tier("host", torch.device("cpu"), 2 * MIN_HOST_MEMORY_PROBE_BYTES)
-    assert measured_host_memory(torch.device("cpu"), host, 2, known) == known  # (no GPU: no prediction to check)
-    probed = measured_host_memory(torch.device("cuda"), host, 2, known)
+    passes = []
+
+    def host_work(buffer):
+        return lambda: passes.append(buffer.numel()) or 10**9
+
+    buses = []
+
+    @contextlib.contextmanager
+    def copy_load(device, tier, rates_known):
+        assert tier is host and rates_known == known  # (the copies queued at the bus's known rates)
+        buses.append(FakeBus(FakeClock(), 0.0))
+        yield buses[-1]
+
+    monkeypatch.setattr(rates, "copy_load", copy_load)
+    assert measured_host_memory(torch.device("cpu"), host, host_work, known) == known  # (no GPU: no check)
+    assert measured_host_memory(torch.device("cuda"), host, None, known) == known  # (no host work to time)
+    assert not passes and not buses
+    probed = measured_host_memory(torch.device("cuda"), host, host_work, known)
+    assert len(passes) == 1 + HOST_MEMORY_PASSES and len(buses) == 1 and buses[0].queued
     assert probed.host_memory_bytes_per_s > 0 and dataclasses.replace(probed, host_memory_bytes_per_s=0.0) == known
     assert "host memory" in probed.describe() and host.used_bytes == 0
 
@@ -341,5 +435,5 @@ def test_the_host_memory_is_probed_for_the_gpus_prediction_and_a_failed_probe_ke
 
     host.allocate = full
     with caplog.at_level(logging.WARNING, logger="zero_cache"):
-        assert measured_host_memory(torch.device("cuda"), host, 2, known) == known
+        assert measured_host_memory(torch.device("cuda"), host, host_work, known) == known
     assert "the host memory probe failed (TierFullError" in caplog.text

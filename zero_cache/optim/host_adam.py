@@ -11,6 +11,7 @@ the same pass (see bench/host_adam.py and BENCHMARKS.md for the measured differe
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import os
@@ -18,6 +19,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
+from zero_cache.plan.step_cost import STATE_BYTES_PER_ELEMENT, host_adam_bytes_per_element
 from zero_cache.runtime.native import load_csrc
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,34 @@ class HostAdam:
     def fuses(self, dtype: torch.dtype) -> bool:
         """Whether :meth:`update_in_place` takes gradients of this dtype."""
         return self._native is not None and dtype in _FUSED
+
+    def probe_work(self, dtype: torch.dtype) -> Callable[[torch.Tensor], Callable[[], int]] | None:
+        """The host memory probe's work (:func:`zero_cache.runtime.rates.host_memory_rate`), as the step runs it over
+        a group: :meth:`update_in_place` on an fp32 master and moments and a ``dtype`` gradient that takes the new
+        weight, carved from a scratch buffer of bytes; each pass answers the bytes it moved
+        (:func:`~zero_cache.plan.step_cost.host_adam_bytes_per_element`). None where the csrc kernel does not take
+        ``dtype`` (the host's Adam rate then bounds the step long before its memory does)."""
+        if not self.fuses(dtype):
+            return None
+        element_bytes = STATE_BYTES_PER_ELEMENT + dtype.itemsize
+
+        def prepare(buffer: torch.Tensor) -> Callable[[], int]:
+            numel = buffer.numel() // element_bytes
+            states = buffer[:STATE_BYTES_PER_ELEMENT * numel].view(torch.float32).view(3, numel)
+            grad = buffer[STATE_BYTES_PER_ELEMENT * numel:element_bytes * numel].view(dtype)
+            states.zero_()
+            grad.fill_(1e-3)  # (each pass then reads the weight the last one wrote: small, finite, no denormals)
+            master, exp_avg, exp_avg_sq = states.unbind(0)
+            steps = itertools.count(1)
+
+            def one_pass() -> int:
+                self.update_in_place(master, grad, exp_avg, exp_avg_sq, step=next(steps), lr=1e-4,
+                                     betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, grad_scale=1.0)
+                return numel * host_adam_bytes_per_element(dtype.itemsize)
+
+            return one_pass
+
+        return prepare
 
     def lazy_ok(self, hypers: list[dict[str, Any]], dtype: torch.dtype) -> bool:
         """Whether steps with these hyperparameters, on gradients of ``dtype``, leave their moments unstored

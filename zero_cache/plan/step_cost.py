@@ -67,9 +67,10 @@ class Rates:
     where it runs over training steps (:func:`zero_cache.runtime.rates.with_timed_work`); 0 until then, when
     it is not counted (a whole-GPU plan's floor was 0 s, its step 0.338 s)."""
     host_memory_bytes_per_s: float = 0.0
-    """The host's memory, read and written together, by a probe (:func:`zero_cache.runtime.rates.host_memory_rate`);
-    0 until then, when it is not counted. The host's Adam and every copy and disk transfer go through it, so it
-    bounds their sum: only the step's prediction uses it (:attr:`StepTraffic.host_memory_bytes`)."""
+    """The host's memory, read and written together by the host's Adam and the copies beside it, by a probe
+    (:func:`zero_cache.runtime.rates.host_memory_rate`); 0 until then, when it is not counted. The host's Adam and
+    every copy and disk transfer go through it, so it bounds their sum: only the step's prediction uses it
+    (:attr:`StepTraffic.host_memory_bytes`)."""
 
     def describe(self) -> str:
         copies = "measured here" if self.copies_measured else "nominal: an H200's, until this machine is measured"
@@ -227,8 +228,10 @@ class StepTraffic:
         The host's memory: at 2.7B under a 22 GB cap on an H100 the tuning measured 0.657, 0.665 and 0.663 s at 4, 2
         and 5 groups stepped on the device, where this prediction (without it) was 0.491 s at 4.
         What the counts hardly change is the host's memory traffic: 70-73 GB a step at each, 105-110 GB/s over the
-        step. 10B on the whole H100, the same machine, gave 112-114 GB/s at the two fastest of its three counts. Not
-        the plan's choices yet (:attr:`floors`): the probe has not been set against a measured step on a GPU.
+        step. 10B on the whole H100, the same machine, gave 112-114 GB/s at the two fastest of its three counts.
+        On an H200's host the probe read 152 GB/s where ``bench/host_memory.py``'s longer mix read 136 and the 2.7B
+        capped steps moved 105 (69-71 GB in 0.64-0.67 s, bound by the host's Adam): a floor there, not the bound. Not
+        the plan's choices yet (:attr:`floors`): the H100's host, where the steps suggest it binds, has not run it.
         """
         floors = {"backward": backward_seconds, **self.whole_step_floors()}
         after = self.after_backward_floors(backward_seconds, updates_after_backward=updates_after_backward)

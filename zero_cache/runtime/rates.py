@@ -17,10 +17,13 @@ warm-up step on, plans use:
   prediction uses it (the plan's choices stay on the bus's rates);
 - **device Adam**: the elements of the device-held groups over the seconds the device's Adam took on the compute
   stream each step; only the step's prediction uses it (a whole-GPU plan has no other work after backward);
-- **host memory**: a probe copying one half of a buffer of the host tier onto the other on as many threads as the
-  host's Adam runs, bytes read and written over the seconds, the fastest of :data:`PROBE_REPEATS`, at least
-  :data:`MIN_HOST_MEMORY_PROBE_BYTES` (past most hosts' last-level caches); only the step's prediction uses it, on a
-  GPU. The ranks of a host probe at about the same time, so each reads about its share;
+- **host memory**: the host's two users of its memory at once, as a step runs them: the host's Adam over a scratch
+  chunk of the host tier (:data:`HOST_MEMORY_PASSES` steps on its own threads) while pinned copies run both ways
+  between the host tier and the GPU, queued to outlast it (:class:`CopyLoad`); every byte both moved over the
+  Adam's seconds. A plain copy between two host buffers reads no such figure: on an H200's host it read 53 GB/s
+  where the Adam and the copies together moved 133 (the Adam alone 97, the copies alone 89; ``bench/host_memory.py``),
+  so the prediction said 1.39 s of a step that ran 0.71. Only the step's prediction uses it, on a GPU. The ranks of
+  a host probe at about the same time, so each reads about its share;
 - **host Adam**: the elements the host worker stepped over the seconds it spent in the update itself
   (inputs landed, before the new params leave), so contention with the copies and the training thread is in it;
   taken over the steps that tune the device-step count, not the warm-up (there, 2.7B on an H100 ran it
@@ -38,10 +41,12 @@ on NVMe then need is the step's to report, where it happens.)
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -59,9 +64,14 @@ MIN_PROBE_BYTES = 8 * 2**20
 MIN_MEASURED_ELEMENTS = 1 << 20
 """Host Adam work below this many elements is too short to time; the rate it would give is not used."""
 HOST_MEMORY_PROBE_BYTES = 2**30
-"""Bytes of the host memory probe's buffer (half copied onto half)."""
+"""Bytes of the host memory probe's scratch chunk (its copies' buffers come beside it)."""
 MIN_HOST_MEMORY_PROBE_BYTES = 256 * 2**20
-"""A shorter buffer may sit in the last-level cache and read fast: below it (a full host tier) none is run."""
+"""A shorter chunk may sit in the last-level cache and read fast: below it (a full host tier) none is run."""
+HOST_MEMORY_PASSES = 4
+"""Steps of the host's Adam the probe times (each over its whole chunk: 30-50 ms on an H200's host)."""
+COPY_MARGIN = 3.0
+"""Copies the probe queues, over those that would last its Adam's steps at the Adam's rate alone (the copies slow
+it: 1.5x on an H200's host)."""
 PROBE_FAILURES = (torch.OutOfMemoryError, TierFullError, OSError)
 """What a probe may meet on a full machine: no device or pinned memory for its buffer, a full or failing disk."""
 
@@ -112,40 +122,110 @@ def copy_rates(device: torch.device, host_tier: Tier, nbytes: int = PROBE_BYTES)
     return nbytes / best["h2d"], nbytes / best["d2h"]
 
 
-def host_memory_rate(host_tier: Tier, threads: int, nbytes: int = HOST_MEMORY_PROBE_BYTES,
-                     clock: Callable[[], float] = time.perf_counter) -> float | None:
-    """Bytes per second the host's memory reads and writes together: one half of a buffer from ``host_tier`` (given
-    back after, whatever happens) copied onto the other by torch on ``threads`` threads (the host Adam's: under
-    torchrun torch's own may be 1); None without room for :data:`MIN_HOST_MEMORY_PROBE_BYTES`."""
-    nbytes = min(nbytes, host_tier.free_bytes) // 2 * 2
+HostWork = Callable[[torch.Tensor], Callable[[], int]]
+"""Prepares host work over a scratch buffer (bytes of host memory) and answers a function that runs one pass of it
+and returns the bytes that pass moved through the host's memory (:meth:`zero_cache.optim.host_adam.HostAdam.probe_work`)."""
+
+
+class CopyLoad:
+    """Pinned copies of :data:`PROBE_BYTES` both ways between buffers of the host tier and a GPU, each way on its own
+    stream, queued to load the bus and the host's memory beside host work; how many bytes they moved between two
+    marks. :func:`copy_load` gives its buffers back."""
+
+    def __init__(self, device: torch.device, host_tier: Tier, known: Rates, nbytes: int = PROBE_BYTES) -> None:
+        self.device, self.host_tier, self.nbytes = device, host_tier, nbytes
+        self.rates = {"h2d": known.h2d_bytes_per_s, "d2h": known.d2h_bytes_per_s}
+        on_device = {way: torch.empty(nbytes, dtype=torch.uint8, device=device) for way in self.rates}
+        self.pinned: dict[str, torch.Tensor] = {}
+        try:
+            for way in self.rates:  # (after the device's: an OOM there takes nothing)
+                self.pinned[way] = host_tier.allocate(nbytes, torch.uint8, zero=False)
+        except BaseException:
+            self.close()  # (the one it took)
+            raise
+        self.pairs = {"h2d": (on_device["h2d"], self.pinned["h2d"]), "d2h": (self.pinned["d2h"], on_device["d2h"])}
+        self.streams = {way: torch.cuda.Stream(device) for way in self.rates}
+        self.marker = torch.cuda.Stream(device)  # (idle: an event recorded on it completes at once)
+        self.ends: list[torch.cuda.Event] = []
+
+    def queue(self, seconds: float) -> None:
+        """Enough copies each way to run ``seconds`` at the known rates (and two more)."""
+        for way, (into, source) in self.pairs.items():
+            with torch.cuda.stream(self.streams[way]):
+                for _ in range(math.ceil(seconds * self.rates[way] / self.nbytes) + 2):
+                    into.copy_(source, non_blocking=True)
+                    self.ends.append(torch.cuda.Event(enable_timing=True))
+                    self.ends[-1].record(self.streams[way])
+
+    def mark(self) -> torch.cuda.Event:
+        """An event for this moment on the GPU's clock."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.marker)
+        return event
+
+    def moved_between(self, first: torch.cuda.Event, last: torch.cuda.Event) -> int:
+        """Bytes of the copies that ended after ``first`` and by ``last`` (waits for every queued copy)."""
+        torch.cuda.synchronize(self.device)
+        until = first.elapsed_time(last)
+        return self.nbytes * sum(0 < first.elapsed_time(end) <= until for end in self.ends)
+
+    def close(self) -> None:
+        torch.cuda.synchronize(self.device)  # (no copy may still read or write a buffer given back)
+        for buffer in self.pinned.values():
+            self.host_tier.free(buffer)
+
+
+@contextmanager
+def copy_load(device: torch.device, host_tier: Tier, known: Rates) -> Iterator[CopyLoad]:
+    """A :class:`CopyLoad`, its pinned buffers given back to ``host_tier`` whatever happens."""
+    load = CopyLoad(device, host_tier, known)
+    try:
+        yield load
+    finally:
+        load.close()
+
+
+def host_memory_rate(host_tier: Tier, host_work: HostWork, bus: CopyLoad | None = None,
+                     nbytes: int = HOST_MEMORY_PROBE_BYTES, clock: Callable[[], float] = time.perf_counter
+                     ) -> float | None:
+    """Bytes per second the host's memory reads and writes while ``host_work`` (the host's Adam) runs
+    :data:`HOST_MEMORY_PASSES` passes over a scratch buffer from ``host_tier`` (given back after, whatever happens)
+    and ``bus`` (on a GPU) copies both ways meanwhile: both users' bytes over the passes' seconds. None without room
+    for :data:`MIN_HOST_MEMORY_PROBE_BYTES`."""
+    nbytes = min(nbytes, host_tier.free_bytes)
     if nbytes < MIN_HOST_MEMORY_PROBE_BYTES:
         return None
     buffer = host_tier.allocate(nbytes, torch.uint8, zero=False)
-    were = torch.get_num_threads()
     try:
-        torch.set_num_threads(threads)
-        buffer.fill_(1)  # (every page touched before the timing)
-        half = nbytes // 2
-        best = float("inf")
-        for _ in range(PROBE_REPEATS):
-            start = clock()
-            buffer[half:].copy_(buffer[:half])
-            best = min(best, clock() - start)
+        one_pass = host_work(buffer)  # (its pages touched)
+        start = clock()
+        one_pass()
+        alone = clock() - start
+        if bus is not None:
+            bus.queue(HOST_MEMORY_PASSES * alone * COPY_MARGIN)
+            first = bus.mark()
+            first.synchronize()  # (the copies have started)
+        start = clock()
+        moved = sum(one_pass() for _ in range(HOST_MEMORY_PASSES))
+        seconds = clock() - start
+        if bus is not None:
+            moved += bus.moved_between(first, bus.mark())
     finally:
-        torch.set_num_threads(were)
         host_tier.free(buffer)
-    return nbytes / best if best > 0 else None
+    return moved / seconds if seconds > 0 else None
 
 
-def measured_host_memory(device: torch.device, host_tier: Tier, threads: int, known: Rates = NOMINAL_RATES) -> Rates:
-    """``known`` with the host memory probe's rate on ``threads`` threads (the host Adam's), on a GPU (the step's
-    prediction is checked there); unchanged on a CPU-only run, without host room, or where the probe fails
-    (:func:`_probed`)."""
-    if device.type != "cuda":
+def measured_host_memory(device: torch.device, host_tier: Tier, host_work: HostWork | None,
+                         known: Rates = NOMINAL_RATES) -> Rates:
+    """``known`` with the host memory probe's rate (``host_work`` beside copies at ``known``'s bus rates), on a GPU
+    (the step's prediction is checked there); unchanged on a CPU-only run, without host work to time or host room,
+    or where the probe fails (:func:`_probed`)."""
+    if device.type != "cuda" or host_work is None:
         return known
 
     def probe() -> Rates:
-        rate = host_memory_rate(host_tier, threads)
+        with copy_load(device, host_tier, known) as bus:
+            rate = host_memory_rate(host_tier, host_work, bus)
         return known if rate is None else replace(known, host_memory_bytes_per_s=rate)
 
     return _probed("host memory", probe, known)
