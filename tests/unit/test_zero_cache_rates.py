@@ -21,12 +21,13 @@ from test_zero_cache_device_steps import tiny_llama
 from test_zero_cache_streamed import config
 from test_zero_cache_tuning import random_inputs
 from zero_cache.config import AioConfig
+from zero_cache.optim.host_adam import torch_fused_adam
 from zero_cache.plan.planner import DEVICE, HOST, make_plan
 from zero_cache.plan.step_cost import NOMINAL_RATES, Rates, agreed_rates, host_adam_bytes_per_element
-from zero_cache.optim.host_adam import torch_fused_adam
-from zero_cache.runtime.rates import (COPY_MARGIN, HOST_MEMORY_PASSES, MIN_HOST_MEMORY_PROBE_BYTES, MIN_MEASURED_ELEMENTS,
-                                      MIN_PROBE_BYTES, PROBE_BYTES, PROBE_REPEATS, Throughput, host_memory_rate,
-                                      measured_copies, measured_disk, measured_host_memory, with_timed_work)
+from zero_cache.runtime.rates import (COPY_MARGIN, HOST_MEMORY_PASSES, HOST_MEMORY_PROBE_ROOM,
+                                      MIN_HOST_MEMORY_PROBE_BYTES, MIN_MEASURED_ELEMENTS, MIN_PROBE_BYTES, PROBE_BYTES,
+                                      Throughput, host_memory_rate, measured_copies, measured_disk,
+                                      measured_host_memory, with_timed_work)
 from zero_cache.storage.nvme import ALIGN_BYTES, NvmeTier, check_directory
 from zero_cache.storage.tiers import Tier, TierFullError
 from zero_cache.tuning import MEASURED_STEPS, SETTLE_STEPS
@@ -424,7 +425,9 @@ def test_the_host_memory_is_probed_for_the_gpus_prediction_and_a_failed_probe_ke
     monkeypatch.setattr(rates, "copy_load", copy_load)
     assert measured_host_memory(torch.device("cpu"), host, host_work, known) == known  # (no GPU: no check)
     assert measured_host_memory(torch.device("cuda"), host, None, known) == known  # (no host work to time)
-    assert not passes and not buses
+    crowded = Tier("host", torch.device("cpu"), HOST_MEMORY_PROBE_ROOM - 1)
+    assert measured_host_memory(torch.device("cuda"), crowded, host_work, known) == known  # (no room: no probe)
+    assert not passes and not buses and not caplog.records  # (and nothing to warn of)
     probed = measured_host_memory(torch.device("cuda"), host, host_work, known)
     assert len(passes) == 1 + HOST_MEMORY_PASSES and len(buses) == 1 and buses[0].queued
     assert probed.host_memory_bytes_per_s > 0 and dataclasses.replace(probed, host_memory_bytes_per_s=0.0) == known
@@ -437,3 +440,5 @@ def test_the_host_memory_is_probed_for_the_gpus_prediction_and_a_failed_probe_ke
     with caplog.at_level(logging.WARNING, logger="zero_cache"):
         assert measured_host_memory(torch.device("cuda"), host, host_work, known) == known
     assert "the host memory probe failed (TierFullError" in caplog.text
+    # (the record keeps the error's text: the error's traceback would keep the probe's buffers alive with it)
+    assert not [arg for record in caplog.records for arg in record.args if isinstance(arg, BaseException)]

@@ -67,6 +67,9 @@ HOST_MEMORY_PROBE_BYTES = 2**30
 """Bytes of the host memory probe's scratch chunk (its copies' buffers come beside it)."""
 MIN_HOST_MEMORY_PROBE_BYTES = 256 * 2**20
 """A shorter chunk may sit in the last-level cache and read fast: below it (a full host tier) none is run."""
+HOST_MEMORY_PROBE_ROOM = 2 * PROBE_BYTES + MIN_HOST_MEMORY_PROBE_BYTES
+"""Host tier bytes the host memory probe needs free: its copies' two buffers and the least scratch chunk (a plan
+that leaves less runs no probe, as a full machine is not a failure)."""
 HOST_MEMORY_PASSES = 4
 """Steps of the host's Adam the probe times (each over its whole chunk: 30-50 ms on an H200's host)."""
 COPY_MARGIN = 3.0
@@ -218,9 +221,9 @@ def host_memory_rate(host_tier: Tier, host_work: HostWork, bus: CopyLoad | None 
 def measured_host_memory(device: torch.device, host_tier: Tier, host_work: HostWork | None,
                          known: Rates = NOMINAL_RATES) -> Rates:
     """``known`` with the host memory probe's rate (``host_work`` beside copies at ``known``'s bus rates), on a GPU
-    (the step's prediction is checked there); unchanged on a CPU-only run, without host work to time or host room,
-    or where the probe fails (:func:`_probed`)."""
-    if device.type != "cuda" or host_work is None:
+    (the step's prediction is checked there); unchanged on a CPU-only run, without host work to time, without
+    :data:`HOST_MEMORY_PROBE_ROOM` in the host tier, or where the probe fails (:func:`_probed`)."""
+    if device.type != "cuda" or host_work is None or host_tier.free_bytes < HOST_MEMORY_PROBE_ROOM:
         return known
 
     def probe() -> Rates:
@@ -236,8 +239,10 @@ def _probed(what: str, probe: Callable[[], Rates], known: Rates) -> Rates:
     try:
         return probe()
     except PROBE_FAILURES as error:
+        # The text, not the error: a log record keeps its args, and the error's traceback would keep the probe's
+        # frames alive with it, and their buffers (a GPU test's records held 128 MiB of device memory an engine).
         logger.warning("ZeRO-Cache: the %s probe failed (%s: %s); the plan keeps the rates it knew: %s", what,
-                       type(error).__name__, error, known.describe())
+                       type(error).__name__, str(error), known.describe())
         return known
 
 
