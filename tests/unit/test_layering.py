@@ -33,9 +33,11 @@ ZERO_CACHE_MODULES_IN_USE = {
     "zero_cache.optim.chunk_adam": {"fp32_gradient"},  # (bench/device_adam.py times the device's Adam
     "zero_cache.optim.device_adam": {"adam_in_one_pass"},  # in four passes and in one)
     "zero_cache.tuning": {"MAX_TRIALS", "MEASURED_STEPS", "RESTARTS", "SETTLE_STEPS"},
-    "zero_cache.runtime.rates": {"host_memory_rate", "measured_copies", "measured_host_memory"},  # (bench/host_memory.py sets the re-plan's probe against
-    "zero_cache.plan.step_cost": {"host_adam_bytes_per_element"},  # the host's Adam and copies, alone and at
-    "zero_cache.storage.tiers": {"Tier"},  # once, through a host tier as the engine's)
+    # (bench/host_memory.py sets the re-plan's probe against the host's Adam and copies, alone and at once, through a
+    # host tier as the engine's)
+    "zero_cache.runtime.rates": {"host_memory_rate", "measured_copies", "measured_host_memory"},
+    "zero_cache.plan.step_cost": {"host_adam_bytes_per_element"},
+    "zero_cache.storage.tiers": {"Tier"},
 }
 """Names ``angelptm`` and ``bench`` import from zero_cache's modules beside the package's ``__all__``: pinned, so
 that the surface they use does not grow unnoticed (a new one goes in ``__all__``, or here with its reason)."""

@@ -71,10 +71,10 @@ HOST_MEMORY_PROBE_ROOM = 2 * PROBE_BYTES + MIN_HOST_MEMORY_PROBE_BYTES
 """Host tier bytes the host memory probe needs free: its copies' two buffers and the least scratch chunk (a plan
 that leaves less runs no probe, as a full machine is not a failure)."""
 HOST_MEMORY_PASSES = 4
-"""Steps of the host's Adam the probe times (each over its whole chunk: 30-50 ms on an H200's host)."""
+"""Steps of the host's Adam the probe times (each over its whole chunk: 20-40 ms on an H200's host)."""
 COPY_MARGIN = 3.0
 """Copies the probe queues, over those that would last its Adam's steps at the Adam's rate alone (the copies slow
-it: 1.5x on an H200's host)."""
+it: 1.6x on an H200's host)."""
 PROBE_FAILURES = (torch.OutOfMemoryError, TierFullError, OSError)
 """What a probe may meet on a full machine: no device or pinned memory for its buffer, a full or failing disk."""
 
@@ -127,7 +127,8 @@ def copy_rates(device: torch.device, host_tier: Tier, nbytes: int = PROBE_BYTES)
 
 HostWork = Callable[[torch.Tensor], Callable[[], int]]
 """Prepares host work over a scratch buffer (bytes of host memory) and answers a function that runs one pass of it
-and returns the bytes that pass moved through the host's memory (:meth:`zero_cache.optim.host_adam.HostAdam.probe_work`)."""
+and returns the bytes that pass moved through the host's memory
+(:meth:`zero_cache.optim.host_adam.HostAdam.probe_work`)."""
 
 
 class CopyLoad:
