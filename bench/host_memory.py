@@ -106,10 +106,12 @@ def main() -> None:
     work = adam.probe_work(torch.bfloat16)
     device = torch.device("cuda" if cuda else "cpu")
     if cuda:  # (as the re-plan probes it: the bus, then the host's memory beside copies at the bus's rates)
-        result["probe_gbs"] = measured_host_memory(device, host, work, measured_copies(device, host)
-                                                   ).host_memory_bytes_per_s / 1e9
+        probed = measured_host_memory(device, host, work, measured_copies(device, host)).host_memory_bytes_per_s
     else:
-        result["probe_gbs"] = host_memory_rate(host, work) / 1e9  # (the Adam's alone: no copies)
+        probed = host_memory_rate(host, work) or 0.0  # (the Adam's alone: no copies)
+    if not probed:  # (its warning says why)
+        raise SystemExit("the host memory probe gave no figure")
+    result["probe_gbs"] = probed / 1e9
     n = args.numel
     tensors = (torch.randn(n), torch.empty(n, dtype=torch.bfloat16), torch.zeros(n), torch.zeros(n),
                (torch.randn(n) * 1e-3).bfloat16())

@@ -33,7 +33,7 @@ from zero_cache.resolve import plan_inputs
 from zero_cache.runtime.rates import measured_copies, measured_disk, measured_host_memory, with_timed_work
 from zero_cache.runtime.shard_params import agree_working_set, gather_objects
 from zero_cache.plan.home_costs import home_costs
-from zero_cache.tuning import RESTARTS, DeviceStepTuner
+from zero_cache.tuning import CHECK_STEPS, RESTARTS, DeviceStepTuner, SettledSteps
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,8 @@ class WarmupTracer:
         """Choose the device-step count by measured step time after the re-plan (:mod:`zero_cache.tuning`)."""
         self.tuner: DeviceStepTuner | None = None
         """The device-step count's tuning, or on a GPU without one a fixed tuner that measures the plan's count."""
+        self.settled_steps: SettledSteps | None = None
+        """The steps since the tuning settled, until the step's check is taken over them."""
         self.inputs: PlanInputs | None = None
         """The inputs of the plan in force (the re-plan's)."""
         self.rates = NOMINAL_RATES
@@ -202,14 +204,16 @@ class WarmupTracer:
     def _tune_step(self, optimizer: ZeroCacheOptimizer, step_seconds: float) -> None:
         """A step measured under the tuner's count: switch to the next count to try, or settle on the fastest (and,
         settled, watch for a change of the update timing that starts the tuning over). A fixed tuner's (a plan not
-        tuned) only measures: its settling logs the step against the plan's prediction, as a tuning's end does."""
+        tuned) only measures. Once settled, the next :data:`~zero_cache.tuning.CHECK_STEPS` steps are checked
+        against the plan's prediction (:class:`~zero_cache.tuning.SettledSteps`)."""
         settled, restarts = self.tuner.done, self.tuner.restarts
-        count = self.tuner.observe(step_seconds, optimizer.last_backward_seconds,
-                                   waited_for_norm=optimizer.last_updates_after_backward)
+        waited = optimizer.last_updates_after_backward
+        count = self.tuner.observe(step_seconds, optimizer.last_backward_seconds, waited_for_norm=waited)
         if self.tuner.restarts > restarts:
             _drop_timed_work(optimizer)  # (what ran under the other timing: the rates are taken from the new one)
+            self.settled_steps = None
             logger.info("ZeRO-Cache: the host updates now %s; %s",
-                        "wait for the global norm (the last step clipped)" if optimizer.last_updates_after_backward
+                        "wait for the global norm (the last step clipped)" if waited
                         else "run in backward (the last step did not clip)",
                         "the step's check against the plan starts over" if self.tuner.fixed else
                         f"the device-step tuning starts over at {self.tuner.current} groups")
@@ -218,11 +222,16 @@ class WarmupTracer:
                 optimizer.apply_plan(with_device_step_count(self.inputs, optimizer.store.plan, count),
                                      count_switch=True, trial=True)
             return
-        if settled:
+        if not settled:
+            self._settle(optimizer)
             return
-        # (done: the best count is applied once below, at the rates the tuning measured)
-        if self.tuner.restarts >= RESTARTS:
-            optimizer.after_step = None  # (nothing left to watch for)
+        if self.settled_steps is not None and self.settled_steps.add(step_seconds, optimizer.last_backward_seconds,
+                                                                     waited_for_norm=waited):
+            self._check(optimizer)
+
+    def _settle(self, optimizer: ZeroCacheOptimizer) -> None:
+        """The tuning is done: the best count goes in force, at the rates the tuning measured, and the steps after
+        it are collected for the check."""
         if not self.tuner.fixed:
             logger.info("ZeRO-Cache host groups stepped on the device, by measured step time: %s",
                         self.tuner.summary())
@@ -230,14 +239,22 @@ class WarmupTracer:
         # count: the plan's floor is worked out again at that rate (the same placement, nothing moves). The device
         # steps' own rate and the device's Adam, timed over the same steps, go into the step's prediction only.
         self._measure_rates(optimizer)
+        if not self.tuner.fixed:
+            optimizer.apply_plan(with_device_step_count(self.inputs, optimizer.store.plan, self.tuner.best),
+                                 count_switch=True)
+        self.settled_steps = SettledSteps()
+
+    def _check(self, optimizer: ZeroCacheOptimizer) -> None:
+        """The settled steps against the plan's prediction, at the rates timed over them (the host's Adam, the device
+        steps, the device's Adam); then nothing is left to watch for once the tuning's restarts are spent."""
+        steps, self.settled_steps = self.settled_steps, None
+        self._measure_rates(optimizer)
         plan = optimizer.store.plan
-        if self.tuner.fixed:
-            plan = replace(plan, traffic=replace(plan.traffic, rates=self.rates))
-        else:
-            plan = with_device_step_count(self.inputs, plan, self.tuner.best)
-            optimizer.apply_plan(plan, count_switch=True)
-        self._log_prediction(self.tuner.measured[self.tuner.best], self.tuner.backward.get(self.tuner.best), plan,
-                             updates_after_backward=optimizer.last_updates_after_backward)
+        plan = replace(plan, traffic=replace(plan.traffic, rates=self.rates))
+        self._log_prediction(steps.step, steps.backward, plan, updates_after_backward=bool(steps.waited_for_norm),
+                             tuned=self.tuner.measured[self.tuner.best])
+        if self.tuner.restarts >= RESTARTS:
+            optimizer.after_step = None
 
     def _measure_rates(self, optimizer: ZeroCacheOptimizer) -> None:
         """The rates with what the steps since the re-plan timed: the host's Adam (the warm-up timed it over one
@@ -248,9 +265,10 @@ class WarmupTracer:
         self.inputs = replace(self.inputs, rates=self.rates)
 
     def _log_prediction(self, measured: float, backward: float | None, plan: Plan, *,
-                        updates_after_backward: bool) -> None:
+                        updates_after_backward: bool, tuned: float) -> None:
         """The settled step against what the plan predicts for it once its backward is measured
-        (:meth:`~zero_cache.plan.step_cost.StepTraffic.predicted_step`), and what bounds it."""
+        (:meth:`~zero_cache.plan.step_cost.StepTraffic.predicted_step`), and what bounds it; ``tuned``: what the
+        tuning measured for the count, said where it differs from the settled step by more than the tolerance."""
         traffic = plan.traffic
         if backward is None:  # (no backward timed: the whole step's floors alone)
             floors = traffic.whole_step_floors()
@@ -265,9 +283,13 @@ class WarmupTracer:
                    if off > 0 else ": below it, the plan's rates are slower than the step's")
         host_memory = (f"; the host's memory moves {traffic.host_memory_bytes / 1e9:.1f} GB a step"
                        if self.rates.host_memory_bytes_per_s else "")
-        logger.info("ZeRO-Cache: the step runs at %.3f s; the plan predicts at least %.3f s (%+.0f%%), bound by %s "
-                    "(backward %s; the updates %s; after backward: %s%s; at %s)%s",
-                    measured, predicted, 100 * off, bound, "not timed" if backward is None else f"{backward:.3f} s",
+        trials = ("" if abs(tuned / measured - 1) <= PREDICTION_TOLERANCE else
+                  f"; the tuning measured {tuned:.3f} s for this count, its steps "
+                  f"{'slower' if tuned > measured else 'faster'} than those after it")
+        logger.info("ZeRO-Cache: the step runs at %.3f s (the median of %d after the tuning%s); the plan predicts at "
+                    "least %.3f s (%+.0f%%), bound by %s (backward %s; the updates %s; after backward: %s%s; at %s)%s",
+                    measured, CHECK_STEPS, trials, predicted, 100 * off, bound,
+                    "not timed" if backward is None else f"{backward:.3f} s",
                     "waited for the global norm" if updates_after_backward else "ran in backward",
                     ", ".join(f"{stream} {seconds:.3f} s" for stream, seconds in after.items()), host_memory,
                     self.rates.describe(), verdict)

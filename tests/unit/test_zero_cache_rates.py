@@ -30,7 +30,7 @@ from zero_cache.runtime.rates import (COPY_MARGIN, HOST_MEMORY_PASSES, HOST_MEMO
                                       measured_host_memory, with_timed_work)
 from zero_cache.storage.nvme import ALIGN_BYTES, NvmeTier, check_directory
 from zero_cache.storage.tiers import Tier, TierFullError
-from zero_cache.tuning import MEASURED_STEPS, SETTLE_STEPS
+from zero_cache.tuning import CHECK_STEPS, MEASURED_STEPS, SETTLE_STEPS
 from zero_cache_setup import resident_engine
 
 
@@ -299,7 +299,7 @@ def test_a_plan_not_tuned_is_checked_against_its_prediction_with_the_devices_ada
         return apply_plan(plan, **kwargs)
 
     monkeypatch.setattr(optimizer, "apply_plan", recorded)
-    steps = 1 + SETTLE_STEPS + MEASURED_STEPS + 1
+    steps = 1 + SETTLE_STEPS + MEASURED_STEPS + CHECK_STEPS  # (the warm-up, the measured count, the check's steps)
     train_steps(engine, random_batches(seed, count=steps, batch=2))
     tuner = optimizer.after_step.func.__self__.tuner  # (settled, it watches the update timing)
     assert tuner.fixed and tuner.done and tuner.measured.keys() == {len(optimizer.device_stepped)}
@@ -339,7 +339,7 @@ class FakeClock:
         return self.now
 
 
-def test_the_host_memory_probe_counts_the_adams_bytes_and_the_copies_beside_it_over_the_adams_seconds():
+def test_the_host_memory_probe_counts_the_adams_bytes_and_the_copies_beside_it_over_the_adams_seconds(caplog):
     rng = random.Random(random.randrange(10**6))
     clock = FakeClock()
     host = Tier("host", torch.device("cpu"), 3 * MIN_HOST_MEMORY_PROBE_BYTES)
@@ -369,6 +369,12 @@ def test_the_host_memory_probe_counts_the_adams_bytes_and_the_copies_beside_it_o
     assert host_memory_rate(host, host_work, clock=clock) == pytest.approx(HOST_MEMORY_PASSES * pass_bytes / span)
     small = Tier("host", torch.device("cpu"), MIN_HOST_MEMORY_PROBE_BYTES - 2)
     assert host_memory_rate(small, host_work) is None and small.used_bytes == 0
+
+    bus.moved_between = lambda first, last: None  # (copies that ran out before the passes did)
+    seconds = iter([alone, *mixed])
+    with caplog.at_level(logging.WARNING, logger="zero_cache"):
+        assert host_memory_rate(host, host_work, bus, clock=clock) is None and host.used_bytes == 0
+    assert "ended before its Adam's" in caplog.text and "is not used" in caplog.text
 
     def failing(buffer):
         raise OSError("the host work failed")

@@ -6,6 +6,7 @@ import dataclasses
 import importlib
 import logging
 import random
+import statistics
 import threading
 
 import pytest
@@ -18,8 +19,8 @@ from test_zero_cache_streamed import assert_close_to, config, resident_budget
 from zero_cache.optim.host_update import HostUpdater
 from zero_cache.plan.planner import DEVICE, HOST, PlanInputs, make_plan, with_device_step_count
 from zero_cache.storage.chunks import ChunkStore
-from zero_cache.tuning import (MAX_TRIALS, MEASURED_STEPS, RESTARTS, RETUNE_STEPS, SETTLE_STEPS, SLOW_FACTOR,
-                               DeviceStepTuner, next_count)
+from zero_cache.tuning import (CHECK_STEPS, MAX_TRIALS, MEASURED_STEPS, RESTARTS, RETUNE_STEPS, SETTLE_STEPS,
+                               SLOW_FACTOR, DeviceStepTuner, SettledSteps, next_count)
 
 
 def drive(tuner: DeviceStepTuner, cost: dict[int, float], noise: float = 0.05) -> tuple[list[int], list[float]]:
@@ -216,6 +217,25 @@ def test_a_fixed_tuner_measures_the_plans_count_alone_under_one_update_timing():
             assert tuner.measured == {planned: seconds[False]}
 
 
+def test_the_steps_check_is_taken_over_settled_steps_of_one_update_timing():
+    """The check's figure is the median of CHECK_STEPS settled steps (and of their backwards) under one update
+    timing: a step under the other timing starts the collection over from it; steps that do not say are one."""
+    for _ in range(100):
+        settled = SettledSteps()
+        waited = random.choice([True, False])
+        for seconds in [random.uniform(0.5, 1.0) for _ in range(random.randint(1, CHECK_STEPS - 1))]:
+            assert not settled.add(seconds, seconds * 0.4, waited_for_norm=waited)
+        later = [random.uniform(1.5, 2.5) for _ in range(CHECK_STEPS)]
+        done = [settled.add(seconds, seconds * 0.4, waited_for_norm=not waited) for seconds in later]
+        assert done == [False] * (CHECK_STEPS - 1) + [True]  # (none of the first timing's steps counted)
+        assert settled.step == statistics.median(later) and settled.waited_for_norm is (not waited)
+        assert settled.backward == pytest.approx(0.4 * statistics.median(later))
+        untold = SettledSteps()
+        steps = [random.uniform(0.5, 2.5) for _ in range(CHECK_STEPS)]
+        assert [untold.add(seconds) for seconds in steps][-1] and untold.backward is None
+        assert untold.step == statistics.median(steps) and untold.waited_for_norm is None
+
+
 @pytest.mark.parametrize("clip", [0.05, 0.0])
 def test_the_tuning_is_told_each_steps_update_timing(monkeypatch, clip):
     warmup = importlib.import_module("zero_cache.warmup")
@@ -327,16 +347,24 @@ def test_training_tunes_the_count_by_step_time_and_stays_exact(monkeypatch, capl
         return elapsed[0]
 
     optimizer.step_clock.clock = clock
-    steps = 1 + MAX_TRIALS * (SETTLE_STEPS + MEASURED_STEPS) + 2  # the warm-up, the tuning's bound, two after it
+    # the warm-up, the tuning's bound, then the steps the check is taken over
+    steps = 1 + MAX_TRIALS * (SETTLE_STEPS + MEASURED_STEPS) + CHECK_STEPS + 1
     batches = random_batches(seed, count=steps, batch=2)
-    seen, losses = [], []
+    seen, losses, tuned = [], [], None
     for batch in batches:
+        tuner = optimizer.after_step.func.__self__.tuner if optimizer.after_step is not None else None
+        if tuned is None and tuner is not None and tuner.done:  # (the settled steps: half what the tuning measured)
+            tuned = tuner.measured[tuner.best]
+            cost = {count: seconds / 2 for count, seconds in cost.items()}
         losses += train_steps(engine, [batch])
         seen.append(len(optimizer.device_stepped))
-    assert tuning_settled(optimizer), "the tuning ended"
+    assert tuning_settled(optimizer) and tuned is not None, "the tuning ended"
     # The backward is timed from the engine's backward to the norm: one tick of this clock, at the last count.
     assert optimizer.last_backward_seconds == pytest.approx(cost[seen[-1]])
-    assert "the step runs at" in caplog.text and "the plan predicts at least" in caplog.text
+    line = next(r.getMessage() for r in caplog.records if "the step runs at" in r.getMessage())
+    assert f"the step runs at {tuned / 2:.3f} s (the median of {CHECK_STEPS} after the tuning" in line  # (not `tuned`)
+    assert f"the tuning measured {tuned:.3f} s for this count, its steps slower than those after it)" in line
+    assert "the plan predicts at least" in line
     assert seen[0] == 0 and len(set(seen)) > 1  # a CPU plan steps none on the device; the tuner tried others
     assert seen[-1] == seen[-2] == min(set(seen), key=lambda count: (cost[count], count))
     optimizer.finish_pending()

@@ -139,6 +139,9 @@ class CopyLoad:
     def __init__(self, device: torch.device, host_tier: Tier, known: Rates, nbytes: int = PROBE_BYTES) -> None:
         self.device, self.host_tier, self.nbytes = device, host_tier, nbytes
         self.rates = {"h2d": known.h2d_bytes_per_s, "d2h": known.d2h_bytes_per_s}
+        self.streams = {way: torch.cuda.Stream(device) for way in self.rates}
+        self.marker = torch.cuda.Stream(device)  # (idle: an event recorded on it completes at once)
+        self.ends: dict[str, list[torch.cuda.Event]] = {way: [] for way in self.rates}
         on_device = {way: torch.empty(nbytes, dtype=torch.uint8, device=device) for way in self.rates}
         self.pinned: dict[str, torch.Tensor] = {}
         try:
@@ -148,9 +151,6 @@ class CopyLoad:
             self.close()  # (the one it took)
             raise
         self.pairs = {"h2d": (on_device["h2d"], self.pinned["h2d"]), "d2h": (self.pinned["d2h"], on_device["d2h"])}
-        self.streams = {way: torch.cuda.Stream(device) for way in self.rates}
-        self.marker = torch.cuda.Stream(device)  # (idle: an event recorded on it completes at once)
-        self.ends: list[torch.cuda.Event] = []
 
     def queue(self, seconds: float) -> None:
         """Enough copies each way to run ``seconds`` at the known rates (and two more)."""
@@ -158,8 +158,8 @@ class CopyLoad:
             with torch.cuda.stream(self.streams[way]):
                 for _ in range(math.ceil(seconds * self.rates[way] / self.nbytes) + 2):
                     into.copy_(source, non_blocking=True)
-                    self.ends.append(torch.cuda.Event(enable_timing=True))
-                    self.ends[-1].record(self.streams[way])
+                    self.ends[way].append(torch.cuda.Event(enable_timing=True))
+                    self.ends[way][-1].record(self.streams[way])
 
     def mark(self) -> torch.cuda.Event:
         """An event for this moment on the GPU's clock."""
@@ -167,16 +167,22 @@ class CopyLoad:
         event.record(self.marker)
         return event
 
-    def moved_between(self, first: torch.cuda.Event, last: torch.cuda.Event) -> int:
-        """Bytes of the copies that ended after ``first`` and by ``last`` (waits for every queued copy)."""
+    def moved_between(self, first: torch.cuda.Event, last: torch.cuda.Event) -> int | None:
+        """Bytes of the copies that ended after ``first`` and by ``last`` (waits for every queued copy); None where
+        a way's copies ran out before ``last``: they did not load the whole span, and its bytes would undercount."""
         torch.cuda.synchronize(self.device)
         until = first.elapsed_time(last)
-        return self.nbytes * sum(0 < first.elapsed_time(end) <= until for end in self.ends)
+        if any(not ends or first.elapsed_time(ends[-1]) < until for ends in self.ends.values()):
+            return None
+        return self.nbytes * sum(0 < first.elapsed_time(end) <= until for ends in self.ends.values() for end in ends)
 
     def close(self) -> None:
-        torch.cuda.synchronize(self.device)  # (no copy may still read or write a buffer given back)
-        for buffer in self.pinned.values():
-            self.host_tier.free(buffer)
+        try:
+            torch.cuda.synchronize(self.device)  # (no copy may still read or write a buffer given back)
+        finally:
+            for buffer in self.pinned.values():
+                self.host_tier.free(buffer)
+            self.pinned, self.pairs = {}, {}  # (their bytes are back in the tier: no reference is kept)
 
 
 @contextmanager
@@ -195,7 +201,7 @@ def host_memory_rate(host_tier: Tier, host_work: HostWork, bus: CopyLoad | None 
     """Bytes per second the host's memory reads and writes while ``host_work`` (the host's Adam) runs
     :data:`HOST_MEMORY_PASSES` passes over a scratch buffer from ``host_tier`` (given back after, whatever happens)
     and ``bus`` (on a GPU) copies both ways meanwhile: both users' bytes over the passes' seconds. None without room
-    for :data:`MIN_HOST_MEMORY_PROBE_BYTES`."""
+    for :data:`MIN_HOST_MEMORY_PROBE_BYTES`, or where the copies ran out before the passes did (logged)."""
     nbytes = min(nbytes, host_tier.free_bytes)
     if nbytes < MIN_HOST_MEMORY_PROBE_BYTES:
         return None
@@ -206,14 +212,19 @@ def host_memory_rate(host_tier: Tier, host_work: HostWork, bus: CopyLoad | None 
         one_pass()
         alone = clock() - start
         if bus is not None:
-            bus.queue(HOST_MEMORY_PASSES * alone * COPY_MARGIN)
+            queued = HOST_MEMORY_PASSES * alone * COPY_MARGIN
+            bus.queue(queued)
             first = bus.mark()
-            first.synchronize()  # (the copies have started)
         start = clock()
         moved = sum(one_pass() for _ in range(HOST_MEMORY_PASSES))
         seconds = clock() - start
         if bus is not None:
-            moved += bus.moved_between(first, bus.mark())
+            copied = bus.moved_between(first, bus.mark())
+            if copied is None:
+                logger.warning("ZeRO-Cache: the host memory probe's copies, queued for %.3f s, ended before its "
+                               "Adam's %.3f s; its figure would undercount and is not used", queued, seconds)
+                return None
+            moved += copied
     finally:
         host_tier.free(buffer)
     return moved / seconds if seconds > 0 else None
