@@ -29,6 +29,10 @@ Two things made the tuning's slowest steps (13B on the H200, the plan's 7 groups
 waited for nothing): its floor prices the device steps' copies as overlapping the whole step, where they overlap
 only the next forward, which is why the tuning starts below it. Pricing them right is the floor's to do
 (:mod:`zero_cache.plan.step_cost`).
+
+The tuning's measurements compare counts; they are not what the settled step costs. The check of the step
+against the plan's prediction is taken over the :data:`CHECK_STEPS` steps after the tuning settles
+(:class:`SettledSteps`), and says where the tuning's figure for the count differs from them.
 """
 
 from __future__ import annotations
