@@ -323,7 +323,7 @@ class FakeBus:
         self.queued.append(seconds)
 
     def mark(self):
-        return types.SimpleNamespace(at=self.clock.now, synchronize=lambda: None)
+        return types.SimpleNamespace(at=self.clock.now)
 
     def moved_between(self, first, last) -> int:
         return int((last.at - first.at) * self.copy_rate)
@@ -408,6 +408,7 @@ def test_the_host_memory_probes_work_is_the_host_adams_step_over_a_carved_chunk(
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-9)
     assert torch.equal(buffer[12 * numel:element_bytes * numel].view(dtype), states[0].to(dtype))  # (the weight)
     assert torch.isfinite(states).all() and master.abs().min() > 0  # (a step taken, not the zeros it started at)
+    assert (buffer[element_bytes * numel:] == 255).all()  # (nothing written past the carved chunk)
 
 
 def test_the_host_memory_is_probed_for_the_gpus_prediction_and_a_failed_probe_keeps_the_known_rates(
