@@ -19,10 +19,10 @@ measures, on one machine, in one run:
 Prints one JSON line (GB are 1e9 bytes): ``probe_gbs``, ``adam_alone`` and ``adam_mixed`` (G elements/s),
 ``copies_alone_gbs`` and ``copies_mixed_gbs`` (both ways together), ``mixed_total_gbs`` (the Adam's bytes and the
 copies' during the same seconds), ``mixed_over_probe``, and ``copies_ran_out`` (true where the queued copies ended
-before the Adam did, so the mixed figures undercount: run again with a larger ``--copy-margin``). In session 46's
-reading of the matrix the H100's steps moved 105-114 GB/s at their fastest device-step counts. On an H200's host
-(session 47) the first probe, one host buffer copied onto another, read 53 GB/s against a mixed 133: the reason the
-probe is now the Adam beside copies.
+before the Adam did: the mixed figures of the copies are then left out; run again with a larger ``--copy-margin``).
+In session 46's reading of the matrix the H100's steps moved 105-114 GB/s at their fastest device-step counts. On an
+H200's host (session 47) the first probe, one host buffer copied onto another, read 53 GB/s against a mixed 133: the
+reason the probe is now the Adam beside copies.
 """
 
 from __future__ import annotations
@@ -38,12 +38,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from zero_cache.optim.host_adam import HostAdam  # noqa: E402
 from zero_cache.plan.step_cost import host_adam_bytes_per_element  # noqa: E402
-from zero_cache.runtime.rates import host_memory_rate, measured_copies, measured_host_memory  # noqa: E402
+from zero_cache.runtime.rates import (copy_load, host_memory_rate, measured_copies,  # noqa: E402
+                                      measured_host_memory)
 from zero_cache.storage.tiers import Tier  # noqa: E402
 
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 COPY_BYTES = 1 << 30
 """Bytes of each pinned copy buffer (one each way)."""
+COPIES_ALONE_S = 0.5
+"""Seconds of copies each way, at the bus's measured rates, that time the copies alone."""
 LOOP_BYTES = host_adam_bytes_per_element(2) + 4
 """Host memory per element of one timed Adam step: the Adam's, and the bf16 gradient copied into its buffer."""
 
@@ -57,37 +60,6 @@ def adam_steps(adam: HostAdam, tensors: tuple[torch.Tensor, ...], repeats: int) 
         grad_and_param.copy_(grad)
         adam.update_in_place(master, grad_and_param, exp_avg, exp_avg_sq, step=step, grad_scale=1.0, **HYPER)
     return time.perf_counter() - start
-
-
-def queue_copies(count: int, buffers: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                 streams: dict[str, torch.cuda.Stream]) -> tuple[torch.cuda.Event, dict[str, list[torch.cuda.Event]]]:
-    """``count`` copies each way on their own streams; the event they all start after, and each copy's end."""
-    start = torch.cuda.Event(enable_timing=True)
-    start.record()
-    ends: dict[str, list[torch.cuda.Event]] = {way: [] for way in buffers}
-    for way, (into, source) in buffers.items():
-        streams[way].wait_event(start)
-        with torch.cuda.stream(streams[way]):
-            for _ in range(count):
-                into.copy_(source, non_blocking=True)
-                end = torch.cuda.Event(enable_timing=True)
-                end.record(streams[way])
-                ends[way].append(end)
-    return start, ends
-
-
-def copied_by(start: torch.cuda.Event, ends: dict[str, list[torch.cuda.Event]],
-              seconds: float | None) -> tuple[int, float]:
-    """Bytes the queued copies moved by ``seconds`` after ``start`` (all of them where None), and the seconds the
-    last of those took to finish."""
-    torch.cuda.synchronize()
-    moved, last = 0, 0.0
-    for events in ends.values():
-        for end in events:
-            at = start.elapsed_time(end) / 1e3
-            if seconds is None or at <= seconds:
-                moved, last = moved + COPY_BYTES, max(last, at)
-    return moved, last
 
 
 def main() -> None:
@@ -106,7 +78,8 @@ def main() -> None:
     work = adam.probe_work(torch.bfloat16)
     device = torch.device("cuda" if cuda else "cpu")
     if cuda:  # (as the re-plan probes it: the bus, then the host's memory beside copies at the bus's rates)
-        probed = measured_host_memory(device, host, work, measured_copies(device, host)).host_memory_bytes_per_s
+        known = measured_copies(device, host)
+        probed = measured_host_memory(device, host, work, known).host_memory_bytes_per_s
     else:
         probed = host_memory_rate(host, work) or 0.0  # (the Adam's alone: no copies)
     if not probed:  # (its warning says why)
@@ -121,24 +94,24 @@ def main() -> None:
     result["adam_alone_gbs"] = result["adam_alone"] * LOOP_BYTES
 
     if cuda:
-        pinned = {way: host.allocate(COPY_BYTES, torch.uint8, zero=False) for way in ("h2d", "d2h")}
-        on_device = {way: torch.empty(COPY_BYTES, dtype=torch.uint8, device=device) for way in ("h2d", "d2h")}
-        buffers = {"h2d": (on_device["h2d"], pinned["h2d"]), "d2h": (pinned["d2h"], on_device["d2h"])}
-        streams = {way: torch.cuda.Stream(device) for way in buffers}
-        moved, seconds = copied_by(*queue_copies(8, buffers, streams), None)
-        result["copies_alone_gbs"] = moved / seconds / 1e9
-        # Enough copies to outlast the Adam at the rate they ran alone, then the Adam on this thread meanwhile.
-        count = int(alone * result["copies_alone_gbs"] * 1e9 / (2 * COPY_BYTES) * args.copy_margin) + 2
-        start, ends = queue_copies(count, buffers, streams)
-        start.synchronize()
-        mixed = adam_steps(adam, tensors, args.repeats)
-        moved, _ = copied_by(start, ends, mixed)
-        _, last = copied_by(start, ends, None)
-        result["copies_ran_out"] = last < mixed
+        with copy_load(device, host, known, nbytes=COPY_BYTES) as bus:  # (the probe's copies, in 1 GiB pieces)
+            first = bus.mark()
+            bus.queue(COPIES_ALONE_S)
+            torch.cuda.synchronize()
+            copied = bus.moved_between(first, bus.mark())
+            seconds = max(first.elapsed_time(ends[-1]) for ends in bus.ends.values()) / 1e3
+            result["copies_alone_gbs"] = copied / seconds / 1e9
+            # Copies to outlast the Adam at the bus's rates alone, then the Adam on this thread meanwhile.
+            bus.queue(alone * args.copy_margin)
+            first = bus.mark()
+            mixed = adam_steps(adam, tensors, args.repeats)
+            copied = bus.moved_between(first, bus.mark())
+        result["copies_ran_out"] = copied is None
         result["adam_mixed"] = n * args.repeats / mixed / 1e9
-        result["copies_mixed_gbs"] = moved / mixed / 1e9
-        result["mixed_total_gbs"] = result["adam_mixed"] * LOOP_BYTES + result["copies_mixed_gbs"]
-        result["mixed_over_probe"] = result["mixed_total_gbs"] / result["probe_gbs"]
+        if copied is not None:
+            result["copies_mixed_gbs"] = copied / mixed / 1e9
+            result["mixed_total_gbs"] = result["adam_mixed"] * LOOP_BYTES + result["copies_mixed_gbs"]
+            result["mixed_over_probe"] = result["mixed_total_gbs"] / result["probe_gbs"]
         result["device"] = torch.cuda.get_device_name()
     print(json.dumps({key: round(value, 3) if isinstance(value, float) else value for key, value in result.items()}))
 

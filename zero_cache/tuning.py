@@ -126,15 +126,12 @@ class DeviceStepTuner:
     """The count in force: the first to try (:func:`next_count`) until the tuning moves on."""
     measured: dict[int, float] = field(init=False, default_factory=dict)
     """Count -> the mean of its measured steps, seconds, in the order tried."""
-    backward: dict[int, float] = field(init=False, default_factory=dict)
-    """Count -> the mean backward of its measured steps, seconds, where they were timed."""
     done: bool = field(init=False, default=False)
     waited_for_norm: bool | None = field(init=False, default=None)
     """The update timing of the measurements so far (None before any, or where the steps do not say)."""
     restarts: int = field(init=False, default=0)
     """Times the tuning started over for a change of the update timing."""
     _steps: list[float] = field(init=False, default_factory=list)
-    _backwards: list[float] = field(init=False, default_factory=list)
     _seen: int = field(init=False, default=0)
     _other_timing: int = field(init=False, default=0)  # (settled: steps in a row under the other timing)
 
@@ -159,10 +156,8 @@ class DeviceStepTuner:
             return self.current
         return min(self.measured, key=lambda count: (self.measured[count], count))
 
-    def observe(self, step_seconds: float, backward_seconds: float | None = None, *,
-                waited_for_norm: bool | None = None) -> int | None:
-        """One step's measured time (and its backward's) under :attr:`current`; returns the count to switch to now,
-        or None to stay.
+    def observe(self, step_seconds: float, *, waited_for_norm: bool | None = None) -> int | None:
+        """One step's measured time under :attr:`current`; returns the count to switch to now, or None to stay.
 
         ``waited_for_norm``: whether the step's host updates waited for the global norm (None: not known, every
         step alike). Once settled, returns the first count where the tuning starts over (:attr:`done` is False
@@ -183,15 +178,11 @@ class DeviceStepTuner:
             self.waited_for_norm = waited_for_norm
         others = [seconds for count, seconds in self.measured.items() if count != self.current]
         self._steps.append(step_seconds)
-        if backward_seconds is not None:
-            self._backwards.append(backward_seconds)
         self.measured[self.current] = sum(self._steps) / len(self._steps)
-        if self._backwards:
-            self.backward[self.current] = sum(self._backwards) / len(self._backwards)
         too_slow = bool(others) and step_seconds > SLOW_FACTOR * min(others)
         if self._seen < SETTLE_STEPS + MEASURED_STEPS and not too_slow:
             return None
-        self._seen, self._steps, self._backwards = 0, [], []
+        self._seen, self._steps = 0, []
         following = None if self.fixed else next_count(self.planned, self.most, self.measured)
         previous = self.current
         if following is None:
@@ -203,8 +194,8 @@ class DeviceStepTuner:
     def _restart(self) -> int | None:
         """Start over from the first count (the update timing changed); returns it where it is a switch."""
         self.restarts += 1
-        self.measured, self.backward, self.waited_for_norm, self.done = {}, {}, None, False
-        self._seen, self._steps, self._backwards, self._other_timing = 0, [], [], 0
+        self.measured, self.waited_for_norm, self.done = {}, None, False
+        self._seen, self._steps, self._other_timing = 0, [], 0
         previous, self.current = self.current, self._first()
         return self.current if self.current != previous else None
 

@@ -208,7 +208,7 @@ class WarmupTracer:
         against the plan's prediction (:class:`~zero_cache.tuning.SettledSteps`)."""
         settled, restarts = self.tuner.done, self.tuner.restarts
         waited = optimizer.last_updates_after_backward
-        count = self.tuner.observe(step_seconds, optimizer.last_backward_seconds, waited_for_norm=waited)
+        count = self.tuner.observe(step_seconds, waited_for_norm=waited)
         if self.tuner.restarts > restarts:
             _drop_timed_work(optimizer)  # (what ran under the other timing: the rates are taken from the new one)
             self.settled_steps = None

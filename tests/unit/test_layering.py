@@ -35,7 +35,7 @@ ZERO_CACHE_MODULES_IN_USE = {
     "zero_cache.tuning": {"MAX_TRIALS", "MEASURED_STEPS", "RESTARTS", "SETTLE_STEPS"},
     # (bench/host_memory.py sets the re-plan's probe against the host's Adam and copies, alone and at once, through a
     # host tier as the engine's)
-    "zero_cache.runtime.rates": {"host_memory_rate", "measured_copies", "measured_host_memory"},
+    "zero_cache.runtime.rates": {"copy_load", "host_memory_rate", "measured_copies", "measured_host_memory"},
     "zero_cache.plan.step_cost": {"host_adam_bytes_per_element"},
     "zero_cache.storage.tiers": {"Tier"},
 }

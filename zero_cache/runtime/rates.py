@@ -186,9 +186,9 @@ class CopyLoad:
 
 
 @contextmanager
-def copy_load(device: torch.device, host_tier: Tier, known: Rates) -> Iterator[CopyLoad]:
-    """A :class:`CopyLoad`, its pinned buffers given back to ``host_tier`` whatever happens."""
-    load = CopyLoad(device, host_tier, known)
+def copy_load(device: torch.device, host_tier: Tier, known: Rates, nbytes: int = PROBE_BYTES) -> Iterator[CopyLoad]:
+    """A :class:`CopyLoad` of ``nbytes`` copies, its pinned buffers given back to ``host_tier`` whatever happens."""
+    load = CopyLoad(device, host_tier, known, nbytes)
     try:
         yield load
     finally:
