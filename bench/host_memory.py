@@ -97,18 +97,18 @@ def main() -> None:
         with copy_load(device, host, known, nbytes=COPY_BYTES) as bus:  # (the probe's copies, in 1 GiB pieces)
             first = bus.mark()
             bus.queue(COPIES_ALONE_S)
-            torch.cuda.synchronize()
-            copied = bus.moved_between(first, bus.mark())
+            copied = bus.moved_between(first)  # (every one: they ran alone until the last)
             seconds = max(first.elapsed_time(ends[-1]) for ends in bus.ends.values()) / 1e3
             result["copies_alone_gbs"] = copied / seconds / 1e9
             # Copies to outlast the Adam at the bus's rates alone, then the Adam on this thread meanwhile.
             bus.queue(alone * args.copy_margin)
             first = bus.mark()
             mixed = adam_steps(adam, tensors, args.repeats)
-            copied = bus.moved_between(first, bus.mark())
-        result["copies_ran_out"] = copied is None
+            last = bus.mark()
+            outlasted, copied = bus.outlasted(first, last), bus.moved_between(first, last)
+        result["copies_ran_out"] = not outlasted
         result["adam_mixed"] = n * args.repeats / mixed / 1e9
-        if copied is not None:
+        if outlasted:
             result["copies_mixed_gbs"] = copied / mixed / 1e9
             result["mixed_total_gbs"] = result["adam_mixed"] * LOOP_BYTES + result["copies_mixed_gbs"]
             result["mixed_over_probe"] = result["mixed_total_gbs"] / result["probe_gbs"]

@@ -189,8 +189,10 @@ def test_the_host_memory_probe_counts_copies_that_ran_beside_the_host_adam():
         bus.queue(0.05)
         torch.cuda.synchronize()
         queued = sum(len(ends) for ends in bus.ends.values())
-        assert bus.moved_between(first, bus.mark()) == bus.nbytes * queued > 0  # (every copy, all done)
-        assert bus.moved_between(bus.mark(), bus.mark()) is None  # (a span after the last copy: they ran out)
+        last = bus.mark()
+        assert bus.moved_between(first) == bus.moved_between(first, last) == bus.nbytes * queued > 0  # (all done)
+        assert not bus.outlasted(first, last)  # (a span that ends after the last copy: they ran out)
+        assert bus.moved_between(last, bus.mark()) == 0
         counted, moved_between, readings = [], bus.moved_between, []
         bus.moved_between = lambda *marks: counted.append(moved_between(*marks)) or counted[-1]
         mixed = host_memory_rate(host, work, bus, clock=lambda: readings.append(time.perf_counter()) or readings[-1])

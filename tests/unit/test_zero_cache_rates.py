@@ -328,6 +328,9 @@ class FakeBus:
     def moved_between(self, first, last) -> int:
         return int((last.at - first.at) * self.copy_rate)
 
+    def outlasted(self, first, last) -> bool:
+        return True
+
 
 class FakeClock:
     """Readings that advance only when the host work says it ran."""
@@ -370,7 +373,7 @@ def test_the_host_memory_probe_counts_the_adams_bytes_and_the_copies_beside_it_o
     small = Tier("host", torch.device("cpu"), MIN_HOST_MEMORY_PROBE_BYTES - 2)
     assert host_memory_rate(small, host_work) is None and small.used_bytes == 0
 
-    bus.moved_between = lambda first, last: None  # (copies that ran out before the passes did)
+    bus.outlasted = lambda first, last: False  # (copies that ran out before the passes did)
     seconds = iter([alone, *mixed])
     with caplog.at_level(logging.WARNING, logger="zero_cache"):
         assert host_memory_rate(host, host_work, bus, clock=clock) is None and host.used_bytes == 0

@@ -167,14 +167,19 @@ class CopyLoad:
         event.record(self.marker)
         return event
 
-    def moved_between(self, first: torch.cuda.Event, last: torch.cuda.Event) -> int | None:
-        """Bytes of the copies that ended after ``first`` and by ``last`` (waits for every queued copy); None where
-        a way's copies ran out before ``last``: they did not load the whole span, and its bytes would undercount."""
+    def moved_between(self, first: torch.cuda.Event, last: torch.cuda.Event | None = None) -> int:
+        """Bytes of the copies that ended after ``first`` and by ``last`` (every one after ``first`` where ``last`` is
+        None); waits for every queued copy."""
+        torch.cuda.synchronize(self.device)
+        until = math.inf if last is None else first.elapsed_time(last)
+        return self.nbytes * sum(0 < first.elapsed_time(end) <= until for ends in self.ends.values() for end in ends)
+
+    def outlasted(self, first: torch.cuda.Event, last: torch.cuda.Event) -> bool:
+        """Whether copies ran each way until ``last``: where one way's ran out earlier, they did not load the whole
+        span, and the bytes :meth:`moved_between` the two count would undercount what the span could move."""
         torch.cuda.synchronize(self.device)
         until = first.elapsed_time(last)
-        if any(not ends or first.elapsed_time(ends[-1]) < until for ends in self.ends.values()):
-            return None
-        return self.nbytes * sum(0 < first.elapsed_time(end) <= until for ends in self.ends.values() for end in ends)
+        return all(ends and first.elapsed_time(ends[-1]) >= until for ends in self.ends.values())
 
     def close(self) -> None:
         try:
@@ -219,12 +224,12 @@ def host_memory_rate(host_tier: Tier, host_work: HostWork, bus: CopyLoad | None 
         moved = sum(one_pass() for _ in range(HOST_MEMORY_PASSES))
         seconds = clock() - start
         if bus is not None:
-            copied = bus.moved_between(first, bus.mark())
-            if copied is None:
+            last = bus.mark()
+            if not bus.outlasted(first, last):
                 logger.warning("ZeRO-Cache: the host memory probe's copies, queued for %.3f s, ended before its "
                                "Adam's %.3f s; its figure would undercount and is not used", queued, seconds)
                 return None
-            moved += copied
+            moved += bus.moved_between(first, last)
     finally:
         host_tier.free(buffer)
     return moved / seconds if seconds > 0 else None
