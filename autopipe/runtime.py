@@ -12,16 +12,21 @@ collectively and in the same order everywhere.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
 from torch import fx, nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.utils.checkpoint import checkpoint
 
 from autopipe.graph import OpGraph, build_loss_module, build_stage_modules
 from autopipe.timing import median_time_s
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
+# ``torch.distributed.pipelining`` is imported where a pipeline is built, not with this module: it brings
+# torch._dynamo, sympy and triton, about 2 s of every process start on 2 CPU cores (``import angelptm`` took 3.6 s
+# with it, imported by the engine's entry point whether or not the model is pipelined).
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +90,8 @@ def build_schedule(stages: list[PipelineStage], schedule: str, num_microbatches:
     Gradients are not rescaled by the schedule (``scale_grads=False``): ``loss_fn`` already divides by
     the number of micro-batches per optimizer step, so a pipelined step sums to the same mean loss.
     """
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
     check_microbatches(schedule, num_microbatches, stages[0].group_size)
     if schedule == "interleaved":
         return ScheduleInterleaved1F1B(stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
@@ -132,6 +139,8 @@ class PipelineRunner:
         self.modules = [_recompute(modules[c]) if recompute else modules[c] for c in self.chunk_ids]
         self.example_values = {c: [node.meta.get("val") for node in graph.crossing(op_starts[c])]
                                for c in self.chunk_ids}
+        from torch.distributed.pipelining import PipelineStage
+
         self.pipeline_group, self.data_parallel_group, self._tie_groups = self._build_groups(modules)
         self.stages = [PipelineStage(modules[c], c, layout.num_chunks, device, group=self.pipeline_group)
                        for c in self.chunk_ids]
