@@ -22,11 +22,11 @@ from torch.utils.checkpoint import checkpoint
 from autopipe.graph import OpGraph, build_loss_module, build_stage_modules
 from autopipe.timing import median_time_s
 
+# ``torch.distributed.pipelining`` is imported where a pipeline is built, not with this module, which the engine's
+# entry point imports whether or not the model is pipelined: it brings torch._dynamo, sympy and triton, and
+# ``import angelptm`` took 5.3-6.5 s with it, 3.9-4.6 s without (2 CPU cores).
 if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
-# ``torch.distributed.pipelining`` is imported where a pipeline is built, not with this module: it brings
-# torch._dynamo, sympy and triton, about 2 s of every process start on 2 CPU cores (``import angelptm`` took 3.6 s
-# with it, imported by the engine's entry point whether or not the model is pipelined).
 
 
 @dataclass(frozen=True, slots=True)
