@@ -10,6 +10,7 @@ import importlib
 import logging
 import random
 import threading
+import time
 import types
 
 import pytest
@@ -438,9 +439,14 @@ def test_the_host_memory_is_probed_for_the_gpus_prediction_and_a_failed_probe_ke
     crowded = Tier("host", torch.device("cpu"), HOST_MEMORY_PROBE_ROOM - 1)
     assert measured_host_memory(torch.device("cuda"), crowded, host_work, known) == known  # (no room: no probe)
     assert not passes and not buses and not caplog.records  # (and nothing to warn of)
+    started = time.perf_counter()
     probed = measured_host_memory(torch.device("cuda"), host, host_work, known)
+    wall = time.perf_counter() - started
     assert len(passes) == 1 + HOST_MEMORY_PASSES and len(buses) == 1 and buses[0].queued
+    assert passes == [2 * MIN_HOST_MEMORY_PROBE_BYTES] * (1 + HOST_MEMORY_PASSES)  # (the whole tier, no bus buffers)
     assert probed.host_memory_bytes_per_s > 0 and dataclasses.replace(probed, host_memory_bytes_per_s=0.0) == known
+    # (the timed passes' bytes, not the untimed first's, over no more seconds than the whole call took)
+    assert probed.host_memory_bytes_per_s >= HOST_MEMORY_PASSES * 10**9 / wall
     assert "host memory" in probed.describe() and host.used_bytes == 0
 
     def full(*args, **kwargs):
