@@ -63,7 +63,7 @@ class NnGPT(nn.Module):
     """A GPT-2 as a user writes it from torch.nn modules (learned positions, untied head)."""
 
     def __init__(self, layers: int, hidden: int, heads: int, vocab: int = VOCAB, seq: int = SEQ,
-                 checkpointing: bool = True) -> None:
+                 checkpointing: bool = True, init_std: float | None = 0.02) -> None:
         super().__init__()
         self.checkpointing = checkpointing
         self.wte = nn.Embedding(vocab, hidden)
@@ -71,9 +71,11 @@ class NnGPT(nn.Module):
         self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
         self.ln_f = nn.LayerNorm(hidden)
         self.head = nn.Linear(hidden, vocab, bias=False)
+        if init_std is None:  # PyTorch's own init (Kaiming-uniform Linear, N(0, 1) Embedding): what a user's model has
+            return
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=0.02)
+                nn.init.normal_(module.weight, std=init_std)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
 
@@ -88,13 +90,21 @@ class NnGPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def build(kind: str, size: str) -> nn.Module:
-    """The model ``kind`` at ``size``, built in the current default device and dtype (a ``zero.Init`` context
-    decides both for a ZeRO-3 config)."""
+INITS = ("small", "default")
+"""``small``: GPT-2's N(0, 0.02) weights and zero biases; ``default``: PyTorch's own init, as a user's model has it
+(larger weights: at 13B and 2.7B its global gradient norm stays above 1.0 over the first tens of steps, so a clip of
+1.0 clips every one). transformers' models always take their own init (``initializer_range`` 0.02)."""
+
+
+def build(kind: str, size: str, init: str = "small") -> nn.Module:
+    """The model ``kind`` at ``size`` with the weights ``init`` names (:data:`INITS`), built in the current default
+    device and dtype (a ``zero.Init`` context decides both for a ZeRO-3 config)."""
+    if init not in INITS:
+        raise ValueError(f"init {init!r}: expected one of {INITS}")
     layers, hidden, heads = SHAPES[size]
     vocab = 512 if size == "tiny" else VOCAB
     if kind == "nngpt":
-        return NnGPT(layers, hidden, heads, vocab=vocab)
+        return NnGPT(layers, hidden, heads, vocab=vocab, init_std=0.02 if init == "small" else None)
     import transformers
 
     if kind == "hf_llama":

@@ -10,11 +10,19 @@ ZeRO-3 config builds the model under ``deepspeed.zero.Init(config_dict_or_path=.
 and transformers do for large models. ``--set KEY=VALUE`` edits the config for one engine's runs only
 (``angelptm:zero_cache.device_steps=0``), to try the settings a user would otherwise have to find.
 
-Prints one JSON line per run and a table of s/step (the median of the last steps, and their mean with the work
-the last one left pending drained: an engine whose host updates run into the next step alternates short and long
-steps), tokens/s, model TFLOPS (6N + 12 L H S per token, recompute not counted), the ratio against the anchor
-engine on the same model, size and config, peak device memory, host RSS and disk bytes per step; for this engine
-also the plan's predicted step floor and what bounded it.
+Steps are timed as a user's loop times them (:func:`timed_steps`): from one loss reaching the host to the next, with
+nothing drained outside the timer. The figures are over the last ``--steps`` steps (at least 10 by the protocol)
+after ``--warmup-steps`` and, for this engine, its device-step tuning: their median, and their mean with the work the
+last one left pending drained and counted (an engine whose host updates run into the next step alternates short and
+long steps, which a median hides). What users vary is varied here too: ``--data reused`` trains on one batch every
+step, ``fresh`` on a new one; ``--init default`` is PyTorch's init, ``small`` GPT-2's 0.02; ``--build zero_init_bf16``
+builds the model under ``deepspeed.zero.Init(dtype=torch.bfloat16)``. A config with ``gradient_clipping`` counts
+the measured steps whose global norm exceeded it (``clipped_steps``): a clip row with none clipped measured
+something else, and ``--require-clip`` fails it.
+
+Prints one JSON line per run and a table of s/step (median and mean), tokens/s, model TFLOPS (6N + 12 L H S per
+token, recompute not counted), the ratio against the anchor engine on the same model, size and config, the clipped
+steps, peak device memory, host RSS and disk bytes per step; for this engine also the plan's predicted step floor.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -76,29 +85,60 @@ def cap_memory(cap: str | None) -> None:
         torch.cuda.set_per_process_memory_fraction(parse_bytes(cap) / torch.cuda.get_device_properties(0).total_memory)
 
 
-def train(kind: str, size: str, config: dict, engine_name: str, steps: int, trace_dir: str | None = None) -> dict:
-    """A user's training script: build the model (under zero.Init for ZeRO-3), initialize, train ``steps`` steps
-    of random tokens; returns the timings."""
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """What a user's script chooses beyond model and config (the protocol varies each)."""
+
+    steps: int
+    """Measured steps: the figures are over these, the last of the run."""
+    unmeasured: int
+    """Steps before them: warm-up, and this engine's device-step tuning."""
+    data: str = "fresh"
+    """``fresh``: a new batch of random tokens every step; ``reused``: one batch every step."""
+    init: str = "small"
+    """``user_models.INITS``."""
+    build: str = "plain"
+    """``plain``: built where it trains (under ``zero.Init(config_dict_or_path=...)`` for ZeRO-3); ``zero_init_bf16``:
+    under ``zero.Init(dtype=torch.bfloat16)``, as large-model scripts do."""
+
+
+DATA, BUILDS = ("fresh", "reused"), ("plain", "zero_init_bf16")
+
+
+def build_model(deepspeed: Any, kind: str, size: str, config: dict, workload: Workload, device: Any) -> Any:
+    """The user's model as ``workload`` builds it (with ``deepspeed`` this engine or DeepSpeed)."""
+    import torch
+
+    zero3 = (config.get("zero_optimization") or {}).get("stage") == 3
+    if workload.build == "zero_init_bf16":
+        if not zero3:
+            raise ValueError("--build zero_init_bf16 needs a ZeRO-3 config (zero.Init partitions the model)")
+        with deepspeed.zero.Init(dtype=torch.bfloat16):
+            return user_models.build(kind, size, workload.init)
+    if zero3:
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            return user_models.build(kind, size, workload.init)
+    return user_models.build(kind, size, workload.init).to(device)
+
+
+def train(kind: str, size: str, config: dict, engine_name: str, workload: Workload,
+          trace_dir: str | None = None) -> dict:
+    """A user's training script: build the model, initialize, train on random tokens; returns the timings."""
     import torch
 
     if engine_name == "torch":
-        return train_plain(kind, size, config, steps)
+        return train_plain(kind, size, config, workload)
     if engine_name == "deepspeed":
         import deepspeed
     else:
         import angelptm as deepspeed
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    zero3 = (config.get("zero_optimization") or {}).get("stage") == 3
     torch.manual_seed(0)
     started = time.perf_counter()
     with torch.device("meta"):  # the parameter count, without building anything
         num_params = sum(p.numel() for p in user_models.build(kind, size).parameters())
-    if zero3:
-        with deepspeed.zero.Init(config_dict_or_path=config):
-            model = user_models.build(kind, size)
-    else:
-        model = user_models.build(kind, size).to(device)
+    model = build_model(deepspeed, kind, size, config, workload, device)
     built_s = time.perf_counter() - started
     started = time.perf_counter()
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -106,55 +146,91 @@ def train(kind: str, size: str, config: dict, engine_name: str, steps: int, trac
     print(f"bench: {kind} {size} {engine_name} built in {built_s:.1f} s, initialized in {init_s:.1f} s",
           file=sys.stderr, flush=True)
 
+    total = workload.unmeasured + workload.steps
+    trace_at = max(3, total - workload.steps - 1)  # (the step before the window: a trace slows its own step)
+
     def step(ids: Any, index: int) -> Any:
-        if trace_dir and index == max(3, steps - 7) and hasattr(engine, "trace_next_step"):  # before the timed steps
+        if trace_dir and index == trace_at and hasattr(engine, "trace_next_step"):
             engine.trace_next_step(Path(trace_dir) / f"{kind}-{size}")
         loss = user_models.loss_of(engine(input_ids=ids[:, :-1], labels=ids[:, 1:]))
         engine.backward(loss)
         engine.step()
-        norm = engine.get_global_grad_norm()  # (both engines' step computed it; whether it clipped is read here)
-        norms.append(None if norm is None else round(float(norm), 4))
+        # Both engines' step computed the global norm; whether it clipped is read after the run: a float() here
+        # would wait for backward's end before the next forward is queued, which a user's loop does not.
+        norm = engine.get_global_grad_norm()
+        norms.append(norm.detach().clone() if isinstance(norm, torch.Tensor) else norm)
         return loss
 
-    norms: list[float | None] = []
+    norms: list[Any] = []
     finish_pending = getattr(optimizer, "finish_pending", None)  # (this engine's host worker)
-    times, losses, disk, drained = timed_steps(step, steps, config, size, device, f"{kind} {size} {engine_name}",
-                                               drain=finish_pending)
-    result = {**timings(kind, size, engine_name, num_params, times, losses, disk, drained, config,
-                        drained_before=finish_pending is not None), "built_s": built_s, "init_s": init_s,
-              "grad_norms": norms}
+    times, losses, disk, drained = timed_steps(step, total, config, size, device, f"{kind} {size} {engine_name}",
+                                               data=workload.data, drain=finish_pending)
+    norms = [None if norm is None else round(float(norm), 4) for norm in norms]
+    result = {**timings(kind, size, engine_name, num_params, times, losses, disk, drained, config, workload.steps),
+              **clipped_steps(norms, config.get("gradient_clipping", 0.0), workload.steps),
+              "built_s": built_s, "init_s": init_s, "grad_norms": norms, **workload_fields(workload)}
     plan = getattr(optimizer, "plan", None)
     if plan is not None:  # this engine: what its plan predicted the step would cost
         result["plan"] = plan.summary()
         result["predicted_floor_s"] = plan.traffic.seconds
         report = optimizer.report()
-        result["per_step_ms"] = {k.removeprefix("zero_cache_").removesuffix("_s"): round(v / steps * 1e3)
+        result["per_step_ms"] = {k.removeprefix("zero_cache_").removesuffix("_s"): round(v / total * 1e3)
                                  for k, v in report.items() if k.endswith("_s")}
     return result
 
 
-def train_plain(kind: str, size: str, config: dict, steps: int) -> dict:
+def train_plain(kind: str, size: str, config: dict, workload: Workload) -> dict:
     """The protocol's plain-torch anchor: bf16 weights stepped by torch's fused AdamW on the GPU, no fp32 masters."""
     import torch
 
     torch.manual_seed(0)
-    model = user_models.build(kind, size).cuda().bfloat16()
+    model = user_models.build(kind, size, workload.init).cuda().bfloat16()
     num_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    clip = config.get("gradient_clipping", 1.0)  # left out: DeepSpeed's default, which both engines apply
+    clip = config.get("gradient_clipping", 0.0)  # (DeepSpeed's default: none)
+    norms: list[torch.Tensor] = []
 
     def step(ids: Any, index: int) -> Any:
         loss = user_models.loss_of(model(input_ids=ids[:, :-1], labels=ids[:, 1:]))
         loss.backward()
         if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    times, losses, disk, drained = timed_steps(step, steps, config, size, torch.device("cuda"),
-                                               f"{kind} {size} torch")
-    return timings(kind, size, "torch", num_params, times, losses, disk, drained, config)
+    total = workload.unmeasured + workload.steps
+    times, losses, disk, drained = timed_steps(step, total, config, size, torch.device("cuda"), f"{kind} {size} torch",
+                                               data=workload.data)
+    rounded = [round(float(norm), 4) for norm in norms]
+    return {**timings(kind, size, "torch", num_params, times, losses, disk, drained, config, workload.steps),
+            **clipped_steps(rounded, clip, workload.steps), "grad_norms": rounded, **workload_fields(workload)}
+
+
+def workload_fields(workload: Workload) -> dict:
+    """What the result line says of the workload's choices."""
+    return {"data": workload.data, "init": workload.init, "build": workload.build}
+
+
+def clipped_steps(norms: list[float | None], threshold: float, window: int) -> dict:
+    """How many of the last ``window`` steps clipped: their global norm (before clipping) exceeded ``threshold``.
+
+    A clip row whose count is 0 measured unclipped steps: the protocol does not let it stand for clipped training
+    (:func:`not_a_clip_row`)."""
+    measured = [norm for norm in norms[-window:] if norm is not None] if window else []
+    clipped = sum(1 for norm in measured if threshold > 0 and norm > threshold)
+    return {"clip_threshold": threshold, "clipped_steps": clipped, "norm_range": [min(measured), max(measured)]
+            if measured else None}
+
+
+def not_a_clip_row(result: dict) -> str | None:
+    """Why a run with a clip threshold is not a clip row (none of its measured steps clipped), or None."""
+    if not result.get("clip_threshold") or result.get("clipped_steps"):
+        return None
+    norms = result.get("norm_range")
+    seen = f"its norms {norms[0]:g}-{norms[1]:g}" if norms else "no norm was reported"
+    return (f"not a clip row: none of its {result['measured_steps']} measured steps clipped ({seen}, threshold "
+            f"{result['clip_threshold']:g}); use --init default with --data reused, or a lower gradient_clipping")
 
 
 def disk_bytes() -> tuple[int, int]:
@@ -172,40 +248,32 @@ def disk_delta(now: tuple[int, int], before: tuple[int, int]) -> tuple[int, int]
     return now[0] - before[0], now[1] - before[1]
 
 
-def measured_steps(steps: int) -> int:
-    """How many of the last steps the result measures: up to 5, past the warm-up and the first steps after it."""
-    return max(1, min(5, steps - 3))
-
-
-def timed_steps(step: Any, steps: int, config: dict, size: str, device: Any, label: str,
+def timed_steps(step: Any, steps: int, config: dict, size: str, device: Any, label: str, data: str = "fresh",
                 drain: Callable[[], None] | None = None
                 ) -> tuple[list[float], list[float], list[tuple[int, int]], tuple[float, tuple[int, int]]]:
-    """Run ``step(ids, index)`` on ``steps`` batches of random tokens; returns each step's seconds, loss and disk
-    bytes, and the seconds and disk bytes of ``drain`` (the engine's work still pending after the last step).
+    """Run ``step(ids, index)`` ``steps`` times on random tokens (a fresh batch each step, or with ``data="reused"``
+    one batch every step); returns each step's seconds, loss and disk bytes, and the seconds and disk bytes of
+    ``drain`` (the engine's work still pending after the last step).
 
-    A step is timed from one loss reaching the host to the next: what a step queues after its loss (device steps'
-    copies, host updates, the optimizer's kernels) lands in the next one. A synchronize before each step would
-    leave that work out of every step's time; the last step's lands in the drain. So that the measured window (the
-    last :func:`measured_steps` steps) and the drain hold the work of those steps and no earlier one's, the work
-    pending before the window is drained first, untimed: at 11.7B on NVMe step 1 ran in 1.9 s with its disk IO
-    left to step 2, and the last step with the drain held two steps' work.
+    A step is timed as a user's loop times it: from one loss reaching the host to the next, and nothing is drained
+    outside that clock. What a step queues after its loss (device steps' copies, host updates) lands in the next
+    step's time, and what the last step leaves is drained at the end, timed, and counted in the mean
+    (:func:`timings`): every measured step's work is in the figures once, as in a user's run.
     """
     import torch
 
+    if data not in DATA:
+        raise ValueError(f"data {data!r}: expected one of {DATA}")
     micro, (seq, vocab) = config["train_micro_batch_size_per_gpu"], _tokens(size)
     generator = torch.Generator(device=device).manual_seed(1)
+    reused = torch.randint(0, vocab, (micro, seq + 1), device=device, generator=generator)
     times, losses, disk = [], [], []
     if device.type == "cuda":
         torch.cuda.synchronize()
     last, last_disk = time.perf_counter(), disk_bytes()
-    window_start = steps - measured_steps(steps)
     for index in range(steps):
-        if index == window_start and index and drain is not None:
-            drain()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            last, last_disk = time.perf_counter(), disk_bytes()
-        ids = torch.randint(0, vocab, (micro, seq + 1), device=device, generator=generator)
+        ids = reused if data == "reused" else torch.randint(0, vocab, (micro, seq + 1), device=device,
+                                                            generator=generator)
         losses.append(step(ids, index).item())  # .item() waits for this step's loss
         times.append(time.perf_counter() - last)
         last += times[-1]
@@ -236,36 +304,30 @@ def _retries(device: Any) -> str:
 
 
 def timings(kind: str, size: str, engine_name: str, num_params: int, times: list[float], losses: list[float],
-            disk: list[tuple[int, int]], drained: tuple[float, tuple[int, int]], config: dict, *,
-            drained_before: bool = False) -> dict:
-    """The result line: the median of the last steps (past warm-up and tuning), throughput, memory peaks, and
-    the mean seconds and disk bytes of those steps with the work still pending after the last one added (an engine
-    whose steps hand work to the next one alternates short and long steps, which a median hides).
-
-    ``drained_before``: the work pending before those steps was drained (:func:`timed_steps`), so the first of them
-    found nothing pending and is not a step like the others: the median leaves it out, and where fewer than two
-    steps are left, the mean stands in for it (throughput is read from it too)."""
+            disk: list[tuple[int, int]], drained: tuple[float, tuple[int, int]], config: dict, window: int) -> dict:
+    """The result line over the last ``window`` steps: their median; their mean with the work still pending after the
+    last one added (every step's work counted once: an engine whose steps hand work to the next alternates short and
+    long steps, which a median hides); throughput from the median; memory peaks; disk bytes per step (the pending
+    work's included)."""
     import torch
 
-    last = measured_steps(len(times))
+    window = min(window, len(times))
+    measured = times[-window:]
     drained_s, (drained_read, drained_written) = drained
-    mean_step_s = (sum(times[-last:]) + drained_s) / last
-    if not drained_before:
-        step_s = statistics.median(times[-last:])
-    else:
-        step_s = statistics.median(times[-last + 1:]) if last >= 3 else mean_step_s
+    step_s = statistics.median(measured)
+    mean_step_s = (sum(measured) + drained_s) / window
     layers, hidden = user_models.shape_of(kind, size)
     seq, _ = _tokens(size)
     tokens = config["train_micro_batch_size_per_gpu"] * seq
-    return {"model": kind, "size": size, "engine": engine_name, "params": num_params, "step_s": step_s,
-            "tokens_per_s": tokens / step_s,
-            "tflops": tokens * user_models.flops_per_token(num_params, layers, hidden, seq) / step_s / 1e12,
+    flops = tokens * user_models.flops_per_token(num_params, layers, hidden, seq)
+    return {"model": kind, "size": size, "engine": engine_name, "params": num_params, "measured_steps": window,
+            "step_s": step_s, "mean_step_s": mean_step_s, "pending_s": drained_s,
+            "tokens_per_s": tokens / step_s, "tflops": flops / step_s / 1e12, "mean_tflops": flops / mean_step_s / 1e12,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
             # ru_maxrss: the process's peak resident set (KiB on Linux), pinned host memory included
             "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            "mean_step_s": mean_step_s,
-            "disk_read_gib": (sum(read for read, _ in disk[-last:]) + drained_read) / last / 2**30,
-            "disk_written_gib": (sum(written for _, written in disk[-last:]) + drained_written) / last / 2**30,
+            "disk_read_gib": (sum(read for read, _ in disk[-window:]) + drained_read) / window / 2**30,
+            "disk_written_gib": (sum(written for _, written in disk[-window:]) + drained_written) / window / 2**30,
             "losses": [round(x, 4) for x in losses],
             # every step's seconds, and the slowest after the warm-up against the result (the tuning's cost)
             "times": [round(x, 3) for x in times],
@@ -328,17 +390,19 @@ def run_child(command: list[str]) -> tuple[int, list[str], list[str]]:
 
 
 def table(results: list[dict], anchor: str) -> str:
-    lines = [f"| model | size | config | engine | params | s/step | mean s/step, pending work in | tokens/s | TFLOPS "
-             f"| vs {anchor} | plan floor s | peak GPU GiB | host RSS GiB | disk read / written GiB per step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| model | size | config | engine | params | s/step (median) | mean s/step, pending work in | tokens/s "
+             f"| TFLOPS | vs {anchor} | clipped steps | plan floor s | peak GPU GiB | host RSS GiB "
+             f"| disk read / written GiB per step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         base = next((a for a in results if a["engine"] == anchor and
                      (a["model"], a["size"], a["config"]) == (r["model"], r["size"], r["config"])), None)
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "n/a"
         floor = f"{r['predicted_floor_s']:.3f}" if "predicted_floor_s" in r else ""
+        clipped = f"{r['clipped_steps']} of {r['measured_steps']}" if r.get("clip_threshold") else "no clip"
         lines.append(f"| {r['model']} | {r['size']} | {r['config']} | {r['engine']} | {r['params'] / 1e9:.2f}B "
                      f"| {r['step_s']:.3f} | {r['mean_step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} "
-                     f"| {ratio} | {floor} | {r['peak_gib']:.1f} | {r['host_rss_gib']:.1f} "
+                     f"| {ratio} | {clipped} | {floor} | {r['peak_gib']:.1f} | {r['host_rss_gib']:.1f} "
                      f"| {r['disk_read_gib']:.2f} / {r['disk_written_gib']:.2f} |")
     return "\n".join(lines)
 
@@ -350,14 +414,22 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=[str(ROOT / "bench/configs/zero_infinity.json")])
     parser.add_argument("--engines", nargs="+", default=["deepspeed", "angelptm"])
     parser.add_argument("--anchor", default="deepspeed")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10, help="measured steps, the last of each run (the protocol: "
+                        "at least 10)")
+    parser.add_argument("--warmup-steps", type=int, default=3, help="unmeasured steps before them, every engine")
     parser.add_argument("--tuning-steps", type=int, default=TUNING_STEPS,
-                        help="steps added to this engine's runs for its device-step tuning (the median is of the last 5)")
+                        help="unmeasured steps added to this engine's runs for its device-step tuning")
+    parser.add_argument("--data", choices=DATA, default="fresh", help="a fresh batch each step, or one reused")
+    parser.add_argument("--init", choices=user_models.INITS, default="small", help="the model's init")
+    parser.add_argument("--build", choices=BUILDS, default="plain", help="zero_init_bf16: under zero.Init(dtype=bf16)")
+    parser.add_argument("--require-clip", action="store_true",
+                        help="fail a run with a clip threshold none of whose measured steps clipped")
     parser.add_argument("--memory-cap", help="torch.cuda.set_per_process_memory_fraction to this many bytes")
     parser.add_argument("--set", dest="edits", action="append", default=[],
                         help="[ENGINE:]dotted.key=JSON_VALUE edit of the config (repeatable)")
-    parser.add_argument("--trace", help="this engine: write a trace and PNG of step 3 under this directory")
+    parser.add_argument("--trace", help="this engine: write a trace and PNG of the step before the measured ones")
     parser.add_argument("--child", nargs=4, metavar=("MODEL", "SIZE", "CONFIG", "ENGINE"), help=argparse.SUPPRESS)
+    parser.add_argument("--unmeasured", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         import logging
@@ -365,7 +437,9 @@ def main() -> None:
         logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")  # the plan, re-plan, trace
         kind, size, config_path, engine_name = args.child
         cap_memory(args.memory_cap)
-        result = train(kind, size, edited_config(config_path, args.edits, engine_name), engine_name, args.steps,
+        workload = Workload(steps=args.steps, unmeasured=args.unmeasured, data=args.data, init=args.init,
+                            build=args.build)
+        result = train(kind, size, edited_config(config_path, args.edits, engine_name), engine_name, workload,
                        args.trace)
         print("RESULT " + json.dumps({**result, "config": Path(config_path).stem}), flush=True)
         sys.stderr.flush()
@@ -377,8 +451,10 @@ def main() -> None:
     results, failed = [], 0
     for kind, size, config_path, engine_name in itertools.product(args.models, args.sizes, args.configs, args.engines):
         # This engine settles its device-step count by measuring (zero_cache.tuning): time it after that.
-        steps = args.steps + (args.tuning_steps if engine_name == "angelptm" else 0)
-        command = [sys.executable, __file__, "--child", kind, size, config_path, engine_name, "--steps", str(steps)]
+        unmeasured = args.warmup_steps + (args.tuning_steps if engine_name == "angelptm" else 0)
+        command = [sys.executable, __file__, "--child", kind, size, config_path, engine_name, "--steps",
+                   str(args.steps), "--unmeasured", str(unmeasured), "--data", args.data, "--init", args.init,
+                   "--build", args.build]
         command += ["--memory-cap", args.memory_cap] if args.memory_cap else []
         command += [arg for edit in args.edits for arg in ("--set", edit)]
         command += ["--trace", str(Path(args.trace) / Path(config_path).stem)] if args.trace else []
@@ -393,6 +469,10 @@ def main() -> None:
             continue
         results.append(json.loads(lines[-1].removeprefix("RESULT ")))
         print(json.dumps(results[-1]), flush=True)
+        why = not_a_clip_row(results[-1]) if args.require_clip else None
+        if why:
+            print(f"{kind} {size} {Path(config_path).stem} {engine_name}: {why}", flush=True)
+            failed += 1
     print("\n" + table(results, args.anchor))
     if failed:  # (the table has the others; the exit status says that not every run gave a row)
         sys.exit(f"{failed} run(s) failed")
