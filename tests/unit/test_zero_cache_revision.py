@@ -416,3 +416,43 @@ def test_a_slow_update_during_the_last_micro_batch_does_not_wait_on_gradients_st
     threading.Thread(target=train, daemon=True).start()
     assert done.wait(timeout=120), "training hung: an update waited for a buffer held by gradients queued behind it"
     assert optimizer.counts["speculated_chunks"] > 0
+
+
+@pytest.mark.parametrize("read_between", [True, False])
+def test_waited_updates_folded_later_equal_eager_ones_bit_for_bit(native_adam, read_between):
+    """Where every step clips, the host updates wait for the global norm; they store the weight alone and keep their
+    gradient, and a job behind them folds the moments in. The states and the weights the next forward reads are the
+    bits of updates that store everything in their pass, and match the reference clipped AdamW: read after every
+    step (each fold forced), or only at the end (the folds run when the worker reaches them, behind the next
+    step's forward)."""
+    seed = torch.randint(0, 10_000, ()).item()
+    batches = random_batches(seed, count=4, batch=4)
+    runs = {}
+    for fold_waited in (True, False):
+        engine, optimizer = build(seed, clip=1e-3, native_host_adam=True)  # (every step's norm is far above it)
+        optimizer.fold_waited = fold_waited
+        catcher, per_step = GradientCatcher(engine), []
+        for index, batch in enumerate(batches):
+            last = index == len(batches) - 1
+            before = states(optimizer) if fold_waited and read_between else None
+            run_step(engine, optimizer, catcher, [batch], 1.0)
+            grads = catcher.take()
+            if not (read_between or last):
+                continue
+            per_step.append((states(optimizer), {n: p.detach().clone() for n, p in engine.module.named_parameters()}))
+            if before is not None and index:  # (step 1 speculated: the prediction starts unclipped)
+                want = reference_step(before, grads, step=optimizer.step_count, clip=1e-3, unscale=1.0)
+                assert_states_close(per_step[-1][0], want, f"waited step {index + 1}", before)
+        assert optimizer.counts["clipped_steps"] == len(batches)
+        runs[fold_waited] = per_step
+        if fold_waited:  # steps 2-4 waited: each host chunk with a kept gradient ran lazy, then folded
+            assert optimizer.host.folded_later == 3 * len(host_chunks_kept(optimizer)) > 0
+            assert not optimizer.host.unfolded
+        else:
+            assert optimizer.host.folded_later == 0
+    for step, ((folded, weights), (eager, eager_weights)) in enumerate(zip(runs[True], runs[False])):
+        for name, fields in folded.items():
+            for field, a, b in zip(("master", "exp_avg", "exp_avg_sq"), fields, eager[name]):
+                assert torch.equal(a, b), f"step {step + 1}: {name} {field}"
+        for name, weight in weights.items():
+            assert torch.equal(weight, eager_weights[name]), f"step {step + 1}: weight {name}"

@@ -79,7 +79,12 @@ class ChunkUpdate:
     outcome: str | None = None
     """A speculative update, once the worker has run it: APPLIED or DEFERRED."""
     lazy: bool = False
-    """A speculative update applied without storing its moments (folded in later; :mod:`zero_cache.optim.revision`)."""
+    """Applied without storing its moments (folded in later; :mod:`zero_cache.optim.revision`): a speculative
+    update, or a waited one that ``fold_later`` let."""
+    fold_later: bool = False
+    """A waited update (queued by the step, after the global norm): let it store the weight alone and keep its
+    gradient where the chunk has a kept gradient, its moments folded in by :meth:`HostUpdater.settle_all`'s job
+    behind the step's updates (:mod:`zero_cache.optim.revision`, "Waited steps")."""
     revises: ChunkUpdate | None = None
     """Set on the step's revision of a speculative update: redo it with ``grad_factor`` (or take it back
     when ``skip``) -- nothing to do when it was applied with that factor already."""
@@ -114,6 +119,8 @@ class HostUpdater:
         self.param_ready: dict[int, torch.cuda.Event | None] = {}
         """Chunk -> completion event of its latest host->device param copy (popped by the waiter)."""
         self.busy_s = 0.0
+        self.folded_later = 0
+        """Waited updates made lazy (``ChunkUpdate.fold_later``), their moments folded by a job of their own."""
         self.adam_work = Throughput()
         """Elements the host's Adam stepped and the seconds it took (the plan's measured rate)."""
         self.error: BaseException | None = None
@@ -240,6 +247,8 @@ class HostUpdater:
         buffer = fetched.grads
         if update.window is not None:  # (moments folded in later need states that stay in memory)
             update.lazy = group.home.resident and self.host_adam.lazy_ok(update.hypers, self._kept(chunk).dtype)
+        elif update.fold_later:
+            update.lazy = self._folds_later(update, buffer)
         started = time.perf_counter()
         with self.transfers.timeline.on_thread(HOST_ADAM, f"chunk {chunk}"):  # its inputs have landed
             if update.revises is not None:
@@ -260,6 +269,9 @@ class HostUpdater:
         self.adam_work.add(self.store.layout.chunk_numel if first_pass else 0, time.perf_counter() - started)
         if update.window is not None:
             update.outcome = APPLIED
+        elif update.lazy:  # a waited update: settle_all's job folds its moments in (queued behind the step's updates)
+            self.unfolded[chunk] = update
+            self.folded_later += 1
         group.home.write_back(group, fetched.states, changed=buffer is not None and not update.restore_only)
         if buffer is not None:
             ready = fetched.home.store_params(self.store.sharding.group_of(chunk), self.store.param_chunks[chunk],
@@ -267,6 +279,14 @@ class HostUpdater:
             if ready is not None:
                 self.param_ready[chunk] = ready
         update.issued.set()
+
+    def _folds_later(self, update: ChunkUpdate, buffer: torch.Tensor | None) -> bool:
+        """Whether a waited update runs lazy: its gradient is in a staging buffer the csrc kernel steps, the chunk
+        has a kept gradient to hold it, and its states stay in memory and can take a lazy step."""
+        group = self.store.groups[update.chunk]
+        return (buffer is not None and self.host_adam.fuses(buffer.dtype) and group.kept is not None
+                and group.kept.dtype == buffer.dtype and group.home.resident
+                and self.host_adam.lazy_ok(update.hypers, buffer.dtype))
 
     def _square(self, update: ChunkUpdate) -> float:
         """The chunk's squared gradient norm: computed on the device during backward, or from its accumulator."""
@@ -339,7 +359,7 @@ class HostUpdater:
         to the kept gradient on the way, after folding in the moments of the chunk's lazy update from the step
         before (which that gradient held) when it stepped the same slots. Slots without a gradient are rewritten
         from their masters (a reduction from a bucket left zeros there); padding is zero."""
-        kept = self._kept(update.chunk) if update.window is not None else None
+        kept = self._kept(update.chunk) if update.window is not None or update.lazy else None
         fold = self.unfolded.pop(update.chunk, None) if kept is not None and self._folds_into(update) else None
         self.settle(update.chunk)  # (one that cannot be folded in this pass)
         stepped = set()

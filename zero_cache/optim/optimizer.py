@@ -189,6 +189,10 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         """The states by parameter name: the checkpoint surface's (:class:`OptimizerCheckpoint`)."""
         self.last_updates_after_backward = False
         """Whether the last step's host updates waited for its backward to end (no speculation in backward)."""
+        self.fold_waited = True
+        """Host updates that wait for the global norm store the weight and keep the gradient, their moments folded in
+        by a job behind them, off the path to the next forward (:mod:`zero_cache.optim.revision`, "Waited steps");
+        False: they store everything in their pass (the tests' reference)."""
         self._params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         self._engine_backward = False  # gradients are taken only inside the engine's backward (accumulating())
         self.hooks: list[Any] = [param.register_post_accumulate_grad_hook(self._make_grad_hook(slot))
@@ -339,14 +343,19 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         hypers = self._hypers()
         self._update_device_chunks(written, hypers, grad_factor)
         self.device_steps.begin()
+        # (a window that updated in backward revised its host chunks; the others' kept gradients are idle)
+        fold_later = self.fold_waited and not self._speculating and not self.store.grads_in_accumulators
         for chunk in self._chunks_in((Route.HOST_ADAM,), written):
             if chunk in self.window.queued:
                 self._queue_revision(chunk, grad_factor=grad_factor)
             elif self._steps_on_device(chunk):
                 self._step_on_device(chunk, written, hypers, grad_factor)
             else:
-                self._queue_host_update(chunk, written, hypers, step=self.step_count, grad_factor=grad_factor)
+                self._queue_host_update(chunk, written, hypers, step=self.step_count, grad_factor=grad_factor,
+                                        fold_later=fold_later)
         self.host.in_forward_order()  # backward queued its updates last chunk first
+        if fold_later:
+            self.host.settle_all()  # (the waited updates' moments, behind them: off the next forward's path)
         self._restore_unreached(written)
         self._mark_stale()
         self._speculating = self.update_in_backward and not clipped  # a clipped step predicts another
@@ -410,12 +419,12 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
 
     def _queue_host_update(self, chunk: int, written: frozenset, hypers: list[dict[str, Any]], *, step: int,
                            grad_factor: float, squares: torch.Tensor | None = None, restore_only: bool = False,
-                           window: SpeculationWindow | None = None) -> ChunkUpdate:
+                           window: SpeculationWindow | None = None, fold_later: bool = False) -> ChunkUpdate:
         self.device_steps.wait(chunk)  # the host takes the chunk back: its device step's copies have landed
         update = ChunkUpdate(chunk=chunk, members=self._step_members(chunk, written), hypers=hypers, step=step,
                              grad_factor=grad_factor, grads_written=self.transfers.mark(),
                              grads_landed=self._landed(chunk),
-                             squares=squares, restore_only=restore_only, window=window)
+                             squares=squares, restore_only=restore_only, window=window, fold_later=fold_later)
         if window is not None:
             update.position = window.join(update)
         self._pending[chunk] = update

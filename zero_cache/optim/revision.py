@@ -38,6 +38,12 @@ is inf/NaN (the step is then skipped). So each step goes:
    leaves (the library kernels' fold agrees with their step to rounding).
 5. **Predict.** After a clipped step the next is expected to clip too, and its host chunks wait for the
    step (every speculation would be redone); after an unclipped step speculation resumes.
+6. **Waited steps.** A host update that waits for the norm runs between backward's end and the next forward's
+   need of its chunk, the one stretch of a clipped step the host's Adam lengthens. There it stores the weight
+   alone and keeps its gradient (the lazy step of 1.: 22 bytes an element instead of 28, for a chunk with a kept
+   gradient), and a job queued behind the step's updates folds its moments in (18 more) while the worker would
+   otherwise wait for the next norm. The fold is 4.'s, so the states are the bits an eager update leaves
+   (``tests/unit/test_zero_cache_revision.py``); a chunk the next step updates in backward folds it in its pass.
 
 *Exactness.* Taking a lazy step back touches only the weight: its moments are recomputed from the
 stored ones and the kept gradient, and the weight line of Adam runs backwards
