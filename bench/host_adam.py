@@ -13,7 +13,8 @@ count (every core but the training thread's, :class:`zero_cache.optim.host_adam.
    (:func:`zero_cache.plan.step_cost.host_adam_bytes_per_element`: 28 with a bf16 gradient), in G elements/s; the
    csrc kernel's rate as a fraction of it.
 3. **The backends on the same tensors**: ``csrc/fused_host_adam.cpp`` (one pass: bf16 gradient in, bf16 weight
-   out); DeepSpeed's ``cpu_adam`` with the two conversions the engine would need around it (bf16 -> fp32 gradient,
+   out), with the gradient's landing in its buffer (a host copy here, the device's copy in a step) and alone;
+   DeepSpeed's ``cpu_adam`` with the two conversions the engine would need around it (bf16 -> fp32 gradient,
    fp32 -> bf16 weight), and its kernel alone on an fp32 gradient (what it is built for); torch's fused CPU Adam with
    the conversions.
 
@@ -86,6 +87,10 @@ def backends(numel: int) -> dict[str, Callable[[int], None]]:
             staging.copy_(grad)
             native.update_in_place(master, staging, exp_avg, exp_avg_sq, step=step, grad_scale=1.0, **HYPER)
         runs["csrc fused_host_adam (one pass)"] = csrc
+
+        def csrc_alone(step: int) -> None:  # (the buffer holds the last step's weights: a gradient as good as any)
+            native.update_in_place(master, staging, exp_avg, exp_avg_sq, step=step, grad_scale=1e-3, **HYPER)
+        runs["csrc fused_host_adam, kernel alone (gradient in place)"] = csrc_alone
     for name, adam in (("deepspeed cpu_adam", HostAdam(True, try_deepspeed=True)),
                        ("torch fused CPU Adam", HostAdam(True, try_deepspeed=False))):
         if name.startswith("deepspeed") and not adam.name.startswith("deepspeed"):

@@ -4,49 +4,59 @@
 # device before its issue is resolved; a row more than 5% slower than its best on the same card is fixed or
 # explained. Name the rows to run (each cut at its limit while the others still run), grouped by card:
 #
-#   H200 (kind nvidia-h200):  source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200_13b h200_13b_no_device_steps
+#   H200 (kind nvidia-h200):  source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200_13b_user h200_13b_user_clip
+#                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200_13b h200_13b_no_device_steps
+#                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200_2p7b_capped h200_2p7b_capped_clip
 #   H100 (nvidia-h100-x1):    source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h100_10b h100_2p7b_capped
 #                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h100_2p7b_whole h100_llama_capped
 #                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h100_nvme_2p7b
 #   2x H200 (nvidia-h200-x2): source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200x2_6p9b_scaling
 #
-# One device call runs at most 600 s. Wall times measured (session 44): h100_10b 290 s, with h100_2p7b_capped 445 s;
-# h100_2p7b_capped, h100_llama_capped and h100_2p7b_whole 394 s. Session 45: h200_13b 200 s, with
-# h200_13b_no_device_steps 303 s; h200x2_6p9b_scaling 220 s. Since then each run of ours has 9 more unmeasured
-# steps (a tuning that starts over) and the no-device-steps row 6: about 15 s more a row at 13B. Session 46, calls
-# with the setup: the two 13B rows 316 s; h100_10b with h100_2p7b_capped 448 s (a fresh machine); h100_llama_capped
-# and h100_2p7b_whole with the GPU tests 364 s.
+# One device call runs at most 600 s. A 13B run of ours takes about 3 minutes (2 to build and initialize, 32 steps);
+# a 2.7B capped run about 2 (1.5 to initialize), DeepSpeed's about 1.5.
 #
 # Every row is a DeepSpeed script of a user's model (bench/user_models.py: the GPT written from torch.nn modules,
-# transformers' Llama) driven by its DeepSpeed JSON unchanged (bench/configs/), micro-batch 8, seq 1024, bf16; its
-# figure is the median of the last 5 steps after the engine's tuning (bench/user_workloads.py). Each run's JSON line
-# carries every step's time, so the tuning's cost (the slowest step after the warm-up against the settled one) is
-# read from it too. Writes OUT/<row>.out.
-source "$(dirname "$0")/user_bench.sh"  # run NAME LIMIT command...; $out, $c, bench, cap
+# transformers' Llama) driven by its DeepSpeed JSON (bench/configs/), micro-batch 8, seq 1024, bf16, timed as a user's
+# loop times it (docs/benchmarking.md): the median and the mean with the pending work of the last 10 steps after the
+# warm-up and the engine's tuning, no drain outside the clock. "_user" rows are a user's first script: PyTorch's
+# init, one batch reused, the model built under zero.Init(dtype=bf16); "_clip" rows clip every measured step (a
+# threshold of 0.01, under every norm; --require-clip fails the row otherwise), and the rows beside them set 1e4 so
+# the same norms are computed and never clip. Each run's JSON line carries every step's time and norm. Writes
+# OUT/<row>.out.
+source "$(dirname "$0")/user_bench.sh"  # run NAME LIMIT command...; $out, $c, bench, cap, user, clip, noclip
 ours=(--engines angelptm --anchor angelptm)
+u13b=("${bench[@]}" "${ours[@]}" "${user[@]}" --build zero_init_bf16 --models nngpt --sizes 13b --configs $c/zero_offload.json)
 
-# The whole H200, the ZeRO-Offload JSON (clip 1.0): 13.1B by default, and with device steps off.
-run h200_13b 300 "${bench[@]}" "${ours[@]}" --models nngpt --sizes 13b --configs $c/zero_offload.json
-# (no tuning without device steps; 6 steps unmeasured all the same: random tokens clip the first 4 steps at 13B, and
-# the last 5 of 8 straddled the norm's fall under the threshold, 2.26 s steps beside 1.52 s ones, in session 45)
-run h200_13b_no_device_steps 260 "${bench[@]}" "${ours[@]}" --tuning-steps 6 --models nngpt --sizes 13b \
-    --configs $c/zero_offload.json --set angelptm:zero_cache.device_steps=0
-# The whole H100, the ZeRO-Offload JSON: 10B unclipped and with clip 1.0 (whether its measured steps clip: the
-# grad norms in each run's JSON line; at 13B random tokens stop clipping at step 4).
-run h100_10b 560 "${bench[@]}" "${ours[@]}" --models nngpt --sizes 10b \
-    --configs $c/zero_offload_noclip.json $c/zero_offload.json
-# Under a 22 GB cap: the ZeRO-Infinity JSON (clip 1.0) against DeepSpeed ZeRO-Infinity, the torch.nn GPT and Llama.
-run h100_2p7b_capped 420 "${bench[@]}" "${cap[@]}" --engines deepspeed angelptm --models nngpt --sizes 2.7b \
-    --configs $c/zero_infinity.json
+# The whole H200, the ZeRO-Offload JSON, 13.1B: a user's first script unclipped and clipping every step (the clipped
+# step's cost is their ratio), the bench's own data and init, and device steps off.
+run h200_13b_user 290 "${u13b[@]}" "${noclip[@]}"
+run h200_13b_user_clip 290 "${u13b[@]}" "${clip[@]}"
+run h200_13b 290 "${bench[@]}" "${ours[@]}" --models nngpt --sizes 13b --configs $c/zero_offload.json "${noclip[@]}"
+run h200_13b_no_device_steps 290 "${bench[@]}" "${ours[@]}" --tuning-steps 6 --models nngpt --sizes 13b \
+    --configs $c/zero_offload.json "${noclip[@]}" --set angelptm:zero_cache.device_steps=0
+# Under a 22 GB cap on the H200: the ZeRO-Infinity JSON against DeepSpeed ZeRO-Infinity, a user's first script,
+# unclipped and clipping every step.
+capped=("${bench[@]}" "${cap[@]}" "${user[@]}" --engines deepspeed angelptm --models nngpt --sizes 2.7b \
+        --configs $c/zero_infinity.json)
+run h200_2p7b_capped 290 "${capped[@]}" "${noclip[@]}"
+run h200_2p7b_capped_clip 290 "${capped[@]}" "${clip[@]}"
+# The whole H100, the ZeRO-Offload JSON: 10B unclipped and clipping every step.
+run h100_10b 560 "${bench[@]}" "${ours[@]}" "${user[@]}" --models nngpt --sizes 10b --configs $c/zero_offload.json \
+    "${noclip[@]}"
+run h100_10b_clip 300 "${bench[@]}" "${ours[@]}" "${user[@]}" --models nngpt --sizes 10b \
+    --configs $c/zero_offload.json "${clip[@]}"
+# Under a 22 GB cap: the ZeRO-Infinity JSON against DeepSpeed ZeRO-Infinity, the torch.nn GPT and Llama.
+run h100_2p7b_capped 420 "${bench[@]}" "${cap[@]}" "${user[@]}" --engines deepspeed angelptm --models nngpt \
+    --sizes 2.7b --configs $c/zero_infinity.json "${noclip[@]}"
 run h100_llama_capped 300 "${bench[@]}" "${cap[@]}" --engines deepspeed angelptm --models hf_llama --sizes 2.7b \
-    --configs $c/zero_infinity.json
+    --configs $c/zero_infinity.json "${clip[@]}"
 # The user's NVMe JSON at 2.7B under the cap, against DeepSpeed. Ours first: DeepSpeed's steps take 50-60 s here,
-# and with DeepSpeed first the row's limit ran out before ours started (session 38).
-run h100_nvme_2p7b 560 python3 bench/user_workloads.py --steps 4 "${cap[@]}" --engines angelptm deepspeed \
-    --anchor deepspeed --models nngpt --sizes 2.7b --configs $c/zero_nvme.json
+# and with DeepSpeed first the row's limit ran out before ours started.
+run h100_nvme_2p7b 560 python3 bench/user_workloads.py --steps 4 --warmup-steps 1 "${cap[@]}" \
+    --engines angelptm deepspeed --anchor deepspeed --models nngpt --sizes 2.7b --configs $c/zero_nvme.json
 # The whole H100 against plain torch bf16 without fp32 masters.
 run h100_2p7b_whole 300 "${bench[@]}" --engines torch angelptm --anchor torch --models nngpt --sizes 2.7b \
-    --configs $c/zero_offload.json
+    --configs $c/zero_offload.json "${noclip[@]}"
 # Two ranks against one, and DeepSpeed ZeRO-3 on the same GPUs (6.9B, micro-batch 8 per GPU).
 run h200x2_6p9b_scaling 560 python3 bench/engine_step.py --sizes 6.9b --modes zero_cache deepspeed_zero3 \
     --anchor deepspeed_zero3 --nproc 1 2 --steps 8
