@@ -5,7 +5,15 @@ failed) and pruned each other's checkpoints. The first save into a directory (or
 start) takes ``save_dir/.writer.lock``: an ``flock`` held for the life of the process, and the file's text
 names the holder (pid, host, start time) for the message another process gets. The kernel drops an
 ``flock`` when its process dies however it dies, so a crashed holder's lock is taken over with nothing to
-clean up. (On filesystems where ``flock`` is not shared between hosts, two hosts are not kept apart.)
+clean up. (On filesystems where ``flock`` is not shared between hosts, two hosts are not kept apart.) A clean
+end (``pretrain.py`` finishing or interrupted, ``engine.destroy()``) gives the lock back and empties the file, so
+the next holder does not report taking it over from a process that is gone.
+
+The lock file is a name in a directory others may write to: a symlink or hard link there would carry the
+holder's JSON into a file outside the run, a FIFO would block reading the holder forever, a 20 GiB sparse file
+would be read into memory. So it is opened with ``O_NOFOLLOW | O_NONBLOCK`` after an ``lstat``, refused (by name,
+with "remove it") unless it is a regular file with one link, and the holder is read from the open descriptor,
+at most 4 KiB, and shown only as fields of their kind (a pid, a host name, a time).
 
 A save's temporary directory is ``.tmp-<pid>-<host id>-<random>-<tag>``: the cleanup at the next save removes
 only those whose process is gone (same host, pid not alive), never a live save's.
