@@ -215,7 +215,8 @@ def save(save_dir: str | os.PathLike, tag: str, ctx: DistContext, *, shared: dic
         except Exception as err:  # the other ranks wait below: tell them, or they would hang there
             error = err
             shutil.rmtree(tmp, ignore_errors=True)  # not renamed in: the partial must not fill the disk
-            _remove_entry(root / LATEST_TMP)
+            if not os.path.isdir(root / LATEST_TMP):  # a directory of that name is not ours to delete
+                _remove_entry(root / LATEST_TMP)
     failed = failed_ranks(ctx, error is None)  # only the ranks publishing a directory can have failed here
     if failed:
         if error is not None:

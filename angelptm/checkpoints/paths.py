@@ -15,6 +15,7 @@ the writer lock, hidden ``.tmp-*`` / ``.old-*`` directories) or into a checkpoin
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -130,8 +131,8 @@ def read_small_file(path: Path, max_bytes: int) -> tuple[bytes | None, str | Non
         if not stat.S_ISREG(mode):
             return None, f"{path} is not a regular file (a directory, device or pipe)"
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise
+    except (FileNotFoundError, NotADirectoryError):  # no such file (or its directory is a file)
+        raise FileNotFoundError(errno.ENOENT, "no such file", str(path)) from None
     except OSError as err:  # ELOOP: it became a symlink after the lstat
         return None, f"{path} cannot be opened: {err.strerror or err}"
     try:
