@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import shutil
 import signal
 import sys
 from pathlib import Path
@@ -39,6 +38,7 @@ from angelptm.pretraining.data.tokenizer import configured_tokenizer
 from angelptm.checkpoints import files as checkpoint_files
 from angelptm.pretraining import health
 from angelptm.pretraining.job_errors import RunUnhealthyError, comms_timeout, one_line
+from angelptm.pretraining.save_dir import prune_checkpoints, refuse_fresh_start_over_a_run, resume
 from angelptm.pretraining.models import build_model
 from angelptm.telemetry.monitor import ThroughputMeter, format_memory, format_tiers, memory_snapshot
 from angelptm.telemetry.progress import progress_bar
@@ -70,7 +70,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                           help=f"model TFLOPS one GPU sustains, for the compute floor (default {DEFAULT_TFLOPS:.0f})")
     parser.add_argument("--trace", type=Path, metavar="DIR",
                         help="write a Chrome/Perfetto trace and a PNG of the step after warm-up under DIR")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="least severe messages shown: DEBUG adds the engine's internals, WARNING shows only "
+                             "problems (the step lines are always printed; default: INFO)")
     return parser.parse_args(argv)
 
 
@@ -115,27 +117,6 @@ def json_type(value: object) -> str:
     return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
-def refuse_fresh_start_over_a_run(save_dir: str, ctx: DistContext) -> None:
-    """A fresh start (resume off) must not write into a save_dir that already holds another run's checkpoints.
-
-    Its ``global_stepN`` tags would mix with the old run's: ``latest`` would jump between runs and
-    pruning would count (or spare) the wrong run's checkpoints.
-    """
-    latest = Path(save_dir) / "latest"
-    if ctx.any_rank(latest.is_file()):
-        raise CheckpointError(
-            f"{save_dir!r} already holds a checkpoint ({latest} names {read_latest(latest)!r}) and resume is off "
-            f"(--no-resume or train.resume=false); starting a new run there would mix its checkpoints with the "
-            f"old run's. Pass --save-dir with another directory, or drop --no-resume to continue the old run")
-
-
-def read_latest(latest: Path) -> str | None:
-    try:
-        return latest.read_text().strip()
-    except OSError:  # another rank sees it, or it went away: the message still names the directory
-        return None
-
-
 def build_dataset(cfg: EngineConfig, ctx: DistContext) -> TokenDataset:
     """The token dataset; the shipped corpus is tokenized by rank 0 (with ``data.tokenizer``) while the others wait."""
     tokenizer = None if cfg.data.tokenizer is None else configured_tokenizer(
@@ -158,35 +139,6 @@ def build_dataset(cfg: EngineConfig, ctx: DistContext) -> TokenDataset:
                         f"data.tokenizer {cfg.data.tokenizer!r} has {tokenizer.vocab_size} tokens; give the tokenizer "
                         "the data was made with, or re-tokenize the text with this one (angelptm-preprocess)")
     return dataset
-
-
-def step_of(tag: str) -> int | None:
-    """N for a ``global_stepN`` tag, else None."""
-    digits = tag.removeprefix("global_step")
-    return int(digits) if digits != tag and digits.isdigit() else None
-
-
-def prune_checkpoints(save_dir: str, keep_last: int) -> None:
-    """Keep the newest ``keep_last`` ``global_stepN`` checkpoints up to the one ``latest`` names; delete older ones.
-
-    Only tags with N <= the step of ``latest`` are candidates: newer ones are not this run's
-    checkpoints (another run's, or a save that never became ``latest``) and are left alone, as is
-    the ``latest`` one itself and any tag not of the form ``global_stepN``. Without a ``latest``
-    naming a ``global_stepN`` tag nothing is deleted.
-    """
-    root = Path(save_dir)
-    latest = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
-    latest_step = step_of(latest) if latest is not None else None
-    if latest_step is None:
-        return
-    steps = sorted((step, p) for p in root.glob("global_step*")
-                   if p.is_dir() and (step := step_of(p.name)) is not None and step <= latest_step)
-    pruned = steps[:max(len(steps) - keep_last, 0)]
-    # A checkpoint saved while the run was unhealthy never displaces the newest healthy one.
-    spared = health.newest_healthy([p for _, p in steps]) if pruned else None
-    for _, path in pruned:
-        if path.name != latest and path != spared:
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def mean_over_ranks(value: float, ctx: DistContext) -> float:
@@ -213,8 +165,8 @@ class StopRequest:
                        signal.Signals(signum).name)
 
 
-def train(raw: dict, *, allow_unsafe_pickle: bool = False, trace_dir: Path | None = None) -> float | None:
-    """Run the configured training; returns the last logged loss (None: the run had already finished).
+def train(raw: dict, *, allow_unsafe_pickle: bool = False, trace_dir: Path | None = None) -> health.RunEnd | None:
+    """Run the configured training; returns how it ended (None: the run had already finished).
 
     ``allow_unsafe_pickle``: resume from a previous-format checkpoint (see ``angelptm.checkpoints.safe_pickle``).
 
@@ -224,7 +176,7 @@ def train(raw: dict, *, allow_unsafe_pickle: bool = False, trace_dir: Path | Non
     cfg = load_config(raw, world_size=launcher_world_size())
     ctx = init_distributed(timeout_s=cfg.comms.timeout_s, lost_rank_after_s=cfg.comms.lost_rank_after_s)
     try:
-        return _train(cfg, ctx, allow_unsafe_pickle, trace_dir)
+        end = _train(cfg, ctx, allow_unsafe_pickle, trace_dir)
     except RuntimeError as err:  # gloo names a socket, not a rank: ask the heartbeat who is gone
         if isinstance(err, (CheckpointError, StepOutOfMemoryError, RunUnhealthyError)):
             raise
@@ -234,10 +186,13 @@ def train(raw: dict, *, allow_unsafe_pickle: bool = False, trace_dir: Path | Non
         if lost is None:
             raise
         raise lost from err
+    if ctx.is_main:  # a clean end (finished or interrupted): the next run takes the lock from no one
+        checkpoint_files.release_directory(cfg.train.save_dir)
+    return end
 
 
 def _train(cfg: EngineConfig, ctx: DistContext, allow_unsafe_pickle: bool, trace_dir: Path | None
-           ) -> float | None:
+           ) -> health.RunEnd | None:
     if not cfg.train.resume:
         refuse_fresh_start_over_a_run(cfg.train.save_dir, ctx)
     # At the start, not at the first save: a file, read-only or taken save_dir stops the job now. One that does not
@@ -258,21 +213,21 @@ def _train(cfg: EngineConfig, ctx: DistContext, allow_unsafe_pickle: bool, trace
         if trace_dir is not None:
             raise ConfigError("--trace pictures one engine's step; the AutoPipe pipeline has no tracer yet "
                               "(drop --trace, or trace the model without autopipe)")
-        loss = pipeline.train(cfg, ctx, dataset, stop_requested=lambda: stop.requested,
-                              after_save=lambda: prune_checkpoints(cfg.train.save_dir, cfg.train.keep_last),
-                              allow_unsafe_pickle=allow_unsafe_pickle)
-        if loss is None:
+        end = pipeline.train(cfg, ctx, dataset, stop_requested=lambda: stop.requested,
+                             after_save=lambda: prune_checkpoints(cfg.train.save_dir, cfg.train.keep_last),
+                             allow_unsafe_pickle=allow_unsafe_pickle)
+        if end is None:
             say_nothing_to_train(cfg, ctx)
-        return loss
+        return end
     model = build_model(cfg.model, moe=cfg.moe)
     weight_decay = cfg.optimizer.weight_decay if cfg.optimizer else 0.0
     engine, _, loader, _ = angelptm.initialize(model=model, model_parameters=model.param_groups(weight_decay),
                                                training_data=dataset, config=cfg)
     save_dir = cfg.train.save_dir
-    if cfg.train.resume and ctx.any_rank((Path(save_dir) / "latest").is_file()):
-        path, _ = engine.load_checkpoint(save_dir, allow_unsafe_pickle=allow_unsafe_pickle)
-        if path and ctx.is_main:
-            logger.info("resumed from %s at step %d", path, engine.global_steps)
+    # Resumes whenever save_dir holds checkpoints, `latest` or not (none that verifies: an error naming them).
+    path = resume(engine, save_dir, ctx, allow_unsafe_pickle=allow_unsafe_pickle) if cfg.train.resume else None
+    if path and ctx.is_main:
+        logger.info("resumed from %s at step %d", path, engine.global_steps)
     elif ctx.is_main:  # the first run of a save_dir: nothing is wrong, so no warning
         logger.info("no checkpoint in %s yet: starting fresh", save_dir)
     if ctx.is_main:
@@ -285,11 +240,17 @@ def _train(cfg: EngineConfig, ctx: DistContext, allow_unsafe_pickle: bool, trace
 
 
 def run_loop(engine: angelptm.Engine, cfg: EngineConfig, ctx: DistContext, loader, seq_len: int,
-             trace_dir: Path | None = None) -> float | None:
+             trace_dir: Path | None = None) -> health.RunEnd | None:
     """Train to ``cfg.train.steps``; with ``trace_dir``, trace the step after this run's first (warm-up) step.
 
     Returns:
-        The last logged loss; None when the run had already reached ``train.steps`` (a finished run, again).
+        How the run ended (its last step's logged loss, and whether a stop request ended it early); None when the
+        run had already reached ``train.steps`` (a finished run, again).
+
+    Raises:
+        RunUnhealthyError: no healthy step in ``train.max_bad_steps``, the fp16 loss scale overflowing at its
+            minimum, or a non-finite loss at the end however short the run; ``latest`` names the last
+            checkpoint to trust (:mod:`angelptm.pretraining.health`).
     """
     if engine.global_steps >= cfg.train.steps:
         say_nothing_to_train(cfg, ctx)
@@ -302,23 +263,20 @@ def run_loop(engine: angelptm.Engine, cfg: EngineConfig, ctx: DistContext, loade
     progress = progress_bar(cfg.train.steps, engine.global_steps, shown=ctx.is_main)  # off a terminal: step lines only
     loss_sum, loss_count, last_loss = 0.0, 0, float("nan")
     run_health = health.RunHealth(cfg.train.max_bad_steps)
+    prune_due = False  # after a save, at the next step: its loss tells whether the saved weights still train
     while engine.global_steps < cfg.train.steps and not ctx.any_rank(stop.requested):
-        step_losses: list[float] = []
         if trace_dir is not None and engine.global_steps == first_step + 1:
             engine.trace_next_step(trace_dir / f"rank{ctx.rank}" if ctx.world_size > 1 else trace_dir)
-        for _ in range(cfg.batch.gradient_accumulation_steps):
-            loss = engine(**next(batches))
-            engine.backward(loss)
-            engine.step()
-            step_losses.append(loss.item())
-            loss_sum, loss_count = loss_sum + step_losses[-1], loss_count + 1
         try:
-            # Every rank reaches the same verdict (a rank's loss alone may be non-finite), or one would stop alone.
-            finite = not ctx.any_rank(not all(math.isfinite(value) for value in step_losses))
-            run_health.record(engine.global_steps, applied=engine.was_step_applied(), finite=finite)
+            step_losses = train_step(engine, cfg, batches)
+            record_health(engine, ctx, run_health, step_losses)
         except RunUnhealthyError as err:
             progress.close()  # the error line starts a line of its own
-            raise health.stop_unhealthy(err, cfg.train.save_dir) if ctx.is_main else err from None
+            raise stopped_unhealthy(err, cfg, ctx, run_health) from None
+        if prune_due and ctx.is_main and not run_health.diverged:
+            prune_checkpoints(cfg.train.save_dir, cfg.train.keep_last)
+        prune_due = False
+        loss_sum, loss_count = loss_sum + sum(step_losses), loss_count + len(step_losses)
         meter.add_tokens(tokens_per_step)
         progress.update(1)
         step = engine.global_steps
@@ -327,13 +285,58 @@ def run_loop(engine: angelptm.Engine, cfg: EngineConfig, ctx: DistContext, loade
             loss_sum, loss_count = 0.0, 0
             log_metrics(step, last_loss, engine, meter, ctx, cfg.train.steps)
         if step % cfg.train.save_interval == 0 and step < cfg.train.steps:
-            save(engine, cfg, ctx, healthy=run_health.healthy)
+            save(engine, cfg, run_health)
+            prune_due = True
     progress.close()
     engine.finish_trace()
-    save(engine, cfg, ctx, healthy=run_health.healthy)
-    if stop.requested:
-        logger.warning("stopped at step %d; run the same command again to continue", engine.global_steps)
-    return last_loss
+    diverged = run_health.ended_diverged(engine.global_steps)
+    if diverged is not None:  # however short the run: never "done" with a NaN loss, and no NaN checkpoint as latest
+        raise stopped_unhealthy(diverged, cfg, ctx, run_health)
+    if loss_count:  # stopped between two step lines: the line of the last step it ran
+        last_loss = mean_over_ranks(loss_sum / loss_count, ctx)
+        log_metrics(engine.global_steps, last_loss, engine, meter, ctx, cfg.train.steps)
+    save(engine, cfg, run_health)
+    if ctx.is_main:
+        prune_checkpoints(cfg.train.save_dir, cfg.train.keep_last)
+    return health.RunEnd(step=engine.global_steps, loss=last_loss, interrupted=engine.global_steps < cfg.train.steps)
+
+
+def train_step(engine: angelptm.Engine, cfg: EngineConfig, batches) -> list[float]:
+    """One optimizer step: its micro-batches' losses.
+
+    Raises:
+        RunUnhealthyError: fp16 gradients overflowed at ``fp16.min_loss_scale`` (DeepSpeed stops there too).
+    """
+    losses = []
+    for _ in range(cfg.batch.gradient_accumulation_steps):
+        loss = engine(**next(batches))
+        engine.backward(loss)
+        try:
+            engine.step()
+        except FloatingPointError as err:  # the loss scaler's: one error line, not a traceback
+            raise RunUnhealthyError(f"step {engine.global_steps + 1}: {err}") from None
+        losses.append(loss.item())
+    return losses
+
+
+def record_health(engine: angelptm.Engine, ctx: DistContext, run_health: health.RunHealth,
+                  step_losses: list[float]) -> None:
+    """Count the step in ``run_health`` (raises after ``train.max_bad_steps`` bad steps in a row)."""
+    # Every rank reaches the same verdict (a rank's loss alone may be non-finite), or one would stop alone.
+    finite = not ctx.any_rank(not all(math.isfinite(value) for value in step_losses))
+    applied = engine.was_step_applied()
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    # A skip by fp16's dynamic scaler is its search for a scale that fits, not divergence.
+    run_health.record(engine.global_steps, applied=applied, finite=finite,
+                      scale_search=not applied and scaler is not None and scaler.dynamic)
+
+
+def stopped_unhealthy(err: RunUnhealthyError, cfg: EngineConfig, ctx: DistContext,
+                      run_health: health.RunHealth) -> RunUnhealthyError:
+    """``err`` naming the checkpoint to resume from, which ``latest`` names again (rank 0; the others: ``err``)."""
+    if not ctx.is_main:
+        return err
+    return health.stop_unhealthy(err, cfg.train.save_dir, run_health)
 
 
 def say_nothing_to_train(cfg: EngineConfig, ctx: DistContext) -> None:
@@ -344,10 +347,11 @@ def say_nothing_to_train(cfg: EngineConfig, ctx: DistContext) -> None:
                     cfg.train.save_dir, cfg.train.steps, 2 * cfg.train.steps)
 
 
-def save(engine: angelptm.Engine, cfg: EngineConfig, ctx: DistContext, *, healthy: bool = True) -> None:
-    engine.save_checkpoint(cfg.train.save_dir, client_state={health.HEALTHY_KEY: healthy})
-    if ctx.is_main:
-        prune_checkpoints(cfg.train.save_dir, cfg.train.keep_last)
+def save(engine: angelptm.Engine, cfg: EngineConfig, run_health: health.RunHealth) -> None:
+    """Save a checkpoint recording whether the run is healthy; ``latest`` moves onto it unless a non-finite loss
+    came since the last healthy step (that checkpoint is kept for inspection, never resumed by default)."""
+    engine.save_checkpoint(cfg.train.save_dir, client_state={health.HEALTHY_KEY: run_health.healthy},
+                           save_latest=not run_health.diverged)
 
 
 def log_metrics(step: int, loss: float, engine: angelptm.Engine, meter: ThroughputMeter, ctx: DistContext,
@@ -390,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.plan:
             return print_plan(read_config(args), plan_request(args))
-        loss = train(read_config(args), allow_unsafe_pickle=args.allow_unsafe_pickle, trace_dir=args.trace)
+        end = train(read_config(args), allow_unsafe_pickle=args.allow_unsafe_pickle, trace_dir=args.trace)
     except Exception as err:  # what the user can act on is one line; anything else is a bug, with its traceback
         line = one_line(err)
         if line is None:
@@ -399,8 +403,11 @@ def main(argv: list[str] | None = None) -> int:
         return line[1]
     finally:
         main_rank = _leave_process_group()
-    if main_rank and loss is not None:  # None: a finished run, run again (said where it was found)
-        logger.info("done: final loss %.4f", loss)
+    if main_rank and end is not None and end.interrupted:  # None: a finished run, run again (said where found)
+        logger.warning("interrupted at step %d: loss %.4f (its step line above); checkpoint saved, run the same "
+                       "command again to continue", end.step, end.loss)
+    elif main_rank and end is not None:
+        logger.info("done: final loss %.4f", end.loss)
     return 0
 
 

@@ -121,7 +121,15 @@ class EngineCheckpoints:
             per_rank["experts"] = {"module": {k: v for k, v in self.module.state_dict().items() if k in expert_names},
                                    "optimizer": self.optimizer.expert_state_dict() if self.optimizer is not None
                                    else None}
+        self._save_dirs.add(str(save_dir))  # the save takes its writer lock (the lowest rank writing there)
         return checkpoint.save(save_dir, tag, self.ctx, shared=shared, per_rank=per_rank, save_latest=save_latest)
+
+    def _release_save_dirs(self) -> None:
+        """Give back the writer locks this engine's saves took (at ``destroy()``): nothing would wait for them, but
+        the next process to save there would report taking over from a process that is gone."""
+        for save_dir in self._save_dirs:
+            checkpoint.release_directory(save_dir)
+        self._save_dirs.clear()
 
     def _expert_state_names(self, experts: ExpertParallel) -> set[str]:
         ids = {id(t) for t in self.module.parameters() if id(t) in experts.expert_ids}
@@ -292,11 +300,9 @@ class EngineCheckpoints:
 
     def save_fp32_model(self, path: str) -> None:
         """Write the consolidated fp32 weights to one safetensors file (rank 0; every rank calls it)."""
-        from safetensors.torch import save_file
-
         state = self._state_dict_for_writer()
         if state is not None:
-            save_file(state, path)
+            checkpoint.save_safetensors(state, path)
         self.ctx.barrier()
 
     def _refuse_spread_experts(self) -> None:

@@ -1,7 +1,10 @@
 """Offline export of a checkpoint's fp32 weights to one safetensors file.
 
-    python -m angelptm.checkpoints.export CHECKPOINT_DIR OUTPUT.safetensors [--tag TAG] [--allow-unsafe-pickle]
-    python -m angelptm.checkpoints.export CHECKPOINT_DIR --hf OUTPUT_DIR [--max-shard-size 5GB]
+    angelptm-export CHECKPOINT_DIR OUTPUT.safetensors [--tag TAG] [--allow-unsafe-pickle]
+    angelptm-export CHECKPOINT_DIR --hf OUTPUT_DIR [--max-shard-size 5GB]
+
+(``python -m angelptm.checkpoints.export`` is the same command.) The files are written with the mode any new file
+gets (0666 less the umask), not safetensors' 0600.
 
 ``--hf`` writes a ``save_pretrained`` directory instead (``config.json`` + safetensors shards, see
 ``angelptm.checkpoints.hf_export``): a transformers model trained here under its own names, our reference GPT as
@@ -24,7 +27,6 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import save_file
 
 from angelptm.checkpoints import files as checkpoint
 from angelptm.checkpoints import paths
@@ -137,7 +139,7 @@ def _gather_experts(path: Path, model_states: dict, masters: dict[str, torch.Ten
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m angelptm.checkpoints.export", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=_prog(), description=__doc__.split("\n\n")[0])
     parser.add_argument("load_dir", help="checkpoint directory (the save_dir given to save_checkpoint)")
     parser.add_argument("output", nargs="?", help="the .safetensors file to write (or give --hf DIR)")
     parser.add_argument("--hf", metavar="DIR", default=None,
@@ -168,13 +170,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     try:
-        save_file(state, args.output)
+        checkpoint.save_safetensors(state, args.output)
     except (OSError, SafetensorError) as err:  # e.g. no permission, disk full
         print(f"error: cannot write {args.output}: {err}", file=sys.stderr)
         return 1
     numel = sum(t.numel() for t in state.values())
     print(f"wrote {len(state)} tensors ({numel:,} elements, fp32) to {args.output}")
     return 0
+
+
+SCRIPT = "angelptm-export"
+"""The installed command (``[project.scripts]``); ``python -m angelptm.checkpoints.export`` runs the same."""
+
+
+def _prog() -> str:
+    """The command as the user typed it, for ``usage:``: the installed script, else the module form."""
+    invoked = os.path.basename(sys.argv[0]) if sys.argv else ""
+    return SCRIPT if invoked == SCRIPT else "python -m angelptm.checkpoints.export"
 
 
 def _writes_into_checkpoints(load_dir: Path, target: Path) -> str | None:

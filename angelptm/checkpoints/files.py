@@ -10,17 +10,20 @@ Writing protocol (rank 0 coordinates, every rank writes its own RNG/data-positio
    temporary directory and does steps 1-3 for the files written into it;
 2. rename the temporary directory to ``save_dir/<tag>`` (an existing tag is first moved aside
    to ``.old-<tag>`` and removed only after the new one is in place);
-3. fsync ``save_dir``, then replace ``latest`` atomically (write, fsync, ``os.replace``).
+3. fsync ``save_dir``, then replace ``latest`` atomically (write a new ``.latest.tmp``, fsync, ``os.replace``).
 
 A crash at any point leaves ``latest`` naming a complete checkpoint: before step 2 the new files
 sit in a temporary directory that the next save removes; between the two renames of step 2 the
 loader falls back to ``.old-<tag>``.
 
-Loading verifies the manifest first (sizes and checksums, the files shared out over the ranks). An
-explicit tag that fails is a :class:`CheckpointError` naming the file; following ``latest`` falls back to
-the newest older checkpoint that verifies, with a warning naming the damaged one. Files are read
-without running code from them (``angelptm.checkpoints.safe_pickle``), and only from inside the checkpoint
-directory: ``latest``, tags and manifest entries are checked as ``angelptm.checkpoints.paths`` says.
+Nothing outside ``save_dir`` is written or removed through a name inside it: the lock file and
+``.latest.tmp`` are opened with ``O_NOFOLLOW`` (the temporary file is always created anew, with ``O_EXCL``),
+renames and removals act on a symlink's name, never on what it leads to, and a ``latest`` that is a
+directory stops the save at its start, naming it, instead of failing at the rename.
+
+Loading is :mod:`angelptm.checkpoints.selection`'s (verify, fall back; ``resolve`` is re-exported here). Files
+are read without running code from them (``angelptm.checkpoints.safe_pickle``), and only from inside the
+checkpoint directory: ``latest``, tags and manifest entries are checked as ``angelptm.checkpoints.paths`` says.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from angelptm.checkpoints import paths
 from angelptm.checkpoints import safe_pickle as checkpoint_pickle
 from angelptm.checkpoints import writer_lock
 from angelptm.checkpoints.paths import LATEST, MODEL_FILE, OPTIM_FILE
+from angelptm.checkpoints.selection import resolve  # noqa: F401  (callers load through files.resolve)
 from angelptm.errors import CheckpointError, DiskFullError
 from angelptm.launch.distributed import DistContext
 from zero_cache import format_bytes
@@ -85,14 +89,58 @@ def point_latest(save_dir: str | os.PathLike, tag: str) -> None:
     _write_latest(root, tag)
 
 
+LATEST_TMP = f".{LATEST}.tmp"
+"""The temporary file ``latest`` is written to before it is renamed over ``latest``."""
+
+
 def _write_latest(save_dir: Path, tag: str) -> None:
-    tmp = save_dir / f".{LATEST}.tmp"
-    with open(tmp, "w") as handle:
-        handle.write(tag)
-        handle.flush()
-        os.fsync(handle.fileno())
+    """Replace ``latest`` atomically: a new temporary file (``O_EXCL | O_NOFOLLOW``: never one already there,
+    which could be a symlink carrying the write to a file outside the run), fsynced, then renamed over
+    ``latest`` (a rename replaces a symlink there, not the file it leads to)."""
+    tmp = save_dir / LATEST_TMP
+    if os.path.isdir(tmp) and not os.path.islink(tmp):
+        raise CheckpointError(f"cannot update {save_dir / LATEST}: {tmp} is a directory, and the engine writes a "
+                              "temporary file of that name first; move that directory out of the save directory")
+    _remove_entry(tmp)  # a leftover of a crashed save, or something planted: only the name is removed
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except FileExistsError:  # put back between the removal and the open, or not removable by this user
+        raise CheckpointError(f"cannot update {save_dir / LATEST}: {tmp} is in the way and could not be removed; "
+                              "remove it (the engine writes that temporary file itself), then save again") from None
+    try:
+        os.write(fd, tag.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(tmp, save_dir / LATEST)
     _fsync_dir(save_dir)
+
+
+def _remove_entry(path: Path) -> None:
+    """Remove ``path`` itself: a real directory with its contents, anything else (a symlink included) by its name
+    alone, so nothing a symlink leads to is touched. Missing or not removable: left as it is."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike,
+                     metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file``, then the mode ``open()`` would have given the file: 0666 less the umask.
+
+    safetensors creates its file 0600, so an exported model was unreadable to the group and others who can read
+    the user's other files (a shared model directory, a serving job under another user).
+    """
+    from safetensors.torch import save_file
+
+    save_file(tensors, path, metadata=metadata)
+    mask = os.umask(0o022)  # the umask is read by setting it: put straight back
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 def _remove_leftovers(root: Path) -> None:
@@ -167,7 +215,8 @@ def save(save_dir: str | os.PathLike, tag: str, ctx: DistContext, *, shared: dic
         except Exception as err:  # the other ranks wait below: tell them, or they would hang there
             error = err
             shutil.rmtree(tmp, ignore_errors=True)  # not renamed in: the partial must not fill the disk
-            (root / f".{LATEST}.tmp").unlink(missing_ok=True)
+            if not os.path.isdir(root / LATEST_TMP):  # a directory of that name is not ours to delete
+                _remove_entry(root / LATEST_TMP)
     failed = failed_ranks(ctx, error is None)  # only the ranks publishing a directory can have failed here
     if failed:
         if error is not None:
@@ -231,7 +280,8 @@ def claim_directory(save_dir: str | os.PathLike) -> None:
     """Create ``save_dir`` if needed, check it can hold checkpoints, and take its writer lock (this process's).
 
     Raises:
-        CheckpointError: it is a file, not writable, or another live process writes there (named).
+        CheckpointError: it is a file, not writable, another live process writes there (named), its ``latest`` is
+            a directory, or its lock file is not a plain file of its own (a symlink, hard link or FIFO).
     """
     root = Path(save_dir)
     if root.exists() and not root.is_dir():
@@ -245,7 +295,18 @@ def claim_directory(save_dir: str | os.PathLike) -> None:
     if not os.access(root, os.W_OK | os.X_OK):
         raise CheckpointError(f"the checkpoint directory {str(root)!r} (train.save_dir / save_dir) is not writable "
                               "by this user; point it at a writable directory")
+    latest = root / LATEST
+    if os.path.isdir(latest) and not os.path.islink(latest):  # every save would fail when it replaces latest
+        raise CheckpointError(f"{latest} is a directory; there the engine keeps a file naming the newest checkpoint "
+                              "and cannot replace a directory with it. Move that directory out of the save directory "
+                              "(a checkpoint inside it is not lost), then run again")
     writer_lock.LOCKS.hold(root)
+
+
+def release_directory(save_dir: str | os.PathLike) -> None:
+    """Give back ``save_dir``'s writer lock if this process holds it (a job that finished, an engine destroyed), so
+    that the next writer takes it without reporting a process that is gone."""
+    writer_lock.LOCKS.release(save_dir)
 
 
 def _ranks_sharing_directory(ctx: DistContext, root: Path, tmp_name: str) -> tuple[list[int], str]:
@@ -269,12 +330,12 @@ def _finalize(root: Path, tmp: Path, final: Path, old: Path, latest_tag: str | N
     """Rank 0, once every file is written: the manifest, the renames, and ``latest``."""
     manifest.write_manifest(tmp, records)
     _fsync_dir(tmp)
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
+    if os.path.lexists(final):  # a symlink there is moved aside as a name; what it leads to is not touched
+        _remove_entry(old)
         os.rename(final, old)
     os.rename(tmp, final)
     _fsync_dir(root)
-    shutil.rmtree(old, ignore_errors=True)
+    _remove_entry(old)
     if latest_tag is not None:
         _write_latest(root, latest_tag)
     logger.info("saved checkpoint %s", final)
@@ -298,122 +359,6 @@ def _gather_records(ctx: DistContext, records: list[manifest.FileRecord] | None
     parts: list[Any] = [None] * ctx.world_size
     torch.distributed.all_gather_object(parts, records, group=ctx.group)
     return parts
-
-
-def resolve(load_dir: str | os.PathLike, tag: str | None, ctx: DistContext | None = None) -> Path | None:
-    """The directory of a checkpoint that verifies against its manifest, or None when there is no checkpoint.
-
-    Args:
-        load_dir: the checkpoint root.
-        tag: an explicit tag, which must verify; None follows ``latest`` and falls back, newest first,
-            to the older checkpoints in ``load_dir`` when it does not.
-        ctx: with several ranks, each checks a share of the files and all agree on the outcome (every
-            rank must call it); None checks every file here.
-
-    Raises:
-        CheckpointError: the explicit tag, or every candidate, fails; the message names the damaged files.
-    """
-    root = Path(load_dir)
-    if tag is not None:
-        paths.check_tag(tag)
-        path = _tag_dir(root, tag)
-        problem = _verify(path, ctx)
-        if problem is not None:
-            raise CheckpointError(f"checkpoint {path} does not verify: {problem}")
-        return path
-    latest_tag, problem = paths.read_latest(root)
-    if latest_tag is None and problem is None:
-        return None
-    problems = [] if problem is None else [problem]
-    if problem is not None:
-        logger.warning("%s is damaged (%s); trying the newest checkpoint in %s", root / LATEST, problem, root)
-    for path in _candidates(root, latest_tag):
-        problem = _verify(path, ctx)
-        if problem is None:
-            return path
-        problems.append(problem)
-        logger.warning("checkpoint %s does not verify (%s); trying the newest one before it", path, problem)
-    raise CheckpointError(f"no checkpoint in {root} verifies: {'; '.join(problems)}. Move the damaged ones out of "
-                          "the directory to inspect them, or start over with another save directory")
-
-
-def _tag_dir(root: Path, tag: str) -> Path:
-    path = root / tag
-    if not path.is_dir() and (root / f".old-{tag}").is_dir() and paths.is_inside(root, root / f".old-{tag}"):
-        logger.warning("checkpoint %s was being replaced when a save was interrupted; loading the previous copy", path)
-        path = root / f".old-{tag}"
-    return path
-
-
-def _saved_at(path: Path) -> float:
-    """When a checkpoint was saved: its manifest's time, else its directory's modification time."""
-    try:
-        return float(manifest.read_manifest(path)["saved_at_unix"])
-    except Exception:  # no manifest (an older checkpoint) or a damaged one: the directory still orders it
-        return path.stat().st_mtime
-
-
-def _candidates(root: Path, latest_tag: str | None) -> list[Path]:
-    """The checkpoint ``latest`` names, then every checkpoint saved before it, newest first (every checkpoint
-    when ``latest`` is damaged: ``latest_tag`` None).
-
-    Newer ones are left out: they never became ``latest`` (``save_latest=False``, or a crash between the
-    rename and the pointer update), so resuming from them would skip what the user chose. Directories that
-    lead outside ``root`` (symlinks) are not checkpoints of it.
-    """
-    named = _tag_dir(root, latest_tag) if latest_tag is not None else None
-    limit = _saved_at(named) if named is not None and named.is_dir() else float("inf")
-    others = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and p != named
-              and paths.is_inside(root, p) and paths.tag_problem(p.name) is None
-              and ((p / MODEL_FILE).is_file() or (p / manifest.MANIFEST_FILE).is_file())]
-    older = sorted(((t, p) for p in others if (t := _saved_at(p)) <= limit), key=lambda item: item[0], reverse=True)
-    return ([named] if named is not None else []) + [p for _, p in older]
-
-
-def _verify(path: Path, ctx: DistContext | None) -> str | None:
-    """None when the checkpoint at ``path`` is complete and every file matches the manifest, else why not."""
-    if not path.is_dir():
-        return f"{path} does not exist"
-    if not paths.is_inside(path.parent, path):
-        return f"{path} leads outside {path.parent} (a symlink)"
-    try:
-        saved = manifest.read_manifest(path)
-    except CheckpointError as err:
-        return str(err)
-    if saved is None:
-        return _check_unverifiable(path)
-    if MODEL_FILE not in saved["files"]:
-        return f"{path} is not a complete checkpoint (its manifest lists no {MODEL_FILE})"
-    rank, world_size = (ctx.rank, ctx.world_size) if ctx is not None and ctx.group is not None else (0, 1)
-    problems = [p for name in manifest.share_of_files(saved, rank, world_size)
-                if (p := manifest.verify_file(path, name, saved["files"][name])) is not None]
-    if world_size > 1:  # every rank must reach the same verdict, or they would load different checkpoints
-        parts: list[Any] = [None] * world_size
-        torch.distributed.all_gather_object(parts, problems, group=ctx.group)
-        problems = [p for part in parts for p in part]
-    return "; ".join(problems) or None
-
-
-def _check_unverifiable(path: Path) -> str | None:
-    """A checkpoint without a manifest: acceptable (with a warning) only if it predates manifests (format 1).
-
-    Every checkpoint of format 2 or later was written with its manifest, so one without it lost files on
-    the way (a partial copy): it is damaged, whatever else is left of it.
-    """
-    if not (path / MODEL_FILE).is_file():
-        return f"{path} is not a complete checkpoint (no {MODEL_FILE})"
-    try:
-        version = load_file(path / MODEL_FILE).get("format_version", 1)
-    except CheckpointError as err:
-        if "opt in with" not in str(err):  # unreadable, not merely of the old, pickled format
-            return str(err)
-        version = 1
-    if version >= 2:
-        return (f"{path / manifest.MANIFEST_FILE} is missing, although {path / MODEL_FILE} is of format {version}, "
-                "which is always saved with one: files were lost (a partial copy?)")
-    logger.warning("%s has no %s (saved before manifests existed): its files cannot be verified",
-                   path, manifest.MANIFEST_FILE)
-    return None
 
 
 def load_file(path: Path, *, allow_unsafe_pickle: bool = False) -> Any:

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from angelptm.checkpoints import architecture
+from angelptm.checkpoints.files import save_safetensors
 from angelptm.errors import CheckpointError
 from angelptm.pretraining.models import ModelConfig
 
@@ -190,7 +190,7 @@ def write_pretrained(out_dir: str | Path, config: Any, state: dict[str, torch.Te
         # Copies, one shard at a time: the q/k/v and gate/up slices are views of one tensor, and
         # safetensors refuses tensors that share memory.
         tensors = {key: state[key].clone(memory_format=torch.contiguous_format) for key in keys}
-        save_file(tensors, out / filename, metadata={"format": "pt"})
+        save_safetensors(tensors, out / filename, metadata={"format": "pt"})
     written = ["config.json", *split.filename_to_tensors]
     if split.is_sharded:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import stat
 import time
 import zlib
 from collections.abc import Iterator
@@ -41,7 +40,7 @@ from typing import Any
 
 import torch
 
-from angelptm.checkpoints.paths import MANIFEST_FILE, regular_file_problem
+from angelptm.checkpoints.paths import MANIFEST_FILE, read_small_file, regular_file_problem
 from angelptm.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -166,7 +165,8 @@ def write_hashed(obj: Any, path: Path) -> FileRecord:
     Raises:
         OSError: the write failed (e.g. ENOSPC: the disk is full), with ``path`` as its filename.
     """
-    with open(path, "wb") as handle, ThreadPoolExecutor(_HASH_THREADS, thread_name_prefix="ckpt-crc") as hasher:
+    with _open_for_writing(path, "wb") as handle, \
+            ThreadPoolExecutor(_HASH_THREADS, thread_name_prefix="ckpt-crc") as hasher:
         target = _HashingFile(handle, hasher)
         try:
             with _without_zip_crc():
@@ -181,12 +181,18 @@ def write_hashed(obj: Any, path: Path) -> FileRecord:
     return FileRecord(path.name, target.size_bytes, target.crc32)
 
 
+def _open_for_writing(path: Path, mode: str) -> Any:
+    """``open(path, mode)`` for writing, except that a symlink at ``path`` is refused (ELOOP), not written through:
+    the files go into a temporary directory this process just created, so one is never expected there."""
+    return open(path, mode, opener=lambda name, flags: os.open(name, flags | os.O_NOFOLLOW, 0o666))
+
+
 def write_manifest(directory: Path, records: list[FileRecord]) -> None:
     """Write ``directory/manifest.json`` durably (the caller fsyncs the directory)."""
     files = {r.name: {"size_bytes": r.size_bytes, ALGORITHM: f"{r.crc32:08x}"}
              for r in sorted(records, key=lambda r: r.name)}
     manifest = {"format": MANIFEST_FORMAT, "algorithm": ALGORITHM, "saved_at_unix": time.time(), "files": files}
-    with open(directory / MANIFEST_FILE, "w") as handle:
+    with _open_for_writing(directory / MANIFEST_FILE, "w") as handle:
         json.dump(manifest, handle, indent=1)
         handle.flush()
         os.fsync(handle.fileno())
@@ -199,17 +205,15 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
         CheckpointError: the manifest exists but is unreadable or malformed.
     """
     path = directory / MANIFEST_FILE
-    try:
-        if not stat.S_ISREG(path.stat().st_mode):  # /dev/zero or a pipe would be read forever
-            raise CheckpointError(f"{path} is damaged: not a regular file")
-        with open(path, "rb") as handle:
-            text = handle.read(_MAX_MANIFEST_BYTES + 1)
-        if len(text) > _MAX_MANIFEST_BYTES:
-            raise CheckpointError(f"{path} is damaged: larger than {_MAX_MANIFEST_BYTES} bytes")
-        manifest = json.loads(text)
+    try:  # never through a symlink: another run's manifest would vouch for files that are not its own
+        text, problem = read_small_file(path, _MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as err:
+    if problem is not None:
+        raise CheckpointError(f"the manifest is damaged: {problem}")
+    try:
+        manifest = json.loads(text)
+    except ValueError as err:
         raise CheckpointError(f"{path} is damaged: {err}") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(manifest, dict) or manifest.get("algorithm") != ALGORITHM or not isinstance(files, dict) \

@@ -15,6 +15,7 @@ the writer lock, hidden ``.tmp-*`` / ``.old-*`` directories) or into a checkpoin
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -110,26 +111,60 @@ def checkpoint_dir_problem(root: Path, tag: str) -> str | None:
     return None
 
 
-def read_latest(root: Path) -> tuple[str | None, str | None]:
-    """``(tag, problem)`` of ``root/latest``: ``(None, None)`` without one; a problem when it is damaged (not a
-    regular file, too large, not UTF-8, or naming a tag that is not allowed), and then the tag is None."""
-    path = root / LATEST
-    if not path.exists():
-        return None, None
+def read_small_file(path: Path, max_bytes: int) -> tuple[bytes | None, str | None]:
+    """``(data, None)`` for a regular file of at most ``max_bytes``, else ``(None, why not)``; never follows a symlink.
+
+    For the small files the engine reads by a fixed name (``latest``, a manifest, the writer lock's holder): a
+    symlink there could lead to any file of the machine, a FIFO would block the reader forever and ``/dev/zero``
+    or a 20 GiB sparse file would be read into memory. So the name is checked with ``lstat`` before anything is
+    opened (opening a device can itself do things), opened with ``O_NOFOLLOW | O_NONBLOCK`` (a swap between the
+    two calls is caught by ``fstat`` on what was opened), and at most ``max_bytes + 1`` bytes are read. The
+    reasons returned never quote the file's bytes, which may be anyone's.
+
+    Raises:
+        FileNotFoundError: there is no such file (callers report a missing file their own way).
+    """
     try:
-        if not stat.S_ISREG(path.stat().st_mode):
-            return None, f"{path} is not a regular file"
-        with open(path, "rb") as handle:
-            data = handle.read(MAX_LATEST_BYTES + 1)
+        mode = os.lstat(path).st_mode
+        if stat.S_ISLNK(mode):
+            return None, f"{path} is a symbolic link (the engine writes this file itself and never follows a link there)"
+        if not stat.S_ISREG(mode):
+            return None, f"{path} is not a regular file (a directory, device or pipe)"
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):  # no such file (or its directory is a file)
+        raise FileNotFoundError(errno.ENOENT, "no such file", str(path)) from None
+    except OSError as err:  # ELOOP: it became a symlink after the lstat
+        return None, f"{path} cannot be opened: {err.strerror or err}"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None, f"{path} is not a regular file (it was replaced while being opened)"
+        data = os.read(fd, max_bytes + 1)
     except OSError as err:
-        return None, f"{path} cannot be read: {err}"
-    if len(data) > MAX_LATEST_BYTES:
-        return None, f"{path} holds more than {MAX_LATEST_BYTES} bytes (it names one tag)"
+        return None, f"{path} cannot be read: {err.strerror or err}"
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        return None, f"{path} holds more than {max_bytes} bytes, more than this engine ever writes there"
+    return data, None
+
+
+def read_latest(root: Path) -> tuple[str | None, str | None]:
+    """``(tag, problem)`` of ``root/latest``: ``(None, None)`` without one; a problem when it is damaged (a symlink,
+    not a regular file, too large, not UTF-8, or naming a tag that is not allowed), and then the tag is None.
+
+    The problem never quotes the file: ``latest`` may be a hard link to any file of the machine."""
+    path = root / LATEST
+    try:
+        data, problem = read_small_file(path, MAX_LATEST_BYTES)
+    except FileNotFoundError:
+        return None, None
+    if problem is not None:
+        return None, problem
     try:
         tag = data.decode("utf-8").strip()
     except UnicodeDecodeError:
-        return None, f"{path} is not UTF-8 text"
+        return None, f"{path} is not UTF-8 text (it should hold one checkpoint tag)"
     problem = tag_problem(tag)
     if problem is not None:
-        return None, f"{path} names {tag!r}, which {problem}"
+        return None, f"{path} does not name a usable checkpoint: the tag it holds ({len(data)} bytes) {problem}"
     return tag, None

@@ -5,7 +5,15 @@ failed) and pruned each other's checkpoints. The first save into a directory (or
 start) takes ``save_dir/.writer.lock``: an ``flock`` held for the life of the process, and the file's text
 names the holder (pid, host, start time) for the message another process gets. The kernel drops an
 ``flock`` when its process dies however it dies, so a crashed holder's lock is taken over with nothing to
-clean up. (On filesystems where ``flock`` is not shared between hosts, two hosts are not kept apart.)
+clean up. (On filesystems where ``flock`` is not shared between hosts, two hosts are not kept apart.) A clean
+end (``pretrain.py`` finishing or interrupted, ``engine.destroy()``) gives the lock back and empties the file, so
+the next holder does not report taking it over from a process that is gone.
+
+The lock file is a name in a directory others may write to: a symlink or hard link there would carry the
+holder's JSON into a file outside the run, a FIFO would block reading the holder forever, a 20 GiB sparse file
+would be read into memory. So it is opened with ``O_NOFOLLOW | O_NONBLOCK`` after an ``lstat``, refused (by name,
+with "remove it") unless it is a regular file with one link, and the holder is read from the open descriptor,
+at most 4 KiB, and shown only as fields of their kind (a pid, a host name, a time).
 
 A save's temporary directory is ``.tmp-<pid>-<host id>-<random>-<tag>``: the cleanup at the next save removes
 only those whose process is gone (same host, pid not alive), never a live save's.
@@ -21,6 +29,7 @@ import os
 import re
 import secrets
 import socket
+import stat
 import time
 import zlib
 from pathlib import Path
@@ -42,48 +51,101 @@ class SaveDirLocks:
         """Take ``save_dir``'s writer lock, or keep it if this process holds it already.
 
         Raises:
-            CheckpointError: another live process holds it (named), or the directory cannot hold a lock file.
+            CheckpointError: another live process holds it (named), or the lock file is not one the engine can
+                write safely (a symlink, hard link, FIFO, directory; or the directory is not writable).
         """
         key = os.path.realpath(save_dir)
         if key in self._held:
             return
         path = Path(key) / LOCK_FILE
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as err:
-            raise CheckpointError(f"cannot create the writer lock {path}: {err}") from None
+        fd = _open_lock_file(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
+            holder = _describe(fd)
             os.close(fd)
             if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise CheckpointError(f"cannot lock {path}: {err}") from None
-            raise CheckpointError(f"{save_dir!s} is being written by another process ({_describe(path)}): two jobs "
+            raise CheckpointError(f"{save_dir!s} is being written by another process ({holder}): two jobs "
                                   "saving into one directory destroy each other's checkpoints. Give this run its "
                                   "own save_dir (pretrain.py --save-dir), or stop the other job first") from None
-        previous = _describe(path)
+        previous = _describe(fd)
         os.ftruncate(fd, 0)
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "started_at_unix": round(time.time(), 3)}
         os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
-        if previous != "holder unknown":
+        if previous != _UNKNOWN:  # a holder that released its lock left the file empty
             logger.info("took over the writer lock of %s from a process that is gone (%s)", save_dir, previous)
         self._held[key] = fd
 
     def release(self, save_dir: str | os.PathLike) -> None:
-        """Give ``save_dir``'s lock back (the file stays; the next holder rewrites it)."""
+        """Give ``save_dir``'s lock back. The file stays (removing it would let two processes lock two different
+        files of one name) but is emptied first, so the next holder has no one to report taking it over from."""
         fd = self._held.pop(os.path.realpath(save_dir), None)
-        if fd is not None:
+        if fd is None:
+            return
+        try:
+            os.ftruncate(fd, 0)
+        except OSError:  # the lock is given back all the same
+            pass
+        finally:
             os.close(fd)  # closing the last descriptor drops the flock
 
 
-def _describe(path: Path) -> str:
-    """The holder a lock file names, for messages."""
+_UNKNOWN = "holder unknown"
+_MAX_HOLDER_BYTES = 4096
+"""The holder's JSON is under 100 bytes; reading more would let a planted 20 GiB file fill the memory."""
+_HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
+
+
+def _open_lock_file(path: Path) -> int:
+    """A read-write descriptor of the lock file, created if missing.
+
+    The holder's name is written into it, so anything but this directory's own regular file is refused before
+    it is written: a symlink or a hard link would carry the write to a file outside the run, a FIFO would block
+    the read of the holder's name, a device is never opened.
+
+    Raises:
+        CheckpointError: naming the file, what it is, and that removing it is the fix.
+    """
+    remedy = f"remove it (rm {str(path)!r}): the engine creates a plain file there"
     try:
-        holder = json.loads(path.read_text())
-        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder["started_at_unix"])))
-        return f"pid {int(holder['pid'])} on {holder['host']}, since {started}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "holder unknown"
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as err:
+        raise CheckpointError(f"cannot inspect the writer lock {path}: {err.strerror or err}") from None
+    if mode is not None and stat.S_ISLNK(mode):
+        raise CheckpointError(f"the writer lock {path} is a symbolic link, which the engine never writes through "
+                              f"(it would overwrite the file it leads to); {remedy}")
+    if mode is not None and not stat.S_ISREG(mode):
+        raise CheckpointError(f"the writer lock {path} is not a regular file (a directory, FIFO or device); {remedy}")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as err:  # ELOOP: it became a symlink after the lstat
+        raise CheckpointError(f"cannot open the writer lock {path}: {err.strerror or err}; it must be a plain "
+                              f"file in a directory this user can write: {remedy}, or point save_dir at a "
+                              "writable directory") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        os.close(fd)
+        what = ("a hard link (another name shares its contents, which the engine would overwrite)"
+                if stat.S_ISREG(info.st_mode) else "not a regular file (it was replaced while being opened)")
+        raise CheckpointError(f"the writer lock {path} is {what}; {remedy}")
+    return fd
+
+
+def _describe(fd: int) -> str:
+    """The holder a lock file names, for messages: read from the open lock (at most a few KiB), and only the
+    fields' values that fit their kind (a pid, a host name, a time), never the file's other bytes."""
+    try:
+        holder = json.loads(os.pread(fd, _MAX_HOLDER_BYTES, 0))
+        pid, host, since = int(holder["pid"]), str(holder["host"]), float(holder["started_at_unix"])
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since))
+    except (OSError, ValueError, KeyError, TypeError, OverflowError):
+        return _UNKNOWN
+    if not _HOST_NAME.fullmatch(host):
+        return _UNKNOWN
+    return f"pid {pid} on {host}, since {started}"
 
 
 LOCKS = SaveDirLocks()

@@ -84,6 +84,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
         self._health = RunHealth(config.train.max_bad_steps)
         self._loss_nonfinite: torch.Tensor | None = None  # this step's micro-batch losses: any non-finite, on device
         self._destroyed = False
+        self._save_dirs: set[str] = set()  # where save_checkpoint took the writer lock: destroy() gives it back
         # ZeRO-Cache's timeline also records its copies, host jobs and disk requests; otherwise compute only.
         self._tracer = StepTracer(getattr(optimizer, "timeline", None) or Timeline(ctx.device))
 
@@ -239,9 +240,10 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
         else:
             self.skipped_steps += 1
             if self.ctx.is_main:
-                change = (f"loss scale lowered to {self.loss_scale:g}" if self.loss_scale != scale_before
-                          else f"loss scale kept at {self.loss_scale:g} (hysteresis)")
-                logger.warning("non-finite gradients (overflow) at step %d: step skipped, %s",
+                change = ("" if self.optimizer.loss_scaler is None  # bf16/fp32: there is no scale to speak of
+                          else f", loss scale lowered to {self.loss_scale:g}" if self.loss_scale != scale_before
+                          else f", loss scale kept at {self.loss_scale:g} (hysteresis)")
+                logger.warning("non-finite gradients (overflow) at step %d: step skipped%s",
                                self.global_steps + 1, change)
         self.micro_steps += 1
         self.global_steps += 1
@@ -268,6 +270,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
             return
         if self.optimizer is not None:
             self.optimizer.destroy()
+        self._release_save_dirs()
         unregister(self)
         self._loss_sum = None
         self._destroyed = True
@@ -288,7 +291,10 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
         gradients, which skip the step, so the loss flag is read (a device sync) only for a skipped step."""
         nonfinite, self._loss_nonfinite = self._loss_nonfinite, None
         finite = self._step_applied or nonfinite is None or not bool(nonfinite.item())
-        said = self._health.watch(self.global_steps, applied=self._step_applied, finite=finite)
+        scaler = self.optimizer.loss_scaler if self.optimizer is not None else None
+        # fp16's dynamic scaler skipping steps while it lowers its scale is not an unhealthy run.
+        said = self._health.watch(self.global_steps, applied=self._step_applied, finite=finite,
+                                  scale_search=not self._step_applied and scaler is not None and scaler.dynamic)
         if said is not None and self.ctx.is_main:
             logger.log(*said)
 

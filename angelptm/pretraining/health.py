@@ -8,6 +8,13 @@ after ``train.max_bad_steps`` consecutive unhealthy steps the run stops with
 ``latest`` is pointed back at it. Each checkpoint ``pretrain.py`` saves records whether the run was healthy
 then (``client_state["healthy"]``), and pruning always keeps the newest healthy one.
 
+A run shorter than ``max_bad_steps`` that ends with a non-finite loss (``warmup_max_lr: 1e10``: NaN from the
+fourth step) is diverged all the same: it ends with the same error and exit status (:meth:`RunHealth.ended_diverged`),
+and ``latest`` is never moved onto a checkpoint saved after a non-finite loss (nor left on the one saved just
+before it, whose weights gave that loss: :attr:`RunHealth.last_trusted_step`). The fp16 loss scaler's search for
+a scale (every overflow halves it) is not divergence: those skipped steps are not counted, and the scaler
+itself stops a run whose gradients overflow at its minimum scale.
+
 A user's own script keeps DeepSpeed's behaviour (skipped steps go on): its engine calls :meth:`RunHealth.watch`,
 which never raises and returns one warning line when the run turns unhealthy and one info line when it recovers.
 """
@@ -19,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from angelptm.checkpoints import files as checkpoint
+from angelptm.checkpoints import paths
 from angelptm.errors import CheckpointError
 from angelptm.pretraining.job_errors import RunUnhealthyError
 
@@ -28,6 +36,18 @@ HEALTHY_KEY = "healthy"
 """``client_state`` key of a checkpoint saved by ``pretrain.py``: whether its last step was healthy."""
 
 
+@dataclass(frozen=True, slots=True)
+class RunEnd:
+    """How a training loop that did not fail ended."""
+
+    step: int
+    """The last step it ran."""
+    loss: float
+    """The loss on the step line of ``step`` (the mean over the steps since the line before it)."""
+    interrupted: bool
+    """Ctrl-C or SIGTERM stopped it before ``train.steps``."""
+
+
 @dataclass(slots=True)
 class RunHealth:
     """Consecutive unhealthy steps, and the cause of the latest one."""
@@ -35,29 +55,65 @@ class RunHealth:
     max_bad_steps: int
     bad_steps: int = 0
     last_cause: str = ""
+    first_bad_step: int | None = None
+    """The first step of the current run of unhealthy steps (None while healthy)."""
+    diverged: bool = False
+    """A step of the current unhealthy run had a non-finite loss: the weights no longer train (a skipped step with
+    a finite loss may be an overflow the run recovers from)."""
 
     @property
     def healthy(self) -> bool:
         return self.bad_steps == 0
 
-    def record(self, step: int, *, applied: bool, finite: bool) -> None:
+    @property
+    def last_trusted_step(self) -> int | None:
+        """The newest step whose checkpoint may be resumed from (None while healthy: any).
+
+        A step's loss is computed with the weights of the step before it, so the checkpoint saved just before
+        the first non-finite loss holds the weights that gave it (``warmup_max_lr: 1e10`` makes such weights one
+        step ahead of the NaN); after a diverged run that one is not trusted either.
+        """
+        if self.first_bad_step is None:
+            return None
+        return self.first_bad_step - (2 if self.diverged else 1)
+
+    def record(self, step: int, *, applied: bool, finite: bool, scale_search: bool = False) -> None:
         """Count one optimizer step (``finite``: every micro-batch loss on every rank); raise when
         ``max_bad_steps`` in a row were unhealthy.
+
+        ``scale_search``: the step was skipped by a dynamic fp16 loss scaler, which halves its scale at each
+        overflow until the gradients fit (``fp16.initial_scale_power: 40`` takes 25 such steps). That is the
+        scaler working, not the run diverging: such a step changes nothing here (the scaler itself stops the
+        run when its scale reaches ``fp16.min_loss_scale``). A step with a non-finite loss always counts.
 
         Raises:
             RunUnhealthyError: naming the cause; the caller adds the last healthy checkpoint.
         """
         if applied and finite:
-            self.bad_steps = 0
+            self.bad_steps, self.first_bad_step, self.diverged = 0, None, False
             return
+        if scale_search and finite:
+            return
+        if self.bad_steps == 0:
+            self.first_bad_step = step
         self.bad_steps += 1
+        self.diverged = self.diverged or not finite
         self.last_cause = ("the loss is not finite" if not finite else
                            "the step was skipped (non-finite gradients: overflow)")
         if self.bad_steps >= self.max_bad_steps:
             raise RunUnhealthyError(f"no healthy step in the last {self.bad_steps} steps (up to step {step}; "
                                     f"train.max_bad_steps {self.max_bad_steps}): {self.last_cause}")
 
-    def watch(self, step: int, *, applied: bool, finite: bool) -> tuple[int, str] | None:
+    def ended_diverged(self, step: int) -> RunUnhealthyError | None:
+        """The error for a run that ends (its last step, or a stop request) with a non-finite loss in its current
+        unhealthy run, however short: it must not end "done" with exit status 0. None when it did not."""
+        if not self.diverged:
+            return None
+        return RunUnhealthyError(f"the run ended at step {step} with a non-finite loss: it diverged at step "
+                                 f"{self.first_bad_step} ({self.bad_steps} unhealthy step(s) since, too few for "
+                                 f"train.max_bad_steps {self.max_bad_steps} to stop it earlier)")
+
+    def watch(self, step: int, *, applied: bool, finite: bool, scale_search: bool = False) -> tuple[int, str] | None:
         """Like :meth:`record` but never raises: a user's own script goes on as under DeepSpeed.
 
         Returns:
@@ -66,7 +122,7 @@ class RunHealth:
         """
         was_unhealthy, bad_before = self.bad_steps >= self.max_bad_steps, self.bad_steps
         try:
-            self.record(step, applied=applied, finite=finite)
+            self.record(step, applied=applied, finite=finite, scale_search=scale_search)
         except RunUnhealthyError as err:
             return None if was_unhealthy else (logging.WARNING, (
                 f"{err}; lower optimizer.params.lr or check the data (engine.was_step_applied() tells whether "
@@ -90,20 +146,28 @@ def newest_healthy(paths_oldest_first: list[Path]) -> Path | None:
     return next((path for path in reversed(paths_oldest_first) if checkpoint_is_healthy(path)), None)
 
 
-def stop_unhealthy(err: RunUnhealthyError, save_dir: str) -> RunUnhealthyError:
-    """``err`` completed with the last healthy checkpoint, which ``latest`` names again (rank 0 calls it)."""
+def stop_unhealthy(err: RunUnhealthyError, save_dir: str, run_health: RunHealth | None = None) -> RunUnhealthyError:
+    """``err`` completed with the last healthy checkpoint, which ``latest`` names again (rank 0 calls it).
+
+    Args:
+        run_health: the run's; checkpoints after its :attr:`RunHealth.last_trusted_step` are not candidates.
+    """
     root = Path(save_dir)
-    steps = sorted((step, p) for p in root.glob("global_step*") if p.is_dir()
-                   and (step := step_of(p.name)) is not None)
+    last_trusted_step = run_health.last_trusted_step if run_health is not None else None
+    steps = sorted((step, p) for p in root.glob("global_step*") if p.is_dir() and paths.is_inside(root, p)
+                   and (step := step_of(p.name)) is not None
+                   and (last_trusted_step is None or step <= last_trusted_step))
     healthy = newest_healthy([p for _, p in steps])
     if healthy is None:
         where = (f"no healthy checkpoint in {save_dir}; start again (pretrain.py --save-dir NEW_DIR) with a lower "
                  "optimizer.params.lr")
     else:
         checkpoint.point_latest(root, healthy.name)
+        why = (f"; the one of step {last_trusted_step + 1} holds the weights that gave the first non-finite loss"
+               if run_health is not None and run_health.diverged else "")
         where = (f"the last healthy checkpoint is {healthy} and `latest` names it again (the later ones are kept for "
-                 "inspection); lower optimizer.params.lr, check the data and the NVMe drive, then rerun to resume "
-                 "from it")
+                 f"inspection{why}); lower optimizer.params.lr, check the data and the NVMe drive, then rerun to "
+                 "resume from it")
     return RunUnhealthyError(f"{err}; {where}")
 
 

@@ -86,7 +86,7 @@ def saved_split(cfg: EngineConfig, ctx: DistContext, layout: PipelineLayout) -> 
     """
     if not cfg.train.resume:
         return None
-    path = checkpoint.resolve(cfg.train.save_dir, None, ctx)
+    path = checkpoint.resolve(cfg.train.save_dir, None, ctx, fall_back_without_latest=True)
     if path is None:
         return None
     meta = checkpoint.load_file(path / checkpoint.MODEL_FILE)
@@ -183,16 +183,16 @@ def train_step(cfg: EngineConfig, runner: PipelineRunner, optimizer: MixedPrecis
 
 
 def save(cfg: EngineConfig, ctx: DistContext, step: int, runner: PipelineRunner, optimizer, scheduler,
-         loader: ResumableDataLoader, *, healthy: bool = True) -> None:
+         loader: ResumableDataLoader, *, healthy: bool = True, latest: bool = True) -> None:
     """Each rank writes its chunks' weights and optimizer state; rank 0 writes the layout (and whether the run was
-    healthy, which pruning reads: :mod:`angelptm.pretraining.health`)."""
+    healthy, which pruning reads: :mod:`angelptm.pretraining.health`). ``latest``: move ``latest`` onto it."""
     meta = {"format": "autopipe", "world_size": ctx.world_size, "op_starts": runner.op_starts, "step": step,
             "architecture": architecture.gpt_record(cfg.model), "client_state": {health.HEALTHY_KEY: healthy}}
     per_rank = {"meta": meta, "module": {name: p.detach().cpu() for name, p in runner.named_parameters()},
                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict() if scheduler else None,
                 "loader": loader.state_dict(), "rng": checkpoint.capture_rng_state()}
     checkpoint.save(cfg.train.save_dir, f"global_step{step}", ctx, shared={checkpoint.MODEL_FILE: meta},
-                    per_rank=per_rank)
+                    per_rank=per_rank, save_latest=latest)
 
 
 def resume(cfg: EngineConfig, ctx: DistContext, runner: PipelineRunner, optimizer, scheduler,
@@ -200,7 +200,7 @@ def resume(cfg: EngineConfig, ctx: DistContext, runner: PipelineRunner, optimize
     """Load this rank's part of the latest checkpoint; returns its step (0 without one).
 
     ``allow_unsafe_pickle``: a rank file of the previous format (numpy RNG state) loads by full unpickling."""
-    path = checkpoint.resolve(cfg.train.save_dir, None, ctx)
+    path = checkpoint.resolve(cfg.train.save_dir, None, ctx, fall_back_without_latest=True)  # none: no checkpoint
     if path is None:
         return 0
     state = checkpoint.load_file(path / checkpoint.rank_file(ctx.rank), allow_unsafe_pickle=allow_unsafe_pickle)
@@ -220,7 +220,7 @@ def resume(cfg: EngineConfig, ctx: DistContext, runner: PipelineRunner, optimize
 
 
 def train(cfg: EngineConfig, ctx: DistContext, dataset: TokenDataset, *, stop_requested: Callable[[], bool],
-          after_save: Callable[[], None], allow_unsafe_pickle: bool = False) -> float | None:
+          after_save: Callable[[], None], allow_unsafe_pickle: bool = False) -> health.RunEnd | None:
     """Train the configured GPT as an AutoPipe pipeline.
 
     Args:
@@ -232,7 +232,8 @@ def train(cfg: EngineConfig, ctx: DistContext, dataset: TokenDataset, *, stop_re
         allow_unsafe_pickle: resume from a checkpoint of the previous format (see :func:`resume`).
 
     Returns:
-        The last logged loss; None when the checkpoint resumed from had already reached ``train.steps``.
+        How the run ended (:class:`~angelptm.pretraining.health.RunEnd`); None when the checkpoint resumed from had
+        already reached ``train.steps``.
     """
     layout = check_config(cfg, ctx)
     runner, flops_per_token = build_runner(cfg, ctx, layout, dataset)
@@ -274,7 +275,7 @@ def profile_target(config_path: str | None, device: torch.device) -> tuple[torch
 
 
 def run_loop(cfg: EngineConfig, ctx: DistContext, runner: PipelineRunner, optimizer, scheduler, loader, step: int,
-             flops_per_token: float, seq_len: int, stop_requested, after_save) -> float | None:
+             flops_per_token: float, seq_len: int, stop_requested, after_save) -> health.RunEnd | None:
     if step >= cfg.train.steps:  # a finished run, started again: nothing to train, nothing to save
         return None
     batches = repeat_batches(loader)
@@ -282,6 +283,7 @@ def run_loop(cfg: EngineConfig, ctx: DistContext, runner: PipelineRunner, optimi
     progress = progress_bar(cfg.train.steps, step, shown=ctx.is_main)  # off a terminal: step lines only
     loss_sum, count, last_loss = torch.zeros((), device=ctx.device), 0, float("nan")
     run_health = health.RunHealth(cfg.train.max_bad_steps)
+    prune_due = False  # after a save, at the next step: its loss tells whether the saved weights still train
     while step < cfg.train.steps and not ctx.any_rank(stop_requested()):
         loss, norm = train_step(cfg, runner, optimizer, batches)
         loss_sum = loss_sum + (loss if loss is not None else 0.0)  # only the last stage holds a loss
@@ -294,30 +296,51 @@ def run_loop(cfg: EngineConfig, ctx: DistContext, runner: PipelineRunner, optimi
             record_health(run_health, step, loss, norm, ctx)
         except RunUnhealthyError as err:
             progress.close()  # the error line starts a line of its own
-            raise health.stop_unhealthy(err, cfg.train.save_dir) if ctx.is_main else err from None
+            raise _stopped(err, cfg, ctx, run_health) from None
+        if prune_due and ctx.is_main and not run_health.diverged:
+            after_save()
+        prune_due = False
         meter.add_tokens(cfg.batch.train_batch_size * seq_len)
         progress.update(1)
         if step % cfg.train.log_interval == 0 or step == cfg.train.steps:
-            if ctx.group is not None:  # only the last stage of each replica holds a loss
-                dist.all_reduce(loss_sum, group=ctx.group)
-            last_loss = loss_sum.item() / (count * runner.layout.num_replicas)
+            last_loss = _log_step(cfg, ctx, step, loss_sum, count, runner, optimizer, meter)
             loss_sum, count = torch.zeros((), device=ctx.device), 0
-            rates = meter.lap()
-            if ctx.is_main:
-                tqdm.write(f"step {step}/{cfg.train.steps} | loss {last_loss:.4f} | lr {optimizer.param_groups[0]['lr']:.3e}"
-                           f" | {rates['tokens_per_s']:,.0f} tokens/s | {rates['tflops'] / ctx.world_size:.3f} TFLOPS "
-                           f"per GPU | {format_memory(memory_snapshot(ctx.device))}")
-        if step % cfg.train.save_interval == 0 or step == cfg.train.steps:
-            save(cfg, ctx, step, runner, optimizer, scheduler, loader, healthy=run_health.healthy)
-            if ctx.is_main:
-                after_save()
+        if step % cfg.train.save_interval == 0 and step < cfg.train.steps:
+            save(cfg, ctx, step, runner, optimizer, scheduler, loader, healthy=run_health.healthy,
+                 latest=not run_health.diverged)
+            prune_due = True
     progress.close()
-    if step < cfg.train.steps:
-        save(cfg, ctx, step, runner, optimizer, scheduler, loader, healthy=run_health.healthy)
-        if ctx.is_main:
-            after_save()
-            logger.warning("stopped at step %d; run the same command again to continue", step)
-    return last_loss
+    diverged = run_health.ended_diverged(step)
+    if diverged is not None:  # however short the run: never "done" with a NaN loss, and no NaN checkpoint as latest
+        raise _stopped(diverged, cfg, ctx, run_health)
+    if count:  # stopped between two step lines: the line of the last step it ran
+        last_loss = _log_step(cfg, ctx, step, loss_sum, count, runner, optimizer, meter)
+    save(cfg, ctx, step, runner, optimizer, scheduler, loader, healthy=run_health.healthy)
+    if ctx.is_main:
+        after_save()
+    return health.RunEnd(step=step, loss=last_loss, interrupted=step < cfg.train.steps)
+
+
+def _log_step(cfg: EngineConfig, ctx: DistContext, step: int, loss_sum: torch.Tensor, count: int,
+              runner: PipelineRunner, optimizer, meter: ThroughputMeter) -> float:
+    """Print the step line (rank 0) of the ``count`` steps up to ``step``; returns their mean loss (a collective)."""
+    if ctx.group is not None:  # only the last stage of each replica holds a loss
+        dist.all_reduce(loss_sum, group=ctx.group)
+    loss = loss_sum.item() / (count * runner.layout.num_replicas)
+    rates = meter.lap()
+    if ctx.is_main:
+        tqdm.write(f"step {step}/{cfg.train.steps} | loss {loss:.4f} | lr {optimizer.param_groups[0]['lr']:.3e}"
+                   f" | {rates['tokens_per_s']:,.0f} tokens/s | {rates['tflops'] / ctx.world_size:.3f} TFLOPS "
+                   f"per GPU | {format_memory(memory_snapshot(ctx.device))}")
+    return loss
+
+
+def _stopped(err: RunUnhealthyError, cfg: EngineConfig, ctx: DistContext,
+             run_health: health.RunHealth) -> RunUnhealthyError:
+    """``err`` naming the checkpoint to resume from, which ``latest`` names again (rank 0; the others: ``err``)."""
+    if not ctx.is_main:
+        return err
+    return health.stop_unhealthy(err, cfg.train.save_dir, run_health)
 
 
 def record_health(run_health: health.RunHealth, step: int, loss: torch.Tensor | None, norm: float,

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from angelptm.checkpoints.export import consolidated_fp32_state_dict
+from angelptm.checkpoints.files import save_safetensors
 from angelptm.errors import CheckpointError
 from zero_cache import parse_bytes
 
@@ -72,9 +73,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | Path, outpu
     for filename, keys in split.filename_to_tensors.items():
         shard = {key: state[key].contiguous() for key in keys}
         if safe_serialization:
-            from safetensors.torch import save_file
-
-            save_file(shard, str(output / filename), metadata={"format": "pt"})
+            save_safetensors(shard, output / filename, metadata={"format": "pt"})
         else:
             torch.save(shard, output / filename)
     if not split.is_sharded:

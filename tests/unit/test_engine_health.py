@@ -64,3 +64,16 @@ def test_a_users_run_without_a_train_section_warns_after_20_bad_steps(caplog):
     train(engine, 1, poison=math.nan)
     lines = health_lines(caplog)
     assert len(lines) == 1 and "no healthy step in the last 20 steps (up to step 20" in lines[0][1], lines
+
+
+def test_fp16s_scale_search_is_not_an_unhealthy_run(caplog):
+    """fp16.initial_scale_power 40: the scaler skips steps while it halves its scale (DeepSpeed's behaviour), which
+    is not the run diverging: no "lower optimizer.params.lr" line after max_bad_steps of them."""
+    engine = user_engine(fp16={"enabled": True, "initial_scale_power": 40}, train={"max_bad_steps": 3})
+    caplog.set_level(logging.INFO, logger="angelptm")
+    for _ in range(40):
+        loss = engine(torch.randn(4, 8, dtype=torch.float16)).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    assert engine.skipped_steps >= 3 and engine.skipped_steps < 40, engine.skipped_steps  # searched, then trained
+    assert health_lines(caplog) == []

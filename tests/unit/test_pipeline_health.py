@@ -1,5 +1,5 @@
 """Issue 38: the AutoPipe pipeline's training loop stops a run with no healthy step in ``train.max_bad_steps``, as
-``pretrain.py``'s main loop does, naming the last healthy checkpoint, which pruning spared and ``latest`` names.
+``pretrain.py``'s main loop does, naming the last checkpoint to trust, which pruning spared and ``latest`` names.
 
 The loop runs for real (its saves, pruning and stop); only the pipeline's step is a fake that reports the
 loss and gradient norm of a run that diverges after two healthy steps."""
@@ -67,11 +67,15 @@ def test_the_pipeline_loop_stops_after_max_bad_steps_naming_the_last_healthy_che
     message = str(info.value)
     assert message.startswith("no healthy step in the last 3 steps (up to step 5; train.max_bad_steps 3): the loss "
                               "is not finite"), message
-    assert f"the last healthy checkpoint is {save_dir / 'global_step2'}" in message, message
-    assert (save_dir / "latest").read_text() == "global_step2"
-    assert checkpoint_is_healthy(save_dir / "global_step2")
-    assert not checkpoint_is_healthy(save_dir / "global_step4")  # kept for inspection, marked unhealthy
-    assert not (save_dir / "global_step3").exists() and not (save_dir / "global_step5").exists()
+    # Step 3's NaN loss came from the weights saved as global_step2 (healthy when saved): the last to trust is 1.
+    assert f"the last healthy checkpoint is {save_dir / 'global_step1'}" in message, message
+    assert "the one of step 2 holds the weights that gave the first non-finite loss" in message, message
+    assert (save_dir / "latest").read_text() == "global_step1"
+    assert checkpoint_is_healthy(save_dir / "global_step1")
+    # Pruning waits for the step after a save, and keep_last 1 never took global_step1 from under the NaN; the
+    # checkpoints after it are kept for inspection, those after the NaN marked unhealthy.
+    assert not checkpoint_is_healthy(save_dir / "global_step3") and not checkpoint_is_healthy(save_dir / "global_step4")
+    assert not (save_dir / "global_step5").exists()  # the stop saves nothing more
 
 
 def test_a_skipped_pipeline_step_with_a_finite_loss_is_named_as_skipped(tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import re
@@ -34,9 +35,11 @@ def test_default_job_trains_then_resumes(tmp_path):
     assert "TFLOPS" in first.stdout and "tokens/s" in first.stdout
     save_dir = tmp_path / "checkpoints" / "tiny"
     assert (save_dir / "latest").read_text() == "global_step20"
+    assert not (save_dir / ".writer.lock").read_text()  # released at the clean end: it names no holder
     second = pretrain(tmp_path, "--steps", "30")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stderr
+    assert "took over the writer lock" not in second.stderr  # the first run was not "a process that is gone"
     assert [int(s) for s, _ in LOSS.findall(second.stdout)] == [30]
     assert (save_dir / "latest").read_text() == "global_step30"
     again = pretrain(tmp_path, "--steps", "30")  # the finished run, run again: how to go on, not "loss nan"
@@ -58,7 +61,26 @@ def test_interrupt_saves_and_exits(tmp_path):
     assert process.returncode == 0, rest[-3000:]
     assert "saving a checkpoint" in rest
     tag = (tmp_path / "checkpoints" / "tiny" / "latest").read_text()
-    assert 10 <= int(tag.removeprefix("global_step")) < 100000
+    last_step = int(tag.removeprefix("global_step"))
+    assert 10 <= last_step < 100000
+    # Not "done: final loss" of the last multiple of 10: the loss on the line of the step it stopped at.
+    said = re.search(r"interrupted at step (\d+): loss (\d+\.\d+)", rest)
+    assert said and int(said[1]) == last_step and "done: final loss" not in rest, rest[-3000:]
+    assert f"step {last_step}/100000 | loss {said[2]} " in rest, rest[-3000:]
+
+
+def test_every_option_has_help(monkeypatch):
+    sys.path.insert(0, str(ROOT))
+    import pretrain as job
+
+    parsers = []
+    parse = argparse.ArgumentParser.parse_args
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args",
+                        lambda self, *args, **kwargs: parsers.append(self) or parse(self, *args, **kwargs))
+    job.parse_args([])
+    (parser,) = parsers
+    assert "--log-level" in parser._option_string_actions
+    assert not [action.dest for action in parser._actions if not action.help]
 
 
 @pytest.mark.parametrize("config, message", [

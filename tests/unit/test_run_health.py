@@ -111,3 +111,83 @@ def test_a_second_pretrain_on_the_same_save_dir_is_refused_at_start(tmp_path, ca
         holder.wait()
     err = capsys.readouterr().err
     assert f"is being written by another process (pid {holder.pid}" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------ every diverged run ends non-zero
+def test_fp16_scale_search_steps_are_not_counted_and_a_nan_distrusts_the_checkpoint_before_it():
+    health = RunHealth(max_bad_steps=2)
+    for step in range(1, 30):  # fp16's scaler halving from 2**40: skipped, finite, never a stop
+        health.record(step, applied=False, finite=True, scale_search=True)
+    assert health.healthy and health.last_trusted_step is None
+    health.record(30, applied=False, finite=True)  # an overflow without a scaler: counted
+    assert health.last_trusted_step == 29 and not health.diverged
+    health.record(31, applied=True, finite=True)
+    health.record(32, applied=False, finite=False, scale_search=True)  # a NaN loss always counts
+    assert health.diverged and health.last_trusted_step == 30  # step 32's NaN came from the weights saved at 31
+    assert "the run ended at step 32 with a non-finite loss: it diverged at step 32" in str(health.ended_diverged(32))
+
+
+def job_config(tmp_path: Path, *, steps: int, save_interval: int, log_interval: int, **sections: dict) -> Path:
+    """The small GPT of :func:`tiny_diverging_config` with the default lr and ``train.max_bad_steps`` (20)."""
+    config = json.loads(tiny_diverging_config(tmp_path).read_text())
+    config["train"].update(steps=steps, save_interval=save_interval, log_interval=log_interval, keep_last=100)
+    del config["train"]["max_bad_steps"]
+    config.update(sections)
+    (tmp_path / "c.json").write_text(json.dumps(config))
+    return tmp_path / "c.json"
+
+
+def test_a_run_shorter_than_max_bad_steps_that_ends_with_a_nan_loss_exits_3_and_latest_is_trusted(tmp_path, capsys):
+    """The issue's ``warmup_max_lr: 1e10``: NaN losses from a few steps in, 6 steps in all (under the 20 of
+    train.max_bad_steps). It used to end "done: final loss nan" with exit status 0 and `latest` on a NaN
+    checkpoint."""
+    sys.path.insert(0, str(ROOT))
+    import pretrain as job
+
+    config = job_config(tmp_path, steps=6, save_interval=1, log_interval=1,
+                        scheduler={"type": "WarmupLR", "params": {"warmup_max_lr": 1e10, "warmup_num_steps": 10}})
+    assert job.main(["--config", str(config)]) == 3
+    out, err = capsys.readouterr()
+    nan_steps = [int(step) for step in re.findall(r"step (\d+)/6 \| loss nan", out)]
+    assert nan_steps and nan_steps[-1] == 6, out
+    first_nan = nan_steps[0]
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: the run ended at step 6 with a non-finite loss: it diverged at step {first_nan}"), errors
+    trusted = tmp_path / "run" / f"global_step{first_nan - 2}"  # step first_nan's NaN came from first_nan - 1's weights
+    assert f"the last healthy checkpoint is {trusted} and `latest` names it" in errors[0], errors[0]
+    assert (tmp_path / "run" / "latest").read_text() == trusted.name and checkpoint_is_healthy(trusted)
+    assert not checkpoint_is_healthy(tmp_path / "run" / f"global_step{first_nan}")  # kept, for inspection only
+    assert "done: final loss" not in err
+
+
+def test_fp16_searching_down_from_a_scale_of_2_40_is_not_a_diverged_run(tmp_path, capsys, caplog):
+    """fp16.initial_scale_power 40 overflows for 20-odd steps while the scaler halves its scale, then trains:
+    it used to stop after 20 halvings with "no healthy checkpoint ... lower the lr"."""
+    sys.path.insert(0, str(ROOT))
+    import pretrain as job
+
+    config = job_config(tmp_path, steps=36, save_interval=12, log_interval=12, bf16={"enabled": False},
+                        fp16={"enabled": True, "initial_scale_power": 40})
+    assert job.main(["--config", str(config)]) == 0
+    out, err = capsys.readouterr()
+    assert "error:" not in err and "no healthy step" not in caplog.text + err, err[-2000:]
+    assert "step skipped, loss scale lowered to" in caplog.text  # the search did happen
+    losses = [float(loss) for loss in re.findall(r"step \d+/36 \| loss (\d+\.\d+)", out)]
+    assert len(losses) == 3, out
+    assert (tmp_path / "run" / "latest").read_text() == "global_step36"
+    assert checkpoint_is_healthy(tmp_path / "run" / "global_step12")  # saved mid-search: its weights are fine
+
+
+def test_fp16_overflowing_at_its_minimum_loss_scale_stops_with_one_error_line(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT))
+    import pretrain as job
+
+    config = job_config(tmp_path, steps=30, save_interval=4, log_interval=4, bf16={"enabled": False},
+                        fp16={"enabled": True, "initial_scale_power": 40, "min_loss_scale": 2 ** 34})
+    assert job.main(["--config", str(config)]) == 3
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    assert f"loss scale at fp16.min_loss_scale={2 ** 34}" in errors[0], errors[0]
+    assert re.search(r"the last healthy checkpoint is \S+global_step\d+ and `latest` names it", errors[0]), errors[0]
