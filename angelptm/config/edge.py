@@ -33,8 +33,10 @@ class Section(BaseModel):
 
 class OptimizerParams(Section):
     lr: float = 1e-3
+    """DeepSpeed's key; at most 10 (``angelptm.config.typed.MAX_LR``): beyond it the first step wrecks the weights."""
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    """DeepSpeed's key; in [float32's smallest normal (1.18e-38), 1): Adam's states are fp32, where a smaller eps is 0."""
     weight_decay: float = 0.0
     adam_w_mode: bool = True
     """DeepSpeed's "Adam" is decoupled-weight-decay AdamW unless this is false."""
@@ -51,8 +53,9 @@ class OptimizerSection(Section):
 
 class WarmupLRParams(Section):
     warmup_min_lr: float | list[float] = 0.0
-    """One value, or one per param group (as DeepSpeed allows)."""
+    """One value, or one per param group (as DeepSpeed allows); in [0, 10], as ``optimizer.params.lr``."""
     warmup_max_lr: float | list[float] | None = None
+    """As ``warmup_min_lr``; None is each param group's lr."""
     warmup_num_steps: int = 1000
     warmup_type: str = "log"
     """"log" or "linear"; any other value falls back to "log" with a warning, as DeepSpeed does."""
@@ -61,14 +64,17 @@ class WarmupLRParams(Section):
 
 class WarmupDecayLRParams(WarmupLRParams):
     warmup_max_lr: float | list[float] = 0.001
+    """As in :class:`WarmupLRParams` (in [0, 10])."""
     total_num_steps: int
 
 
 class WarmupCosineLRParams(Section):
     total_num_steps: int
     warmup_min_ratio: float = 0.0
+    """The warm-up's first rate as a fraction of the optimizer's lr, in [0, 1]."""
     warmup_num_steps: int = 1000
     cos_min_ratio: float = 0.0001
+    """The cosine's last rate as a fraction of the optimizer's lr, in [0, 1]."""
     warmup_type: str = "log"
     """As in :class:`WarmupLRParams`."""
     last_batch_iteration: int = -1

@@ -227,15 +227,37 @@ def _scheduler(section: edge.SchedulerSection | None) -> typed.SchedulerConfig |
     return typed.SchedulerConfig(type=section.type, params=params.model_dump())
 
 
+SCHEDULE_RATES = ("warmup_min_lr", "warmup_max_lr", "cycle_min_lr", "cycle_max_lr", "lr_range_test_min_lr")
+"""Scheduler keys that are learning rates: bounded as ``optimizer.params.lr`` is (:data:`typed.MAX_LR`)."""
+SCHEDULE_RATIOS = {"warmup_min_ratio": "the warm-up's first rate as a fraction of the optimizer's lr",
+                   "cos_min_ratio": "the cosine's last rate as a fraction of the optimizer's lr"}
+"""WarmupCosineLR's keys that scale the optimizer's lr: fractions, in [0, 1]."""
+SCHEDULE_MOMENTA = ("cycle_min_mom", "cycle_max_mom")
+"""OneCycle's momentum bounds: Adam's beta1, in [0, 1) as ``optimizer.params.betas``."""
+
+
 def _check_schedule(params: Any) -> None:
-    """Learning rates and ratios below zero (gradient ascent) and a decay that ends before its warm-up does."""
-    for key in ("warmup_min_lr", "warmup_max_lr", "warmup_min_ratio", "cos_min_ratio"):
+    """Rates below zero (gradient ascent) or above the optimizer's bound, ratios outside [0, 1], momenta outside
+    [0, 1), and a decay that ends before its warm-up does."""
+    for key in (*SCHEDULE_RATES, *SCHEDULE_RATIOS):
         value = getattr(params, key, None)
-        values = value if isinstance(value, list) else [value]
-        bad = [v for v in values if v is not None and v < 0]
-        if bad:
+        values = [v for v in (value if isinstance(value, list) else [value]) if v is not None]
+        if any(v < 0 for v in values):
             raise ConfigError(f"scheduler.params.{key}: must be >= 0 (a negative learning rate climbs the loss), "
                               f"got {value}")
+        if key in SCHEDULE_RATES and any(v > typed.MAX_LR for v in values):
+            raise ConfigError(f"scheduler.params.{key}: {value!r} is above {typed.MAX_LR:g}, the bound of "
+                              f"optimizer.params.lr (Adam moves each weight by about the lr: the first step at this "
+                              "rate wrecks the weights); lower it (typical peak rates are 1e-5 to 1e-2)")
+        if key in SCHEDULE_RATIOS and any(v > 1 for v in values):
+            raise ConfigError(f"scheduler.params.{key}: {value!r} is outside [0, 1]: it is {SCHEDULE_RATIOS[key]}; "
+                              "use e.g. 0.1")
+    if getattr(params, "cycle_momentum", False):
+        for key in SCHEDULE_MOMENTA:
+            value = getattr(params, key)
+            if any(not 0 <= v < 1 for v in (value if isinstance(value, list) else [value])):
+                raise ConfigError(f"scheduler.params.{key}: {value!r} is outside [0, 1): it is Adam's beta1 "
+                                  "(optimizer.params.betas[0]); use e.g. 0.85 and 0.95, or set cycle_momentum false")
     total, warmup = getattr(params, "total_num_steps", None), getattr(params, "warmup_num_steps", 0)
     if total is not None and total < max(1, warmup):
         raise ConfigError(f"scheduler.params.total_num_steps: must be >= warmup_num_steps ({warmup}) and >= 1, "

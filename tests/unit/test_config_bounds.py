@@ -80,3 +80,51 @@ def test_absurd_model_sizes_are_refused_by_the_config(key):
 def test_model_num_layers_of_two_to_the_62_is_refused_at_load():
     message = refused({"model": {"num_layers": 4611686018427387904}})
     assert "model.num_layers" in message and "4611686018427387904" in message
+
+
+# Scheduler rates get the optimizer's bounds (issue 38's lr 1e10 came back through warmup_max_lr), and the cosine's
+# ratios are fractions of the lr. Each of these used to load and end the run in NaN.
+
+@pytest.mark.parametrize("kind, params, key", [
+    ("WarmupLR", {"warmup_max_lr": 1e10}, "warmup_max_lr"),
+    ("WarmupLR", {"warmup_min_lr": 1e10, "warmup_max_lr": 1e-3}, "warmup_min_lr"),
+    ("WarmupLR", {"warmup_max_lr": [1e-3, 1e10]}, "warmup_max_lr"),
+    ("WarmupDecayLR", {"total_num_steps": 100, "warmup_max_lr": 1e10}, "warmup_max_lr"),
+    ("OneCycle", {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e10}, "cycle_max_lr"),
+    ("OneCycle", {"cycle_min_lr": 1e10, "cycle_max_lr": 1e-3}, "cycle_min_lr"),
+    ("LRRangeTest", {"lr_range_test_min_lr": 1e10}, "lr_range_test_min_lr"),
+])
+def test_scheduler_learning_rates_get_the_optimizers_bounds(kind, params, key):
+    message = refused({"scheduler": {"type": kind, "params": {"warmup_num_steps": 5, **params}
+                                     if kind.startswith("Warmup") else params}})
+    assert f"scheduler.params.{key}" in message and "optimizer.params.lr" in message and "10" in message, message
+    assert message.strip().splitlines()[-1].lstrip().startswith(f"scheduler.params.{key}")
+
+
+@pytest.mark.parametrize("ratio_key", ["cos_min_ratio", "warmup_min_ratio"])
+@pytest.mark.parametrize("value", [1000, 1.5])
+def test_cosine_ratios_above_one_are_refused(ratio_key, value):
+    message = refused({"scheduler": {"type": "WarmupCosineLR",
+                                     "params": {"total_num_steps": 100, "warmup_num_steps": 10, ratio_key: value}}})
+    assert f"scheduler.params.{ratio_key}: {value!r}" in message and "[0, 1]" in message, message
+
+
+@pytest.mark.parametrize("kind", ["WarmupLR", "OneCycle"])
+def test_rates_at_the_bound_still_load(kind):
+    params = ({"warmup_max_lr": 10.0, "warmup_num_steps": 5} if kind == "WarmupLR"
+              else {"cycle_min_lr": 0.0, "cycle_max_lr": 10.0})
+    cfg = load_config({**BATCH, "scheduler": {"type": kind, "params": params}})
+    assert cfg.scheduler.type == kind
+
+
+def test_cosine_ratios_of_zero_and_one_still_load():
+    cfg = load_config({**BATCH, "scheduler": {"type": "WarmupCosineLR", "params": {
+        "total_num_steps": 100, "warmup_num_steps": 10, "warmup_min_ratio": 1.0, "cos_min_ratio": 0.0}}})
+    assert (cfg.scheduler.params["warmup_min_ratio"], cfg.scheduler.params["cos_min_ratio"]) == (1.0, 0.0)
+
+
+@pytest.mark.parametrize("key", ["cycle_min_mom", "cycle_max_mom"])
+def test_one_cycle_momentum_outside_zero_one_is_refused(key):
+    message = refused({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3,
+                                                                    key: 5.0}}})
+    assert f"scheduler.params.{key}: 5.0" in message and "[0, 1)" in message, message
