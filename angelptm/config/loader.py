@@ -393,6 +393,10 @@ def _to_typed(parsed: edge.EdgeConfig, scheduler: typed.SchedulerConfig | None, 
         raise ConfigError(f"data.seq_len: {parsed.data.seq_len} is longer than the model takes (model.max_seq_len "
                           f"{parsed.model.max_seq_len}); use at most {parsed.model.max_seq_len}, or raise "
                           "model.max_seq_len")
+    if parsed.moe.enabled:
+        model = parsed.model
+        parsed.moe.check_expert_numel(num_layers=model.num_layers, hidden_size=model.hidden_size,
+                                      ffn_hidden_size=model.ffn_hidden_size, gated=model.mlp == "swiglu")
     return typed.EngineConfig(
         batch=resolve_batch_sizes(parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu,
                                   parsed.gradient_accumulation_steps, _data_parallel_ranks(parsed, world_size)),

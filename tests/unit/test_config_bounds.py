@@ -128,3 +128,50 @@ def test_one_cycle_momentum_outside_zero_one_is_refused(key):
     message = refused({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3,
                                                                     key: 5.0}}})
     assert f"scheduler.params.{key}: 5.0" in message and "[0, 1)" in message, message
+
+
+# MoE sizes, by arithmetic: the experts' parameter count from the moe and model sections (moe.ffn_hidden_size 2**63
+# used to load, then end pretrain.py in torch's "Overflow when unpacking long long" traceback).
+
+MOE = {"enabled": True, "num_experts": 8, "top_k": 2, "moe_every": 2}
+SMALL_MODEL = {"num_layers": 4, "hidden_size": 128, "num_heads": 4}
+
+
+@pytest.mark.parametrize("moe, named", [
+    ({"ffn_hidden_size": 2**63}, "moe.ffn_hidden_size 9223372036854775808"),
+    ({"ffn_hidden_size": 2**40}, "moe.ffn_hidden_size 1099511627776"),
+    ({"num_experts": 2**40, "top_k": 1}, "moe.num_experts 1099511627776"),
+])
+def test_huge_moe_sizes_are_refused_by_their_parameter_count(moe, named):
+    message = refused({"model": SMALL_MODEL, "moe": {**MOE, **moe}})
+    assert named in message and "expert parameters" in message and "at most" in message, message
+    assert "2 MoE layers" in message and "model.hidden_size 128" in message, message
+
+
+def test_pretrain_with_a_huge_moe_ffn_is_one_line(tmp_path, capsys):
+    import json
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root))
+    import pretrain as job
+
+    config = json.loads((root / "configs" / "tiny_moe.json").read_text())
+    config["moe"]["ffn_hidden_size"] = 2**63
+    path = tmp_path / "moe.json"
+    path.write_text(json.dumps(config))
+    code = job.main(["--config", str(path), "--save-dir", str(tmp_path / "run"), "--plan"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "Traceback" not in err and "moe.ffn_hidden_size" in err.splitlines()[-1], err
+
+
+def test_a_large_but_real_moe_still_loads():
+    cfg = load_config({**BATCH, "model": {"num_layers": 64, "hidden_size": 8192, "num_heads": 64},
+                       "moe": {**MOE, "num_experts": 256, "ffn_hidden_size": 2048, "moe_every": 1}})
+    assert cfg.moe.num_experts == 256
+
+
+def test_a_huge_size_in_a_disabled_moe_section_changes_nothing():
+    cfg = load_config({**BATCH, "moe": {"enabled": False, "ffn_hidden_size": 2**63}})
+    assert not cfg.moe.enabled
