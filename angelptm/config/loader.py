@@ -20,7 +20,7 @@ import pydantic
 import torch
 
 from angelptm.config import edge, precision, typed
-from angelptm.errors import ConfigError
+from angelptm.errors import ArgumentTypeError, ConfigError
 from zero_cache import ZeroCacheConfig
 
 logger = logging.getLogger(__name__)
@@ -74,9 +74,13 @@ def read_config_source(config: str | os.PathLike | dict | None) -> dict:
 
     Raises:
         ConfigError: missing file, invalid JSON (with line and column), or not a JSON object.
+        ArgumentTypeError: ``config`` is neither a path nor a dict.
     """
     if config is None:
         raise ConfigError("no config given: pass config=PATH_OR_DICT (a DeepSpeed JSON config)")
+    if not isinstance(config, (str, os.PathLike, dict)):
+        raise ArgumentTypeError(f"config: got {type(config).__name__} ({str(config)[:60]!r}); pass a path to a "
+                                "DeepSpeed JSON config (str or os.PathLike) or a dict of it")
     if isinstance(config, dict):
         try:
             return json.loads(json.dumps(config))  # deep copy, and proves it is JSON-shaped
