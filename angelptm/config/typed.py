@@ -174,6 +174,9 @@ class ZeroConfig:
     offload_param_device: str = "none"
     """"none", "cpu" or "nvme": where ``zero.Init`` builds the model (off the device when params may live there).
     ``offload_optimizer`` has no field: it only turns ZeRO-Cache on (with stage 3), which the loader decides."""
+    overlap_permissions: tuple[str, ...] = ()
+    """DeepSpeed 0.19.8's keys present that ask for the optimizer step to overlap compute (``zenflow``,
+    ``offload_optimizer.super_offload``): permissions, which ZeRO-Cache's own exact overlapped update answers."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -157,6 +157,33 @@ def report_config(cfg: EngineConfig, ctx: DistContext) -> None:
                        ", ".join(cfg.accepted_not_acted))
     if cfg.zero.stage > 0 and not cfg.zero_cache.enabled:
         logger.warning("%s", zero_stage_note(cfg.zero.stage, ctx.world_size))
+    note = overlap_note(cfg)
+    if note:
+        logger.info("%s", note)
+
+
+def overlap_note(cfg: EngineConfig) -> str | None:
+    """What ``zero_optimization.zenflow`` and ``offload_optimizer.super_offload`` do here, in one line (None when
+    neither is set): permissions to overlap the optimizer step with compute, answered by ZeRO-Cache's own exact
+    overlapped update; neither one's approximations is copied."""
+    keys = cfg.zero.overlap_permissions
+    if not keys:
+        return None
+    asked = f"{' and '.join(keys)}: accepted as permission to overlap the optimizer step with compute"
+    copied = []
+    if "zero_optimization.zenflow" in keys:
+        copied.append("ZenFlow's stale top-k updates are not copied (its keys change nothing)")
+    if "zero_optimization.offload_optimizer.super_offload" in keys:
+        copied.append("SuperOffload's CPU-core split is not copied (cpuadam_cores_perc changes nothing)")
+    if not cfg.zero_cache.enabled:
+        return (f"{asked}; ZeRO-Cache is off in this config (zero_optimization.stage 3 with offload_optimizer, or "
+                f"zero_cache.enabled, turns it on), so the step runs on the device after backward, with nothing to "
+                f"overlap. {'; '.join(copied)}")
+    if cfg.zero_cache.update_in_backward is False:
+        return (f"{asked}, but zero_cache.update_in_backward is false, so the host update runs at step(); set it "
+                f"to \"auto\" to overlap it exactly. {'; '.join(copied)}")
+    return (f"{asked}: ZeRO-Cache runs its own exact overlapped update (zero_cache.update_in_backward: each host "
+            f"chunk's Adam starts during backward, redone with the true clip factor when needed). {'; '.join(copied)}")
 
 
 def zero_stage_note(stage: int, world_size: int) -> str:
