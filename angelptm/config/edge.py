@@ -239,6 +239,10 @@ class ZeroSection(Section):
     zero_quantized_weights: bool = False
     zero_quantized_gradients: bool = False
     mics_shard_size: int = -1
+    mics_hierarchical_params_gather: bool = False
+    zeropp_loco_param: dict[str, Any] | None = None
+    """(These three were removed in DeepSpeed 0.19.8, which refuses them; accepted here, with no effect, so that
+    configs of earlier DeepSpeed versions load.)"""
     use_multi_rank_bucket_allreduce: bool = True
     stage3_module_granularity_threshold: int = 0
     log_trace_cache_warnings: bool = False
@@ -417,7 +421,7 @@ ACCEPTED_NOT_ACTED = (
     "timers", "graph_harvesting", "use_data_before_expert_parallelism", "weight_quantization",
     "hybrid_engine", "eigenvalue", "progressive_layer_drop", "quantize_training",
     # DeepSpeed 0.19.8's: docs/deepspeed-compatibility.md says what each does there and why it changes nothing here.
-    # tensor_parallel and expert_parallel are refused when they ask for more than one rank (REFUSED_WHEN).
+    # tensor_parallel and expert_parallel are refused where they ask for more ranks (loader._unsupported_values).
     "disable_python_gc", "seq_parallel_communication_data_type", "datastates_ckpt", "compile", "vocabulary_size",
     "tensor_parallel", "expert_parallel",
 )
