@@ -36,7 +36,7 @@ class OptimizerParams(Section):
     """DeepSpeed's key; at most 10 (``angelptm.config.typed.MAX_LR``): beyond it the first step wrecks the weights."""
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    """DeepSpeed's key; in [float32's smallest normal (1.18e-38), 1): Adam's states are fp32, where a smaller eps is 0."""
+    """DeepSpeed's key; in [1.18e-38, 1): below float32's smallest normal the fp32 Adam states hold it as 0."""
     weight_decay: float = 0.0
     adam_w_mode: bool = True
     """DeepSpeed's "Adam" is decoupled-weight-decay AdamW unless this is false."""

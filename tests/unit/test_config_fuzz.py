@@ -4,8 +4,9 @@ Each mutation of ``configs/*.json`` must either load or be refused with a ``Valu
 whose message names the key changed; never another exception type (a traceback from inside). A mutation that
 loads goes on through what reads the config next, cheaply: the LR schedule over a one-parameter optimizer for a
 few steps (its rates at the first steps, the warm-up's end and the total must stay within optimizer.params.lr's
-bounds: ``warmup_max_lr: 1e10`` used to load and end the run in NaN), and, for the model's and the MoE section's sizes of the tiny configs, the model built on the meta
-device (``moe.ffn_hidden_size: 2**63`` used to load and then fail there with torch's overflow traceback).
+bounds: ``warmup_max_lr: 1e10`` used to load and end the run in NaN), and, for the model's and the MoE section's
+sizes of the tiny configs, the model built on the meta device (``moe.ffn_hidden_size: 2**63`` used to load and
+then fail there with torch's overflow traceback).
 """
 
 from __future__ import annotations

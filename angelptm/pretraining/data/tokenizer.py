@@ -173,8 +173,9 @@ def configured_tokenizer(path: str | None, *, model_vocab_size: int) -> Tokenize
     """The tokenizer of ``data.tokenizer`` (None: the shipped one), loaded and checked at the start of a run.
 
     Raises:
-        ConfigError: the file is missing (or a directory), is not a tokenizers ``tokenizer.json`` with ``<|endoftext|>``, or has
-            more tokens than ``model.vocab_size`` (its ids would index past the embedding table).
+        ConfigError: the file is missing (or a directory), is not a tokenizers ``tokenizer.json`` with
+            ``<|endoftext|>``, or has more tokens than ``model.vocab_size`` (its ids would index past the
+            embedding table).
     """
     where = f"data.tokenizer {path!r}"
     try:
