@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
 from angelptm.errors import ConfigError
-from angelptm.launch.distributed import init_distributed as _join_process_group
+from angelptm.launch.distributed import check_launcher_env, init_distributed as _join_process_group
 
 __all__ = ["ProcessGroup", "ReduceOp", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce",
            "all_to_all_single", "allgather_fn", "barrier", "broadcast", "broadcast_object_list",
@@ -78,6 +78,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         if dist_backend is None:  # the engine's own join: env:// rendezvous, device picked from LOCAL_RANK
             _join_process_group(dist_init_required=True, timeout_s=timeout.total_seconds())
         else:
+            check_launcher_env()  # (a rank outside the world would wait at the rendezvous until the timeout)
             dist.init_process_group(backend, init_method="env://", timeout=timeout)
     else:  # one process without a launcher: an in-process store is the whole rendezvous
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

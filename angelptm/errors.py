@@ -5,6 +5,11 @@ class ConfigError(ValueError):
     """The JSON config (or an argument to ``initialize``) is invalid; the message says how to fix it."""
 
 
+class ArgumentTypeError(ConfigError, TypeError):
+    """An argument to ``initialize`` (or another entry point) has a type it does not take; the message names the
+    argument, its type and what is allowed. Also a ``TypeError``, as Python's own for a wrong type is."""
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read; the message names the path and the cause."""
 

@@ -15,6 +15,12 @@ MAX_LOSS_COEF = 1e3
 thousandfold and more (1e30 gave a loss of 2e30 and no language modelling at all)."""
 
 
+MAX_EXPERT_PARAMS = 10**14
+"""Most expert parameters accepted over all MoE layers (100 T: some sixty times the largest MoE trained, Switch-C's
+1.6 T). A size beyond it is a typo (``ffn_hidden_size: 2**63``), refused by arithmetic before any tensor is shaped:
+torch's own refusal is an overflow traceback from inside ``torch.empty``."""
+
+
 @dataclass(kw_only=True, slots=True)
 class MoEConfig:
     """Mixture-of-experts layers and how their tokens travel between expert-parallel ranks.
@@ -129,6 +135,38 @@ class MoEConfig:
                      "inter_node_latency_us"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"moe.{name}: must be > 0, got {getattr(self, name)}")
+
+    def expert_numel(self, *, num_layers: int, hidden_size: int, ffn_hidden_size: int, gated: bool) -> int:
+        """Parameters of all experts and gates in a model of ``num_layers`` blocks (every ``moe_every``-th is MoE).
+
+        Args:
+            num_layers, hidden_size: the model's blocks and width.
+            ffn_hidden_size: the model's MLP width, used where this section leaves its own unset.
+            gated: the experts are gated (swiglu: three matrices) rather than two.
+
+        Returns:
+            Weights, biases left out (a lower bound); exact integer arithmetic, so 2**63 does not overflow.
+        """
+        width = self.ffn_hidden_size or ffn_hidden_size
+        per_expert = (3 if gated else 2) * hidden_size * width
+        return (num_layers // self.moe_every) * self.num_experts * (per_expert + hidden_size)
+
+    def check_expert_numel(self, *, num_layers: int, hidden_size: int, ffn_hidden_size: int, gated: bool) -> None:
+        """Refuse sizes whose experts no machine could hold (:data:`MAX_EXPERT_PARAMS`).
+
+        Raises:
+            ValueError: naming the sizes and the count they make.
+        """
+        numel = self.expert_numel(num_layers=num_layers, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size,
+                                  gated=gated)
+        if numel <= MAX_EXPERT_PARAMS:
+            return
+        width = (f"moe.ffn_hidden_size {self.ffn_hidden_size}" if self.ffn_hidden_size
+                 else f"model.ffn_hidden_size {ffn_hidden_size}")
+        raise ValueError(f"{width}, moe.num_experts {self.num_experts} and {num_layers // self.moe_every} MoE layers "
+                         f"(model.num_layers {num_layers} / moe.moe_every {self.moe_every}) of model.hidden_size "
+                         f"{hidden_size} make {numel:.3g} expert parameters, beyond any trainable model (at most "
+                         f"{MAX_EXPERT_PARAMS:.0e}); check moe.ffn_hidden_size and moe.num_experts for a typo")
 
     @property
     def resolved_drop_policy(self) -> str:

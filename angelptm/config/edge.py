@@ -33,8 +33,10 @@ class Section(BaseModel):
 
 class OptimizerParams(Section):
     lr: float = 1e-3
+    """DeepSpeed's key; at most 10 (``angelptm.config.typed.MAX_LR``): beyond it the first step wrecks the weights."""
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    """DeepSpeed's key; in [1.18e-38, 1): below float32's smallest normal the fp32 Adam states hold it as 0."""
     weight_decay: float = 0.0
     adam_w_mode: bool = True
     """DeepSpeed's "Adam" is decoupled-weight-decay AdamW unless this is false."""
@@ -42,17 +44,24 @@ class OptimizerParams(Section):
     torch_adam: bool = False
     fused: bool | None = None
     bias_correction: bool = True
+    fp32_optimizer_states: bool = True
+    """DeepSpeed's CPU Adam option: true only (the engine's Adam moments are fp32); false is refused."""
+    foreach: bool | None = None
+    """Passed to torch's Adam by DeepSpeed with ``torch_adam``: no effect here."""
 
 
 class OptimizerSection(Section):
     type: str
     params: OptimizerParams = Field(default_factory=OptimizerParams)
+    legacy_fusion: bool = False
+    """DeepSpeed's FusedAdam legacy kernel switch: no effect here."""
 
 
 class WarmupLRParams(Section):
     warmup_min_lr: float | list[float] = 0.0
-    """One value, or one per param group (as DeepSpeed allows)."""
+    """One value, or one per param group (as DeepSpeed allows); in [0, 10], as ``optimizer.params.lr``."""
     warmup_max_lr: float | list[float] | None = None
+    """As ``warmup_min_lr``; None is each param group's lr."""
     warmup_num_steps: int = 1000
     warmup_type: str = "log"
     """"log" or "linear"; any other value falls back to "log" with a warning, as DeepSpeed does."""
@@ -61,14 +70,17 @@ class WarmupLRParams(Section):
 
 class WarmupDecayLRParams(WarmupLRParams):
     warmup_max_lr: float | list[float] = 0.001
+    """As in :class:`WarmupLRParams` (in [0, 10])."""
     total_num_steps: int
 
 
 class WarmupCosineLRParams(Section):
     total_num_steps: int
     warmup_min_ratio: float = 0.0
+    """The warm-up's first rate as a fraction of the optimizer's lr, in [0, 1]."""
     warmup_num_steps: int = 1000
     cos_min_ratio: float = 0.0001
+    """The cosine's last rate as a fraction of the optimizer's lr, in [0, 1]."""
     warmup_type: str = "log"
     """As in :class:`WarmupLRParams`."""
     last_batch_iteration: int = -1
@@ -144,6 +156,11 @@ class BF16Section(Section):
             raise ValueError(f"bf16.enabled: expected true, false or \"auto\" (got {value!r})") from None
     immediate_grad_update: bool = True
     check_grad_overflow: bool = False
+    bf16_master_weights_and_grads: bool = False
+    """DeepSpeed 0.19.8's bf16 master weights and gradients: false only (what the engine does: fp32 masters and
+    gradients); true is refused, naming what to do instead."""
+    bf16_optimizer_states: bool = False
+    """DeepSpeed 0.19.8's bf16 Adam moments: false only (the engine's moments are fp32); true is refused."""
 
 
 class OffloadSection(Section):
@@ -157,6 +174,37 @@ class OffloadSection(Section):
     pipeline_write: bool = False
     fast_init: bool = False
     ratio: float = 1.0
+    super_offload: bool = False
+    """DeepSpeed 0.19.8's SuperOffload (``offload_optimizer`` only): accepted as permission to overlap the host
+    optimizer step with compute, which ZeRO-Cache does exactly (``zero_cache.update_in_backward``); logged once."""
+    cpuadam_cores_perc: float = Field(0.8, ge=0.0, le=1.0)
+    """SuperOffload's share of CPU cores for CPU Adam: no effect here (ZeRO-Cache sizes its own host threads)."""
+
+
+class ZenFlowSection(Section):
+    """DeepSpeed 0.19.8's ``zero_optimization.zenflow``, with its keys and bounds. Accepted as permission to overlap
+    the optimizer step with compute: the engine runs its own exact overlapped update (logged once); ZenFlow's
+    stale top-k updates are not copied, so these keys change nothing."""
+
+    topk_ratio: float = Field(0.1, gt=0.0, lt=1.0)
+    select_strategy: Literal["auto", "step", "epoch"] = "auto"
+    select_interval: Literal["auto"] | int = "auto"
+    update_interval: Literal["auto"] | int = "auto"
+    overlap_step: bool = False
+    offload: bool = False
+    auto_ratio: float = Field(0.99, ge=0.0, le=1.0)
+    full_warm_up_rounds: int = 0
+    pt_reserved_cores_perc: float = Field(0.5, ge=0.0, le=1.0)
+    steps_per_epoch: int | None = None
+
+
+class LeafModuleSection(Section):
+    """DeepSpeed's ``zero_optimization.leaf_module`` (modules ZeRO-3 gathers whole): no effect here, where
+    ZeRO-Cache gathers by chunk."""
+
+    classes: list[str] = Field(default_factory=list)
+    names: list[str] = Field(default_factory=list)
+    name_suffixes: list[str] = Field(default_factory=list)
 
 
 class ZeroSection(Section):
@@ -191,9 +239,37 @@ class ZeroSection(Section):
     zero_quantized_weights: bool = False
     zero_quantized_gradients: bool = False
     mics_shard_size: int = -1
+    mics_hierarchical_params_gather: bool = False
+    zeropp_loco_param: dict[str, Any] | None = None
+    """(These three were removed in DeepSpeed 0.19.8, which refuses them; accepted here, with no effect, so that
+    configs of earlier DeepSpeed versions load.)"""
     use_multi_rank_bucket_allreduce: bool = True
-    module_granularity_threshold: int = 0
+    stage3_module_granularity_threshold: int = 0
     log_trace_cache_warnings: bool = False
+    # DeepSpeed 0.19.8's keys beside those (docs/deepspeed-compatibility.md says what each does here).
+    compute_grad_norm: bool = True
+    zenflow: ZenFlowSection | None = None
+    stage3_model_persistence_threshold: int = 2**63 - 1
+    stage3_use_all_reduce_for_fetch_params: bool = False
+    stage3_allgather_sequential: bool = False
+    legacy_stage1: bool = False
+    parameter_alignment: bool = False
+    zero_quantized_nontrainable_weights: bool = False
+    pipeline_loading_checkpoint: bool = False
+    override_module_apply: bool = True
+    enable_sanity_checks: bool = False
+    save_muon_momentum_buffer_in_memory: bool = False
+    leaf_module: LeafModuleSection = Field(default_factory=LeafModuleSection)
+
+
+class TorchAutocastSection(Section):
+    """DeepSpeed's ``torch_autocast``: the forward under ``torch.autocast`` with fp32 parameters. The engine has no
+    such path (it casts the module to the compute dtype and keeps fp32 masters), so ``enabled: true`` is refused
+    with the section to write instead; ``enabled: false`` is DeepSpeed's default and changes nothing."""
+
+    enabled: bool = False
+    dtype: str | None = None
+    lower_precision_safe_modules: list[str] | None = None
 
 
 class AioSection(Section):
@@ -291,6 +367,35 @@ def upgrade_deprecated_keys(raw: dict[str, Any]) -> list[str]:
     return warnings
 
 
+FIELD_NAME_SPELLINGS = {
+    "zero_optimization": {name: f"stage3_{name}" for name in (
+        "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold", "max_live_parameters",
+        "max_reuse_distance", "gather_16bit_weights_on_model_save", "module_granularity_threshold",
+        "use_all_reduce_for_fetch_params", "allgather_sequential")},
+}
+"""Section -> DeepSpeed's field name -> the ``stage3_`` alias written here. DeepSpeed's models read a field by its
+name or its alias (``populate_by_name``), so ``prefetch_bucket_size`` is ``stage3_prefetch_bucket_size``."""
+
+
+def rewrite_field_names(raw: dict[str, Any]) -> None:
+    """Rename the keys of :data:`FIELD_NAME_SPELLINGS` in ``raw`` (in place) to the names this edge reads.
+
+    Raises:
+        ValueError: a key is given under both names.
+    """
+    for section_name, spellings in FIELD_NAME_SPELLINGS.items():
+        section = raw.get(section_name)
+        if not isinstance(section, dict):
+            continue
+        for name, alias in spellings.items():
+            if name not in section:
+                continue
+            if alias in section:
+                raise ValueError(f"{section_name}.{name} and {section_name}.{alias} are the same key given twice "
+                                 f"(DeepSpeed reads either name); keep {section_name}.{alias}")
+            section[alias] = section.pop(name)
+
+
 # DeepSpeed keys we accept so that configs load unchanged, but do not act on (yet). Setting one
 # is reported once as a warning that lists them, so nobody believes they took effect.
 RETIRED_KEYS = {
@@ -301,6 +406,12 @@ RETIRED_KEYS = {
 }
 """Keys that once existed, with why they went and what to do instead."""
 
+REFUSED_KEYS = {
+    "optimizer.params.max_grad_norm": (
+        "not an optimizer parameter (DeepSpeed refuses it too): set the top-level gradient_clipping instead"),
+}
+"""DeepSpeed keys refused whatever their value, with why and what to write instead."""
+
 ACCEPTED_NOT_ACTED = (
     "prescale_gradients", "gradient_predivide_factor", "communication_data_type", "sparse_gradients",
     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "amp", "activation_checkpointing",
@@ -309,6 +420,10 @@ ACCEPTED_NOT_ACTED = (
     "dataloader_drop_last", "disable_allgather", "sparse_attention", "pipeline", "curriculum_learning",
     "timers", "graph_harvesting", "use_data_before_expert_parallelism", "weight_quantization",
     "hybrid_engine", "eigenvalue", "progressive_layer_drop", "quantize_training",
+    # DeepSpeed 0.19.8's: docs/deepspeed-compatibility.md says what each does there and why it changes nothing here.
+    # tensor_parallel and expert_parallel are refused where they ask for more ranks (loader._unsupported_values).
+    "disable_python_gc", "seq_parallel_communication_data_type", "datastates_ckpt", "compile", "vocabulary_size",
+    "tensor_parallel", "expert_parallel",
 )
 
 
@@ -341,6 +456,13 @@ class EdgeConfig(Section):
     tensorboard: MonitorSection = Field(default_factory=MonitorSection)
     csv_monitor: MonitorSection = Field(default_factory=MonitorSection)
     wandb: WandbSection = Field(default_factory=WandbSection)
+    managed_gradient_accumulation: bool = True
+    """DeepSpeed 0.19.8's: true (the engine steps at accumulation boundaries) only; false is refused."""
+    gradient_allreduce_op: Literal["mean", "sum"] = "mean"
+    """DeepSpeed 0.19.8's: "mean" (what the engine does) only; "sum" is refused."""
+    sequence_parallel_size: int = 1
+    """DeepSpeed's Ulysses sequence parallelism: 1 only (none); more is refused."""
+    torch_autocast: TorchAutocastSection = Field(default_factory=TorchAutocastSection)
     seed: int | None = None
     """Seeds python, numpy and torch at initialize() when set (:func:`angelptm.runtime.utils.set_random_seed`, any
     integer, as DeepSpeed's); otherwise the caller's RNG state is kept."""

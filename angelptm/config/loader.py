@@ -20,7 +20,7 @@ import pydantic
 import torch
 
 from angelptm.config import edge, precision, typed
-from angelptm.errors import ConfigError
+from angelptm.errors import ArgumentTypeError, ConfigError
 from zero_cache import ZeroCacheConfig
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ def load_config(config: str | os.PathLike | dict | None, *, world_size: int = 1,
     try:
         for warning in edge.upgrade_deprecated_keys(raw):
             logger.warning("%s", warning)
+        edge.rewrite_field_names(raw)
     except ValueError as err:
         raise ConfigError(f"invalid config:\n  {err}") from None
     problems = _unknown_key_problems(raw, edge.EdgeConfig, "") or edge.type_problems(raw)
@@ -56,6 +57,9 @@ def load_config(config: str | os.PathLike | dict | None, *, world_size: int = 1,
     ignored = {key: raw.pop(key) for key in list(raw) if key in edge.ACCEPTED_NOT_ACTED}
     try:
         parsed = edge.EdgeConfig.model_validate(raw)
+        problems = _unsupported_values(parsed, ignored)
+        if problems:
+            raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
         scheduler = _scheduler(parsed.scheduler)
         if device_type is None:
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -69,14 +73,65 @@ def load_config(config: str | os.PathLike | dict | None, *, world_size: int = 1,
         raise ConfigError(f"invalid config:\n  {err}") from None
 
 
+def _unsupported_values(parsed: edge.EdgeConfig, ignored: dict[str, Any]) -> list[str]:
+    """DeepSpeed keys this engine reads but whose value asks for what it does not do, each with what to do instead
+    (``ignored``: the raw sections accepted without acting on them, some of which ask for more ranks)."""
+    problems = []
+    masters = "; remove the key (or set it false): the engine keeps fp32 {what}, the numerics of DeepSpeed's default " \
+              "bf16, and ZeRO-Cache holds them in host memory or on NVMe where they do not fit (zero_optimization." \
+              "stage 3 with offload_optimizer)"
+    if parsed.bf16.bf16_master_weights_and_grads:
+        problems.append("bf16.bf16_master_weights_and_grads: true (bf16 master weights and gradients) is not "
+                        "implemented" + masters.format(what="master weights and gradients"))
+    if parsed.bf16.bf16_optimizer_states:
+        problems.append("bf16.bf16_optimizer_states: true (bf16 Adam moments) is not implemented"
+                        + masters.format(what="Adam moments"))
+    if parsed.optimizer is not None and not parsed.optimizer.params.fp32_optimizer_states:
+        problems.append("optimizer.params.fp32_optimizer_states: false (bf16 Adam moments) is not implemented; "
+                        "remove the key: the engine's Adam moments are fp32")
+    if parsed.torch_autocast.enabled:
+        problems.append("torch_autocast.enabled: true is not supported: the engine has no torch.autocast path (it "
+                        "casts the module to the compute dtype and keeps fp32 master weights); remove torch_autocast "
+                        "and write \"bf16\": {\"enabled\": true} (or fp16), bf16 compute with fp32 masters")
+    if not parsed.managed_gradient_accumulation:
+        problems.append("managed_gradient_accumulation: false (every step() applies an update, the script owning the "
+                        "accumulation boundary) is not supported: the engine steps at gradient_accumulation_steps "
+                        "boundaries; remove the key, with gradient_accumulation_steps 1 to update at every step()")
+    if parsed.gradient_allreduce_op != "mean":
+        problems.append(f"gradient_allreduce_op: {parsed.gradient_allreduce_op!r} is not supported: gradients are "
+                        "averaged over the data-parallel ranks; remove the key (\"mean\" is DeepSpeed's default)")
+    if parsed.sequence_parallel_size != 1:
+        problems.append(f"sequence_parallel_size: {parsed.sequence_parallel_size}: sequence parallelism is not "
+                        "supported (each rank takes whole sequences); remove the key or set it to 1")
+    tensor_parallel = ignored.get("tensor_parallel") if isinstance(ignored.get("tensor_parallel"), dict) else {}
+    sizes = {"tensor_parallel.autotp_size": tensor_parallel.get("autotp_size"),
+             "tensor_parallel.tp.tp_size": (tensor_parallel.get("tp") or tensor_parallel.get("tensor_parallel")
+                                            or {}).get("tp_size")}
+    for key, size in sizes.items():
+        if isinstance(size, (int, float)) and not isinstance(size, bool) and size > 1:
+            problems.append(f"{key}: {size}: tensor parallelism is not supported (each rank holds whole layers; "
+                            "ZeRO-Cache spreads their states over GPU, host and NVMe); remove the tensor_parallel "
+                            "section")
+    expert_parallel = ignored.get("expert_parallel")
+    if isinstance(expert_parallel, dict) and expert_parallel.get("enabled") is True:
+        problems.append("expert_parallel.enabled: true (DeepSpeed's AutoEP) is not supported: experts spread over "
+                        "ranks through deepspeed.moe.layer.MoE's ep_size (or the moe section's ep_size for the "
+                        "reference GPT); remove the section")
+    return problems
+
+
 def read_config_source(config: str | os.PathLike | dict | None) -> dict:
     """The raw JSON object of a config given as a path or a dict (a deep copy), before any checking.
 
     Raises:
         ConfigError: missing file, invalid JSON (with line and column), or not a JSON object.
+        ArgumentTypeError: ``config`` is neither a path nor a dict.
     """
     if config is None:
         raise ConfigError("no config given: pass config=PATH_OR_DICT (a DeepSpeed JSON config)")
+    if not isinstance(config, (str, os.PathLike, dict)):
+        raise ArgumentTypeError(f"config: got {type(config).__name__} ({str(config)[:60]!r}); pass a path to a "
+                                "DeepSpeed JSON config (str or os.PathLike) or a dict of it")
     if isinstance(config, dict):
         try:
             return json.loads(json.dumps(config))  # deep copy, and proves it is JSON-shaped
@@ -163,6 +218,8 @@ def _unknown_key_problems(data: Any, schema: type, prefix: str) -> list[str]:
                 problems += _unknown_key_problems(value, nested, f"{path}.")
         elif path in edge.RETIRED_KEYS:
             problems.append(f"{path}: {edge.RETIRED_KEYS[path]}")
+        elif path in edge.REFUSED_KEYS:
+            problems.append(f"{path}: {edge.REFUSED_KEYS[path]}")
         elif key not in extra_allowed:
             problems.append(_unknown_key_message(path, key, list(allowed) + list(extra_allowed)))
     return problems
@@ -227,15 +284,37 @@ def _scheduler(section: edge.SchedulerSection | None) -> typed.SchedulerConfig |
     return typed.SchedulerConfig(type=section.type, params=params.model_dump())
 
 
+SCHEDULE_RATES = ("warmup_min_lr", "warmup_max_lr", "cycle_min_lr", "cycle_max_lr", "lr_range_test_min_lr")
+"""Scheduler keys that are learning rates: bounded as ``optimizer.params.lr`` is (:data:`typed.MAX_LR`)."""
+SCHEDULE_RATIOS = {"warmup_min_ratio": "the warm-up's first rate as a fraction of the optimizer's lr",
+                   "cos_min_ratio": "the cosine's last rate as a fraction of the optimizer's lr"}
+"""WarmupCosineLR's keys that scale the optimizer's lr: fractions, in [0, 1]."""
+SCHEDULE_MOMENTA = ("cycle_min_mom", "cycle_max_mom")
+"""OneCycle's momentum bounds: Adam's beta1, in [0, 1) as ``optimizer.params.betas``."""
+
+
 def _check_schedule(params: Any) -> None:
-    """Learning rates and ratios below zero (gradient ascent) and a decay that ends before its warm-up does."""
-    for key in ("warmup_min_lr", "warmup_max_lr", "warmup_min_ratio", "cos_min_ratio"):
+    """Rates below zero (gradient ascent) or above the optimizer's bound, ratios outside [0, 1], momenta outside
+    [0, 1), and a decay that ends before its warm-up does."""
+    for key in (*SCHEDULE_RATES, *SCHEDULE_RATIOS):
         value = getattr(params, key, None)
-        values = value if isinstance(value, list) else [value]
-        bad = [v for v in values if v is not None and v < 0]
-        if bad:
+        values = [v for v in (value if isinstance(value, list) else [value]) if v is not None]
+        if any(v < 0 for v in values):
             raise ConfigError(f"scheduler.params.{key}: must be >= 0 (a negative learning rate climbs the loss), "
                               f"got {value}")
+        if key in SCHEDULE_RATES and any(v > typed.MAX_LR for v in values):
+            raise ConfigError(f"scheduler.params.{key}: {value!r} is above {typed.MAX_LR:g}, the bound of "
+                              f"optimizer.params.lr (Adam moves each weight by about the lr: the first step at this "
+                              "rate wrecks the weights); lower it (typical peak rates are 1e-5 to 1e-2)")
+        if key in SCHEDULE_RATIOS and any(v > 1 for v in values):
+            raise ConfigError(f"scheduler.params.{key}: {value!r} is outside [0, 1]: it is {SCHEDULE_RATIOS[key]}; "
+                              "use e.g. 0.1")
+    if getattr(params, "cycle_momentum", False):
+        for key in SCHEDULE_MOMENTA:
+            value = getattr(params, key)
+            if any(not 0 <= v < 1 for v in (value if isinstance(value, list) else [value])):
+                raise ConfigError(f"scheduler.params.{key}: {value!r} is outside [0, 1): it is Adam's beta1 "
+                                  "(optimizer.params.betas[0]); use e.g. 0.85 and 0.95, or set cycle_momentum false")
     total, warmup = getattr(params, "total_num_steps", None), getattr(params, "warmup_num_steps", 0)
     if total is not None and total < max(1, warmup):
         raise ConfigError(f"scheduler.params.total_num_steps: must be >= warmup_num_steps ({warmup}) and >= 1, "
@@ -294,26 +373,31 @@ def _uses_nvme(raw: dict) -> bool:
 
 def _not_acted_sections(raw: dict) -> tuple[str, ...]:
     """Validated keys that are stored but change nothing here."""
-    acted = {"stage", "reduce_bucket_size", "offload_param", "offload_optimizer"}
+    acted = {"stage", "reduce_bucket_size", "offload_param", "offload_optimizer", "zenflow"}  # (zenflow: a permission,
+    # reported on its own by angelptm.engine.builders.report_config)
     zero = raw.get("zero_optimization") or {}
     offloaded = any((zero.get(key) or {}).get("device", "none") != "none" for key in ("offload_param", "offload_optimizer"))
     if (raw.get("zero_cache") or {}).get("enabled") or (zero.get("stage") == 3 and offloaded):
         acted |= {"overlap_comm", "stage3_prefetch_bucket_size", "stage3_max_live_parameters"}  # sharded ZeRO-Cache
     keys = tuple(f"zero_optimization.{key}" for key in sorted(zero) if key not in acted)
     for section in ("offload_param", "offload_optimizer"):  # ZeRO-Cache sizes its own buffers and pins its tiers
-        keys += tuple(f"zero_optimization.{section}.{key}" for key in sorted(zero.get(section) or {})
-                      if key not in ("device", "nvme_path"))
+        offload = zero.get(section) or {}
+        keys += tuple(f"zero_optimization.{section}.{key}" for key in sorted(offload)
+                      if key not in ("device", "nvme_path") and not (key == "super_offload" and offload[key] is True))
     if "aio" in raw and not _uses_nvme(raw):
         keys += ("aio",)  # it drives only the NVMe tier
     elif (raw.get("aio") or {}).get("use_gds"):
         keys += ("aio.use_gds",)
     # Keys inside acted-on sections that still change nothing here.
     quiet = {"fp16": ("fp16_master_weights_and_grads",), "bf16": ("immediate_grad_update", "check_grad_overflow"),
-             "bfloat16": ("immediate_grad_update", "check_grad_overflow")}
+             "bfloat16": ("immediate_grad_update", "check_grad_overflow"),
+             "torch_autocast": ("enabled", "dtype", "lower_precision_safe_modules"),
+             "optimizer": ("legacy_fusion",)}
     for section, names in quiet.items():
         keys += tuple(f"{section}.{name}" for name in names if name in (raw.get(section) or {}))
     params = (raw.get("optimizer") or {}).get("params") or {}
-    keys += ("optimizer.params.fused",) if "fused" in params else ()  # torch_adam: sets AdamW's default weight decay
+    # (torch_adam: sets AdamW's default weight decay; fp32_optimizer_states: true is what the engine does)
+    keys += tuple(f"optimizer.params.{name}" for name in ("fused", "foreach") if name in params)
     return keys
 
 
@@ -371,6 +455,10 @@ def _to_typed(parsed: edge.EdgeConfig, scheduler: typed.SchedulerConfig | None, 
         raise ConfigError(f"data.seq_len: {parsed.data.seq_len} is longer than the model takes (model.max_seq_len "
                           f"{parsed.model.max_seq_len}); use at most {parsed.model.max_seq_len}, or raise "
                           "model.max_seq_len")
+    if parsed.moe.enabled:
+        model = parsed.model
+        parsed.moe.check_expert_numel(num_layers=model.num_layers, hidden_size=model.hidden_size,
+                                      ffn_hidden_size=model.ffn_hidden_size, gated=model.mlp == "swiglu")
     return typed.EngineConfig(
         batch=resolve_batch_sizes(parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu,
                                   parsed.gradient_accumulation_steps, _data_parallel_ranks(parsed, world_size)),
@@ -381,10 +469,19 @@ def _to_typed(parsed: edge.EdgeConfig, scheduler: typed.SchedulerConfig | None, 
         zero=typed.ZeroConfig(
             stage=zero.stage, reduce_bucket_size=zero.reduce_bucket_size,
             offload_param_device=zero.offload_param.device if zero.offload_param else "none",
+            overlap_permissions=_overlap_permissions(zero),
         ),
         zero_cache=_zero_cache_section(parsed), monitor=monitor, seed=parsed.seed, model=parsed.model, data=parsed.data,
         train=parsed.train, moe=parsed.moe, autopipe=parsed.autopipe, comms=parsed.comms, accepted_not_acted=ignored,
     )
+
+
+def _overlap_permissions(zero: edge.ZeroSection) -> tuple[str, ...]:
+    """DeepSpeed 0.19.8's keys that ask for an optimizer step overlapped with compute (ZenFlow, SuperOffload)."""
+    keys = ("zero_optimization.zenflow",) if zero.zenflow is not None else ()
+    if zero.offload_optimizer is not None and zero.offload_optimizer.super_offload:
+        keys += ("zero_optimization.offload_optimizer.super_offload",)
+    return keys
 
 
 def _data_parallel_ranks(parsed: edge.EdgeConfig, world_size: int) -> int:

@@ -62,6 +62,12 @@ so an lr above this wrecks the weights at the first step and every later step is
 ended "done: final loss nan" with exit 0); typical AdamW rates are 1e-5 to 1e-2."""
 
 
+MIN_EPS = torch.finfo(torch.float32).tiny
+"""Smallest ``optimizer.params.eps`` accepted: float32's smallest normal (1.18e-38). Adam's masters and moments are
+fp32 in every engine path (``PrecisionConfig``), so a smaller eps (1e-300) rounds to 0 there and
+``m / (sqrt(v) + eps)`` is 0 / 0 for a parameter whose gradient was 0."""
+
+
 def check_optimizer_values(*, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
     """Refuse absurd Adam hyperparameters (NaN fails every comparison below, so it is refused too).
 
@@ -73,8 +79,10 @@ def check_optimizer_values(*, lr: float, betas: tuple[float, float], eps: float,
                          "(typical AdamW rates are 1e-5 to 1e-2)")
     if not all(0.0 <= beta < 1.0 for beta in betas):
         raise ValueError(f"optimizer.params.betas: {tuple(betas)!r} has a value outside [0, 1); use e.g. [0.9, 0.999]")
-    if not 0.0 < eps < 1.0:
-        raise ValueError(f"optimizer.params.eps: {eps!r} is outside (0, 1); use e.g. 1e-8")
+    if not MIN_EPS <= eps < 1.0:
+        raise ValueError(f"optimizer.params.eps: {eps!r} is outside [{MIN_EPS:.3g}, 1): below float32's smallest "
+                         "normal the fp32 Adam states hold it as 0 or a denormal, which no longer guards the division; "
+                         "use e.g. 1e-8")
     if not 0.0 <= weight_decay <= MAX_LR:
         raise ValueError(f"optimizer.params.weight_decay: {weight_decay!r} is outside [0, {MAX_LR:g}]; "
                          "use e.g. 0.01 or 0.1")
@@ -166,6 +174,9 @@ class ZeroConfig:
     offload_param_device: str = "none"
     """"none", "cpu" or "nvme": where ``zero.Init`` builds the model (off the device when params may live there).
     ``offload_optimizer`` has no field: it only turns ZeRO-Cache on (with stage 3), which the loader decides."""
+    overlap_permissions: tuple[str, ...] = ()
+    """DeepSpeed 0.19.8's keys present that ask for the optimizer step to overlap compute (``zenflow``,
+    ``offload_optimizer.super_offload``): permissions, which ZeRO-Cache's own exact overlapped update answers."""
 
 
 @dataclass(kw_only=True, slots=True)

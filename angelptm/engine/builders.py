@@ -5,6 +5,7 @@ optimizer and the LR scheduler). Both import them from here, so neither imports 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Iterable
 
 import torch
@@ -18,7 +19,7 @@ from angelptm.engine.expert_parallel import ExpertParallel
 from angelptm.engine.loss_scaler import LossScaler
 from angelptm.engine.mixed_precision import MixedPrecisionOptimizer
 from angelptm.engine.schedulers import build_scheduler
-from angelptm.errors import ConfigError
+from angelptm.errors import ArgumentTypeError, ConfigError
 from angelptm.integrations import deepspeed_alias
 from angelptm.launch.distributed import DistContext
 from angelptm.launch.log_output import set_log_level
@@ -33,9 +34,11 @@ def pick_config(args: Any, config: Any, config_params: Any) -> Any:
 
     Raises:
         ConfigError: more than one was given.
+        ArgumentTypeError: the one given is not a path, a dict or an :class:`EngineConfig`.
     """
     if config is not None and config_params is not None:
         raise ConfigError("pass config= or config_params=, not both")
+    name = "config" if config is not None else "config_params"
     config = config if config is not None else config_params
     if args is not None and getattr(args, "deepscale_config", None) is not None:
         logger.warning("--deepscale_config is deprecated, use --deepspeed_config")
@@ -46,7 +49,100 @@ def pick_config(args: Any, config: Any, config_params: Any) -> Any:
     from_args = getattr(args, "deepspeed_config", None) if args is not None else None
     if config is not None and from_args is not None:
         raise ConfigError("a config was given both as config= and as args.deepspeed_config; pass one")
-    return config if config is not None else from_args
+    if config is None:
+        name, config = "args.deepspeed_config", from_args
+    if config is not None and not isinstance(config, (str, os.PathLike, dict, EngineConfig)):
+        raise ArgumentTypeError(f"{name}: got {type(config).__name__} ({_shown(config)}); pass a path to a DeepSpeed "
+                                "JSON config (str or os.PathLike), a dict of it, or an EngineConfig from load_config")
+    return config
+
+
+def check_arguments(model: Any, optimizer: Any) -> None:
+    """``model`` and ``optimizer`` are of types ``initialize()`` takes.
+
+    Raises:
+        ArgumentTypeError: naming the argument, its type and what is allowed.
+    """
+    if not isinstance(model, nn.Module):
+        hint = " (build the model first: angelptm does not load models by name)" if isinstance(model, str) else ""
+        raise ArgumentTypeError(f"model: got {type(model).__name__} ({_shown(model)}); pass the torch.nn.Module to "
+                                f"train{hint}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and not callable(optimizer):
+        raise ArgumentTypeError(f"optimizer: got {type(optimizer).__name__} ({_shown(optimizer)}); pass a "
+                                "torch.optim.Optimizer over the model's parameters, a callable that builds one from "
+                                "them, or None to use the config's \"optimizer\" section")
+
+
+def listed_parameters(model: nn.Module, client: Any, model_parameters: Any, cfg: EngineConfig) -> list | None:
+    """``model_parameters`` as a list (param-group dicts with their ``params`` listed too, so a generator is read
+    once), after making sure the optimizer will hold at least one trainable parameter of ``model``.
+
+    What the optimizer holds: the client optimizer's groups when it is an optimizer object, else
+    ``model_parameters``, else every parameter of ``model``. Without an optimizer (neither the client's nor the
+    config's) nothing is required: a frozen model serves inference.
+
+    Raises:
+        ArgumentTypeError: ``model_parameters`` is not an iterable of tensors and param-group dicts.
+        ConfigError: the optimizer would hold no trainable parameter of the model, so nothing would ever train.
+    """
+    given = _parameter_list(model_parameters)
+    if client is None and cfg.optimizer is None:
+        return given
+    if isinstance(client, torch.optim.Optimizer):
+        source, held = "the optimizer", [p for group in client.param_groups for p in group["params"]]
+    elif given is not None:
+        source = "model_parameters"
+        held = [p for item in given for p in (item["params"] if isinstance(item, dict) else [item])]
+    else:
+        source, held = None, list(model.parameters())
+    own = {id(p) for p in model.parameters()}
+    if any(isinstance(p, torch.Tensor) and p.requires_grad and id(p) in own for p in held):
+        return given
+    model_name = type(model).__name__
+    if source is None:
+        what = f"{len(held)} tensors, all frozen" if held else "it has none"
+        raise ConfigError(f"the model {model_name} has no trainable parameter ({what}: requires_grad=False), so the "
+                          "optimizer would never change a weight. Unfreeze what should train (p.requires_grad_(True)) "
+                          "before initialize(), or give no optimizer for inference")
+    strangers = sum(1 for p in held if id(p) not in own)
+    parts = [f"{strangers} not a parameter of {model_name}" if strangers else "",
+             f"{len(held) - strangers} frozen (requires_grad=False)" if len(held) > strangers else ""]
+    what = ", ".join(part for part in parts if part) if held else "it is empty"
+    raise ConfigError(f"{source} holds no trainable parameter of the model ({what}), so nothing would ever train; "
+                      "pass model.parameters(), or [p for p in model.parameters() if p.requires_grad]")
+
+
+def _parameter_list(model_parameters: Any) -> list | None:
+    if model_parameters is None:
+        return None
+    allowed = ("pass an iterable of the model's parameters or of param-group dicts, e.g. model.parameters(), as a "
+               "list")
+    if isinstance(model_parameters, (torch.Tensor, str, bytes, dict)):
+        raise ArgumentTypeError(f"model_parameters: got {type(model_parameters).__name__}; {allowed}")
+    try:
+        items = list(model_parameters)
+    except TypeError:
+        raise ArgumentTypeError(f"model_parameters: got {type(model_parameters).__name__} "
+                                f"({_shown(model_parameters)}), which is not iterable; {allowed}") from None
+    listed = []
+    for i, item in enumerate(items):
+        if isinstance(item, dict):
+            if "params" not in item:
+                raise ArgumentTypeError(f"model_parameters[{i}]: a param-group dict needs a \"params\" key "
+                                        f"(got keys {sorted(map(str, item))})")
+            params = item["params"]
+            item = {**item, "params": [params] if isinstance(params, torch.Tensor) else list(params)}
+        elif not isinstance(item, torch.Tensor):
+            fix = " (model.parameters(), not model.named_parameters())" if isinstance(item, tuple) else ""
+            raise ArgumentTypeError(f"model_parameters[{i}] is a {type(item).__name__}; {allowed}{fix}")
+        listed.append(item)
+    return listed
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def report_config(cfg: EngineConfig, ctx: DistContext) -> None:
@@ -61,6 +157,33 @@ def report_config(cfg: EngineConfig, ctx: DistContext) -> None:
                        ", ".join(cfg.accepted_not_acted))
     if cfg.zero.stage > 0 and not cfg.zero_cache.enabled:
         logger.warning("%s", zero_stage_note(cfg.zero.stage, ctx.world_size))
+    note = overlap_note(cfg)
+    if note:
+        logger.info("%s", note)
+
+
+def overlap_note(cfg: EngineConfig) -> str | None:
+    """What ``zero_optimization.zenflow`` and ``offload_optimizer.super_offload`` do here, in one line (None when
+    neither is set): permissions to overlap the optimizer step with compute, answered by ZeRO-Cache's own exact
+    overlapped update; neither one's approximations is copied."""
+    keys = cfg.zero.overlap_permissions
+    if not keys:
+        return None
+    asked = f"{' and '.join(keys)}: accepted as permission to overlap the optimizer step with compute"
+    copied = []
+    if "zero_optimization.zenflow" in keys:
+        copied.append("ZenFlow's stale top-k updates are not copied (its keys change nothing)")
+    if "zero_optimization.offload_optimizer.super_offload" in keys:
+        copied.append("SuperOffload's CPU-core split is not copied (cpuadam_cores_perc changes nothing)")
+    if not cfg.zero_cache.enabled:
+        return (f"{asked}; ZeRO-Cache is off in this config (zero_optimization.stage 3 with offload_optimizer, or "
+                f"zero_cache.enabled, turns it on), so the step runs on the device after backward, with nothing to "
+                f"overlap. {'; '.join(copied)}")
+    if cfg.zero_cache.update_in_backward is False:
+        return (f"{asked}, but zero_cache.update_in_backward is false, so the host update runs at step(); set it "
+                f"to \"auto\" to overlap it exactly. {'; '.join(copied)}")
+    return (f"{asked}: ZeRO-Cache runs its own exact overlapped update (zero_cache.update_in_backward: each host "
+            f"chunk's Adam starts during backward, redone with the true clip factor when needed). {'; '.join(copied)}")
 
 
 def zero_stage_note(stage: int, world_size: int) -> str:

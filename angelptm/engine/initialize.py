@@ -10,7 +10,9 @@ from torch import nn
 
 from angelptm.config import EngineConfig, load_config
 from angelptm.engine import gathered_params
-from angelptm.engine.builders import build_optimizer, pick_config, place_module, report_config, resolve_scheduler
+from angelptm.engine.builders import (
+    build_optimizer, check_arguments, listed_parameters, pick_config, place_module, report_config, resolve_scheduler,
+)
 from angelptm.engine.engine import Engine
 from angelptm.engine.expert_parallel import ExpertParallel, setup_expert_parallel
 from angelptm.engine.mixed_precision import MixedPrecisionOptimizer
@@ -57,10 +59,13 @@ def initialize(args: Any = None, model: nn.Module | None = None,
 
     Raises:
         AssertionError: ``model`` is None (DeepSpeed's error type for it).
+        ArgumentTypeError: an argument of a type it does not take (named, with what is allowed).
+        ConfigError: an invalid config, or an optimizer that would hold no trainable parameter of ``model``.
     """
     show_logs_in_plain_script()  # the dtype, steps_per_print and pipeline loss lines, as DeepSpeed shows them
     if model is None:  # AssertionError, as DeepSpeed's initialize raises (scripts and tests catch that type)
         raise AssertionError("angelptm.initialize: model= is required (pass the nn.Module to train)")
+    check_arguments(model, optimizer)
     if mpu is not None or mesh_param is not None:
         raise ConfigError("angelptm.initialize: mpu/mesh_param (tensor or sequence parallelism) are not supported")
     if isinstance(model, PipelineModule):  # DeepSpeed's PipelineEngine: train_batch() on AutoPipe's runtime
@@ -78,8 +83,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     if cfg.seed is not None:
         set_random_seed(cfg.seed)
     _refuse_deepspeed_partitioned(model)
-    if model_parameters is not None:  # read twice: for the plan below and for the optimizer
-        model_parameters = list(model_parameters)
+    model_parameters = listed_parameters(model, optimizer, model_parameters, cfg)  # (read twice: plan, optimizer)
     if cfg.zero_cache.enabled:  # fits or explains before the model is cast, moved or broadcast
         _check_fits(model, optimizer, model_parameters, cfg, ctx)
     place_module(model, ctx.device, cfg.precision.dtype, keep_trainable=cfg.zero_cache.enabled)

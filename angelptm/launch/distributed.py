@@ -7,9 +7,13 @@ Both launchers export RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT,
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import logging
 import os
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +23,12 @@ from angelptm.errors import ConfigError
 from angelptm.launch.liveness import RankWatchdog, ended_by_exception, note_uncaught_exceptions
 
 logger = logging.getLogger(__name__)
+
+WAIT_NOTE_AFTER_S = 5.0
+"""A rendezvous still waiting after this long is logged (the ranks of a healthy job meet well within it)."""
+WAIT_NOTE_EVERY_S = 60.0
+"""... and again every this long while it waits (torch itself says nothing until ``comms.timeout_s`` ends)."""
+
 
 
 @dataclass(kw_only=True, slots=True)
@@ -70,12 +80,42 @@ def _env_int(name: str, default: int) -> int:
 
 
 def launcher_world_size() -> int:
-    """Ranks of this job as the process group has them, or as the launcher announced them (before joining)."""
-    return dist.get_world_size() if dist.is_initialized() else _env_int("WORLD_SIZE", 1)
+    """Ranks of this job as the process group has them, or as the launcher announced them (before joining).
+
+    Raises:
+        ConfigError: the launcher's variables contradict each other (:func:`check_launcher_env`).
+    """
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return check_launcher_env()
+
+
+def check_launcher_env() -> int:
+    """The launcher's WORLD_SIZE (1 without one), once RANK and LOCAL_RANK are found inside their worlds.
+
+    A rank at or above the world size would wait at the rendezvous for a place that does not exist until
+    ``comms.timeout_s`` ran out, saying nothing; it is refused here, at once.
+
+    Raises:
+        ConfigError: naming the variables, their values and the values allowed.
+    """
+    world_size = _env_int("WORLD_SIZE", 1)
+    if world_size < 1:
+        raise ConfigError(f"environment variable WORLD_SIZE={world_size}: must be >= 1 (the job's number of ranks)")
+    for rank_name, size_name, size in (("RANK", "WORLD_SIZE", world_size),
+                                       ("LOCAL_RANK", "LOCAL_WORLD_SIZE", _env_int("LOCAL_WORLD_SIZE", 0))):
+        rank = _env_int(rank_name, 0)
+        if rank < 0 or (size and rank >= size):
+            allowed = f"0 .. {size - 1}" if size else "0 or more"
+            raise ConfigError(f"environment variables {rank_name}={rank} and {size_name}={os.environ.get(size_name)}: "
+                              f"{rank_name} must be one of {allowed}, so this rank would wait for a place in the job "
+                              "that does not exist. Start the job with torchrun or the deepspeed launcher, which set "
+                              "both, or fix the values exported by hand")
+    return world_size
 
 
 def init_distributed(*, dist_init_required: bool | None = None, timeout_s: float = 600.0,
-                     lost_rank_after_s: float = 0.0) -> DistContext:
+                     lost_rank_after_s: float = 0.0, wait_note_after_s: float = WAIT_NOTE_AFTER_S) -> DistContext:
     """Join (or create) the default process group and pick this rank's device.
 
     Args:
@@ -86,11 +126,17 @@ def init_distributed(*, dist_init_required: bool | None = None, timeout_s: float
         lost_rank_after_s: when this call creates a group of several ranks, start a heartbeat that
             ends the job with the lost rank's name once one stands still this long
             (``comms.lost_rank_after_s``; 0 = none, see ``angelptm.launch.liveness``).
+        wait_note_after_s: a rendezvous still waiting after this long is logged, with what it waits for and
+            where (and again every :data:`WAIT_NOTE_EVERY_S`).
 
     Returns:
         This process's :class:`DistContext`. NCCL is used when CUDA is available, gloo otherwise.
+
+    Raises:
+        ConfigError: the launcher's variables contradict each other, or name no rendezvous.
+        RendezvousError: the ranks did not all meet within ``timeout_s``.
     """
-    world_size = _env_int("WORLD_SIZE", 1)
+    world_size = check_launcher_env() if not dist.is_initialized() else _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
     use_cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count())) if use_cuda else torch.device("cpu")
@@ -106,11 +152,13 @@ def init_distributed(*, dist_init_required: bool | None = None, timeout_s: float
                 )
         backend = "nccl" if use_cuda else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
-        # The env:// rendezvous that init_process_group would do, done here to keep the store for the heartbeat.
-        store, rank, size = next(dist.rendezvous("env://", timeout=timeout))
-        store.set_timeout(timeout)
-        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size, timeout=timeout,
-                                device_id=device if use_cuda else None)
+        rank = _env_int("RANK", 0)
+        with _noting_the_wait(rank, world_size, timeout_s, wait_note_after_s):
+            # The env:// rendezvous that init_process_group would do, done here to keep the store for the heartbeat.
+            store, rank, size = next(dist.rendezvous("env://", timeout=timeout))
+            store.set_timeout(timeout)
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size, timeout=timeout,
+                                    device_id=device if use_cuda else None)
         logger.info("joined process group: backend %s, rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
         _destroy_at_clean_exit()  # (registered before the heartbeat's stop, so it runs after it)
         if lost_rank_after_s > 0 and size > 1:
@@ -127,6 +175,58 @@ def init_distributed(*, dist_init_required: bool | None = None, timeout_s: float
                            device=device, group=dist.group.WORLD,
                            local_world_size=_env_int("LOCAL_WORLD_SIZE", dist.get_world_size()), watchdog=watchdog)
     return DistContext(rank=0, world_size=1, local_rank=local_rank, device=device, group=None)
+
+
+class RendezvousError(RuntimeError):
+    """The ranks did not all meet within ``comms.timeout_s``; the message names this rank, the address and the cause."""
+
+
+def _waiting_for(rank: int, world_size: int) -> tuple[str, str]:
+    """What a rank waits for at the rendezvous, and what to check when the wait lasts."""
+    where = f"MASTER_ADDR:MASTER_PORT = {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    if rank == 0:
+        others = world_size - 1
+        return (f"the other {others} rank{'s' if others > 1 else ''} to join at {where} (this rank's store)",
+                f"check that every rank has started with WORLD_SIZE={world_size} and the same MASTER_ADDR and "
+                "MASTER_PORT")
+    return (f"rank 0 at {where}", "check that rank 0 has started, that every rank has the same MASTER_ADDR and "
+                                  "MASTER_PORT, and that this host reaches that address")
+
+
+def _timed_out(err: BaseException) -> bool:
+    text = str(err).lower()
+    return isinstance(err, (TimeoutError, dist.DistNetworkError, dist.DistStoreError)) or "timed out" in text \
+        or "timeout" in text
+
+
+@contextlib.contextmanager
+def _noting_the_wait(rank: int, world_size: int, timeout_s: float, note_after_s: float) -> Iterator[None]:
+    """Log the rendezvous's wait from a daemon thread once it has lasted ``note_after_s``; turn its timing out into
+    a :class:`RendezvousError` that says what it waited for."""
+    done, start = threading.Event(), time.monotonic()
+    waiting_for, check = _waiting_for(rank, world_size)
+
+    def note() -> None:
+        delay = note_after_s
+        while not done.wait(delay):
+            logger.warning("rank %d of %d: waiting %.0f s so far for %s (the rendezvous gives up after "
+                           "comms.timeout_s = %g s); %s", rank, world_size, time.monotonic() - start, waiting_for,
+                           timeout_s, check)
+            delay = WAIT_NOTE_EVERY_S
+
+    thread = threading.Thread(target=note, name="angelptm-rendezvous-note", daemon=True)
+    thread.start()
+    try:
+        yield
+    except (RuntimeError, TimeoutError) as err:  # (torch's DistError is a RuntimeError)
+        if not _timed_out(err):
+            raise
+        first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise RendezvousError(f"rank {rank} of {world_size}: the ranks did not all meet within comms.timeout_s = "
+                              f"{timeout_s:g} s, waiting for {waiting_for}; {check} ({first})") from err
+    finally:
+        done.set()
+        thread.join()
 
 
 _HEARTBEATS: dict[int, RankWatchdog | None] = {}

@@ -28,7 +28,9 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from angelptm.config import EngineConfig, load_config
-from angelptm.engine.builders import build_optimizer, pick_config, place_module, report_config, resolve_scheduler
+from angelptm.engine.builders import (
+    build_optimizer, listed_parameters, pick_config, place_module, report_config, resolve_scheduler,
+)
 from angelptm.engine.engine import Engine
 from angelptm.errors import ConfigError
 from angelptm.launch.distributed import init_distributed
@@ -359,6 +361,7 @@ def initialize_pipeline(args: Any, model: PipelineModule, optimizer: Any, model_
     if cfg.zero.stage >= 2 or cfg.zero_cache.enabled:
         raise ConfigError("a PipelineModule with ZeRO stage 2/3 or zero_cache: pipeline parallelism keeps gradients "
                           "whole (DeepSpeed refuses ZeRO-2/3 with pipelines too); use stage 0 or 1")
+    model_parameters = listed_parameters(model, optimizer, model_parameters, cfg)  # before it is cut to this stage
     report_config(cfg, ctx)
     if cfg.seed is not None:
         set_random_seed(cfg.seed)

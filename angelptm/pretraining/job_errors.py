@@ -11,6 +11,7 @@ from zero_cache import SwapCorruptionError, TierFullError
 
 from angelptm.checkpoints.files import DISK_FULL
 from angelptm.errors import CheckpointError, ConfigError, DataError
+from angelptm.launch.distributed import RendezvousError
 from angelptm.launch.liveness import EXIT_CODE as LOST_RANK_EXIT, RankLostError
 from angelptm.memory.oom import StepOutOfMemoryError
 
@@ -45,7 +46,7 @@ def one_line(err: BaseException) -> tuple[str, int] | None:
                 BAD_INPUT_EXIT)
     if isinstance(err, (RunUnhealthyError, SwapCorruptionError)):
         return f"error: {err}", UNHEALTHY_EXIT
-    if isinstance(err, (RankLostError, CommsTimeoutError)):
+    if isinstance(err, (RankLostError, CommsTimeoutError, RendezvousError)):
         return f"error: {err}", LOST_RANK_EXIT
     return None
 

@@ -73,3 +73,37 @@ def test_plan_tflops_must_be_a_positive_number(tmp_path, capsys, value):
         run_pretrain(tmp_path, capsys, {"train_batch_size": 2}, "--plan", "--tflops", value)
     err = capsys.readouterr().err
     assert info.value.code == 2 and "--tflops" in err and value in err and "> 0" in err
+
+
+def test_a_gz_of_junk_is_one_line_naming_the_file(tmp_path, capsys):
+    source = tmp_path / "junk.txt.gz"
+    source.write_bytes(b"\x1f\x8b" + b"this is not deflate data" * 10)  # gzip's magic, then junk
+    code = preprocess.main(["--input", str(source), "--output-prefix", str(tmp_path / "out"), "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and "Traceback" not in err and len(err.splitlines()) == 1
+    assert str(source) in err and "not a valid gzip file" in err and "Unknown compression method" in err, err
+
+
+def test_a_tokenizer_path_that_is_a_directory_says_so(tmp_path, capsys):
+    from angelptm.errors import ConfigError
+    from angelptm.pretraining.data.tokenizer import configured_tokenizer, default_tokenizer_path
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    with pytest.raises(ConfigError) as info:
+        configured_tokenizer(str(folder), model_vocab_size=4096)
+    message = str(info.value)
+    assert "is a directory" in message and "no such file" not in message and str(folder) in message, message
+    (folder / "tokenizer.json").write_bytes(default_tokenizer_path().read_bytes())
+    with pytest.raises(ConfigError, match=r"is a directory.*tok/tokenizer\.json"):  # the file inside it, named
+        configured_tokenizer(str(folder), model_vocab_size=4096)
+    code = preprocess.main(["--input", str(tmp_path / "in.txt"), "--tokenizer", str(folder),
+                            "--output-prefix", str(tmp_path / "out"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 1 and "is a directory" in err and "not found" not in err, err
+
+
+def test_an_input_path_that_is_a_directory_says_so(tmp_path, capsys):
+    code = preprocess.main(["--input", str(tmp_path), "--output-prefix", str(tmp_path / "out"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 1 and "is a directory" in err and str(tmp_path) in err and "not found" not in err, err

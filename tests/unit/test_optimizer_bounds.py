@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from angelptm.config import load_config
 from angelptm.errors import ConfigError
@@ -27,9 +28,9 @@ def refused(params: dict) -> str:
     ("lr", -1e-3, "[0, 10]"),
     ("weight_decay", 1e59, "[0, 10]"),
     ("weight_decay", -0.1, "[0, 10]"),
-    ("eps", 1e59, "(0, 1)"),
-    ("eps", 0.0, "(0, 1)"),
-    ("eps", 1.0, "(0, 1)"),
+    ("eps", 1e59, "[1.18e-38, 1)"),
+    ("eps", 0.0, "[1.18e-38, 1)"),
+    ("eps", 1.0, "[1.18e-38, 1)"),
 ])
 def test_an_absurd_optimizer_value_is_refused_naming_key_value_and_range(key, value, allowed):
     message = refused({key: value})
@@ -60,3 +61,18 @@ def test_large_but_plausible_values_still_load():
         "lr": 10.0, "weight_decay": 10.0, "eps": 0.5, "betas": [0.0, 0.9999]}}})
     assert (cfg.optimizer.lr, cfg.optimizer.weight_decay, cfg.optimizer.eps) == (10.0, 10.0, 0.5)
     assert cfg.optimizer.betas == (0.0, 0.9999)
+
+
+@pytest.mark.parametrize("eps", [1e-300, 1e-45, 0.0])
+def test_an_eps_below_float32s_smallest_normal_is_refused(eps):
+    """fp32 Adam states (the masters and moments are fp32) round 1e-300 to 0: eps no longer guards the division,
+    and a parameter whose second moment is 0 divides 0 by 0."""
+    message = refused({"eps": eps})
+    tiny = torch.finfo(torch.float32).tiny
+    assert f"optimizer.params.eps: {eps!r}" in message and f"{tiny:.3g}" in message and "float32" in message, message
+
+
+def test_the_smallest_normal_eps_still_loads():
+    tiny = torch.finfo(torch.float32).tiny
+    cfg = load_config({**BATCH, "optimizer": {"type": "AdamW", "params": {"eps": tiny}}})
+    assert cfg.optimizer.eps == tiny

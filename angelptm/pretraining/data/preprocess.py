@@ -108,13 +108,17 @@ def iter_lines(stream: Iterable[bytes], name: str) -> Iterator[tuple[int, str]]:
 
 
 def _whole(stream: Iterable[bytes], name: str) -> Iterator[bytes]:
-    """The stream's lines; a gzip file that ends early or is damaged is a ValueError naming it (not EOFError)."""
+    """The stream's lines; a gzip file that ends early, is damaged or is no gzip stream at all is a ValueError naming
+    it (not EOFError, or gzip's BadGzipFile, which names no file)."""
     lines, count = iter(stream), 0
     while True:
         try:
             line = next(lines)
         except StopIteration:
             return
+        except gzip.BadGzipFile as exc:  # gzip's magic bytes, then no gzip stream ("Unknown compression method")
+            raise ValueError(f"{name}: not a valid gzip file ({exc}), though it starts with gzip's magic bytes; check "
+                             "it with gzip -t, or give the file uncompressed") from None
         except (EOFError, zlib.error) as exc:
             raise ValueError(f"{name}: the compressed file is truncated or damaged after line {count} ({exc}); "
                              "copy it again or recompress it (gzip -t checks a file)") from None
@@ -255,10 +259,14 @@ def preprocess(inputs: Sequence[str | os.PathLike[str]], output_prefix: str | os
 
     Raises:
         FileNotFoundError: an input does not exist.
+        IsADirectoryError: an input is a directory.
         ValueError: an input is malformed, or holds no documents.
     """
     paths = [Path(p) for p in inputs]
     for path in paths:
+        if path.is_dir():
+            raise IsADirectoryError(f"input {path} is a directory, not a file; give the files inside it "
+                                    f"(e.g. {path}/*.txt)")
         if not path.is_file():
             raise FileNotFoundError(f"input file not found: {path}")
     start, skipped = time.perf_counter(), 0

@@ -79,9 +79,12 @@ class Tokenizer:
 
         Raises:
             FileNotFoundError: ``path`` does not exist.
+            IsADirectoryError: ``path`` is a directory (the message names its ``tokenizer.json`` when it has one).
             ValueError: the file is not a valid tokenizer or lacks ``<|endoftext|>``.
         """
         file = Path(path) if path is not None else default_tokenizer_path()
+        if file.is_dir():
+            raise IsADirectoryError(f"tokenizer path {file} is a directory, not a file; {_file_inside(file)}")
         if not file.is_file():
             raise FileNotFoundError(f"tokenizer file not found: {file}")
         try:
@@ -160,16 +163,26 @@ class Tokenizer:
         return f"Tokenizer(path={self._path!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id})"
 
 
+def _file_inside(directory: Path) -> str:
+    """What to give instead of a directory: its ``tokenizer.json`` when it has one."""
+    inside = directory / "tokenizer.json"
+    return f"give the file inside it, {inside}" if inside.is_file() else "give the path of a tokenizer.json file"
+
+
 def configured_tokenizer(path: str | None, *, model_vocab_size: int) -> Tokenizer:
     """The tokenizer of ``data.tokenizer`` (None: the shipped one), loaded and checked at the start of a run.
 
     Raises:
-        ConfigError: the file is missing, is not a tokenizers ``tokenizer.json`` with ``<|endoftext|>``, or has
-            more tokens than ``model.vocab_size`` (its ids would index past the embedding table).
+        ConfigError: the file is missing (or a directory), is not a tokenizers ``tokenizer.json`` with
+            ``<|endoftext|>``, or has more tokens than ``model.vocab_size`` (its ids would index past the
+            embedding table).
     """
     where = f"data.tokenizer {path!r}"
     try:
         tokenizer = Tokenizer.from_file(path)
+    except IsADirectoryError:
+        raise ConfigError(f"{where} is a directory, not a file; {_file_inside(Path(path))}, or null for the shipped "
+                          "4096-token BPE") from None
     except FileNotFoundError:
         raise ConfigError(f"{where}: no such file; give a tokenizer.json (Hugging Face tokenizers format), or "
                           "null for the shipped 4096-token BPE") from None
