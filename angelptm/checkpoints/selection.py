@@ -143,6 +143,8 @@ def _candidates(root: Path, latest_tag: str | None) -> list[Path]:
     lead outside ``root`` (symlinks) are not checkpoints of it.
     """
     named = _tag_dir(root, latest_tag) if latest_tag is not None else None
+    if not root.is_dir():  # (a first run: nothing saved yet, the directory not made)
+        return [named] if named is not None else []
     limit = _saved_at(named) if named is not None and os.path.lexists(named) else float("inf")
     others = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and p != named
               and paths.is_inside(root, p) and paths.tag_problem(p.name) is None
