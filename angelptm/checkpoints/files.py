@@ -33,6 +33,7 @@ import logging
 import os
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -168,13 +169,50 @@ def save(save_dir: str | os.PathLike, tag: str, ctx: DistContext, *, shared: dic
     Returns:
         The final checkpoint directory.
     """
+    target = prepare_save(save_dir, tag, ctx)
+    records: list[manifest.FileRecord] = []
+    files: dict[str, Any] | None = None
+    error: BaseException | None = None
+    try:
+        if ctx.is_main:
+            files = shared() if callable(shared) else shared
+            for name, obj in files.items():
+                records.append(write_file_durably(obj, target.tmp / name))
+        records.append(write_file_durably(per_rank, target.tmp / rank_file(ctx.rank)))
+    except Exception as err:  # every rank must learn of it, or the others wait at the next barrier
+        error = err
+    return publish_save(target, ctx, records, error, payload=(files, per_rank) if ctx.is_main else None,
+                        save_latest=save_latest)
+
+
+@dataclass(frozen=True, slots=True)
+class SaveTarget:
+    """Where one save writes: its temporary directory, the final name, and the ranks publishing it."""
+
+    root: Path
+    tag: str
+    tmp: Path
+    sharing: list[int]
+    """The ranks writing into this rank's ``root`` (ascending); the first prepares and publishes it."""
+
+    @property
+    def final(self) -> Path:
+        return self.root / self.tag
+
+
+def prepare_save(save_dir: str | os.PathLike, tag: str, ctx: DistContext) -> SaveTarget:
+    """Step 0 and the temporary directory (a collective with several ranks: every rank learns of a failure).
+
+    Raises:
+        CheckpointError: the directory cannot be claimed or the temporary directory created (on every rank).
+    """
     paths.check_tag(tag)
     root = Path(save_dir)
     # Ranks may name different directories (HelloDeepSpeed's per-rank timestamps): the lowest rank writing
     # into a directory prepares and publishes it, with the files its ranks wrote, as DeepSpeed has each rank
     # create what it writes.
     sharing, tmp_name = _ranks_sharing_directory(ctx, root, writer_lock.temporary_name(tag))
-    tmp, final, old = root / tmp_name, root / tag, root / f".old-{tag}"
+    tmp = root / tmp_name
     error: BaseException | None = None
     if sharing[0] == ctx.rank:
         try:
@@ -189,29 +227,31 @@ def save(save_dir: str | os.PathLike, tag: str, ctx: DistContext, *, shared: dic
     if failed:
         raise error or CheckpointError(f"rank(s) {failed} could not create their checkpoint directories; the "
                                        "previous checkpoint is untouched")
-    records: list[manifest.FileRecord] = []
-    files: dict[str, Any] | None = None
-    try:
-        if ctx.is_main:
-            files = shared() if callable(shared) else shared
-            for name, obj in files.items():
-                records.append(write_file_durably(obj, tmp / name))
-        records.append(write_file_durably(per_rank, tmp / rank_file(ctx.rank)))
-    except Exception as err:  # every rank must learn of it, or the others wait at the next barrier
-        error = err
+    return SaveTarget(root=root, tag=tag, tmp=tmp, sharing=sharing)
+
+
+def publish_save(target: SaveTarget, ctx: DistContext, records: list[manifest.FileRecord],
+                 error: BaseException | None, *, payload: Any, save_latest: bool) -> Path:
+    """Steps 1 (the manifest) to 3 once this rank wrote its files (``error``: it failed); a collective with several
+    ranks. A failure anywhere removes the temporary directory and raises on every rank; ``latest`` is untouched.
+
+    Args:
+        payload: what this rank wrote (for a full disk's message: the bytes a checkpoint needs).
+    """
+    root, tag, tmp, final = target.root, target.tag, target.tmp, target.final
     every_rank = _gather_records(ctx, None if error is not None else records)
     if any(part is None for part in every_rank):
-        if sharing[0] == ctx.rank:  # every rank has stopped writing (the gather): the partials must not fill the disk
+        if target.sharing[0] == ctx.rank:  # every rank has stopped writing (the gather): no partials filling the disk
             shutil.rmtree(tmp, ignore_errors=True)
         if error is not None:
-            raise _explained(error, root, tag, payload=(files, per_rank) if ctx.is_main else None)
+            raise _explained(error, root, tag, payload=payload)
         raise CheckpointError(f"another rank failed while writing checkpoint {final}; the previous checkpoint "
                               "is untouched")
     error = None
-    if sharing[0] == ctx.rank:
+    if target.sharing[0] == ctx.rank:
         try:
-            _finalize(root, tmp, final, old, tag if save_latest else None,
-                      [record for rank in sharing for record in every_rank[rank]])
+            _finalize(root, tmp, final, root / f".old-{tag}", tag if save_latest else None,
+                      [record for rank in target.sharing for record in every_rank[rank]])
         except Exception as err:  # the other ranks wait below: tell them, or they would hang there
             error = err
             shutil.rmtree(tmp, ignore_errors=True)  # not renamed in: the partial must not fill the disk
@@ -273,7 +313,7 @@ def _tensor_bytes(obj: Any) -> int:
         return sum(_tensor_bytes(value) for value in obj.values())
     if isinstance(obj, (list, tuple)):
         return sum(_tensor_bytes(value) for value in obj)
-    return 0
+    return getattr(obj, "num_bytes", 0)  # (a streamed file's plan: its tensors and the states it will hold)
 
 
 def claim_directory(save_dir: str | os.PathLike) -> None:
