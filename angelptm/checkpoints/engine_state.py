@@ -171,13 +171,13 @@ class EngineCheckpoints:
         pending, self._pending_save = self._pending_save, None
         return pending.wait() if pending is not None else None
 
-    def _checkpoint_goes_on(self) -> None:
-        """At the engine's calls: a save in the background stages chunks into its free buffers, and its error is
-        raised once its writer has failed."""
+    def _checkpoint_goes_on(self, *, report: bool = False) -> None:
+        """At the engine's calls: a save in the background stages chunks into its free buffers; with ``report`` (the
+        step), a save whose writer failed raises its error (once; the save is then over)."""
         pending = self._pending_save
         if pending is None:
             return
-        if pending.failed():
+        if report and pending.failed():
             self.wait_for_checkpoint()
         pending.pump()
 

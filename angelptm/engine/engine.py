@@ -227,7 +227,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
         if self.optimizer is None:
             raise RuntimeError("engine.step() needs an optimizer: add an \"optimizer\" section to the config "
                                "or pass optimizer= to angelptm.initialize")
-        self._checkpoint_goes_on()  # (a failed save in the background is raised here, before the step)
+        self._checkpoint_goes_on(report=True)  # (a failed save in the background is raised here, before the step)
         self._step_applied = False
         self._check_step_outside_no_sync()
         if not self.is_gradient_accumulation_boundary():

@@ -114,6 +114,8 @@ class StateSnapshot:
         """Staging buffers made over the snapshot's life (<= max_staged)."""
         self.peak_staged_bytes = 0
         """The most bytes of staging (buffers held plus the writer's cast copies) alive at once."""
+        self.staged_before_update = 0
+        """Chunks staged by :meth:`before_update` (the step reached them before the writer did)."""
         self._extra_bytes = 0
         self._aborted = False
         self.num_chunks = len(chunks)
@@ -128,7 +130,8 @@ class StateSnapshot:
         """Stage ``chunk`` if it is not staged yet: the optimizer calls this before it modifies the chunk's states."""
         if chunk not in self._unstaged:  # (read without the lock: the set only shrinks)
             return
-        self._stage(chunk, wait=True)
+        if self._stage(chunk, wait=True):
+            self.staged_before_update += 1
 
     def pump(self) -> None:
         """Stage chunks in order while a buffer is free, without waiting (the engine calls it at its entry points,
