@@ -285,10 +285,12 @@ class EngineCheckpoints:
                                                  has_optimizer_file=has_optimizer_file)
         optim_states = None
         if self.optimizer is not None and has_optimizer_file:
-            optim_states = checkpoint.load_file(path / checkpoint.OPTIM_FILE, allow_unsafe_pickle=unsafe)
+            lazy = isinstance(self.optimizer, OptimizerCheckpoint)  # (it copies the states one by one, chunk by chunk)
+            optim_states = checkpoint.load_file(path / checkpoint.OPTIM_FILE, allow_unsafe_pickle=unsafe, lazy=lazy)
             shards = model_states.get("zero_cache_shards", 1)
             if shards > 1:  # any world size loads it: each rank takes the names it owns now
-                checkpoint.merge_zero_cache_shards(path, optim_states["optimizer"], shards, allow_unsafe_pickle=unsafe)
+                checkpoint.merge_zero_cache_shards(path, optim_states["optimizer"], shards, allow_unsafe_pickle=unsafe,
+                                                   lazy=lazy)
             if load_optimizer_states and not load_module_only:  # (the masters alone load in either format)
                 # Saved with ZeRO-Cache on and resumed with it off, or the reverse: converted by name, or refused.
                 optim_states["optimizer"] = optimizer_format.adapt(optim_states["optimizer"], self.optimizer, path)

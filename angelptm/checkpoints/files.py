@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import torch.distributed  # noqa: F401  (all_gather of the save outcome)
 
+from angelptm.checkpoints import lazy_states
 from angelptm.checkpoints import manifest
 from angelptm.checkpoints import paths
 from angelptm.checkpoints import safe_pickle as checkpoint_pickle
@@ -401,17 +402,21 @@ def _gather_records(ctx: DistContext, records: list[manifest.FileRecord] | None
     return parts
 
 
-def load_file(path: Path, *, allow_unsafe_pickle: bool = False) -> Any:
+def load_file(path: Path, *, allow_unsafe_pickle: bool = False, lazy: bool = False) -> Any:
     """Read one checkpoint file onto the CPU, without running code from it (see ``angelptm.checkpoints.safe_pickle``).
 
     Args:
         path: the file.
         allow_unsafe_pickle: fully unpickle a file that holds more than the safe types (a checkpoint of
             the previous format), after a warning; only for files whose origin you trust.
+        lazy: ZeRO-Cache's state tables (masters, moments by name) are read one tensor at a time when looked up
+            (:mod:`angelptm.checkpoints.lazy_states`), instead of the file being mapped whole.
     """
     problem = paths.regular_file_problem(path.parent, path.name)
     if problem is not None:
         raise CheckpointError(f"checkpoint file {path} is not read: {problem}")
+    if lazy:
+        return lazy_states.load_lazily(path, allow_unsafe_pickle=allow_unsafe_pickle)
     return checkpoint_pickle.load(path, allow_unsafe_pickle=allow_unsafe_pickle)
 
 
@@ -421,7 +426,7 @@ optimizer file)."""
 
 
 def merge_zero_cache_shards(path: Path, optimizer_state: dict[str, Any], num_shards: int, *,
-                            allow_unsafe_pickle: bool = False) -> dict[str, Any]:
+                            allow_unsafe_pickle: bool = False, lazy: bool = False) -> dict[str, Any]:
     """The whole optimizer state of a checkpoint saved by ``num_shards`` ZeRO-Cache ranks.
 
     Every state is keyed by parameter name, so merging the per-rank name tables is all a
@@ -432,13 +437,14 @@ def merge_zero_cache_shards(path: Path, optimizer_state: dict[str, Any], num_sha
         optimizer_state: rank 0's (``optim_states.pt``'s ``"optimizer"`` entry), extended in place.
         num_shards: the world size it was saved at.
         allow_unsafe_pickle: see :func:`load_file`.
+        lazy: read the shards' state tables one tensor at a time (:mod:`angelptm.checkpoints.lazy_states`).
 
     Returns:
         ``optimizer_state`` with every rank's masters, exp_avg and exp_avg_sq.
     """
     for rank in range(1, num_shards):
         source = path / rank_file(rank)
-        shard = load_file(source, allow_unsafe_pickle=allow_unsafe_pickle).get(ZERO_CACHE_SHARD) \
+        shard = load_file(source, allow_unsafe_pickle=allow_unsafe_pickle, lazy=lazy).get(ZERO_CACHE_SHARD) \
             if source.is_file() else None
         if shard is None:
             raise CheckpointError(f"{source} is missing or lacks rank {rank}'s ZeRO-Cache shard: the checkpoint "

@@ -90,6 +90,12 @@ def _pickle_module(allowed: frozenset[str]) -> types.ModuleType:
     return module
 
 
+def allowlist_unpickler(allowed: frozenset[str]) -> type[pickle.Unpickler]:
+    """An unpickler class that resolves only the globals in ``allowed`` (refusing others with
+    ``pickle.UnpicklingError("refused global NAME")``)."""
+    return _pickle_module(allowed).Unpickler
+
+
 class _Stub:
     """Stands in for every global during :func:`pickle_globals`'s dry run: accepts any call or state, runs nothing."""
 

@@ -198,6 +198,38 @@ def test_latest_moves_only_after_every_file_is_complete_and_fsynced(tmp_path, mo
     assert (tmp_path / "latest").read_text() == "t"
 
 
+EXIT_JOB = """
+import sys, time
+sys.path.insert(0, {helpers!r})
+sys.path.insert(0, {tests!r})
+from angelptm.checkpoints import streamed
+from reference import random_batches, train_steps
+from test_checkpoint_streamed import engine_of
+
+real = streamed._ArchiveWriter.write_chunk
+def slow(self, staged, snapshot):  # a slow disk: the script ends long before the writer does
+    time.sleep(0.05)
+    return real(self, staged, snapshot)
+streamed._ArchiveWriter.write_chunk = slow
+engine, _ = engine_of(0)
+train_steps(engine, random_batches(0, count=1, batch=4))
+engine.save_checkpoint({save_dir!r}, background=True, max_staged_chunks=1)
+print("returned", flush=True)
+"""
+
+
+def test_a_script_ending_right_after_a_background_save_leaves_it_complete(tmp_path):
+    job = EXIT_JOB.format(helpers=str(ROOT / "tests" / "helpers"), tests=str(ROOT / "tests" / "unit"),
+                          save_dir=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", job], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0 and "returned" in result.stdout, result.stderr[-3000:]
+    assert (tmp_path / "latest").read_text() == "global_step1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".writer.lock", "global_step1", "latest"]
+    fresh, _ = engine_of(1)
+    assert Path(fresh.load_checkpoint(tmp_path)[0]).name == "global_step1" and fresh.global_steps == 1
+
+
 def counting_allocator() -> tuple[callable, dict]:
     """A staging allocator that counts the bytes of its live buffers (and their peak)."""
     count = {"live": 0, "peak": 0, "made": 0}
@@ -241,17 +273,19 @@ def test_staging_is_k_chunks_whatever_the_model_size(tmp_path, monkeypatch, max_
 RSS_JOB = """
 import os, sys, torch, angelptm
 sys.path.insert(0, {helpers!r})
+from pathlib import Path
+from angelptm.checkpoints import files
 from angelptm.pretraining.models import ModelConfig, build_model
 from reference import random_batches, train_steps
-torch.manual_seed(0)
-model = build_model(ModelConfig(flavour="llama", vocab_size=64, max_seq_len=16, num_layers=8, hidden_size=512,
-                                num_heads=8))
-numel = sum(p.numel() for p in model.parameters())
-engine, optimizer, _, _ = angelptm.initialize(model=model, config={{
-    "train_micro_batch_size_per_gpu": 2, "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}},
-    "zero_cache": {{"enabled": True, "chunk_size": 1 << 21, "param_home": "device",
-                    "device_memory_budget": 256 << 20, "host_memory_budget": 1 << 30}}}})
-train_steps(engine, random_batches(0, count=1, batch=2))
+
+def engine():
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(flavour="llama", vocab_size=64, max_seq_len=16, num_layers=8, hidden_size=512,
+                                    num_heads=8))
+    return angelptm.initialize(model=model, config={{
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}},
+        "zero_cache": {{"enabled": True, "chunk_size": 1 << 21, "param_home": "device",
+                        "device_memory_budget": 256 << 20, "host_memory_budget": 1 << 30}}}})[:2]
 
 def peak_growth(action):
     rss = lambda key: int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) << 10
@@ -261,21 +295,42 @@ def peak_growth(action):
     action()
     return rss("VmHWM:") - before
 
-streamed = peak_growth(lambda: engine.save_checkpoint({save_dir!r}, max_staged_chunks=2))
-whole = peak_growth(lambda: optimizer.state_dict())  # what the save used to stage
-print(numel, streamed, whole)
+saver, optimizer = engine()
+numel = sum(p.numel() for p in saver.module.parameters())
+train_steps(saver, random_batches(0, count=1, batch=2))
+save_growth = peak_growth(lambda: saver.save_checkpoint({save_dir!r}, max_staged_chunks=2))
+whole_copy_growth = peak_growth(lambda: optimizer.state_dict())  # what the save used to stage
+saver.destroy()
+loader, loader_optimizer = engine()
+loader.load_checkpoint({save_dir!r})  # (first: the states' own pages, untouched zeros so far, are then resident)
+optim_file = Path({save_dir!r}) / "global_step1" / files.OPTIM_FILE
+load = lambda lazy: loader_optimizer.load_state_dict(files.load_file(optim_file, lazy=lazy)["optimizer"])
+load_growth = peak_growth(lambda: load(True))  # as load_checkpoint reads ZeRO-Cache's states now
+mapped_growth = peak_growth(lambda: load(False))  # as it did: the file mapped whole
+print(numel, save_growth, whole_copy_growth, load_growth, mapped_growth)
 """
 
 
-def test_host_memory_during_a_save_grows_by_the_staged_chunks_not_the_state(tmp_path):
-    """The peak RSS of a process saving 25 M parameters' states (300 MB) grows by about K chunks (2 x 24 MiB), not
-    by the state (measured: the kernel's high-water mark, reset before the save)."""
-    job = RSS_JOB.format(helpers=str(ROOT / "tests" / "helpers"), save_dir=str(tmp_path))
+@pytest.fixture(scope="module")
+def rss_growth(tmp_path_factory) -> dict[str, int]:
+    """Peak RSS growth (the kernel's high-water mark, reset before each) of a process saving and loading the
+    states of 25.7 M parameters (294 MiB; chunks of 2 Mi elements: 24 MiB of states), and of the old ways."""
+    job = RSS_JOB.format(helpers=str(ROOT / "tests" / "helpers"), save_dir=str(tmp_path_factory.mktemp("rss")))
     result = subprocess.run([sys.executable, "-c", job], capture_output=True, text=True, timeout=600,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr[-3000:]
-    numel, streamed_growth, whole_growth = map(int, result.stdout.split()[-3:])
-    state_bytes = STATE_BYTES_PER_ELEMENT * numel
+    values = map(int, result.stdout.split()[-5:])
+    return dict(zip(("numel", "save", "whole_copy", "load", "mapped"), values))
+
+
+def test_host_memory_during_a_save_grows_by_the_staged_chunks_not_the_state(rss_growth):
+    state_bytes = STATE_BYTES_PER_ELEMENT * rss_growth["numel"]
     staged = 2 * STATE_BYTES_PER_ELEMENT * (1 << 21)
-    assert whole_growth > 0.9 * state_bytes, "the measurement must see a whole copy of the state"
-    assert streamed_growth < staged + (16 << 20), (streamed_growth, staged, state_bytes)
+    assert rss_growth["whole_copy"] > 0.9 * state_bytes, "the measurement must see a whole copy of the state"
+    assert rss_growth["save"] < staged + (16 << 20), rss_growth
+
+
+def test_host_memory_while_the_states_load_grows_by_a_tensor_not_the_file(rss_growth):
+    state_bytes = STATE_BYTES_PER_ELEMENT * rss_growth["numel"]
+    assert rss_growth["mapped"] > 0.9 * state_bytes, "the measurement must see the mapped file's pages"
+    assert rss_growth["load"] < 24 << 20, rss_growth  # (the largest tensor: 2.8 Mi fp32 = 11 MiB, one at a time)

@@ -247,8 +247,9 @@ class OptimizerCheckpoint:
 
     def begin_snapshot(self, *, max_staged: int, allocate: Callable[[int], torch.Tensor] | None = None
                        ) -> StateSnapshot:
-        """Settle and snapshot the owned states for a checkpoint (:class:`~zero_cache.optim.state_snapshot.StateSnapshot`):
-        staged at most ``max_staged`` chunks at a time, each chunk before the step first modifies it."""
+        """Settle and snapshot the owned states for a checkpoint
+        (:class:`~zero_cache.optim.state_snapshot.StateSnapshot`): staged at most ``max_staged`` chunks at a time, each
+        chunk before the step first modifies it."""
         return self.named_states.begin_snapshot(max_staged=max_staged, allocate=allocate)
 
     def end_snapshot(self, snapshot: StateSnapshot) -> None:
