@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import subprocess
 import sys
@@ -26,12 +27,16 @@ ROOT = Path(__file__).resolve().parents[2]
 STATE_BYTES_PER_ELEMENT = 12  # fp32 master, exp_avg, exp_avg_sq
 
 
-def engine_of(seed: int, *, num_layers: int = 6):
+def engine_of(seed: int, *, num_layers: int = 6, nvme_path: Path | None = None):
     """A llama of ``num_layers`` under ZeRO-Cache, its states split between the device and host budgets (a chunk
-    of 8192 elements: 18 chunks at six layers), params resident, host chunks updated during backward."""
+    of 8192 elements: 18 chunks at six layers), params resident, host chunks updated during backward; with
+    ``nvme_path``, the host holds a third of the states and the rest goes to disk."""
     model = lambda: six_layer_llama(seed) if num_layers == 6 else _llama(seed, num_layers)  # noqa: E731
-    config = zero_cache_config(*budgets(model()))
+    device_budget, host_budget = budgets(model())
+    config = zero_cache_config(device_budget, host_budget if nvme_path is None else host_budget // 3)
     config["zero_cache"]["param_home"] = "device"
+    if nvme_path is not None:
+        config["zero_cache"]["nvme_path"] = str(nvme_path)
     engine, optimizer, _, _ = angelptm.initialize(model=model(), config=config)
     return engine, optimizer
 
@@ -83,11 +88,15 @@ def writer_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("checkpoint-writer")]
 
 
+@pytest.mark.parametrize("disk", [False, True], ids=["host", "nvme"])
 def test_a_background_save_with_training_going_on_equals_a_synchronous_save_and_resumes_exactly(tmp_path,
-                                                                                                monkeypatch):
+                                                                                                monkeypatch, disk):
     seed = torch.randint(0, 10_000, ()).item()
     batches = random_batches(seed, count=8, batch=4)
+    engine_of = functools.partial(globals()["engine_of"], nvme_path=tmp_path if disk else None)
     straight, straight_opt = engine_of(seed)
+    if disk:
+        assert any(group.tier == "nvme" for group in straight_opt.store.groups), "some states must be on disk"
     train_steps(straight, batches[:4])
     straight.save_checkpoint(tmp_path / "sync", tag="step4")  # the reference: written before it returns
     straight_losses = train_steps(straight, batches[4:])
