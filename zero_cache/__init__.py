@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from zero_cache.config import AioConfig, ZeroCacheConfig
     from zero_cache.optim.optimizer import ZeroCacheOptimizer
     from zero_cache.optim.optimizer_state import OptimizerCheckpoint
+    from zero_cache.optim.state_snapshot import SnapshotAborted, StagedChunk, StateRef, StateSnapshot
     from zero_cache.plan.placement import Plan, PlanError, PlanInputs
     from zero_cache.plan.planner import make_plan
     from zero_cache.plan.tier_names import DEVICE, HOST, NVME
@@ -40,6 +41,8 @@ _EXPORTS = {
     "AioConfig": "zero_cache.config", "ZeroCacheConfig": "zero_cache.config",
     "ZeroCacheOptimizer": "zero_cache.optim.optimizer",
     "OptimizerCheckpoint": "zero_cache.optim.optimizer_state",
+    "SnapshotAborted": "zero_cache.optim.state_snapshot", "StagedChunk": "zero_cache.optim.state_snapshot",
+    "StateRef": "zero_cache.optim.state_snapshot", "StateSnapshot": "zero_cache.optim.state_snapshot",
     "Plan": "zero_cache.plan.placement", "PlanError": "zero_cache.plan.placement",
     "PlanInputs": "zero_cache.plan.placement", "make_plan": "zero_cache.plan.planner",
     "DEVICE": "zero_cache.plan.tier_names", "HOST": "zero_cache.plan.tier_names", "NVME": "zero_cache.plan.tier_names",
@@ -57,7 +60,8 @@ _EXPORTS = {
 """Public name -> the module that defines it."""
 
 __all__ = ["AUTO", "AioConfig", "DEVICE", "HOST", "Hardware", "Interval", "NVME", "NvmeSetupError",
-           "OptimizerCheckpoint", "Plan", "PlanError", "PlanInputs", "Sharding", "SwapCorruptionError", "TRACKS",
+           "OptimizerCheckpoint", "Plan", "PlanError", "PlanInputs", "Sharding", "SnapshotAborted", "StagedChunk",
+           "StateRef", "StateSnapshot", "SwapCorruptionError", "TRACKS",
            "TierBudgets", "TierFullError", "Timeline", "ZeroCacheConfig", "ZeroCacheOptimizer", "attach",
            "check_explicit_budgets", "dry_run", "format_bytes", "hierarchical_groups", "home_costs", "make_plan",
            "overlap_shares", "parse_budget", "parse_bytes", "tier_budgets"]

@@ -7,6 +7,7 @@ scheduler, the steps, every rank's RNG streams and data position, and expert-par
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -14,17 +15,26 @@ from typing import Any
 import torch
 
 from angelptm.checkpoints import architecture
+from angelptm.checkpoints import background as background_save
 from angelptm.checkpoints import files as checkpoint
 from angelptm.checkpoints import optimizer_format
 from angelptm.engine.expert_parallel import ExpertParallel
 from angelptm.errors import CheckpointError
+from zero_cache import OptimizerCheckpoint
 
 logger = logging.getLogger("angelptm.engine.engine")
+
+STAGED_CHUNKS = 2
+"""ZeRO-Cache checkpoints: chunks of optimizer states staged in host memory at once by default (one being written,
+one staged behind it). Each is ``12 x chunk_size`` bytes (fp32 master, exp_avg, exp_avg_sq)."""
 
 
 class EngineCheckpoints:
     """Checkpoint methods of :class:`~angelptm.engine.engine.Engine` (they use its module, optimizer, counters and
     whether it was destroyed)."""
+
+    _pending_save: background_save.PendingSave | None = None
+    """A checkpoint being written beside training (``save_checkpoint(background=True)``)."""
 
     @property
     def zero_cache_shards(self) -> int:
@@ -59,59 +69,54 @@ class EngineCheckpoints:
         return checkpoint.consolidate(self.module.state_dict(), masters, self._param_aliases())
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
-                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> Path:
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False, *,
+                        background: bool = False, max_staged_chunks: int = STAGED_CHUNKS) -> Path:
         """Save model, optimizer, scheduler, loss scaler, RNG and data position atomically.
 
         Saving between accumulation boundaries drops the partial gradient sum (as DeepSpeed does);
         that is logged, since the resumed step then sums fewer micro-batches.
 
+        With ZeRO-Cache the optimizer's states are streamed from a snapshot, at most ``max_staged_chunks`` chunks
+        staged in host memory at a time (:mod:`angelptm.checkpoints.background`). A save still being written is
+        waited for first (and its error raised).
+
+        Args:
+            background: (ZeRO-Cache, one process) return once the first chunks are staged and write the rest beside
+                training: the files hold the states of this step (each chunk is staged before the next step changes
+                it), and ``latest`` moves when every file is complete and fsynced.
+                :meth:`wait_for_checkpoint` waits for it; the next save, load, step or ``destroy()`` raises its
+                error. Elsewhere the save is written before this returns.
+            max_staged_chunks: ZeRO-Cache: chunks of optimizer states staged in host memory at once.
+
         Returns:
-            The checkpoint directory ``save_dir/tag``.
+            The checkpoint directory ``save_dir/tag`` (with ``background``: where it will be).
         """
         self._check_not_destroyed("save_checkpoint")
+        self.wait_for_checkpoint()
         tag = tag or f"global_step{self.global_steps}"
         if self.micro_steps % self.gradient_accumulation_steps() and self.ctx.is_main:
             logger.warning("saving in the middle of gradient accumulation (micro-step %d of %d): the partial "
                            "gradients are not saved", self.micro_steps % self.gradient_accumulation_steps(),
                            self.gradient_accumulation_steps())
-
         experts = self.experts
         shards = self.zero_cache_shards
         self._sync_params()  # rank 0 writes the module: its non-owned chunks come from their owners first
+        self._save_dirs.add(str(save_dir))  # the save takes its writer lock (the lowest rank writing there)
+        if isinstance(self.optimizer, OptimizerCheckpoint) and experts is None:
+            return self._save_streamed(save_dir, tag, client_state, save_latest=save_latest,
+                                       exclude_frozen=exclude_frozen_parameters, background=background,
+                                       max_staged_chunks=max_staged_chunks)
 
         def shared() -> dict[str, Any]:
             if self.optimizer is not None:
                 self.optimizer.finish_pending()  # weights may still be landing from a background update
-            module_state = self.module.state_dict()
-            aliases = self._param_aliases()
-            held = self._sharded_weight_keys(aliases)
-            module_state = {k: v for k, v in module_state.items() if k not in held}  # they are in the masters
-            if exclude_frozen_parameters:
-                frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
-                module_state = {k: v for k, v in module_state.items() if k not in frozen}
-            model_states = {
-                "format_version": checkpoint.FORMAT_VERSION, "module": module_state,
-                "param_aliases": aliases, "weights_in_masters": bool(held),
-                "global_steps": self.global_steps,
-                "global_samples": self.global_samples, "micro_steps": self.micro_steps,
-                "skipped_steps": self.skipped_steps, "world_size": self.world_size,
-                "ep_size": experts.ep_size if experts is not None else 1, "zero_cache_shards": shards,
-                "expert_state_keys": sorted(self._expert_state_names(experts)) if experts is not None else [],
-                "dtype": str(self.compute_dtype), "client_state": dict(client_state or {}),
-                # The architecture as JSON text, for `python -m angelptm.checkpoints.export --hf` (None: not a
-                # known kind).
-                "architecture": architecture.describe(self.module),
-            }
-            files = {checkpoint.MODEL_FILE: model_states}
+            files = {checkpoint.MODEL_FILE: self._model_states(client_state, self.module.state_dict(),
+                                                               exclude_frozen=exclude_frozen_parameters)}
             if self.optimizer is not None:
-                files[checkpoint.OPTIM_FILE] = {
-                    "optimizer": self.optimizer.state_dict(),
-                    "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-                }
+                files[checkpoint.OPTIM_FILE] = self._optim_states(self.optimizer.state_dict())
             return files
 
-        per_rank = {"rng": checkpoint.capture_rng_state(),
-                    "data": self.training_dataloader.state_dict() if self.training_dataloader else None}
+        per_rank = self._per_rank_state()
         if shards > 1 and self.ctx.rank > 0:  # rank 0's shard is in the optimizer file
             per_rank[checkpoint.ZERO_CACHE_SHARD] = self.optimizer.state_dict()
         if experts is not None and 0 < self.ctx.rank < experts.ep_size:
@@ -121,8 +126,92 @@ class EngineCheckpoints:
             per_rank["experts"] = {"module": {k: v for k, v in self.module.state_dict().items() if k in expert_names},
                                    "optimizer": self.optimizer.expert_state_dict() if self.optimizer is not None
                                    else None}
-        self._save_dirs.add(str(save_dir))  # the save takes its writer lock (the lowest rank writing there)
         return checkpoint.save(save_dir, tag, self.ctx, shared=shared, per_rank=per_rank, save_latest=save_latest)
+
+    def _save_streamed(self, save_dir: str, tag: str, client_state: dict | None, *, save_latest: bool,
+                       exclude_frozen: bool, background: bool, max_staged_chunks: int) -> Path:
+        """ZeRO-Cache's save: the states (and the weights, cast from their masters) stream from a snapshot."""
+        optimizer = self.optimizer
+        alone = self.ctx.group is None
+        if background and not alone and self.ctx.is_main:
+            logger.warning("save_checkpoint(background=True) writes in the background in a single process only: "
+                           "with %d ranks the save is written before it returns", self.world_size)
+        snapshot = optimizer.begin_snapshot(max_staged=max_staged_chunks)  # (settles every update in flight)
+        states = optimizer.state_refs()
+        shared: dict[str, Any] = {}
+        if self.ctx.is_main:
+            module_state = self.module.state_dict()
+            aliases = self._param_aliases()
+            for key, name in aliases.items():  # the weights this rank's snapshot holds: cast from their masters
+                if key in module_state and name in states["masters"]:
+                    module_state[key] = dataclasses.replace(states["masters"][name], dtype=module_state[key].dtype)
+            shared[checkpoint.MODEL_FILE] = self._model_states(client_state, module_state,
+                                                               exclude_frozen=exclude_frozen)
+            shared[checkpoint.OPTIM_FILE] = self._optim_states(states)
+        per_rank = self._per_rank_state()
+        if self.zero_cache_shards > 1 and self.ctx.rank > 0:
+            per_rank[checkpoint.ZERO_CACHE_SHARD] = states
+        pending = background_save.save_streamed(
+            save_dir, tag, self.ctx, shared=shared, per_rank=per_rank, snapshot=snapshot, save_latest=save_latest,
+            background=background and alone, on_end=lambda: optimizer.end_snapshot(snapshot))
+        if pending.done():
+            return pending.wait()
+        self._pending_save = pending
+        return pending.target.final
+
+    def wait_for_checkpoint(self) -> Path | None:
+        """Wait for a checkpoint still being written (``save_checkpoint(background=True)``).
+
+        Returns:
+            Its directory, or None when none was being written.
+
+        Raises:
+            Its error (the previous checkpoint and ``latest`` are then untouched), once.
+        """
+        pending, self._pending_save = self._pending_save, None
+        return pending.wait() if pending is not None else None
+
+    def _checkpoint_goes_on(self, *, report: bool = False) -> None:
+        """At the engine's calls: a save in the background stages chunks into its free buffers; with ``report`` (the
+        step), a save whose writer failed raises its error (once; the save is then over)."""
+        pending = self._pending_save
+        if pending is None:
+            return
+        if report and pending.failed():
+            self.wait_for_checkpoint()
+        pending.pump()
+
+    def _model_states(self, client_state: dict | None, module_state: dict[str, Any], *,
+                      exclude_frozen: bool) -> dict[str, Any]:
+        """``model_states.pt``'s contents: the module (without the weights held as shards), counters, client state."""
+        experts = self.experts
+        aliases = self._param_aliases()
+        held = self._sharded_weight_keys(aliases)
+        module_state = {k: v for k, v in module_state.items() if k not in held}  # they are in the masters
+        if exclude_frozen:
+            frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
+            module_state = {k: v for k, v in module_state.items() if k not in frozen}
+        return {
+            "format_version": checkpoint.FORMAT_VERSION, "module": module_state,
+            "param_aliases": aliases, "weights_in_masters": bool(held),
+            "global_steps": self.global_steps,
+            "global_samples": self.global_samples, "micro_steps": self.micro_steps,
+            "skipped_steps": self.skipped_steps, "world_size": self.world_size,
+            "ep_size": experts.ep_size if experts is not None else 1, "zero_cache_shards": self.zero_cache_shards,
+            "expert_state_keys": sorted(self._expert_state_names(experts)) if experts is not None else [],
+            "dtype": str(self.compute_dtype), "client_state": dict(client_state or {}),
+            # The architecture as JSON text, for `python -m angelptm.checkpoints.export --hf` (None: not a
+            # known kind).
+            "architecture": architecture.describe(self.module),
+        }
+
+    def _optim_states(self, optimizer_state: dict[str, Any]) -> dict[str, Any]:
+        return {"optimizer": optimizer_state,
+                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None}
+
+    def _per_rank_state(self) -> dict[str, Any]:
+        return {"rng": checkpoint.capture_rng_state(),
+                "data": self.training_dataloader.state_dict() if self.training_dataloader else None}
 
     def _release_save_dirs(self) -> None:
         """Give back the writer locks this engine's saves took (at ``destroy()``): nothing would wait for them, but
@@ -175,6 +264,7 @@ class EngineCheckpoints:
             CheckpointError: the checkpoint does not verify, or holds unsafe objects without the opt-in.
         """
         self._check_not_destroyed("load_checkpoint")
+        self.wait_for_checkpoint()  # (a save in the background may be writing the checkpoint asked for)
         path = checkpoint.resolve(load_dir, tag, self.ctx)  # verified; without a tag, the newest that verifies
         if path is None:
             logger.warning("no checkpoint to load in %s (no 'latest' file)", load_dir)
@@ -195,10 +285,12 @@ class EngineCheckpoints:
                                                  has_optimizer_file=has_optimizer_file)
         optim_states = None
         if self.optimizer is not None and has_optimizer_file:
-            optim_states = checkpoint.load_file(path / checkpoint.OPTIM_FILE, allow_unsafe_pickle=unsafe)
+            lazy = isinstance(self.optimizer, OptimizerCheckpoint)  # (it copies the states one by one, chunk by chunk)
+            optim_states = checkpoint.load_file(path / checkpoint.OPTIM_FILE, allow_unsafe_pickle=unsafe, lazy=lazy)
             shards = model_states.get("zero_cache_shards", 1)
             if shards > 1:  # any world size loads it: each rank takes the names it owns now
-                checkpoint.merge_zero_cache_shards(path, optim_states["optimizer"], shards, allow_unsafe_pickle=unsafe)
+                checkpoint.merge_zero_cache_shards(path, optim_states["optimizer"], shards, allow_unsafe_pickle=unsafe,
+                                                   lazy=lazy)
             if load_optimizer_states and not load_module_only:  # (the masters alone load in either format)
                 # Saved with ZeRO-Cache on and resumed with it off, or the reverse: converted by name, or refused.
                 optim_states["optimizer"] = optimizer_format.adapt(optim_states["optimizer"], self.optimizer, path)

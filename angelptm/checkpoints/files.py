@@ -33,6 +33,7 @@ import logging
 import os
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,6 +41,7 @@ import numpy as np
 import torch
 import torch.distributed  # noqa: F401  (all_gather of the save outcome)
 
+from angelptm.checkpoints import lazy_states
 from angelptm.checkpoints import manifest
 from angelptm.checkpoints import paths
 from angelptm.checkpoints import safe_pickle as checkpoint_pickle
@@ -168,13 +170,50 @@ def save(save_dir: str | os.PathLike, tag: str, ctx: DistContext, *, shared: dic
     Returns:
         The final checkpoint directory.
     """
+    target = prepare_save(save_dir, tag, ctx)
+    records: list[manifest.FileRecord] = []
+    files: dict[str, Any] | None = None
+    error: BaseException | None = None
+    try:
+        if ctx.is_main:
+            files = shared() if callable(shared) else shared
+            for name, obj in files.items():
+                records.append(write_file_durably(obj, target.tmp / name))
+        records.append(write_file_durably(per_rank, target.tmp / rank_file(ctx.rank)))
+    except Exception as err:  # every rank must learn of it, or the others wait at the next barrier
+        error = err
+    return publish_save(target, ctx, records, error, payload=(files, per_rank) if ctx.is_main else None,
+                        save_latest=save_latest)
+
+
+@dataclass(frozen=True, slots=True)
+class SaveTarget:
+    """Where one save writes: its temporary directory, the final name, and the ranks publishing it."""
+
+    root: Path
+    tag: str
+    tmp: Path
+    sharing: list[int]
+    """The ranks writing into this rank's ``root`` (ascending); the first prepares and publishes it."""
+
+    @property
+    def final(self) -> Path:
+        return self.root / self.tag
+
+
+def prepare_save(save_dir: str | os.PathLike, tag: str, ctx: DistContext) -> SaveTarget:
+    """Step 0 and the temporary directory (a collective with several ranks: every rank learns of a failure).
+
+    Raises:
+        CheckpointError: the directory cannot be claimed or the temporary directory created (on every rank).
+    """
     paths.check_tag(tag)
     root = Path(save_dir)
     # Ranks may name different directories (HelloDeepSpeed's per-rank timestamps): the lowest rank writing
     # into a directory prepares and publishes it, with the files its ranks wrote, as DeepSpeed has each rank
     # create what it writes.
     sharing, tmp_name = _ranks_sharing_directory(ctx, root, writer_lock.temporary_name(tag))
-    tmp, final, old = root / tmp_name, root / tag, root / f".old-{tag}"
+    tmp = root / tmp_name
     error: BaseException | None = None
     if sharing[0] == ctx.rank:
         try:
@@ -189,29 +228,31 @@ def save(save_dir: str | os.PathLike, tag: str, ctx: DistContext, *, shared: dic
     if failed:
         raise error or CheckpointError(f"rank(s) {failed} could not create their checkpoint directories; the "
                                        "previous checkpoint is untouched")
-    records: list[manifest.FileRecord] = []
-    files: dict[str, Any] | None = None
-    try:
-        if ctx.is_main:
-            files = shared() if callable(shared) else shared
-            for name, obj in files.items():
-                records.append(write_file_durably(obj, tmp / name))
-        records.append(write_file_durably(per_rank, tmp / rank_file(ctx.rank)))
-    except Exception as err:  # every rank must learn of it, or the others wait at the next barrier
-        error = err
+    return SaveTarget(root=root, tag=tag, tmp=tmp, sharing=sharing)
+
+
+def publish_save(target: SaveTarget, ctx: DistContext, records: list[manifest.FileRecord],
+                 error: BaseException | None, *, payload: Any, save_latest: bool) -> Path:
+    """Steps 1 (the manifest) to 3 once this rank wrote its files (``error``: it failed); a collective with several
+    ranks. A failure anywhere removes the temporary directory and raises on every rank; ``latest`` is untouched.
+
+    Args:
+        payload: what this rank wrote (for a full disk's message: the bytes a checkpoint needs).
+    """
+    root, tag, tmp, final = target.root, target.tag, target.tmp, target.final
     every_rank = _gather_records(ctx, None if error is not None else records)
     if any(part is None for part in every_rank):
-        if sharing[0] == ctx.rank:  # every rank has stopped writing (the gather): the partials must not fill the disk
+        if target.sharing[0] == ctx.rank:  # every rank has stopped writing (the gather): no partials filling the disk
             shutil.rmtree(tmp, ignore_errors=True)
         if error is not None:
-            raise _explained(error, root, tag, payload=(files, per_rank) if ctx.is_main else None)
+            raise _explained(error, root, tag, payload=payload)
         raise CheckpointError(f"another rank failed while writing checkpoint {final}; the previous checkpoint "
                               "is untouched")
     error = None
-    if sharing[0] == ctx.rank:
+    if target.sharing[0] == ctx.rank:
         try:
-            _finalize(root, tmp, final, old, tag if save_latest else None,
-                      [record for rank in sharing for record in every_rank[rank]])
+            _finalize(root, tmp, final, root / f".old-{tag}", tag if save_latest else None,
+                      [record for rank in target.sharing for record in every_rank[rank]])
         except Exception as err:  # the other ranks wait below: tell them, or they would hang there
             error = err
             shutil.rmtree(tmp, ignore_errors=True)  # not renamed in: the partial must not fill the disk
@@ -273,7 +314,7 @@ def _tensor_bytes(obj: Any) -> int:
         return sum(_tensor_bytes(value) for value in obj.values())
     if isinstance(obj, (list, tuple)):
         return sum(_tensor_bytes(value) for value in obj)
-    return 0
+    return getattr(obj, "num_bytes", 0)  # (a streamed file's plan: its tensors and the states it will hold)
 
 
 def claim_directory(save_dir: str | os.PathLike) -> None:
@@ -361,17 +402,21 @@ def _gather_records(ctx: DistContext, records: list[manifest.FileRecord] | None
     return parts
 
 
-def load_file(path: Path, *, allow_unsafe_pickle: bool = False) -> Any:
+def load_file(path: Path, *, allow_unsafe_pickle: bool = False, lazy: bool = False) -> Any:
     """Read one checkpoint file onto the CPU, without running code from it (see ``angelptm.checkpoints.safe_pickle``).
 
     Args:
         path: the file.
         allow_unsafe_pickle: fully unpickle a file that holds more than the safe types (a checkpoint of
             the previous format), after a warning; only for files whose origin you trust.
+        lazy: ZeRO-Cache's state tables (masters, moments by name) are read one tensor at a time when looked up
+            (:mod:`angelptm.checkpoints.lazy_states`), instead of the file being mapped whole.
     """
     problem = paths.regular_file_problem(path.parent, path.name)
     if problem is not None:
         raise CheckpointError(f"checkpoint file {path} is not read: {problem}")
+    if lazy:
+        return lazy_states.load_lazily(path, allow_unsafe_pickle=allow_unsafe_pickle)
     return checkpoint_pickle.load(path, allow_unsafe_pickle=allow_unsafe_pickle)
 
 
@@ -381,7 +426,7 @@ optimizer file)."""
 
 
 def merge_zero_cache_shards(path: Path, optimizer_state: dict[str, Any], num_shards: int, *,
-                            allow_unsafe_pickle: bool = False) -> dict[str, Any]:
+                            allow_unsafe_pickle: bool = False, lazy: bool = False) -> dict[str, Any]:
     """The whole optimizer state of a checkpoint saved by ``num_shards`` ZeRO-Cache ranks.
 
     Every state is keyed by parameter name, so merging the per-rank name tables is all a
@@ -392,13 +437,14 @@ def merge_zero_cache_shards(path: Path, optimizer_state: dict[str, Any], num_sha
         optimizer_state: rank 0's (``optim_states.pt``'s ``"optimizer"`` entry), extended in place.
         num_shards: the world size it was saved at.
         allow_unsafe_pickle: see :func:`load_file`.
+        lazy: read the shards' state tables one tensor at a time (:mod:`angelptm.checkpoints.lazy_states`).
 
     Returns:
         ``optimizer_state`` with every rank's masters, exp_avg and exp_avg_sq.
     """
     for rank in range(1, num_shards):
         source = path / rank_file(rank)
-        shard = load_file(source, allow_unsafe_pickle=allow_unsafe_pickle).get(ZERO_CACHE_SHARD) \
+        shard = load_file(source, allow_unsafe_pickle=allow_unsafe_pickle, lazy=lazy).get(ZERO_CACHE_SHARD) \
             if source.is_file() else None
         if shard is None:
             raise CheckpointError(f"{source} is missing or lacks rank {rank}'s ZeRO-Cache shard: the checkpoint "

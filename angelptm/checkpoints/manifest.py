@@ -142,6 +142,10 @@ class _HashingFile:
     def flush(self) -> None:
         self._handle.flush()
 
+    def record(self, path: Path) -> FileRecord:
+        """The manifest's record of what was written."""
+        return FileRecord(path.name, self.size_bytes, self.crc32)
+
 
 @contextmanager
 def _without_zip_crc() -> Iterator[None]:
@@ -165,20 +169,33 @@ def write_hashed(obj: Any, path: Path) -> FileRecord:
     Raises:
         OSError: the write failed (e.g. ENOSPC: the disk is full), with ``path`` as its filename.
     """
+    with hashed_file(path) as target, _without_zip_crc():
+        torch.save(obj, target)
+    return target.record(path)
+
+
+@contextmanager
+def hashed_file(path: Path) -> Iterator[_HashingFile]:
+    """A new file at ``path`` (never through a symlink) that hashes what is written to it; flushed and fsynced when
+    the block ends (its :meth:`_HashingFile.record` is then the manifest's).
+
+    Raises:
+        OSError: a write failed (e.g. ENOSPC: the disk is full), with ``path`` as its filename, even where the
+            writer in the block replaced the error with one of its own (torch's zip writer does).
+    """
     with _open_for_writing(path, "wb") as handle, \
             ThreadPoolExecutor(_HASH_THREADS, thread_name_prefix="ckpt-crc") as hasher:
         target = _HashingFile(handle, hasher)
         try:
-            with _without_zip_crc():
-                torch.save(obj, target)
+            yield target
             handle.flush()
             os.fsync(handle.fileno())
         except Exception as err:
-            cause = target.error or (err if isinstance(err, OSError) else None)
+            # (an OSError naming a file already is another file's, passing through this one's block)
+            cause = target.error or (err if isinstance(err, OSError) and not err.filename else None)
             if cause is None:
                 raise
             raise OSError(cause.errno, f"writing checkpoint file failed: {cause.strerror or cause}", str(path)) from err
-    return FileRecord(path.name, target.size_bytes, target.crc32)
 
 
 def _open_for_writing(path: Path, mode: str) -> Any:

@@ -90,6 +90,12 @@ def _pickle_module(allowed: frozenset[str]) -> types.ModuleType:
     return module
 
 
+def allowlist_unpickler(allowed: frozenset[str]) -> type[pickle.Unpickler]:
+    """An unpickler class that resolves only the globals in ``allowed`` (refusing others with
+    ``pickle.UnpicklingError("refused global NAME")``)."""
+    return _pickle_module(allowed).Unpickler
+
+
 class _Stub:
     """Stands in for every global during :func:`pickle_globals`'s dry run: accepts any call or state, runs nothing."""
 
@@ -138,6 +144,11 @@ def pickle_globals(path: Path) -> list[str]:
     # Python's zipfile would reject.
     with open(path, "rb") as handle, torch.serialization._open_zipfile_reader(handle) as archive:
         data = archive.get_record("data.pkl")
+    return globals_of_pickle(data)
+
+
+def globals_of_pickle(data: bytes) -> list[str]:
+    """:func:`pickle_globals` of a pickle's bytes (an archive's ``data.pkl``)."""
     unpickler = _RecordingUnpickler(io.BytesIO(data))
     try:
         unpickler.load()
@@ -161,7 +172,16 @@ def refuse_unsafe_objects(path: Path) -> None:
     Raises:
         CheckpointError: naming the file and the offending types, and how to store them instead.
     """
-    refused = refused_globals(path)
+    refuse_unsafe_globals(refused_globals(path), path)
+
+
+def refuse_unsafe_globals(names: list[str], path: Path) -> None:
+    """Raise when ``names`` (the globals a file for ``path`` names) has any loading would refuse.
+
+    Raises:
+        CheckpointError: as :func:`refuse_unsafe_objects`.
+    """
+    refused = [name for name in names if name not in ENGINE_GLOBALS]
     if refused:
         raise CheckpointError(
             f"{path} would hold Python objects that loading refuses ({', '.join(refused)}). Checkpoints store "

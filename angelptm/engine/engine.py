@@ -85,6 +85,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
         self._loss_nonfinite: torch.Tensor | None = None  # this step's micro-batch losses: any non-finite, on device
         self._destroyed = False
         self._save_dirs: set[str] = set()  # where save_checkpoint took the writer lock: destroy() gives it back
+        self._pending_save = None  # a checkpoint being written beside training (save_checkpoint(background=True))
         # ZeRO-Cache's timeline also records its copies, host jobs and disk requests; otherwise compute only.
         self._tracer = StepTracer(getattr(optimizer, "timeline", None) or Timeline(ctx.device))
 
@@ -159,6 +160,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module; tensors move to the device (floating ones to the compute dtype with fp16.auto_cast)."""
         self._check_not_destroyed("forward")
+        self._checkpoint_goes_on()
         start = self._clock()
         self._tracer.forward_starts()
         cast = self.compute_dtype if self.config.precision.cast_inputs else None
@@ -191,6 +193,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}"
                              f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+        self._checkpoint_goes_on()
         start = self._clock()
         if self.optimizer is not None:
             self.optimizer.prepare_backward(self.is_gradient_accumulation_boundary())
@@ -224,6 +227,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
         if self.optimizer is None:
             raise RuntimeError("engine.step() needs an optimizer: add an \"optimizer\" section to the config "
                                "or pass optimizer= to angelptm.initialize")
+        self._checkpoint_goes_on(report=True)  # (a failed save in the background is raised here, before the step)
         self._step_applied = False
         self._check_step_outside_no_sync()
         if not self.is_gradient_accumulation_boundary():
@@ -268,12 +272,15 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
         there: the ranks' weights are gathered)."""
         if self._destroyed:
             return
-        if self.optimizer is not None:
-            self.optimizer.destroy()
-        self._release_save_dirs()
-        unregister(self)
-        self._loss_sum = None
-        self._destroyed = True
+        try:
+            self.wait_for_checkpoint()  # a save in the background is finished first (its error raised after)
+        finally:
+            if self.optimizer is not None:
+                self.optimizer.destroy()
+            self._release_save_dirs()
+            unregister(self)
+            self._loss_sum = None
+            self._destroyed = True
 
     @property
     def destroyed(self) -> bool:

@@ -292,6 +292,7 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         self._reset_window()
 
     def _queue_revision(self, chunk: int, *, grad_factor: float = 0.0, skip: bool = False) -> None:
+        self.named_states.before_update(chunk)  # (a checkpoint being written stages the chunk first)
         original = self.window.queued[chunk]
         revision = ChunkUpdate(chunk=chunk, members=original.members, hypers=original.hypers, step=original.step,
                                grad_factor=grad_factor, revises=original, skip=skip)
@@ -375,6 +376,7 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
 
     def _step_on_device(self, chunk: int, written: frozenset, hypers: list[dict[str, Any]], grad_factor: float) -> None:
         """Queue ``chunk``'s update on :attr:`device_steps`; the next forward waits for its params alone."""
+        self.named_states.before_update(chunk)
         self.wait_for_chunk(chunk)  # a host job still on it (a restore) has run
         # None unless written home by a copy: on the device it is ordered by begin(), an accumulator is filled
         self._stepped_ready[chunk] = self.device_steps.step(chunk, self._step_members(chunk, written), hypers,
@@ -420,6 +422,7 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
     def _queue_host_update(self, chunk: int, written: frozenset, hypers: list[dict[str, Any]], *, step: int,
                            grad_factor: float, squares: torch.Tensor | None = None, restore_only: bool = False,
                            window: SpeculationWindow | None = None, fold_later: bool = False) -> ChunkUpdate:
+        self.named_states.before_update(chunk)  # a checkpoint being written stages the chunk before it changes
         self.device_steps.wait(chunk)  # the host takes the chunk back: its device step's copies have landed
         update = ChunkUpdate(chunk=chunk, members=self._step_members(chunk, written), hypers=hypers, step=step,
                              grad_factor=grad_factor, grads_written=self.transfers.mark(),
@@ -445,6 +448,7 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         if chunks:
             self.device_adam_timing.start(self.step_clock.mark())
         for chunk in chunks:
+            self.named_states.before_update(chunk)
             group = self.store.groups[chunk]
             params = self.store.param_chunks[chunk]
             source = group.grad if self.store.grads_in_accumulators else params

@@ -17,6 +17,7 @@ from typing import Any, Callable, Collection
 
 import torch
 
+from zero_cache.optim.state_snapshot import StateRef, StateSnapshot
 from zero_cache.plan.layout import TensorSlot
 from zero_cache.storage.chunks import STATE_FIELDS, ChunkStore
 
@@ -49,6 +50,53 @@ class NamedStates:
         self.restore_params = restore_params
         self.members_of_chunk = members_of_chunk
         self._all_names = frozenset(slot.name for _, slot in members)
+        self.snapshot: StateSnapshot | None = None
+        """The states of a checkpoint still being written (:mod:`zero_cache.optim.state_snapshot`), or None."""
+
+    def before_update(self, chunk: int) -> None:
+        """Called before anything modifies ``chunk``'s states: a snapshot in progress stages it first."""
+        snapshot = self.snapshot
+        if snapshot is not None:
+            snapshot.before_update(chunk)
+
+    def begin_snapshot(self, *, max_staged: int, allocate: Callable[[int], torch.Tensor] | None = None
+                       ) -> StateSnapshot:
+        """Settle the states and start a snapshot of the owned chunks (see :class:`StateSnapshot`); the refs of
+        :meth:`state_refs` and :meth:`weight_refs` are read from it. One at a time: the caller ends the previous one
+        (:meth:`end_snapshot`) first."""
+        assert self.snapshot is None or self.snapshot.finished(), "a snapshot is still staging"
+        self.settle()
+        chunks = [chunk for chunk, members in sorted(self.members_of_chunk.items())
+                  if members and self.store.state_home(chunk).owned]
+        self.snapshot = StateSnapshot(self.store, chunks, max_staged=max_staged, allocate=allocate)
+        return self.snapshot
+
+    def end_snapshot(self, snapshot: StateSnapshot) -> None:
+        """Forget ``snapshot`` (written or given up) and free its buffers."""
+        snapshot.release()
+        if self.snapshot is snapshot:
+            self.snapshot = None
+
+    @staticmethod
+    def _ref(slot: TensorSlot, field: str, *, shaped: bool) -> StateRef:
+        """``shaped``: in the parameter's shape (the masters), else flat (the moments, as :meth:`state_dict` has
+        them)."""
+        return StateRef(field=field, name=slot.name, chunk=slot.chunk, offset=slot.offset, numel=slot.numel,
+                        shape=tuple(slot.shape) if shaped else (slot.numel,))
+
+    def _owned_slots(self) -> list[TensorSlot]:
+        return [slot for _, slot in self.members if self.store.state_home(slot.chunk).owned]
+
+    def state_refs(self, *, step: int, speculate_next: bool) -> dict[str, Any]:
+        """:meth:`state_dict` with a :class:`StateRef` for each state tensor (read later from the snapshot); the
+        small values (step, hyperparameters, loss scale) are the current ones."""
+        slots = self._owned_slots()
+        hypers = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        moments = {field: {slot.name: self._ref(slot, field, shaped=False) for slot in slots}
+                   for field in ("exp_avg", "exp_avg_sq")}
+        return {"optimizer": {"step": step, "param_groups": hypers, "speculate_next": speculate_next, **moments},
+                "masters": {slot.name: self._ref(slot, "master", shaped=True) for slot in slots},
+                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None}
 
     def _chunk_states(self, *, write_back: bool = False, names: Collection[str] | None = None):
         """(slots, states) per chunk; the states are in memory while the caller holds them (NVMe: read, and
@@ -59,6 +107,8 @@ class NamedStates:
             slots = [slot for _, slot in members if names is None or slot.name in names]
             if not slots or not self.store.state_home(chunk).owned:
                 continue
+            if write_back:
+                self.before_update(chunk)
             with self.store.open_states(chunk, write_back=write_back) as states:
                 yield slots, states
 
@@ -189,6 +239,22 @@ class OptimizerCheckpoint:
     def refresh_masters_from_params(self) -> None:
         """Copy each owned parameter's compute values into its fp32 master."""
         self.named_states.refresh_masters_from_params()
+
+    def state_refs(self) -> dict[str, Any]:
+        """:meth:`state_dict` with :class:`~zero_cache.optim.state_snapshot.StateRef` in place of the state tensors,
+        for a checkpoint streamed from :meth:`begin_snapshot`'s snapshot."""
+        return self.named_states.state_refs(step=self.step_count, speculate_next=self._speculating)
+
+    def begin_snapshot(self, *, max_staged: int, allocate: Callable[[int], torch.Tensor] | None = None
+                       ) -> StateSnapshot:
+        """Settle and snapshot the owned states for a checkpoint
+        (:class:`~zero_cache.optim.state_snapshot.StateSnapshot`): staged at most ``max_staged`` chunks at a time, each
+        chunk before the step first modifies it."""
+        return self.named_states.begin_snapshot(max_staged=max_staged, allocate=allocate)
+
+    def end_snapshot(self, snapshot: StateSnapshot) -> None:
+        """Forget a snapshot that was written (or given up)."""
+        self.named_states.end_snapshot(snapshot)
 
     def state_dict(self) -> dict[str, Any]:
         # speculate_next: whether the next step updates during backward (a clipped step predicts another; kept so
