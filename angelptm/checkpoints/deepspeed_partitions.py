@@ -64,6 +64,8 @@ def _step(state: dict[str, Any] | None, fallback: Any = None) -> float:
 
 def _loss_scale(saved: dict[str, Any]) -> dict[str, Any] | None:
     scaler = {**_fields(saved.get("loss_scaler")), **{k: saved[k] for k in _LOSS_SCALE_KEYS if k in saved}}
+    if "dynamic" not in scaler and "dynamic_loss_scale" in saved:  # DeepSpeed's fp16 optimizers' name for it
+        scaler["dynamic"] = saved["dynamic_loss_scale"]
     return {k: scaler[k] for k in _LOSS_SCALE_KEYS if k in scaler} or None
 
 

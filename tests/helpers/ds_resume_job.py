@@ -39,7 +39,7 @@ def config(stage: int, zero_cache: bool) -> dict:
                                                         "warmup_num_steps": 8, "warmup_type": "linear"}},
            "zero_optimization": {"stage": stage}}
     if zero_cache:
-        cfg["zero_cache"] = {"chunk_size": 4096}
+        cfg["zero_cache"] = {"enabled": True, "chunk_size": 4096, "device_memory_budget": 300_000}
     return cfg
 
 
@@ -61,12 +61,15 @@ def main() -> None:
     rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
 
     model = tiny_gpt(seed=5 if args.load else 0)
-    engine, _, _, scheduler = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                    config=config(args.stage, args.zero_cache))
     result: dict = {}
     if args.load:
         path, client_state = engine.load_checkpoint(args.save_dir)
-        result.update(path=None if path is None else str(path), client_state=client_state,
+        # DeepSpeed returns its own entries beside the script's (and the optimizer's state at stage 0): compared
+        # are the script's keys, and whether anything else came back.
+        result.update(path=None if path is None else str(path), client_state={k: client_state.get(k) for k in CLIENT_STATE},
+                      other_keys=sorted(set(client_state) - set(CLIENT_STATE)),
                       global_steps=engine.global_steps, global_samples=engine.global_samples,
                       skipped_steps=engine.skipped_steps)
     first = args.first if args.load else 0
@@ -79,7 +82,7 @@ def main() -> None:
         mean = loss.detach().clone()
         deepspeed.comm.all_reduce(mean)
         losses.append(mean.item() / world)
-        lrs.append(scheduler.get_last_lr()[0])
+        lrs.append(engine.get_lr()[0])
     result.update(losses=losses, lrs=lrs, world_size=world)
     if not args.load:
         engine.save_checkpoint(args.save_dir, client_state=CLIENT_STATE)
