@@ -157,7 +157,12 @@ def load_file(path: Path) -> Any:
     try:
         return safe_pickle.load(path, stand_ins=STAND_INS)
     except CheckpointError as err:
-        raise refuse(path.parent, f"{path.name} cannot be read as DeepSpeed 0.19.8 writes it ({err})") from None
+        refused = safe_pickle.refused_globals(path, stand_ins=STAND_INS)
+        if refused:
+            raise refuse(path.parent, f"its {path.name} names {', '.join(refused)}, which DeepSpeed 0.19.8 does not "
+                                      "write there: it was not loaded and nothing in it ran (damaged, hostile, or "
+                                      "written by another version)") from None
+        raise refuse(path.parent, f"its {path.name} cannot be read ({err})") from None
 
 
 def read(path: Path, *, optimizer_states: bool, optimizer_order: Sequence[str] | None = None) -> DeepSpeedCheckpoint:
