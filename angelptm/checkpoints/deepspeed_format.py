@@ -198,8 +198,7 @@ def read(path: Path, *, optimizer_states: bool, optimizer_order: Sequence[str] |
         parts = _merge(path, states, optim_files, zero3=zero3, optimizer_states=optimizer_states,
                        optimizer_order=optimizer_order)
     except partitions.LayoutError as err:
-        raise refuse(path, f"{err}, which is not DeepSpeed 0.19.8's layout (damaged, or from another version)") \
-            from None
+        raise refuse(path, str(err)) from None
     except (KeyError, IndexError, TypeError, AttributeError) as err:
         raise refuse(path, f"its files do not hold what DeepSpeed 0.19.8 writes ({type(err).__name__}: {err})") \
             from None

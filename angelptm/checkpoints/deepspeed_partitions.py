@@ -11,11 +11,14 @@ that saved the checkpoint.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 IMPLEMENTATION_KEYS = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
@@ -24,7 +27,10 @@ _LOSS_SCALE_KEYS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteres
 
 
 class LayoutError(Exception):
-    """A file that does not hold what DeepSpeed 0.19.8 writes there; the message says what is wrong."""
+    """What in the files cannot be put together, or does not fit the resuming optimizer; the message says what."""
+
+
+DAMAGED = "which is not what DeepSpeed 0.19.8 writes (a damaged file, or another version's layout)"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -53,7 +59,7 @@ def _hypers(group: dict[str, Any]) -> dict[str, Any]:
 def _moments_of(state: dict[str, Any] | None, where: str) -> dict[str, torch.Tensor]:
     if not state or not all(m in state for m in MOMENTS):
         raise LayoutError(f"{where} holds no Adam moments (exp_avg, exp_avg_sq): the optimizer was not Adam, or its "
-                          "states were kept elsewhere (NVMe offload)")
+                          "states were not saved")
     return {m: state[m] for m in MOMENTS}
 
 
@@ -74,11 +80,11 @@ def _whole(pieces: dict[str, list[torch.Tensor]], shapes: dict[str, torch.Size],
     out = {}
     for name, shape in shapes.items():
         if name not in pieces:
-            raise LayoutError(f"{where} holds no fragment of {name}")
+            raise LayoutError(f"{where} hold no fragment of {name}, {DAMAGED}")
         flat = torch.cat(pieces[name]) if len(pieces[name]) > 1 else pieces[name][0]
         if flat.numel() != math.prod(shape):
-            raise LayoutError(f"the fragments of {name} in {where} hold {flat.numel()} elements, its shape "
-                              f"{tuple(shape)} {math.prod(shape)}")
+            raise LayoutError(f"the fragments of {name} in {where} hold {flat.numel()} elements and its shape "
+                              f"{tuple(shape)} {math.prod(shape)}, {DAMAGED}")
         out[name] = flat.view(shape).clone()
     return out
 
@@ -150,7 +156,7 @@ def merge_zero3(model_states: Sequence[dict[str, Any]], ranks: Sequence[dict[str
             offset += part
         if any(flat["fp32"].numel() != offset for flat in flats):
             raise LayoutError(f"sub-group {group}'s partitions hold {[f['fp32'].numel() for f in flats]} elements "
-                              f"where its parameters' parts make {offset}")
+                              f"where its parameters' parts make {offset}, {DAMAGED}")
     frozen = {}
     for name, shape in (model_states[0].get("frozen_param_shapes") or {}).items():
         fragments = [saved["frozen_param_fragments"][name] for saved in model_states]
@@ -165,71 +171,61 @@ def merge_stage0(model_states: dict[str, Any], *, optimizer_states: bool,
     """ZeRO stage 0: the module holds whole weights; the optimizer's ``state_dict()`` holds its states by position.
 
     Position i is the i-th parameter the script gave the optimizer, named by ``optimizer_order`` (the resuming
-    run's optimizer, built by the same script). The optimizer is torch's (fp32), or DeepSpeed's fp16/bf16 wrapper:
-    ``fp32_groups`` (a master per parameter) or ``fp32_groups_flat`` (a flat master and flat moments per group).
-    Without ``optimizer_order`` (an export) the masters are the module's weights (in the dtype it computed in).
+    run's optimizer, built by the same script). The optimizer is torch's (fp32: the module's weights are the
+    masters) or DeepSpeed's unfused bf16/fp16 wrapper (``fp32_groups``: a master per parameter). DeepSpeed's fused
+    fp16 wrapper (``fp32_groups_flat``, a flat master per group) is not read: only the module's fp16 weights are. So is
+    every stage-0 checkpoint without ``optimizer_order`` (an export): the module's weights, in the dtype it computed in.
     """
     buffers = set(model_states.get("buffer_names") or ())
     world_size = int(model_states.get("dp_world_size", 1))
     weights = {k: v for k, v in model_states["module"].items() if k not in buffers}
     saved = model_states.get("optimizer")
-    if saved is None or optimizer_order is None:
+    fused = saved is not None and "fp32_groups_flat" in saved
+    if optimizer_states and (saved is None or fused):
+        raise LayoutError("its model states hold no optimizer states" if saved is None else
+                          "its optimizer is DeepSpeed's fused fp16 one (fp16 at ZeRO stage 0, a flat master per "
+                          "group), whose states this engine does not read")
+    module_weights = Partitions(stage=0, world_size=world_size, masters={k: v.float() for k, v in weights.items()},
+                                frozen={}, moments=None, steps={}, hypers={}, loss_scale=None)
+    if saved is None or fused or optimizer_order is None or ("fp32_groups" not in saved and not optimizer_states):
+        return module_weights  # (with torch's optimizer, fp32, the module's weights are the masters)
+    try:
+        return _positional(saved, weights, world_size, optimizer_states=optimizer_states,
+                           optimizer_order=optimizer_order)
+    except LayoutError as err:
         if optimizer_states:
-            raise LayoutError("its model states hold no optimizer states")
-        return Partitions(stage=0, world_size=world_size, masters={k: v.float() for k, v in weights.items()}, frozen={},
-                          moments=None, steps={}, hypers={}, loss_scale=None)
+            raise
+        logger.warning("the fp32 masters of a ZeRO stage 0 checkpoint are kept by position and do not fit this run's "
+                       "optimizer (%s): its weights are taken from the module (in the dtype it computed in)", err)
+        return module_weights
+
+
+def _positional(saved: dict[str, Any], weights: dict[str, torch.Tensor], world_size: int, *, optimizer_states: bool,
+                optimizer_order: Sequence[str]) -> Partitions:
+    """Stage 0's optimizer states, position i named by ``optimizer_order[i]``."""
     torch_state = saved if "param_groups" in saved else saved["optimizer_state_dict"]
     groups = torch_state["param_groups"]
-    if sum(len(group["params"]) for group in groups) != len(optimizer_order):
-        raise LayoutError(f"its optimizer holds {sum(len(g['params']) for g in groups)} parameters by position, and "
-                          f"this run's optimizer {len(optimizer_order)}")
-    names = iter(optimizer_order)
-    group_names = [[next(names) for _ in group["params"]] for group in groups]
-    if "fp32_groups_flat" in saved:  # fused fp16: one flat master, and flat moments, per group
-        masters, moments, steps = _split_flat_groups(saved, torch_state, group_names, weights, optimizer_states)
-    else:
-        masters, moments, steps = {}, {m: {} for m in MOMENTS}, {}
-        fp32 = [t for group in saved["fp32_groups"] for t in group] if "fp32_groups" in saved else None
-        indices = [i for group in groups for i in group["params"]]  # torch's state keys, in position order
-        for position, name in enumerate(n for group in group_names for n in group):
-            if name not in weights:
-                raise LayoutError(f"its module has no parameter {name}")
-            masters[name] = (fp32[position] if fp32 is not None else weights[name]).float()
-            if masters[name].shape != weights[name].shape:
-                raise LayoutError(f"position {position} of its optimizer holds a tensor of shape "
-                                  f"{tuple(masters[name].shape)}, and {name} has {tuple(weights[name].shape)}: the "
-                                  "script gave the optimizer its parameters in another order")
-            if optimizer_states:
-                state = torch_state["state"].get(indices[position])
-                for field, value in _moments_of(state, f"its optimizer's position {position} ({name})").items():
-                    moments[field][name] = value
-                steps[name] = _step(state)
-    hypers = {name: _hypers(group) for group, group_list in zip(groups, group_names) for name in group_list}
-    loss_scale = _loss_scale(saved) if "param_groups" not in saved else None
-    return Partitions(stage=0, world_size=world_size, masters=masters, frozen={},
-                      moments=moments if optimizer_states else None,
-                      steps=steps, hypers=hypers, loss_scale=loss_scale)
-
-
-def _split_flat_groups(saved: dict[str, Any], torch_state: dict[str, Any], group_names: list[list[str]],
-                       weights: dict[str, torch.Tensor], optimizer_states: bool
-                       ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]], dict[str, float]]:
-    """DeepSpeed's fused fp16 optimizer: group g's parameters flattened in order, without padding."""
-    masters, moments, steps = {}, {m: {} for m in MOMENTS}, {}
-    for group, names in enumerate(group_names):
-        flats = {"fp32": saved["fp32_groups_flat"][group]}
-        state = torch_state["state"].get(group)
+    indices = [i for group in groups for i in group["params"]]  # torch's state keys, in position order
+    if len(indices) != len(optimizer_order):
+        raise LayoutError(f"its optimizer holds {len(indices)} parameters by position, and this run's optimizer "
+                          f"{len(optimizer_order)}")
+    fp32 = [t for group in saved["fp32_groups"] for t in group] if "fp32_groups" in saved else None
+    masters, moments, steps, hypers = {}, {m: {} for m in MOMENTS}, {}, {}
+    position_group = [group for group in groups for _ in group["params"]]
+    for position, name in enumerate(optimizer_order):
+        if name not in weights:
+            raise LayoutError(f"its module has no parameter {name}, which this run's optimizer holds")
+        masters[name] = (fp32[position] if fp32 is not None else weights[name]).float()
+        if masters[name].shape != weights[name].shape:
+            raise LayoutError(f"position {position} of its optimizer holds a tensor of shape "
+                              f"{tuple(masters[name].shape)}, and {name} has {tuple(weights[name].shape)}: the "
+                              "script gave the optimizer its parameters in another order")
+        hypers[name] = _hypers(position_group[position])
         if optimizer_states:
-            flats.update(_moments_of(state, f"its optimizer's group {group}"))
-        offset = 0
-        for name in names:
-            shape = weights[name].shape
-            for field, flat in flats.items():
-                value = flat.narrow(0, offset, math.prod(shape)).view(shape).clone()
-                (masters if field == "fp32" else moments[field])[name] = value
+            state = torch_state["state"].get(indices[position])
+            for field, value in _moments_of(state, f"its optimizer's position {position} ({name})").items():
+                moments[field][name] = value
             steps[name] = _step(state)
-            offset += math.prod(shape)
-        if offset != flats["fp32"].numel():
-            raise LayoutError(f"its flat group {group} holds {flats['fp32'].numel()} elements, the parameters this "
-                              f"run's optimizer holds there {offset}")
-    return masters, moments, steps
+    loss_scale = _loss_scale(saved) if fp32 is not None else None
+    return Partitions(stage=0, world_size=world_size, masters=masters, frozen={},
+                      moments=moments if optimizer_states else None, steps=steps, hypers=hypers, loss_scale=loss_scale)
