@@ -33,8 +33,8 @@ from typing import Any, Sequence
 
 import torch
 
-from angelptm.checkpoints import files as checkpoint
 from angelptm.checkpoints import deepspeed_partitions as partitions
+from angelptm.checkpoints import files as checkpoint
 from angelptm.checkpoints import paths
 from angelptm.checkpoints import safe_pickle
 from angelptm.errors import CheckpointError
@@ -51,9 +51,15 @@ DEEPSPEED_KEYS = frozenset({
     "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
     "checkpoint_parallel_dimensions", "universal_checkpoint_info", "num_experts", "ds_autoep_layers", "autoep_layers"})
 """What DeepSpeed 0.19.8 writes into the model states itself; every other key is the script's ``client_state``."""
-REMEDY = ("To go on from it: resume it with DeepSpeed, or take its weights alone: load_checkpoint(..., "
-          "load_optimizer_states=False), or DeepSpeed's zero_to_fp32.py (DeepSpeed writes it next to the checkpoint) "
-          "into the model before initialize(), starting the optimizer afresh")
+WITH_DEEPSPEED = ("Resume it with DeepSpeed, or take its weights with DeepSpeed's zero_to_fp32.py (DeepSpeed writes it "
+                  "next to a ZeRO checkpoint; at stage 0 they are the 'module' of mp_rank_00_model_states.pt) and load "
+                  "them into the model before initialize(), the optimizer starting afresh")
+"""The way on from a DeepSpeed checkpoint this engine does not read at all."""
+WEIGHTS_ALONE = ("Take its weights alone with load_checkpoint(..., load_optimizer_states=False), the optimizer "
+                 "starting afresh, or resume it with DeepSpeed")
+"""The way on when only its optimizer states do not fit this run."""
+COPY_AGAIN = "Copy the whole checkpoint directory again (every rank's files), or resume from another checkpoint"
+"""The way on from a checkpoint that lost files, or holds damaged ones."""
 
 
 class DeepSpeedObject:
@@ -129,12 +135,12 @@ def find(load_dir: str | os.PathLike, tag: str | None) -> Path | None:
     if tag is None or paths.tag_problem(tag) is not None:
         return None
     path = root / tag
-    if not path.is_dir() or not paths.is_inside(root, path) or is_ours(path):
+    if not path.is_dir() or not paths.is_inside(root, path) or _is_ours(path):
         return None
     return path if any(_is_deepspeed_file(entry.name) for entry in path.iterdir()) else None
 
 
-def is_ours(path: Path) -> bool:
+def _is_ours(path: Path) -> bool:
     return (path / paths.MODEL_FILE).exists() or (path / paths.MANIFEST_FILE).exists()
 
 
@@ -142,18 +148,18 @@ def _is_deepspeed_file(name: str) -> bool:
     return name.endswith("_model_states.pt") or _OPTIM_FILE.fullmatch(name) is not None
 
 
-def refuse(path: Path, why: str) -> CheckpointError:
+def refuse(path: Path, why: str, remedy: str = WITH_DEEPSPEED) -> CheckpointError:
     """The error for a DeepSpeed checkpoint this engine cannot read: the format, what is wrong, what to do."""
-    return CheckpointError(f"{path} is a DeepSpeed checkpoint, and {why}. {REMEDY}")
+    return CheckpointError(f"{path} is a DeepSpeed checkpoint, and {why}. {remedy}")
 
 
 def load_file(path: Path) -> Any:
     """One DeepSpeed file, read without running code (its DeepSpeed classes as :class:`DeepSpeedObject`)."""
     if not path.exists():
-        raise refuse(path.parent, f"its {path.name} is missing (a partial copy?)")
+        raise refuse(path.parent, f"its {path.name} is missing (a partial copy?)", COPY_AGAIN)
     problem = paths.regular_file_problem(path.parent, path.name)
     if problem is not None:
-        raise refuse(path.parent, f"{path.name} is not read: {problem}")
+        raise refuse(path.parent, f"{path.name} is not read: {problem}", COPY_AGAIN)
     try:
         return safe_pickle.load(path, stand_ins=STAND_INS)
     except CheckpointError as err:
@@ -161,8 +167,8 @@ def load_file(path: Path) -> Any:
         if refused:
             raise refuse(path.parent, f"its {path.name} names {', '.join(refused)}, which DeepSpeed 0.19.8 does not "
                                       "write there: it was not loaded and nothing in it ran (damaged, hostile, or "
-                                      "written by another version)") from None
-        raise refuse(path.parent, f"its {path.name} cannot be read ({err})") from None
+                                      "written by another version)", COPY_AGAIN) from None
+        raise refuse(path.parent, f"its {path.name} cannot be read ({err})", COPY_AGAIN) from None
 
 
 def read(path: Path, *, optimizer_states: bool, optimizer_order: Sequence[str] | None = None) -> DeepSpeedCheckpoint:
@@ -186,7 +192,7 @@ def read(path: Path, *, optimizer_states: bool, optimizer_order: Sequence[str] |
     zero3 = ZERO3_MODEL_FILE.format(rank=0) in names
     model_file = path / (ZERO3_MODEL_FILE.format(rank=0) if zero3 else MODEL_FILE)
     if not model_file.is_file():
-        raise refuse(path, f"its {model_file.name} is missing")
+        raise refuse(path, f"its {model_file.name} is missing", COPY_AGAIN)
     states = load_file(model_file)
     if not isinstance(states, dict) or not isinstance(states.get("module"), dict):
         raise refuse(path, f"its {model_file.name} holds no module state dict (a pipeline engine's checkpoint?), "
@@ -198,10 +204,10 @@ def read(path: Path, *, optimizer_states: bool, optimizer_order: Sequence[str] |
         parts = _merge(path, states, optim_files, zero3=zero3, optimizer_states=optimizer_states,
                        optimizer_order=optimizer_order)
     except partitions.LayoutError as err:
-        raise refuse(path, str(err)) from None
+        raise refuse(path, str(err), WEIGHTS_ALONE if err.weights_load else COPY_AGAIN) from None
     except (KeyError, IndexError, TypeError, AttributeError) as err:
-        raise refuse(path, f"its files do not hold what DeepSpeed 0.19.8 writes ({type(err).__name__}: {err})") \
-            from None
+        raise refuse(path, f"its files do not hold what DeepSpeed 0.19.8 writes ({type(err).__name__}: {err}): "
+                           "damaged, or written by another version", COPY_AGAIN) from None
     aliases = {alias: name for alias, name in (states.get("shared_params") or {}).items()}
     module = checkpoint.consolidate({**states["module"], **parts.frozen}, parts.masters, aliases)
     return DeepSpeedCheckpoint(
@@ -217,14 +223,16 @@ def _merge(path: Path, states: dict[str, Any], optim_files: list[tuple[int, Path
     """The partitions of every rank merged, after checking that every rank's files are there."""
     if not optim_files:
         if zero3:
-            raise refuse(path, "its optimizer files (zero_pp_rank_R_mp_rank_00_optim_states.pt) are missing")
+            raise refuse(path, "its optimizer files (zero_pp_rank_R_mp_rank_00_optim_states.pt) are missing",
+                         COPY_AGAIN)
         return partitions.merge_stage0(states, optimizer_states=optimizer_states, optimizer_order=optimizer_order)
     ranks = [load_file(file)["optimizer_state_dict"] for _, file in optim_files]
     count = ranks[0]["partition_count"]
     world_size = max(count) if isinstance(count, list) else int(count)
     if [rank for rank, _ in optim_files] != list(range(world_size)):
         raise refuse(path, f"it was saved by {world_size} ranks and holds the optimizer files of ranks "
-                           f"{[rank for rank, _ in optim_files]}: a rank's file is missing (a partial copy?)")
+                           f"{[rank for rank, _ in optim_files]}: a rank's file is missing (a partial copy?)",
+                     COPY_AGAIN)
     if not zero3:
         return partitions.merge_zero12(states, ranks, optimizer_states=optimizer_states)
     model_states = [states] + [load_file(path / ZERO3_MODEL_FILE.format(rank=rank)) for rank in range(1, world_size)]

@@ -27,7 +27,13 @@ _LOSS_SCALE_KEYS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteres
 
 
 class LayoutError(Exception):
-    """What in the files cannot be put together, or does not fit the resuming optimizer; the message says what."""
+    """What in the files cannot be put together, or does not fit the resuming optimizer; the message says what.
+
+    ``weights_load``: the weights would still load (``load_optimizer_states=False``); False for damaged files."""
+
+    def __init__(self, message: str, *, weights_load: bool = True) -> None:
+        super().__init__(message)
+        self.weights_load = weights_load
 
 
 DAMAGED = "which is not what DeepSpeed 0.19.8 writes (a damaged file, or another version's layout)"
@@ -80,11 +86,11 @@ def _whole(pieces: dict[str, list[torch.Tensor]], shapes: dict[str, torch.Size],
     out = {}
     for name, shape in shapes.items():
         if name not in pieces:
-            raise LayoutError(f"{where} hold no fragment of {name}, {DAMAGED}")
+            raise LayoutError(f"{where} hold no fragment of {name}, {DAMAGED}", weights_load=False)
         flat = torch.cat(pieces[name]) if len(pieces[name]) > 1 else pieces[name][0]
         if flat.numel() != math.prod(shape):
             raise LayoutError(f"the fragments of {name} in {where} hold {flat.numel()} elements and its shape "
-                              f"{tuple(shape)} {math.prod(shape)}, {DAMAGED}")
+                              f"{tuple(shape)} {math.prod(shape)}, {DAMAGED}", weights_load=False)
         out[name] = flat.view(shape).clone()
     return out
 
@@ -156,7 +162,7 @@ def merge_zero3(model_states: Sequence[dict[str, Any]], ranks: Sequence[dict[str
             offset += part
         if any(flat["fp32"].numel() != offset for flat in flats):
             raise LayoutError(f"sub-group {group}'s partitions hold {[f['fp32'].numel() for f in flats]} elements "
-                              f"where its parameters' parts make {offset}, {DAMAGED}")
+                              f"where its parameters' parts make {offset}, {DAMAGED}", weights_load=False)
     frozen = {}
     for name, shape in (model_states[0].get("frozen_param_shapes") or {}).items():
         fragments = [saved["frozen_param_fragments"][name] for saved in model_states]

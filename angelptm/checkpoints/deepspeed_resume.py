@@ -73,7 +73,8 @@ def _masters(saved: DeepSpeedCheckpoint, names: list[str], path: Path) -> dict[s
     missing = [name for name in names if name not in saved.module]
     if missing:
         raise deepspeed_format.refuse(path, f"it holds no weights for {', '.join(missing[:3])}"
-                                            f"{' ...' if len(missing) > 3 else ''} of this model's parameters")
+                                            f"{' ...' if len(missing) > 3 else ''} of this model's parameters",
+                                      "Build the model as the DeepSpeed script did")
     return {name: saved.module[name] for name in names}
 
 
@@ -95,7 +96,8 @@ def _optimizer_state(saved: DeepSpeedCheckpoint, optimizer: Any, masters: dict[s
     missing = [name for name in optimizer.names if not all(name in moments.get(field, {}) for field in MOMENTS)]
     if missing:
         raise deepspeed_format.refuse(path, f"it holds no Adam moments for {', '.join(missing[:3])}"
-                                            f"{' ...' if len(missing) > 3 else ''} (frozen when it was saved?)")
+                                            f"{' ...' if len(missing) > 3 else ''} (frozen when it was saved?)",
+                                      deepspeed_format.WEIGHTS_ALONE)
     state = {index: {"step": torch.tensor(saved.steps.get(name, 0.0), dtype=torch.float32),
                      **{field: moments[field][name] for field in MOMENTS}}
              for index, name in enumerate(optimizer.names)}
@@ -119,8 +121,8 @@ def _saved_hypers(saved: DeepSpeedCheckpoint, names: list[str], current: dict[st
         differing = sorted({k for value in values for k in value if value[k] != values[0].get(k)})
         raise deepspeed_format.refuse(
             path, f"its optimizer kept parameters in other groups than this run's ({', '.join(differing)} differ "
-                  f"within one group here, e.g. {names[0]}'s group). Build the optimizer's parameter groups as the "
-                  "DeepSpeed script did")
+                  f"within one group here, e.g. {names[0]}'s group)",
+            f"Build the optimizer's parameter groups as the DeepSpeed script did. {deepspeed_format.WEIGHTS_ALONE}")
     return values[0] if values else {}
 
 

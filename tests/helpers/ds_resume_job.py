@@ -1,7 +1,7 @@
 """Train a tiny GPT on real DeepSpeed or on angelptm, from scratch or resumed from a DeepSpeed checkpoint.
 
     torchrun --nproc-per-node W tests/helpers/ds_resume_job.py --backend {deepspeed,angelptm} --stage S \
-        --save-dir DIR --first N --steps M --out RESULT.json [--load | --init-from W.safetensors] [--zero-cache]
+        --save-dir DIR --first N --steps M --out RESULT.json [--load | --init-from W.safetensors] [--zero-cache NAME] [--bf16]
 
 Without ``--load``: train steps 0..N-1 and save a checkpoint into DIR. With ``--load``: build the model from another
 seed (only a real load gives the right losses), ``load_checkpoint(DIR)``, then train steps N..N+M-1; with
@@ -30,7 +30,13 @@ MICRO, ACCUMULATION = 4, 2
 CLIENT_STATE = {"epoch": 3, "note": "from deepspeed"}
 
 
-def config(stage: int, zero_cache: bool, bf16: bool) -> dict:
+ZERO_CACHE = {"host": {"device_memory_budget": 300_000},  # most optimizer states on the host tier
+              "sharded": {"shard_params": True},  # ZeRO-3's params sharded over the ranks
+              "streamed": {"param_home": "host"}}  # params streamed from the host
+"""ZeRO-Cache settings the resumed run may take (``--zero-cache NAME``), beside ``enabled`` and a small chunk."""
+
+
+def config(stage: int, zero_cache: str | None, bf16: bool) -> dict:
     """fp32 (or bf16), AdamW with DeepSpeed's torch optimizer, a warmup still moving the lr at the resume, clipping."""
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUMULATION,
            "gradient_clipping": 0.5, "steps_per_print": 1000,
@@ -42,7 +48,7 @@ def config(stage: int, zero_cache: bool, bf16: bool) -> dict:
     if bf16:
         cfg["bf16"] = {"enabled": True}
     if zero_cache:
-        cfg["zero_cache"] = {"enabled": True, "chunk_size": 4096, "device_memory_budget": 300_000}
+        cfg["zero_cache"] = {"enabled": True, "chunk_size": 4096, **ZERO_CACHE[zero_cache]}
     return cfg
 
 
@@ -55,7 +61,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True, help="steps trained in this run")
     parser.add_argument("--out", required=True)
     parser.add_argument("--load", action="store_true")
-    parser.add_argument("--zero-cache", action="store_true")
+    parser.add_argument("--zero-cache", choices=sorted(ZERO_CACHE), default=None)
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--init-from", default=None, help="a safetensors file of weights to start from (no load)")
     args = parser.parse_args()
