@@ -1,7 +1,8 @@
 """Train a tiny GPT on real DeepSpeed or on angelptm, from scratch or resumed from a DeepSpeed checkpoint.
 
     torchrun --nproc-per-node W tests/helpers/ds_resume_job.py --backend {deepspeed,angelptm} --stage S \
-        --save-dir DIR --first N --steps M --out RESULT.json [--load | --init-from W.safetensors] [--zero-cache NAME] [--bf16]
+        --save-dir DIR --first N --steps M --out RESULT.json [--load | --init-from W.safetensors] \
+        [--zero-cache NAME] [--bf16]
 
 Without ``--load``: train steps 0..N-1 and save a checkpoint into DIR. With ``--load``: build the model from another
 seed (only a real load gives the right losses), ``load_checkpoint(DIR)``, then train steps N..N+M-1; with
