@@ -16,6 +16,8 @@ import torch
 
 from angelptm.checkpoints import architecture
 from angelptm.checkpoints import background as background_save
+from angelptm.checkpoints import deepspeed_format
+from angelptm.checkpoints import deepspeed_resume
 from angelptm.checkpoints import files as checkpoint
 from angelptm.checkpoints import optimizer_format
 from angelptm.engine.expert_parallel import ExpertParallel
@@ -248,7 +250,8 @@ class EngineCheckpoints:
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Any = None, *,
                         allow_unsafe_pickle: bool = False) -> tuple[str | None, dict | None]:
-        """Restore a checkpoint written by :meth:`save_checkpoint`, after verifying it against its manifest.
+        """Restore a checkpoint written by :meth:`save_checkpoint`, after verifying it against its manifest, or one
+        written by DeepSpeed itself (:mod:`angelptm.checkpoints.deepspeed_resume`).
 
         Without ``tag``, a ``latest`` checkpoint that fails verification is skipped (with a warning naming
         the damaged file) for the newest older one that passes; an explicit ``tag`` must pass.
@@ -265,6 +268,12 @@ class EngineCheckpoints:
         """
         self._check_not_destroyed("load_checkpoint")
         self.wait_for_checkpoint()  # (a save in the background may be writing the checkpoint asked for)
+        foreign = deepspeed_format.find(load_dir, tag)
+        if foreign is not None and custom_load_fn is None:  # a run started on DeepSpeed: read by parameter name
+            return deepspeed_resume.load(self, foreign, load_module_strict=load_module_strict,
+                                         load_optimizer_states=load_optimizer_states,
+                                         load_lr_scheduler_states=load_lr_scheduler_states,
+                                         load_module_only=load_module_only)
         path = checkpoint.resolve(load_dir, tag, self.ctx)  # verified; without a tag, the newest that verifies
         if path is None:
             logger.warning("no checkpoint to load in %s (no 'latest' file)", load_dir)

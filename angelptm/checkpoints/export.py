@@ -14,7 +14,13 @@ Runs on CPU from the files alone (no model code, no GPU): the fp32 master weight
 ``optim_states.pt``; buffers and the names of tied weights from ``model_states.pt``. The result
 loads into the plain model with ``model.load_state_dict(safetensors.torch.load_file(path))``. A
 checkpoint saved with experts spread over ranks (``moe.ep_size > 1``) is gathered into every expert,
-so it loads into the same model built with ``ep_size: 1``.
+so it loads into the same model built with ``ep_size: 1``. A checkpoint DeepSpeed wrote (ZeRO stages 0-3) is read
+too, its fp32 masters by name (:mod:`angelptm.checkpoints.deepspeed_format`).
+
+The other way round, DeepSpeed's ``load_checkpoint`` does not read this engine's checkpoints (with or without
+``load_module_only``, it stops with a bare ``AssertionError`` in its ``state_dict_factory.py``): the exported file is
+how their weights reach a DeepSpeed run, ``model.load_state_dict(safetensors.torch.load_file(path))`` before
+``deepspeed.initialize``, the optimizer starting afresh (:data:`DEEPSPEED_HINT`, printed after each export).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
+from angelptm.checkpoints import deepspeed_format
 from angelptm.checkpoints import files as checkpoint
 from angelptm.checkpoints import paths
 from angelptm.checkpoints.safe_pickle import OPT_IN_HELP
@@ -50,7 +57,10 @@ def consolidated_fp32_state_dict(load_dir: str | Path, tag: str | None = None, *
 
 
 def _read(load_dir: str | Path, tag: str | None, unsafe: bool) -> tuple[dict, dict[str, torch.Tensor]]:
-    """``(model_states, consolidated fp32 state dict)`` of a checkpoint."""
+    """``(model_states, consolidated fp32 state dict)`` of a checkpoint (of DeepSpeed's: ``({}, state dict)``)."""
+    foreign = deepspeed_format.find(load_dir, tag)
+    if foreign is not None:  # written by DeepSpeed itself: its layout, read by parameter name
+        return {}, deepspeed_format.read(foreign, optimizer_states=False).module
     path = checkpoint.resolve(load_dir, tag)
     if path is None:
         raise CheckpointError(f"{load_dir} holds no checkpoint (no 'latest' file); pass --tag")
@@ -89,6 +99,10 @@ def export_hf(load_dir: str | Path, out_dir: str | Path, tag: str | None = None,
     from angelptm.checkpoints import hf_export  # needs transformers, which only this path requires
 
     model_states, state = _read(load_dir, tag, allow_unsafe_pickle)
+    if not model_states:
+        raise CheckpointError(f"{load_dir} holds a DeepSpeed checkpoint, which records no model architecture, so no "
+                              "config.json can be written: export its weights to OUT.safetensors and load them into "
+                              "the transformers model (load_state_dict), then save_pretrained")
     config, hf_state = hf_export.pretrained_files(model_states.get("architecture"), state,
                                                   model_states["param_aliases"])
     return hf_export.write_pretrained(out_dir, config, hf_state, max_shard_size=max_shard_size)
@@ -176,7 +190,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     numel = sum(t.numel() for t in state.values())
     print(f"wrote {len(state)} tensors ({numel:,} elements, fp32) to {args.output}")
+    print(DEEPSPEED_HINT.format(path=args.output))
     return 0
+
+
+DEEPSPEED_HINT = ("load it with model.load_state_dict(safetensors.torch.load_file({path!r})); to go on with DeepSpeed, "
+                  "do that before deepspeed.initialize() (DeepSpeed's load_checkpoint does not read angelptm "
+                  "checkpoints, and the optimizer starts afresh)")
+"""What the export prints after the file: how the weights load, and the way to DeepSpeed."""
 
 
 SCRIPT = "angelptm-export"

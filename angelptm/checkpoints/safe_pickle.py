@@ -33,7 +33,7 @@ import stat
 import types
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -74,17 +74,23 @@ class _AllowlistUnpickler(pickle.Unpickler):
     """``pickle.Unpickler`` that resolves only allowlisted globals (the Python docs' "Restricting Globals")."""
 
     allowed: frozenset[str] = ENGINE_GLOBALS
+    stand_ins: Mapping[str, Any] = types.MappingProxyType({})
 
     def find_class(self, module: str, name: str) -> Any:
-        if _canonical(module, name) not in self.allowed:
-            raise pickle.UnpicklingError(f"refused global {_canonical(module, name)}")
+        canonical = _canonical(module, name)
+        if canonical in self.stand_ins:
+            return self.stand_ins[canonical]
+        if canonical not in self.allowed:
+            raise pickle.UnpicklingError(f"refused global {canonical}")
         return super().find_class(module, name)
 
 
-def _pickle_module(allowed: frozenset[str]) -> types.ModuleType:
-    """A stand-in ``pickle`` module for ``torch.load(pickle_module=...)`` whose unpickler admits ``allowed`` only."""
+def _pickle_module(allowed: frozenset[str], stand_ins: Mapping[str, Any] | None = None) -> types.ModuleType:
+    """A stand-in ``pickle`` module for ``torch.load(pickle_module=...)`` whose unpickler admits ``allowed`` only
+    (and resolves the names in ``stand_ins`` to the objects given there)."""
     module = types.ModuleType("angelptm_allowlist_pickle")
-    module.Unpickler = type("Unpickler", (_AllowlistUnpickler,), {"allowed": allowed})
+    module.Unpickler = type("Unpickler", (_AllowlistUnpickler,),
+                            {"allowed": allowed, "stand_ins": types.MappingProxyType(dict(stand_ins or {}))})
     module.load = pickle.load  # torch reads only Unpickler from it
     module.__name__ = "angelptm_allowlist_pickle"
     return module
@@ -157,9 +163,11 @@ def globals_of_pickle(data: bytes) -> list[str]:
     return list(dict.fromkeys(unpickler.names))
 
 
-def refused_globals(path: Path, *, allow_unsafe_pickle: bool = False) -> list[str]:
-    """The globals of ``path`` that loading refuses (with or without the opt-in)."""
+def refused_globals(path: Path, *, allow_unsafe_pickle: bool = False,
+                    stand_ins: Mapping[str, Any] | None = None) -> list[str]:
+    """The globals of ``path`` that loading refuses (with or without the opt-in; ``stand_ins`` as :func:`load`)."""
     allowed = ENGINE_GLOBALS | LEGACY_GLOBALS if allow_unsafe_pickle else ENGINE_GLOBALS
+    allowed |= frozenset(stand_ins or ())
     try:
         return [name for name in pickle_globals(path) if name not in allowed]
     except Exception:  # a damaged file (torch's reader raises RuntimeError): the load itself reports it
@@ -202,12 +210,14 @@ def check_regular_file(path: Path) -> None:
                               "checkpoint is damaged or was tampered with")
 
 
-def load(path: Path, *, allow_unsafe_pickle: bool = False) -> Any:
+def load(path: Path, *, allow_unsafe_pickle: bool = False, stand_ins: Mapping[str, Any] | None = None) -> Any:
     """Read one checkpoint file onto the CPU; only allowlisted globals are resolved, so nothing in it runs.
 
     Args:
         path: the file.
         allow_unsafe_pickle: also admit :data:`LEGACY_GLOBALS` (numpy arrays, ``argparse.Namespace``).
+        stand_ins: ``module.name`` -> the object to build in its place: for files of another program (DeepSpeed's
+            checkpoints name a few of its classes), read as plain data without importing that program.
 
     Raises:
         CheckpointError: missing, unreadable or not regular file, or a global off the allowlist (named).
@@ -218,13 +228,15 @@ def load(path: Path, *, allow_unsafe_pickle: bool = False) -> Any:
     allowed = ENGINE_GLOBALS | LEGACY_GLOBALS if allow_unsafe_pickle else ENGINE_GLOBALS
     try:
         # mmap: a tensor is read from disk when used, so a rank merging every rank's shard reads only its own.
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True, pickle_module=_pickle_module(allowed))
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True,
+                          pickle_module=_pickle_module(allowed, stand_ins))
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} is missing") from None
     except pickle.UnpicklingError as err:
         if "refused global" not in str(err):
             raise CheckpointError(f"cannot read checkpoint file {path}: {err}") from None
-        refused = refused_globals(path, allow_unsafe_pickle=allow_unsafe_pickle) or [str(err).split()[-1]]
+        refused = refused_globals(path, allow_unsafe_pickle=allow_unsafe_pickle, stand_ins=stand_ins) or \
+            [str(err).split()[-1]]
     except Exception as err:  # a truncated or foreign file; say which one
         raise CheckpointError(f"cannot read checkpoint file {path}: {err}") from None
     raise CheckpointError(_refusal(path, refused, allow_unsafe_pickle))

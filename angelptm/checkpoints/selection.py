@@ -185,6 +185,10 @@ def _check_unverifiable(path: Path) -> str | None:
     """
     model_file = path / MODEL_FILE
     if not model_file.is_file():
+        deepspeed_files = sorted(p.name for p in path.glob("*_model_states.pt"))
+        if deepspeed_files:  # engine.load_checkpoint and the exports take these before verifying
+            return (f"{path} is a DeepSpeed checkpoint ({deepspeed_files[0]}, no {MODEL_FILE}): "
+                    "engine.load_checkpoint, zero_to_fp32 and angelptm-export read it; a pipeline engine does not")
         return f"{path} is not a complete checkpoint (no {MODEL_FILE})"
     problem = paths.regular_file_problem(path, MODEL_FILE)
     if problem is not None:

@@ -4,8 +4,10 @@
 
 The reading is :func:`angelptm.checkpoints.export.consolidated_fp32_state_dict` (fp32 masters, ZeRO-Cache shards and
 expert-parallel slices merged). What is written follows DeepSpeed's script: ``OUTPUT_DIR/pytorch_model.bin``
-(``torch.save``) or ``OUTPUT_DIR/model.safetensors``, in numbered shards with an index above ``max_shard_size``. Checkpoints written by DeepSpeed itself are not read
-(their layout is DeepSpeed's): convert those with DeepSpeed's own script.
+(``torch.save``) or ``OUTPUT_DIR/model.safetensors``, in numbered shards with an index above ``max_shard_size``.
+Checkpoints written by DeepSpeed itself (ZeRO stages 0-3, any number of ranks) are read too, by
+:mod:`angelptm.checkpoints.deepspeed_format`: the same fp32 weights DeepSpeed's own script gives (and stage 0's,
+which it does not read), without unpickling anything but data.
 """
 
 from __future__ import annotations
