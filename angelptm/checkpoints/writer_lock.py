@@ -50,6 +50,24 @@ class SaveDirLocks:
         self._held: dict[str, int] = {}
         self._unwritten: set[str] = set()
         """Locks whose file has other hard links: the holder is not written into it, nor the file emptied."""
+        self._users: dict[str, int] = {}
+        """Real path -> how many engines of this process saved there (:meth:`join`): the flock is one per process,
+        so one engine's ``destroy()`` must not give back the lock another live engine still writes under."""
+
+    def join(self, save_dir: str | os.PathLike) -> str:
+        """Count one more user (an engine saving into ``save_dir``) of its lock; returns the real path to
+        :meth:`leave` it by (resolved now, so a later ``os.chdir`` or a moved symlink does not lose it)."""
+        key = os.path.realpath(save_dir)
+        self._users[key] = self._users.get(key, 0) + 1
+        return key
+
+    def leave(self, key: str) -> None:
+        """One user of the lock at ``key`` (a real path from :meth:`join`) less; the last one gives it back."""
+        remaining = self._users.pop(key, 0) - 1
+        if remaining > 0:
+            self._users[key] = remaining
+        else:
+            self.release(key)
 
     def hold(self, save_dir: str | os.PathLike) -> None:
         """Take ``save_dir``'s writer lock, or keep it if this process holds it already.
@@ -89,8 +107,10 @@ class SaveDirLocks:
 
     def release(self, save_dir: str | os.PathLike) -> None:
         """Give ``save_dir``'s lock back. The file stays (removing it would let two processes lock two different
-        files of one name) but is emptied first, so the next holder has no one to report taking it over from."""
+        files of one name) but is emptied first, so the next holder has no one to report taking it over from. It
+        is given back whatever :meth:`join` counted (a job's end: ``pretrain.py``)."""
         key = os.path.realpath(save_dir)
+        self._users.pop(key, None)
         fd = self._held.pop(key, None)
         if fd is None:
             return

@@ -304,6 +304,34 @@ def test_engine_destroy_gives_the_writer_lock_back(tmp_path):
         holder.wait()
 
 
+def another_process_can_take(run: Path) -> bool:
+    taker = subprocess.run([sys.executable, "-c", FLOCK_ONLY.replace("time.sleep(60)", ""), str(run)],
+                           capture_output=True, text=True, timeout=60)
+    return taker.stdout.strip() == "held"
+
+
+def test_destroying_one_engine_keeps_the_lock_another_live_engine_of_the_process_holds(tmp_path):
+    run = tmp_path / "run"
+    first, second = engine(), engine()
+    first.save_checkpoint(run)
+    second.save_checkpoint(run, tag="second")
+    first.destroy()
+    assert not another_process_can_take(run)  # it used to be given back: a second job could write there
+    second.save_checkpoint(run, tag="again")
+    second.destroy()
+    assert another_process_can_take(run)
+
+
+def test_destroy_after_a_chdir_gives_back_the_lock_taken_by_a_relative_save_dir(tmp_path, monkeypatch):
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    source = engine()
+    source.save_checkpoint("run")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    source.destroy()
+    assert another_process_can_take(tmp_path / "run")
+
+
 def test_an_export_gets_the_mode_of_a_new_file_and_help_names_the_command(runs, tmp_path, monkeypatch, capsys):
     from angelptm.checkpoints import export
 
