@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from angelptm.checkpoints import deepspeed_format
 from angelptm.checkpoints import deepspeed_resume
 from angelptm.checkpoints import files as checkpoint
 from angelptm.checkpoints import optimizer_format
+from angelptm.checkpoints import writer_lock
 from angelptm.engine.expert_parallel import ExpertParallel
 from angelptm.errors import CheckpointError
 from zero_cache import OptimizerCheckpoint
@@ -103,7 +105,7 @@ class EngineCheckpoints:
         experts = self.experts
         shards = self.zero_cache_shards
         self._sync_params()  # rank 0 writes the module: its non-owned chunks come from their owners first
-        self._save_dirs.add(str(save_dir))  # the save takes its writer lock (the lowest rank writing there)
+        self._join_save_dir(save_dir)  # the save takes its writer lock (the lowest rank writing there)
         if isinstance(self.optimizer, OptimizerCheckpoint) and experts is None:
             return self._save_streamed(save_dir, tag, client_state, save_latest=save_latest,
                                        exclude_frozen=exclude_frozen_parameters, background=background,
@@ -215,11 +217,18 @@ class EngineCheckpoints:
         return {"rng": checkpoint.capture_rng_state(),
                 "data": self.training_dataloader.state_dict() if self.training_dataloader else None}
 
+    def _join_save_dir(self, save_dir: str | os.PathLike) -> None:
+        """Record ``save_dir`` (its real path, resolved now) as one this engine saves into, counted once per
+        engine among the users of its writer lock (:meth:`_release_save_dirs` leaves it)."""
+        if os.path.realpath(save_dir) not in self._save_dirs:
+            self._save_dirs.add(writer_lock.LOCKS.join(save_dir))
+
     def _release_save_dirs(self) -> None:
-        """Give back the writer locks this engine's saves took (at ``destroy()``): nothing would wait for them, but
-        the next process to save there would report taking over from a process that is gone."""
-        for save_dir in self._save_dirs:
-            checkpoint.release_directory(save_dir)
+        """Leave the writer locks this engine's saves took (at ``destroy()``): the last engine of the process to
+        leave one gives it back. Nothing would wait for it, but the next process to save there would report
+        taking over from a process that is gone."""
+        for key in self._save_dirs:
+            writer_lock.LOCKS.leave(key)
         self._save_dirs.clear()
 
     def _expert_state_names(self, experts: ExpertParallel) -> set[str]:

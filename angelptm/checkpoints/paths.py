@@ -24,13 +24,16 @@ from pathlib import Path
 from angelptm.errors import CheckpointError
 
 LATEST = "latest"
+LATEST_UNTRUSTED = "latest.untrusted"
+"""What ``latest`` is renamed to when the run that wrote it trusts none of its checkpoints (``pretrain.py``'s run
+health): a rerun must not resume the weights that diverged, and the tag stays there to read."""
 MODEL_FILE = "model_states.pt"
 OPTIM_FILE = "optim_states.pt"
 LOCK_FILE = ".writer.lock"
 """In ``save_dir``: names the process that writes checkpoints there (``angelptm.checkpoints.writer_lock``)."""
 MANIFEST_FILE = "manifest.json"
 """Each checkpoint's list of files with their sizes and checksums (:mod:`angelptm.checkpoints.manifest`)."""
-RESERVED_TAGS = frozenset({LATEST, MANIFEST_FILE, MODEL_FILE, OPTIM_FILE, LOCK_FILE})
+RESERVED_TAGS = frozenset({LATEST, LATEST_UNTRUSTED, MANIFEST_FILE, MODEL_FILE, OPTIM_FILE, LOCK_FILE})
 _RANK_FILE = re.compile(r"rank_\d+_states\.pt")
 MAX_LATEST_BYTES = 4096
 """``latest`` holds one tag; a larger file is not one this engine wrote."""

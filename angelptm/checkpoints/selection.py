@@ -17,7 +17,7 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed  # noqa: F401  (all_gather of the verdicts)
@@ -37,7 +37,8 @@ _MAX_NAMED = 8
 
 
 def resolve(load_dir: str | os.PathLike, tag: str | None, ctx: DistContext | None = None, *,
-            fall_back_without_latest: bool = False) -> Path | None:
+            fall_back_without_latest: bool = False,
+            untrusted: Callable[[Path], str | None] | None = None) -> Path | None:
     """The directory of a checkpoint that verifies against its manifest, or None when there is no checkpoint.
 
     Args:
@@ -48,6 +49,9 @@ def resolve(load_dir: str | os.PathLike, tag: str | None, ctx: DistContext | Non
             rank must call it); None checks every file here.
         fall_back_without_latest: with no ``latest`` at all, take the newest checkpoint that verifies (and
             refuse a directory holding checkpoints of which none does) instead of returning None.
+        untrusted: in that fallback, why a checkpoint that verifies must not be resumed all the same (None: it
+            may), e.g. ``pretrain.py``'s run health marked it saved after the run turned unhealthy; such ones are
+            passed over, and when no other verifies, the error names them.
 
     Raises:
         CheckpointError: the explicit tag, or every candidate, fails; the message names the damaged files.
@@ -71,12 +75,23 @@ def resolve(load_dir: str | os.PathLike, tag: str | None, ctx: DistContext | Non
     if missing and candidates:
         logger.warning("%s holds checkpoints but no %s file naming the one to resume; trying the newest", root,
                        LATEST)
+    passed_over = []
     for path in candidates:
         problem = _verify(path, ctx)
-        if problem is None:
+        reason = untrusted(path) if problem is None and missing and untrusted is not None else None
+        if problem is None and reason is None:
             return path
+        if reason is not None:
+            passed_over.append(f"{path.name} {reason}")
+            logger.warning("checkpoint %s %s; not resuming it, trying the newest one before it", path, reason)
+            continue
         problems.append(problem)
         logger.warning("checkpoint %s does not verify (%s); trying the newest one before it", path, problem)
+    if passed_over:
+        damaged = f"; the others do not verify: {'; '.join(problems)}" if problems else ""
+        raise CheckpointError(f"{root} has no {LATEST} file and no checkpoint to resume from: "
+                              f"{'; '.join(passed_over[:_MAX_NAMED])}{damaged}. Start again in another save "
+                              f"directory; to resume one of them anyway, write its tag into {root / LATEST}")
     if missing and not problems:
         saved = saved_checkpoints(root)
         if not saved:

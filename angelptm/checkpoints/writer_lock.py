@@ -12,8 +12,10 @@ the next holder does not report taking it over from a process that is gone.
 The lock file is a name in a directory others may write to: a symlink or hard link there would carry the
 holder's JSON into a file outside the run, a FIFO would block reading the holder forever, a 20 GiB sparse file
 would be read into memory. So it is opened with ``O_NOFOLLOW | O_NONBLOCK`` after an ``lstat``, refused (by name,
-with "remove it") unless it is a regular file with one link, and the holder is read from the open descriptor,
-at most 4 KiB, and shown only as fields of their kind (a pid, a host name, a time).
+with "remove it") unless it is a regular file, and the holder is read from the open descriptor, at most 4 KiB,
+and shown only as fields of their kind (a pid, a host name, a time). A lock file with more than one link (a run
+directory snapshotted with ``cp -al run run.snap`` shares it with the snapshot) is locked all the same but never
+written: its contents may belong to another tree, so another writer is told the holder is unknown.
 
 A save's temporary directory is ``.tmp-<pid>-<host id>-<random>-<tag>``: the cleanup at the next save removes
 only those whose process is gone (same host, pid not alive), never a live save's.
@@ -46,6 +48,26 @@ class SaveDirLocks:
 
     def __init__(self) -> None:
         self._held: dict[str, int] = {}
+        self._unwritten: set[str] = set()
+        """Locks whose file has other hard links: the holder is not written into it, nor the file emptied."""
+        self._users: dict[str, int] = {}
+        """Real path -> how many engines of this process saved there (:meth:`join`): the flock is one per process,
+        so one engine's ``destroy()`` must not give back the lock another live engine still writes under."""
+
+    def join(self, save_dir: str | os.PathLike) -> str:
+        """Count one more user (an engine saving into ``save_dir``) of its lock; returns the real path to
+        :meth:`leave` it by (resolved now, so a later ``os.chdir`` or a moved symlink does not lose it)."""
+        key = os.path.realpath(save_dir)
+        self._users[key] = self._users.get(key, 0) + 1
+        return key
+
+    def leave(self, key: str) -> None:
+        """One user of the lock at ``key`` (a real path from :meth:`join`) less; the last one gives it back."""
+        remaining = self._users.pop(key, 0) - 1
+        if remaining > 0:
+            self._users[key] = remaining
+        else:
+            self.release(key)
 
     def hold(self, save_dir: str | os.PathLike) -> None:
         """Take ``save_dir``'s writer lock, or keep it if this process holds it already.
@@ -59,16 +81,22 @@ class SaveDirLocks:
             return
         path = Path(key) / LOCK_FILE
         fd = _open_lock_file(path)
+        linked = os.fstat(fd).st_nlink > 1  # shared with another tree (cp -al): lock it, never write into it
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
-            holder = _describe(fd)
+            holder = f"{_UNKNOWN}: {path} has other hard links, so no holder is written into it" if linked \
+                else _describe(fd)
             os.close(fd)
             if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise CheckpointError(f"cannot lock {path}: {err}") from None
             raise CheckpointError(f"{save_dir!s} is being written by another process ({holder}): two jobs "
                                   "saving into one directory destroy each other's checkpoints. Give this run its "
                                   "own save_dir (pretrain.py --save-dir), or stop the other job first") from None
+        if linked:
+            self._held[key] = fd
+            self._unwritten.add(key)
+            return
         previous = _describe(fd)
         os.ftruncate(fd, 0)
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "started_at_unix": round(time.time(), 3)}
@@ -79,12 +107,18 @@ class SaveDirLocks:
 
     def release(self, save_dir: str | os.PathLike) -> None:
         """Give ``save_dir``'s lock back. The file stays (removing it would let two processes lock two different
-        files of one name) but is emptied first, so the next holder has no one to report taking it over from."""
-        fd = self._held.pop(os.path.realpath(save_dir), None)
+        files of one name) but is emptied first, so the next holder has no one to report taking it over from. It
+        is given back whatever :meth:`join` counted (a job's end: ``pretrain.py``)."""
+        key = os.path.realpath(save_dir)
+        self._users.pop(key, None)
+        fd = self._held.pop(key, None)
         if fd is None:
             return
         try:
-            os.ftruncate(fd, 0)
+            if key in self._unwritten:
+                self._unwritten.discard(key)
+            else:
+                os.ftruncate(fd, 0)
         except OSError:  # the lock is given back all the same
             pass
         finally:
@@ -100,9 +134,9 @@ _HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
 def _open_lock_file(path: Path) -> int:
     """A read-write descriptor of the lock file, created if missing.
 
-    The holder's name is written into it, so anything but this directory's own regular file is refused before
-    it is written: a symlink or a hard link would carry the write to a file outside the run, a FIFO would block
-    the read of the holder's name, a device is never opened.
+    The holder's name is written into it, so anything but a regular file is refused before it is written: a
+    symlink would carry the write to a file outside the run, a FIFO would block the read of the holder's name, a
+    device is never opened. (A file with other hard links is returned: the caller locks it without writing.)
 
     Raises:
         CheckpointError: naming the file, what it is, and that removing it is the fix.
@@ -125,12 +159,10 @@ def _open_lock_file(path: Path) -> int:
         raise CheckpointError(f"cannot open the writer lock {path}: {err.strerror or err}; it must be a plain "
                               f"file in a directory this user can write: {remedy}, or point save_dir at a "
                               "writable directory") from None
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        what = ("a hard link (another name shares its contents, which the engine would overwrite)"
-                if stat.S_ISREG(info.st_mode) else "not a regular file (it was replaced while being opened)")
-        raise CheckpointError(f"the writer lock {path} is {what}; {remedy}")
+        raise CheckpointError(f"the writer lock {path} is not a regular file (it was replaced while being opened); "
+                              f"{remedy}")
     return fd
 
 

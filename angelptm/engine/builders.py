@@ -79,13 +79,21 @@ def listed_parameters(model: nn.Module, client: Any, model_parameters: Any, cfg:
 
     What the optimizer holds: the client optimizer's groups when it is an optimizer object, else
     ``model_parameters``, else every parameter of ``model``. Without an optimizer (neither the client's nor the
-    config's) nothing is required: a frozen model serves inference.
+    config's) nothing is required: a frozen model serves inference. ``(name, parameter)`` pairs (what
+    ``model.named_parameters()`` yields, and torch optimizers take) are listed without their names. With a client
+    optimizer object, ``model_parameters`` is ignored (as DeepSpeed does), so it is not read or checked.
+
+    Returns:
+        The listed ``model_parameters``, or None when none was given or a client optimizer object ignores it.
 
     Raises:
         ArgumentTypeError: ``model_parameters`` is not an iterable of tensors and param-group dicts.
         ConfigError: the optimizer would hold no trainable parameter of the model, so nothing would ever train.
     """
-    given = _parameter_list(model_parameters)
+    if isinstance(client, torch.optim.Optimizer):
+        given = None  # the client's optimizer already holds its parameters; model_parameters is ignored
+    else:
+        given = _parameter_list(model_parameters)
     if client is None and cfg.optimizer is None:
         return given
     if isinstance(client, torch.optim.Optimizer):
@@ -115,8 +123,8 @@ def listed_parameters(model: nn.Module, client: Any, model_parameters: Any, cfg:
 def _parameter_list(model_parameters: Any) -> list | None:
     if model_parameters is None:
         return None
-    allowed = ("pass an iterable of the model's parameters or of param-group dicts, e.g. model.parameters(), as a "
-               "list")
+    allowed = ("pass an iterable of the model's parameters, of (name, parameter) pairs or of param-group dicts, "
+               "e.g. model.parameters() or model.named_parameters(), as a list")
     if isinstance(model_parameters, (torch.Tensor, str, bytes, dict)):
         raise ArgumentTypeError(f"model_parameters: got {type(model_parameters).__name__}; {allowed}")
     try:
@@ -131,12 +139,24 @@ def _parameter_list(model_parameters: Any) -> list | None:
                 raise ArgumentTypeError(f"model_parameters[{i}]: a param-group dict needs a \"params\" key "
                                         f"(got keys {sorted(map(str, item))})")
             params = item["params"]
-            item = {**item, "params": [params] if isinstance(params, torch.Tensor) else list(params)}
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            item = {**item, "params": [_unnamed(p) for p in params]}
+        elif _is_named(item):
+            item = item[1]
         elif not isinstance(item, torch.Tensor):
-            fix = " (model.parameters(), not model.named_parameters())" if isinstance(item, tuple) else ""
-            raise ArgumentTypeError(f"model_parameters[{i}] is a {type(item).__name__}; {allowed}{fix}")
+            raise ArgumentTypeError(f"model_parameters[{i}] is a {type(item).__name__} ({_shown(item)}); {allowed}")
         listed.append(item)
     return listed
+
+
+def _is_named(item: Any) -> bool:
+    """``item`` is a ``(name, tensor)`` pair, as ``named_parameters()`` yields."""
+    return isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)
+
+
+def _unnamed(item: Any) -> Any:
+    """The tensor of a ``(name, tensor)`` pair; anything else unchanged (the trainable check judges it)."""
+    return item[1] if _is_named(item) else item
 
 
 def _shown(value: Any, limit: int = 60) -> str:

@@ -11,6 +11,7 @@ import contextlib
 import datetime
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -135,6 +136,8 @@ def init_distributed(*, dist_init_required: bool | None = None, timeout_s: float
     Raises:
         ConfigError: the launcher's variables contradict each other, or name no rendezvous.
         RendezvousError: the ranks did not all meet within ``timeout_s``.
+        RendezvousAddressError: (a ConfigError) MASTER_PORT in use, MASTER_ADDR not resolvable, or another socket
+            error well before ``timeout_s``.
     """
     world_size = check_launcher_env() if not dist.is_initialized() else _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
@@ -181,9 +184,38 @@ class RendezvousError(RuntimeError):
     """The ranks did not all meet within ``comms.timeout_s``; the message names this rank, the address and the cause."""
 
 
+class RendezvousAddressError(ConfigError):
+    """The rendezvous failed on MASTER_ADDR / MASTER_PORT themselves (the port in use, the address not resolvable,
+    a socket error well before ``comms.timeout_s``): the launch is to fix, no rank was lost."""
+
+
+NEAR_TIMEOUT_FRACTION = 0.9
+"""A rendezvous error counts as its timeout only once this fraction of ``comms.timeout_s`` has passed: EADDRINUSE
+comes at once, and calling it a timeout sent users after a rank that was never lost."""
+
+
+def _master_address() -> str:
+    return f"MASTER_ADDR:MASTER_PORT = {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+
+
+def _address_problem(err: BaseException) -> str | None:
+    """What is wrong with MASTER_ADDR / MASTER_PORT when ``err`` comes from them (None when nothing is known)."""
+    text = str(err).lower()
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if "eaddrinuse" in text or "address already in use" in text:
+        return (f"port in use: MASTER_PORT={port} is already taken on this host (another job, or a process of an "
+                "earlier run still alive); pick a free MASTER_PORT for every rank")
+    try:
+        socket.getaddrinfo(addr, None)
+    except (OSError, UnicodeError):
+        return (f"address not resolvable: MASTER_ADDR={addr} does not resolve from this host; set it to rank 0's "
+                "host name or IP address on every rank")
+    return None
+
+
 def _waiting_for(rank: int, world_size: int) -> tuple[str, str]:
     """What a rank waits for at the rendezvous, and what to check when the wait lasts."""
-    where = f"MASTER_ADDR:MASTER_PORT = {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    where = _master_address()
     if rank == 0:
         others = world_size - 1
         return (f"the other {others} rank{'s' if others > 1 else ''} to join at {where} (this rank's store)",
@@ -221,7 +253,14 @@ def _noting_the_wait(rank: int, world_size: int, timeout_s: float, note_after_s:
     except (RuntimeError, TimeoutError) as err:  # (torch's DistError is a RuntimeError)
         if not _timed_out(err):
             raise
+        elapsed_s = time.monotonic() - start
         first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        problem = _address_problem(err)
+        if problem is not None or elapsed_s < NEAR_TIMEOUT_FRACTION * timeout_s:
+            raise RendezvousAddressError(
+                f"rank {rank} of {world_size}: the rendezvous at {_master_address()} failed after {elapsed_s:.1f} s "
+                f"(comms.timeout_s = {timeout_s:g} s, so not a timeout): "
+                f"{problem or 'a socket error; check MASTER_ADDR and MASTER_PORT'} ({first})") from err
         raise RendezvousError(f"rank {rank} of {world_size}: the ranks did not all meet within comms.timeout_s = "
                               f"{timeout_s:g} s, waiting for {waiting_for}; {check} ({first})") from err
     finally:

@@ -8,12 +8,14 @@ after ``train.max_bad_steps`` consecutive unhealthy steps the run stops with
 ``latest`` is pointed back at it. Each checkpoint ``pretrain.py`` saves records whether the run was healthy
 then (``client_state["healthy"]``), and pruning always keeps the newest healthy one.
 
-A run shorter than ``max_bad_steps`` that ends with a non-finite loss (``warmup_max_lr: 1e10``: NaN from the
-fourth step) is diverged all the same: it ends with the same error and exit status (:meth:`RunHealth.ended_diverged`),
-and ``latest`` is never moved onto a checkpoint saved after a non-finite loss (nor left on the one saved just
-before it, whose weights gave that loss: :attr:`RunHealth.last_trusted_step`). The fp16 loss scaler's search for
-a scale (every overflow halves it) is not divergence: those skipped steps are not counted, and the scaler
-itself stops a run whose gradients overflow at its minimum scale.
+A run shorter than ``max_bad_steps`` that ends with a non-finite loss (NaN from the fourth step, say) is diverged
+all the same: it ends with the same error and exit status (:meth:`RunHealth.ended_diverged`), and ``latest`` is
+never moved onto a checkpoint saved after a non-finite loss (nor left on the one saved just before it, whose
+weights gave that loss: :attr:`RunHealth.last_trusted_step`). When no checkpoint is trusted, ``latest`` is renamed
+``latest.untrusted`` and a rerun refuses to start rather than diverge again, in a loop; without ``latest``, a rerun
+never falls back to a checkpoint saved unhealthy (:func:`resume_point`). The fp16 loss scaler's search for a scale
+(every overflow halves it) is not divergence: those skipped steps are not counted, and the scaler itself stops a
+run whose gradients overflow at its minimum scale.
 
 A user's own script keeps DeepSpeed's behaviour (skipped steps go on): its engine calls :meth:`RunHealth.watch`,
 which never raises and returns one warning line when the run turns unhealthy and one info line when it recovers.
@@ -22,12 +24,16 @@ which never raises and returns one warning line when the run turns unhealthy and
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from angelptm.checkpoints import files as checkpoint
 from angelptm.checkpoints import paths
+from angelptm.checkpoints.paths import LATEST, LATEST_UNTRUSTED
+from angelptm.checkpoints.selection import saved_checkpoints
 from angelptm.errors import CheckpointError
+from angelptm.launch.distributed import DistContext
 from angelptm.pretraining.job_errors import RunUnhealthyError
 
 logger = logging.getLogger("pretrain")
@@ -70,8 +76,8 @@ class RunHealth:
         """The newest step whose checkpoint may be resumed from (None while healthy: any).
 
         A step's loss is computed with the weights of the step before it, so the checkpoint saved just before
-        the first non-finite loss holds the weights that gave it (``warmup_max_lr: 1e10`` makes such weights one
-        step ahead of the NaN); after a diverged run that one is not trusted either.
+        the first non-finite loss holds the weights that gave it (a loss of NaN at step N comes from the weights
+        saved at step N - 1); after a diverged run that one is not trusted either.
         """
         if self.first_bad_step is None:
             return None
@@ -159,8 +165,8 @@ def stop_unhealthy(err: RunUnhealthyError, save_dir: str, run_health: RunHealth 
                    and (last_trusted_step is None or step <= last_trusted_step))
     healthy = newest_healthy([p for _, p in steps])
     if healthy is None:
-        where = (f"no healthy checkpoint in {save_dir}; start again (pretrain.py --save-dir NEW_DIR) with a lower "
-                 "optimizer.params.lr")
+        where = (f"no healthy checkpoint in {save_dir}{_set_latest_aside(root)}; start again (pretrain.py "
+                 "--save-dir NEW_DIR) with a lower optimizer.params.lr")
     else:
         checkpoint.point_latest(root, healthy.name)
         why = (f"; the one of step {last_trusted_step + 1} holds the weights that gave the first non-finite loss"
@@ -169,6 +175,68 @@ def stop_unhealthy(err: RunUnhealthyError, save_dir: str, run_health: RunHealth 
                  f"inspection{why}); lower optimizer.params.lr, check the data and the NVMe drive, then rerun to "
                  "resume from it")
     return RunUnhealthyError(f"{err}; {where}")
+
+
+def _set_latest_aside(root: Path) -> str:
+    """Rename ``latest`` to ``latest.untrusted`` (the run trusts no checkpoint: a rerun resuming the one it names
+    would diverge again, in a loop); returns what to add to the error about it.
+
+    ``os.replace`` within one directory (opened once, both names relative to it) is atomic and moves the entry
+    ``latest`` itself, never what a symlink there leads to; what it held is read with ``read_latest``
+    (``O_NOFOLLOW``, size-capped) for the message only.
+    """
+    if not os.path.lexists(root / LATEST):
+        return ""
+    tag, _ = paths.read_latest(root)
+    named = f"named {tag}" if tag is not None else "was damaged"
+    try:
+        dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.replace(LATEST, LATEST_UNTRUSTED, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as err:
+        return (f" ({LATEST} {named} and could not be moved aside: {err.strerror or err}; delete {root / LATEST} "
+                "before a rerun, or it resumes the weights that diverged)")
+    return (f" ({LATEST} {named}, whose weights are not trusted; it is moved aside to {root / LATEST_UNTRUSTED} so "
+            "that a rerun does not resume them)")
+
+
+def unhealthy_mark(path: Path) -> str | None:
+    """Why the checkpoint at ``path`` is not resumed without ``latest`` naming it: it was saved while the run was
+    unhealthy (``client_state["healthy"]`` False, e.g. kept for inspection after a non-finite loss); None when it
+    is not so marked (or cannot be read: the load reports that)."""
+    try:
+        client_state = checkpoint.load_file(path / checkpoint.MODEL_FILE).get("client_state") or {}
+    except CheckpointError:
+        return None
+    if client_state.get(HEALTHY_KEY, True):
+        return None
+    return f"was saved while the run was unhealthy (client_state {HEALTHY_KEY}=False)"
+
+
+def resume_point(save_dir: str, ctx: DistContext) -> Path | None:
+    """The checkpoint a job that resumes on its own goes on from (every rank calls it): the one ``latest`` names
+    if it verifies, else the newest older one that does; without ``latest``, the newest that verifies and was not
+    saved unhealthy. None when ``save_dir`` holds no checkpoint.
+
+    Raises:
+        CheckpointError: no ``latest`` but a ``latest.untrusted`` (the last run trusted none of its checkpoints),
+            or only damaged checkpoints and ones saved unhealthy (each is named).
+    """
+    root = Path(save_dir)
+    if ctx.any_rank(os.path.lexists(root / LATEST)):
+        return checkpoint.resolve(save_dir, None, ctx)
+    if not ctx.any_rank(bool(saved_checkpoints(root))):
+        return None
+    if ctx.any_rank(os.path.lexists(root / LATEST_UNTRUSTED)):
+        raise CheckpointError(
+            f"{root} has no {LATEST} but a {LATEST_UNTRUSTED}: the run that saved there stopped unhealthy and "
+            f"trusted none of its checkpoints, so resuming would diverge again. Start again (pretrain.py --save-dir "
+            f"NEW_DIR) with a lower optimizer.params.lr; to resume the one it names anyway, rename "
+            f"{root / LATEST_UNTRUSTED} back to {LATEST}")
+    return checkpoint.resolve(save_dir, None, ctx, fall_back_without_latest=True, untrusted=unhealthy_mark)
 
 
 def step_of(tag: str) -> int | None:

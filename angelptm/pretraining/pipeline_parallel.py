@@ -86,7 +86,7 @@ def saved_split(cfg: EngineConfig, ctx: DistContext, layout: PipelineLayout) -> 
     """
     if not cfg.train.resume:
         return None
-    path = checkpoint.resolve(cfg.train.save_dir, None, ctx, fall_back_without_latest=True)
+    path = health.resume_point(cfg.train.save_dir, ctx)
     if path is None:
         return None
     meta = checkpoint.load_file(path / checkpoint.MODEL_FILE)
@@ -200,7 +200,7 @@ def resume(cfg: EngineConfig, ctx: DistContext, runner: PipelineRunner, optimize
     """Load this rank's part of the latest checkpoint; returns its step (0 without one).
 
     ``allow_unsafe_pickle``: a rank file of the previous format (numpy RNG state) loads by full unpickling."""
-    path = checkpoint.resolve(cfg.train.save_dir, None, ctx, fall_back_without_latest=True)  # none: no checkpoint
+    path = health.resume_point(cfg.train.save_dir, ctx)  # none: no checkpoint
     if path is None:
         return 0
     state = checkpoint.load_file(path / checkpoint.rank_file(ctx.rank), allow_unsafe_pickle=allow_unsafe_pickle)

@@ -15,7 +15,6 @@ import os
 import shutil
 from pathlib import Path
 
-from angelptm.checkpoints import files as checkpoint_files
 from angelptm.checkpoints import paths, selection
 from angelptm.checkpoints.paths import LATEST
 from angelptm.errors import CheckpointError
@@ -56,17 +55,19 @@ def resume(engine, save_dir: str, ctx: DistContext, *, allow_unsafe_pickle: bool
         Its path; None when ``save_dir`` holds nothing a run saved (a fresh start is safe there).
 
     Raises:
-        CheckpointError: ``save_dir`` holds checkpoints but none verifies (each is named with what is wrong).
+        CheckpointError: ``save_dir`` holds checkpoints but none verifies, or (without ``latest``) only ones the
+            run marked untrusted; each is named with what is wrong.
     """
     root = Path(save_dir)
     if ctx.any_rank(os.path.lexists(root / LATEST)):  # damaged or not: the load falls back past a damaged one
         path, _ = engine.load_checkpoint(save_dir, allow_unsafe_pickle=allow_unsafe_pickle)
         return path
-    if not ctx.any_rank(bool(selection.saved_checkpoints(root))):
+    # No `latest` (deleted, lost with a copy, or moved aside by a run that trusted none of its checkpoints): the
+    # newest checkpoint that verifies and was not saved unhealthy. It is verified here and again by the load,
+    # which only a run that lost its pointer pays for.
+    chosen = health.resume_point(save_dir, ctx)
+    if chosen is None:  # (nothing saved, as every rank agreed)
         return None
-    # No `latest` (deleted, or lost with a copy): the newest checkpoint that verifies. It is verified here and
-    # again by the load, which only a run that lost its pointer pays for.
-    chosen = checkpoint_files.resolve(save_dir, None, ctx, fall_back_without_latest=True)
     tag = chosen.name.removeprefix(".old-")  # an interrupted replacement: the load finds the .old- copy by its tag
     path, _ = engine.load_checkpoint(save_dir, tag=tag, allow_unsafe_pickle=allow_unsafe_pickle)
     return path

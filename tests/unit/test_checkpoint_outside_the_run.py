@@ -56,15 +56,13 @@ def no_outside_text(text: str) -> bool:
 
 
 # ------------------------------------------------------------------ the writer lock and .latest.tmp
-@pytest.mark.parametrize("kind", ["symlink", "hard_link", "fifo", "directory"])
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "directory"])
 def test_a_planted_lock_is_refused_by_name_and_nothing_outside_is_written(tmp_path, outside, kind):
     run = tmp_path / "run"
     run.mkdir()
     lock = run / ".writer.lock"
     if kind == "symlink":
         lock.symlink_to(outside)
-    elif kind == "hard_link":
-        os.link(outside, lock)
     elif kind == "fifo":
         os.mkfifo(lock)
     else:
@@ -73,6 +71,52 @@ def test_a_planted_lock_is_refused_by_name_and_nothing_outside_is_written(tmp_pa
         engine().save_checkpoint(run)
     assert outside.read_text() == OUTSIDE_TEXT
     assert not os.path.lexists(run / "latest") and not list(run.glob("global_step*"))
+
+
+def test_a_lock_hard_linked_to_a_file_outside_is_locked_but_never_written(tmp_path, outside):
+    run = tmp_path / "run"
+    run.mkdir()
+    os.link(outside, run / ".writer.lock")
+    engine().save_checkpoint(run)
+    assert (run / "latest").read_text() == "global_step0"
+    writer_lock.LOCKS.release(run)
+    assert outside.read_text() == OUTSIDE_TEXT
+
+
+FLOCK_ONLY = """
+import fcntl, os, sys, time
+fd = os.open(os.path.join(sys.argv[1], ".writer.lock"), os.O_RDWR)
+fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_run_snapshotted_with_cp_al_still_resumes_and_saves(tmp_path):
+    """``cp -al run run.snap`` hard-links every file, the writer lock too: every later claim used to fail."""
+    run, snap = tmp_path / "run", tmp_path / "run.snap"
+    source = engine()
+    one_step(source)
+    source.save_checkpoint(run)
+    writer_lock.LOCKS.release(run)
+    subprocess.run(["cp", "-al", str(run), str(snap)], check=True)
+    lock_bytes = (run / ".writer.lock").read_bytes()
+    resumed = engine()
+    path, _ = resumed.load_checkpoint(run)
+    assert path is not None
+    one_step(resumed)
+    resumed.save_checkpoint(run)
+    assert (run / "latest").read_text() == "global_step2" and (snap / "latest").read_text() == "global_step1"
+    assert (run / ".writer.lock").read_bytes() == lock_bytes  # shared with the snapshot: not written
+    writer_lock.LOCKS.release(run)
+    holder = subprocess.Popen([sys.executable, "-c", FLOCK_ONLY, str(snap)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(angelptm.CheckpointError, match=r"another process \(holder unknown: .* other hard links"):
+            engine().save_checkpoint(run)
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 LOCK_IN_SMALL_MEMORY = """
@@ -258,6 +302,34 @@ def test_engine_destroy_gives_the_writer_lock_back(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def another_process_can_take(run: Path) -> bool:
+    taker = subprocess.run([sys.executable, "-c", FLOCK_ONLY.replace("time.sleep(60)", ""), str(run)],
+                           capture_output=True, text=True, timeout=60)
+    return taker.stdout.strip() == "held"
+
+
+def test_destroying_one_engine_keeps_the_lock_another_live_engine_of_the_process_holds(tmp_path):
+    run = tmp_path / "run"
+    first, second = engine(), engine()
+    first.save_checkpoint(run)
+    second.save_checkpoint(run, tag="second")
+    first.destroy()
+    assert not another_process_can_take(run)  # it used to be given back: a second job could write there
+    second.save_checkpoint(run, tag="again")
+    second.destroy()
+    assert another_process_can_take(run)
+
+
+def test_destroy_after_a_chdir_gives_back_the_lock_taken_by_a_relative_save_dir(tmp_path, monkeypatch):
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    source = engine()
+    source.save_checkpoint("run")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    source.destroy()
+    assert another_process_can_take(tmp_path / "run")
 
 
 def test_an_export_gets_the_mode_of_a_new_file_and_help_names_the_command(runs, tmp_path, monkeypatch, capsys):

@@ -47,10 +47,29 @@ def test_an_argument_of_the_wrong_type_is_named_with_its_type_and_what_is_allowe
     assert isinstance(info.value, TypeError) and isinstance(info.value, ConfigError)  # either catch works
 
 
-def test_named_parameters_are_refused_with_the_fix():
+def trains(engine, model: nn.Linear) -> bool:
+    before = model.weight.detach().clone()
+    engine.backward(engine(torch.ones(2, 2)).sum())
+    engine.step()
+    return not torch.equal(before, model.weight)
+
+
+@pytest.mark.parametrize("given", ["named_parameters", "group of named parameters"])
+def test_named_parameters_train_as_torch_optimizers_take_them(given):
     model = nn.Linear(2, 2)
-    with pytest.raises(ArgumentTypeError, match=r"model_parameters\[0\] is a tuple.*model.parameters\(\)"):
-        angelptm.initialize(model=model, config=CONFIG, model_parameters=model.named_parameters())
+    params = (model.named_parameters() if given == "named_parameters"
+              else [{"params": model.named_parameters(), "lr": 0.5}])
+    engine, *_ = angelptm.initialize(model=model, config=CONFIG, model_parameters=params)
+    assert sum(len(g["params"]) for g in engine.optimizer.optimizer.param_groups) == 2
+    assert trains(engine, model)
+
+
+def test_an_optimizer_object_ignores_model_parameters_whatever_they_hold():
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine, *_ = angelptm.initialize(model=model, config={"train_batch_size": 2}, optimizer=optimizer,
+                                     model_parameters=model.named_parameters())
+    assert trains(engine, model)
 
 
 @pytest.mark.parametrize("config", [CONFIG, ZERO_CACHE], ids=["plain", "zero_cache"])

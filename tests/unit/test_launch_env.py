@@ -97,3 +97,32 @@ def test_a_quick_rendezvous_logs_no_wait(launcher_env, caplog):
         distributed.init_distributed(dist_init_required=True, timeout_s=10, wait_note_after_s=0.5)
         time.sleep(0.7)
     assert dist.is_initialized() and "waiting" not in caplog.text
+
+
+def test_a_master_port_in_use_is_named_at_once_not_called_a_timeout(launcher_env, monkeypatch):
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    launcher_env(RANK="0", WORLD_SIZE="2")
+    start = time.monotonic()
+    try:
+        with pytest.raises(distributed.RendezvousAddressError) as info:
+            distributed.init_distributed(timeout_s=30)
+    finally:
+        taken.close()
+    assert time.monotonic() - start < 10
+    message = str(info.value)
+    assert "port in use" in message and f"MASTER_PORT={port}" in message, message
+    assert "did not all meet" not in message and "not a timeout" in message, message
+    assert not dist.is_initialized()
+    assert job_errors.one_line(info.value) == (f"error: {message}", job_errors.BAD_INPUT_EXIT)  # not the lost-rank one
+
+
+def test_a_master_addr_that_does_not_resolve_is_named(launcher_env):
+    launcher_env(RANK="1", WORLD_SIZE="2", MASTER_ADDR="no-such-host.invalid")
+    with pytest.raises(distributed.RendezvousAddressError, match=r"address not resolvable: MASTER_ADDR=no-such-host"):
+        distributed.init_distributed(timeout_s=1.5)

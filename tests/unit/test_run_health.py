@@ -201,3 +201,56 @@ def test_fp16_overflowing_at_its_minimum_loss_scale_stops_with_one_error_line(tm
     assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
     assert f"loss scale at fp16.min_loss_scale={2 ** 34}" in errors[0], errors[0]
     assert re.search(r"the last healthy checkpoint is \S+global_step\d+ and `latest` names it", errors[0]), errors[0]
+
+
+def nan_from_the_fourth_forward(monkeypatch) -> None:
+    """The pretraining GPT's loss turns NaN from its fourth forward (one micro-batch a step: from step 4)."""
+    from angelptm.pretraining.models.gpt import GPT
+
+    forward, calls = GPT.forward, []
+
+    def nan_from_the_fourth(self, *args, **kwargs):
+        calls.append(None)
+        loss = forward(self, *args, **kwargs)
+        return loss * float("nan") if len(calls) >= 4 else loss
+
+    monkeypatch.setattr(GPT, "forward", nan_from_the_fourth)
+
+
+def test_with_no_trusted_checkpoint_latest_is_moved_aside_and_a_rerun_refuses(tmp_path, capsys, monkeypatch):
+    """save_interval 3, NaN from step 4: global_step3 holds the weights that gave it, so no checkpoint is trusted.
+    `latest` used to stay on global_step3 and every rerun resumed it and diverged again."""
+    sys.path.insert(0, str(ROOT))
+    import pretrain as job
+
+    nan_from_the_fourth_forward(monkeypatch)
+    config = job_config(tmp_path, steps=6, save_interval=3, log_interval=1)
+    run = tmp_path / "run"
+    assert job.main(["--config", str(config)]) == 3
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "no healthy checkpoint" in errors[0], errors
+    assert f"moved aside to {run / 'latest.untrusted'}" in errors[0] and "named global_step3" in errors[0], errors[0]
+    assert not (run / "latest").exists() and (run / "latest.untrusted").read_text() == "global_step3"
+    assert job.main(["--config", str(config)]) == 2  # a checkpoint problem
+    err = capsys.readouterr().err
+    assert "latest.untrusted" in err and "trusted none of its checkpoints" in err, err[-2000:]
+    assert "step 4/6" not in err
+
+
+def test_without_latest_a_checkpoint_saved_unhealthy_is_not_resumed(tmp_path, capsys, monkeypatch):
+    """save_interval 5, NaN from step 4: global_step5 is kept for inspection (saved unhealthy, `latest` never
+    written). The rerun's fallback to the newest checkpoint used to resume it."""
+    sys.path.insert(0, str(ROOT))
+    import pretrain as job
+
+    nan_from_the_fourth_forward(monkeypatch)
+    config = job_config(tmp_path, steps=6, save_interval=5, log_interval=1)
+    run = tmp_path / "run"
+    assert job.main(["--config", str(config)]) == 3
+    assert not (run / "latest").exists() and not checkpoint_is_healthy(run / "global_step5")
+    capsys.readouterr()
+    assert job.main(["--config", str(config)]) == 2  # a checkpoint problem
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "no checkpoint to resume from: global_step5 was saved while the run was unhealthy" \
+        in errors[0], err[-2000:]
