@@ -140,9 +140,23 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike,
     from safetensors.torch import save_file
 
     save_file(tensors, path, metadata=metadata)
-    mask = os.umask(0o022)  # the umask is read by setting it: put straight back
+    os.chmod(path, 0o666 & ~current_umask())
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux says it (``/proc/self/status``): setting it to
+    read it back, the only portable way, changes it for every thread meanwhile (a file another thread creates in
+    that moment, a writer of a checkpoint in the background, would get the wrong mode)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # (elsewhere: set and put straight back)
     os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
+    return mask
 
 
 def _remove_leftovers(root: Path) -> None:

@@ -351,3 +351,23 @@ def test_an_export_gets_the_mode_of_a_new_file_and_help_names_the_command(runs, 
         with pytest.raises(SystemExit):
             export.main(["--help"])
         assert capsys.readouterr().out.startswith(usage)
+
+
+def test_the_umask_is_read_without_being_changed(monkeypatch):
+    """An export's mode comes from the umask; reading it must not set it, even for a moment (a checkpoint writer in
+    another thread would create its files under the wrong one)."""
+    import os
+
+    from angelptm.checkpoints import files
+
+    previous = os.umask(0o027)
+    try:
+        calls = []
+        real_umask = os.umask
+        monkeypatch.setattr(os, "umask", lambda mask: calls.append(mask) or real_umask(mask))
+        assert files.current_umask() == 0o027
+        if os.path.exists("/proc/self/status"):
+            assert calls == []  # read from /proc, never set
+    finally:
+        monkeypatch.undo()
+        os.umask(previous)
