@@ -25,8 +25,9 @@ from angelptm.launch.liveness import RankWatchdog, ended_by_exception, note_unca
 
 logger = logging.getLogger(__name__)
 
-WAIT_NOTE_AFTER_S = 5.0
-"""A rendezvous still waiting after this long is logged (the ranks of a healthy job meet well within it)."""
+WAIT_NOTE_AFTER_S = 30.0
+"""A rendezvous still waiting after this long is logged (the ranks of a job that a scheduler starts node by node
+can take tens of seconds to meet: a note sooner would be noise on every healthy start)."""
 WAIT_NOTE_EVERY_S = 60.0
 """... and again every this long while it waits (torch itself says nothing until ``comms.timeout_s`` ends)."""
 
@@ -156,7 +157,7 @@ def init_distributed(*, dist_init_required: bool | None = None, timeout_s: float
         backend = "nccl" if use_cuda else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
         rank = _env_int("RANK", 0)
-        with _noting_the_wait(rank, world_size, timeout_s, wait_note_after_s):
+        with _noting_the_wait(rank, world_size, timeout_s, wait_note_after_s, local_rank=local_rank):
             # The env:// rendezvous that init_process_group would do, done here to keep the store for the heartbeat.
             store, rank, size = next(dist.rendezvous("env://", timeout=timeout))
             store.set_timeout(timeout)
@@ -232,16 +233,19 @@ def _timed_out(err: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def _noting_the_wait(rank: int, world_size: int, timeout_s: float, note_after_s: float) -> Iterator[None]:
+def _noting_the_wait(rank: int, world_size: int, timeout_s: float, note_after_s: float, *,
+                     local_rank: int = 0) -> Iterator[None]:
     """Log the rendezvous's wait from a daemon thread once it has lasted ``note_after_s``; turn its timing out into
-    a :class:`RendezvousError` that says what it waited for."""
+    a :class:`RendezvousError` that says what it waited for. The note is a warning from each node's local rank 0
+    (one line a node, however many ranks it runs) and a debug line from the others."""
     done, start = threading.Event(), time.monotonic()
     waiting_for, check = _waiting_for(rank, world_size)
+    level = logging.WARNING if local_rank == 0 else logging.DEBUG
 
     def note() -> None:
         delay = note_after_s
         while not done.wait(delay):
-            logger.warning("rank %d of %d: waiting %.0f s so far for %s (the rendezvous gives up after "
+            logger.log(level, "rank %d of %d: waiting %.0f s so far for %s (the rendezvous gives up after "
                            "comms.timeout_s = %g s); %s", rank, world_size, time.monotonic() - start, waiting_for,
                            timeout_s, check)
             delay = WAIT_NOTE_EVERY_S

@@ -91,6 +91,16 @@ def test_a_rank_waiting_at_the_rendezvous_says_what_for_and_where(launcher_env, 
     assert line == f"error: {message}"
 
 
+def test_only_a_nodes_local_rank_0_warns_of_the_wait(launcher_env, caplog):
+    """Every rank of a node waits alike: one warning a node, the other ranks' notes at debug level."""
+    launcher_env(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1")
+    with caplog.at_level(logging.DEBUG, logger="angelptm"), pytest.raises(distributed.RendezvousError):
+        distributed.init_distributed(timeout_s=1.0, wait_note_after_s=0.2)
+    notes = [r for r in caplog.records if "waiting" in r.getMessage() and "so far" in r.getMessage()]
+    assert notes and all(r.levelno == logging.DEBUG for r in notes), caplog.text
+    assert distributed.WAIT_NOTE_AFTER_S >= 30  # (a scheduler's node-by-node start is not a stuck rank)
+
+
 def test_a_quick_rendezvous_logs_no_wait(launcher_env, caplog):
     launcher_env(RANK="0", WORLD_SIZE="1")
     with caplog.at_level(logging.INFO, logger="angelptm"):
