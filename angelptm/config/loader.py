@@ -434,7 +434,7 @@ def _optimizer(section: edge.OptimizerSection | None) -> typed.OptimizerConfig |
     if params.torch_adam and decoupled and "weight_decay" not in params.model_fields_set:
         weight_decay = 0.01  # DeepSpeed builds torch.optim.AdamW from the params as given: torch's default applies
     return typed.OptimizerConfig(lr=params.lr, betas=params.betas, eps=params.eps, weight_decay=weight_decay,
-                                 decoupled_weight_decay=decoupled, amsgrad=params.amsgrad)
+                                 decoupled_weight_decay=decoupled, amsgrad=params.amsgrad, torch_adam=params.torch_adam)
 
 
 def _to_typed(parsed: edge.EdgeConfig, scheduler: typed.SchedulerConfig | None, ignored: tuple[str, ...],

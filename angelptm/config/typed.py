@@ -51,6 +51,9 @@ class OptimizerConfig:
     """True = AdamW (Loshchilov & Hutter); False = Adam with L2 in the gradient."""
     amsgrad: bool = False
     """Use the AMSGrad variant."""
+    torch_adam: bool = False
+    """Step with torch's Adam/AdamW (DeepSpeed's ``torch_adam``). False steps as DeepSpeed's FusedAdam does: on a CPU
+    with DeepSpeed's own C++ Adam (bit-equal weights; ZeRO-Cache runs its own), on a GPU with torch's fused Adam."""
 
     def __post_init__(self) -> None:
         check_optimizer_values(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
