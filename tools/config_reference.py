@@ -48,7 +48,9 @@ SECTION_NOTES: dict[str, str] = {
         "inconsistent values are an error showing the arithmetic. `seed` seeds python, numpy and torch at "
         "`initialize()`, and the data order."),
     "optimizer": (
-        "`Adam` (decoupled weight decay unless `adam_w_mode: false`) or `AdamW`; fused torch AdamW on a GPU. "
+        "`Adam` (decoupled weight decay unless `adam_w_mode: false`) or `AdamW`. On a CPU it steps through "
+        "DeepSpeed's own C++ Adam, as DeepSpeed's FusedAdam does there (the same weights, bit for bit); "
+        "`torch_adam: true` steps torch's Adam/AdamW instead; fused torch AdamW on a GPU. "
         "Under ZeRO-Cache the engine runs its own hybrid CPU/GPU Adam from these hyperparameters."),
     "scheduler": (
         "`WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR`, `OneCycle`, `LRRangeTest`, with DeepSpeed's formulas "
