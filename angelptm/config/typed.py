@@ -180,6 +180,10 @@ class ZeroConfig:
     overlap_permissions: tuple[str, ...] = ()
     """DeepSpeed 0.19.8's keys present that ask for the optimizer step to overlap compute (``zenflow``,
     ``offload_optimizer.super_offload``): permissions, which ZeRO-Cache's own exact overlapped update answers."""
+    gather_16bit_weights_on_model_save: bool | None = None
+    """``stage3_gather_16bit_weights_on_model_save`` as written (None: absent). ``save_16bit_model`` gathers and writes
+    the whole 16-bit weights at either value, as DeepSpeed's ZeRO-3 does with true; with stage 3, false (where
+    DeepSpeed would write no weights) is named at start-up."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -158,9 +158,19 @@ def report_config(cfg: EngineConfig, ctx: DistContext) -> None:
                        ", ".join(cfg.accepted_not_acted))
     if cfg.zero.stage > 0 and not cfg.zero_cache.enabled:
         logger.warning("%s", zero_stage_note(cfg.zero.stage, ctx.world_size))
-    note = overlap_note(cfg)
-    if note:
-        logger.info("%s", note)
+    for note in (overlap_note(cfg), gather_note(cfg)):
+        if note:
+            logger.info("%s", note)
+
+
+def gather_note(cfg: EngineConfig) -> str | None:
+    """What ``stage3_gather_16bit_weights_on_model_save: false`` does with stage 3 (None otherwise): not what it does
+    in DeepSpeed, whose ZeRO-3 then writes no weights at ``save_16bit_model``."""
+    if cfg.zero.stage != 3 or cfg.zero.gather_16bit_weights_on_model_save is not False:
+        return None
+    return ("zero_optimization.stage3_gather_16bit_weights_on_model_save is false, but save_16bit_model gathers and "
+            "writes the whole 16-bit weights all the same (DeepSpeed's ZeRO-3 would write none): this engine "
+            "consolidates its chunks and shards for any save")
 
 
 def overlap_note(cfg: EngineConfig) -> str | None:
