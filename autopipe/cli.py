@@ -27,6 +27,16 @@ from autopipe.search import plan_with_baselines
 from autopipe.timeline import draw_png
 
 DEFAULTS = AutoPipeConfig()
+DESCRIPTION = "Profile a model's ops to JSON, and plan a pipeline split from a profile."
+EPILOG = """examples:
+  python -m autopipe profile --factory angelptm.pretraining.pipeline_parallel:profile_target \\
+      --factory-arg configs/tiny_autopipe.json --out profile.json
+  python -m autopipe plan --profile profile.json --num-stages 2 --num-microbatches 8 --png timeline.png
+
+The factory is module:function, called as function(factory_arg, device) and returning (module, inputs,
+target_name): the model on the device, one micro-batch of keyword inputs, and the keyword of the target.
+AutoPipe itself knows no model; the factory names one."""
+"""The help text (``--help`` prints it as written: plain text, not this module's reST docstring)."""
 
 
 def load_factory(spec: str):
@@ -82,7 +92,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m autopipe", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m autopipe", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     prof = commands.add_parser("profile", help="trace and time a model's ops; write the profile JSON")
     prof.add_argument("--factory", required=True, help="module:function returning (module, inputs, target_name)")

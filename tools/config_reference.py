@@ -48,7 +48,9 @@ SECTION_NOTES: dict[str, str] = {
         "inconsistent values are an error showing the arithmetic. `seed` seeds python, numpy and torch at "
         "`initialize()`, and the data order."),
     "optimizer": (
-        "`Adam` (decoupled weight decay unless `adam_w_mode: false`) or `AdamW`; fused torch AdamW on a GPU. "
+        "`Adam` (decoupled weight decay unless `adam_w_mode: false`) or `AdamW`. On a CPU it steps through "
+        "DeepSpeed's own C++ Adam, as DeepSpeed's FusedAdam does there (the same weights, bit for bit); "
+        "`torch_adam: true` steps torch's Adam/AdamW instead; fused torch AdamW on a GPU. "
         "Under ZeRO-Cache the engine runs its own hybrid CPU/GPU Adam from these hyperparameters."),
     "scheduler": (
         "`WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR`, `OneCycle`, `LRRangeTest`, with DeepSpeed's formulas "
@@ -67,8 +69,10 @@ SECTION_NOTES: dict[str, str] = {
         "default is raised to it with a log line, since it could only slow the step; the `zero_cache` keys force a "
         "value). `offload_param`/`offload_optimizer` allow those tiers, and the plan decides: ZeRO-3 with an "
         "offload device turns ZeRO-Cache on, an `nvme` device's `nvme_path` becomes `zero_cache.nvme_path`, and "
-        "`offload_param: {device: nvme}` also sets `zero_cache.nvme_param_homes`. The other `stage3_*` keys are "
-        "listed as having no effect."),
+        "`offload_param: {device: nvme}` also sets `zero_cache.nvme_param_homes`. "
+        "`stage3_gather_16bit_weights_on_model_save` is `true` at either value: `save_16bit_model` always gathers "
+        "and writes the whole 16-bit weights (with stage 3, `false`, where DeepSpeed writes none, is named in a "
+        "start-up line). The other `stage3_*` keys are listed as having no effect."),
     "zero_optimization.offload_param": (
         "A permission for the planner, not a placement. `pin_memory`, `buffer_count`, `buffer_size` and "
         "`max_in_cpu` have no effect: the tiers are always pinned and the slots follow from the plan."),

@@ -373,8 +373,10 @@ def _uses_nvme(raw: dict) -> bool:
 
 def _not_acted_sections(raw: dict) -> tuple[str, ...]:
     """Validated keys that are stored but change nothing here."""
-    acted = {"stage", "reduce_bucket_size", "offload_param", "offload_optimizer", "zenflow"}  # (zenflow: a permission,
-    # reported on its own by angelptm.engine.builders.report_config)
+    # (zenflow, a permission, and the 16-bit gather, done at either value, are reported on their own by
+    # angelptm.engine.builders.report_config)
+    acted = {"stage", "reduce_bucket_size", "offload_param", "offload_optimizer", "zenflow",
+             "stage3_gather_16bit_weights_on_model_save"}
     zero = raw.get("zero_optimization") or {}
     offloaded = any((zero.get(key) or {}).get("device", "none") != "none" for key in ("offload_param", "offload_optimizer"))
     if (raw.get("zero_cache") or {}).get("enabled") or (zero.get("stage") == 3 and offloaded):
@@ -434,7 +436,7 @@ def _optimizer(section: edge.OptimizerSection | None) -> typed.OptimizerConfig |
     if params.torch_adam and decoupled and "weight_decay" not in params.model_fields_set:
         weight_decay = 0.01  # DeepSpeed builds torch.optim.AdamW from the params as given: torch's default applies
     return typed.OptimizerConfig(lr=params.lr, betas=params.betas, eps=params.eps, weight_decay=weight_decay,
-                                 decoupled_weight_decay=decoupled, amsgrad=params.amsgrad)
+                                 decoupled_weight_decay=decoupled, amsgrad=params.amsgrad, torch_adam=params.torch_adam)
 
 
 def _to_typed(parsed: edge.EdgeConfig, scheduler: typed.SchedulerConfig | None, ignored: tuple[str, ...],
@@ -470,6 +472,8 @@ def _to_typed(parsed: edge.EdgeConfig, scheduler: typed.SchedulerConfig | None, 
             stage=zero.stage, reduce_bucket_size=zero.reduce_bucket_size,
             offload_param_device=zero.offload_param.device if zero.offload_param else "none",
             overlap_permissions=_overlap_permissions(zero),
+            gather_16bit_weights_on_model_save=zero.stage3_gather_16bit_weights_on_model_save
+            if "stage3_gather_16bit_weights_on_model_save" in zero.model_fields_set else None,
         ),
         zero_cache=_zero_cache_section(parsed), monitor=monitor, seed=parsed.seed, model=parsed.model, data=parsed.data,
         train=parsed.train, moe=parsed.moe, autopipe=parsed.autopipe, comms=parsed.comms, accepted_not_acted=ignored,

@@ -51,6 +51,9 @@ class OptimizerConfig:
     """True = AdamW (Loshchilov & Hutter); False = Adam with L2 in the gradient."""
     amsgrad: bool = False
     """Use the AMSGrad variant."""
+    torch_adam: bool = False
+    """Step with torch's Adam/AdamW (DeepSpeed's ``torch_adam``). False steps as DeepSpeed's FusedAdam does: on a CPU
+    with DeepSpeed's own C++ Adam (bit-equal weights; ZeRO-Cache runs its own), on a GPU with torch's fused Adam."""
 
     def __post_init__(self) -> None:
         check_optimizer_values(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
@@ -177,6 +180,10 @@ class ZeroConfig:
     overlap_permissions: tuple[str, ...] = ()
     """DeepSpeed 0.19.8's keys present that ask for the optimizer step to overlap compute (``zenflow``,
     ``offload_optimizer.super_offload``): permissions, which ZeRO-Cache's own exact overlapped update answers."""
+    gather_16bit_weights_on_model_save: bool | None = None
+    """``stage3_gather_16bit_weights_on_model_save`` as written (None: absent). ``save_16bit_model`` gathers and writes
+    the whole 16-bit weights at either value, as DeepSpeed's ZeRO-3 does with true; with stage 3, false (where
+    DeepSpeed would write no weights) is named at start-up."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -14,6 +14,7 @@ from torch import nn
 import zero_cache
 
 from angelptm.config import EngineConfig
+from angelptm.engine import deepspeed_cpu_adam
 from angelptm.engine.cpu_bf16 import slow_bf16_warning
 from angelptm.engine.expert_parallel import ExpertParallel
 from angelptm.engine.loss_scaler import LossScaler
@@ -177,9 +178,19 @@ def report_config(cfg: EngineConfig, ctx: DistContext) -> None:
                        ", ".join(cfg.accepted_not_acted))
     if cfg.zero.stage > 0 and not cfg.zero_cache.enabled:
         logger.warning("%s", zero_stage_note(cfg.zero.stage, ctx.world_size))
-    note = overlap_note(cfg)
-    if note:
-        logger.info("%s", note)
+    for note in (overlap_note(cfg), gather_note(cfg)):
+        if note:
+            logger.info("%s", note)
+
+
+def gather_note(cfg: EngineConfig) -> str | None:
+    """What ``stage3_gather_16bit_weights_on_model_save: false`` does with stage 3 (None otherwise): not what it does
+    in DeepSpeed, whose ZeRO-3 then writes no weights at ``save_16bit_model``."""
+    if cfg.zero.stage != 3 or cfg.zero.gather_16bit_weights_on_model_save is not False:
+        return None
+    return ("zero_optimization.stage3_gather_16bit_weights_on_model_save is false, but save_16bit_model gathers and "
+            "writes the whole 16-bit weights all the same (DeepSpeed's ZeRO-3 would write none): this engine "
+            "consolidates its chunks and shards for any save")
 
 
 def overlap_note(cfg: EngineConfig) -> str | None:
@@ -275,12 +286,7 @@ def build_optimizer(model: nn.Module, client: Any, model_parameters: Iterable | 
     elif callable(client):
         inner = client(params)
     elif cfg.optimizer is not None:
-        opt = cfg.optimizer
-        cls = torch.optim.AdamW if opt.decoupled_weight_decay else torch.optim.Adam
-        # On CUDA the fused kernel is torch's fastest Adam; on CPU the default foreach path.
-        fused = True if ctx.device.type == "cuda" else None
-        inner = cls(params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
-                    amsgrad=opt.amsgrad, fused=fused)
+        inner = _config_optimizer(params, cfg, ctx)
     else:
         return None
     names = {id(p): name for name, p in model.named_parameters()}
@@ -293,6 +299,24 @@ def build_optimizer(model: nn.Module, client: Any, model_parameters: Iterable | 
     return MixedPrecisionOptimizer(inner, names, cfg.precision.dtype, loss_scaler=scaler,
                                    gradient_clipping=cfg.gradient_clipping, group=ctx.group,
                                    reduce_bucket_numel=cfg.zero.reduce_bucket_size, experts=experts)
+
+
+def _config_optimizer(params: list, cfg: EngineConfig, ctx: DistContext) -> torch.optim.Optimizer:
+    """The config's Adam/AdamW. On a CPU without ``torch_adam``, DeepSpeed's own C++ Adam steps it, as DeepSpeed's
+    FusedAdam does there (see :mod:`angelptm.engine.deepspeed_cpu_adam`); ZeRO-Cache, which only reads the
+    hyperparameters and runs its own Adam, and AMSGrad, which FusedAdam lacks, get torch's."""
+    opt = cfg.optimizer
+    if ctx.device.type == "cpu" and not (opt.torch_adam or opt.amsgrad or cfg.zero_cache.enabled):
+        kernel = deepspeed_cpu_adam.load_kernel(opt.decoupled_weight_decay, opt.betas)
+        if kernel is not None:
+            return deepspeed_cpu_adam.DeepSpeedCpuAdam(params, kernel, lr=opt.lr, betas=opt.betas, eps=opt.eps,
+                                                       weight_decay=opt.weight_decay,
+                                                       decoupled_weight_decay=opt.decoupled_weight_decay)
+    cls = torch.optim.AdamW if opt.decoupled_weight_decay else torch.optim.Adam
+    # On CUDA the fused kernel is torch's fastest Adam; on CPU the default foreach path.
+    fused = True if ctx.device.type == "cuda" else None
+    return cls(params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay, amsgrad=opt.amsgrad,
+               fused=fused)
 
 
 def _attach_zero_cache(model: nn.Module, inner: torch.optim.Optimizer, names: dict[int, str], cfg: EngineConfig,

@@ -43,8 +43,9 @@ def initialize(args: Any = None, model: nn.Module | None = None,
             builds one from parameters; overrides the config's "optimizer".
         model_parameters: parameters or param-group dicts for the config's optimizer (default: all
             trainable parameters of ``model``).
-        training_data: a map-style Dataset; returns a resumable loader with the micro-batch size,
-            sharded over data-parallel ranks.
+        training_data: a map-style Dataset; returns a loader of micro-batches sharded over data-parallel ranks,
+            with DeepSpeed's epochs (the same order every epoch, each ``iter()`` from the epoch's start) and a
+            position that ``save_checkpoint`` / ``load_checkpoint`` carry (``ResumableDataLoader``).
         lr_scheduler: a scheduler object or a callable ``f(optimizer)``; overrides the config's.
         distributed_port, mpu, mesh_param: accepted for signature compatibility; model parallelism
             is not supported, so ``mpu`` / ``mesh_param`` must be None.
@@ -101,6 +102,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     if training_data is not None:
         loader = ResumableDataLoader(training_data, cfg.batch.micro_batch_size, rank=ctx.rank,
                                      world_size=ctx.world_size, shuffle=cfg.data.shuffle, seed=cfg.seed or 0,
+                                     reshuffle_each_epoch=cfg.data.reshuffle_each_epoch,
                                      num_workers=cfg.data.num_workers, collate_fn=collate_fn,
                                      pin_memory=ctx.device.type == "cuda")
     engine = Engine(model, cfg, ctx, wrapped, scheduler, loader, experts=experts)

@@ -51,7 +51,9 @@ def _warmup_type(warmup_type: str) -> str:
 def _warmup_gamma(step: int, warmup_num_steps: int, warmup_type: str) -> float:
     """Fraction of the warm-up done at ``step`` (< warmup_num_steps), in [0, 1)."""
     if warmup_type == LOG:
-        return math.log(step + 1) / math.log(warmup_num_steps)
+        # DeepSpeed multiplies by a precomputed 1 / log(warmup_num_steps); dividing by the log instead rounds
+        # differently at some steps (a last-bit difference in the rate, the first one a replay shows).
+        return (1.0 / math.log(warmup_num_steps)) * math.log(step + 1)
     return step / warmup_num_steps
 
 

@@ -370,6 +370,7 @@ def initialize_pipeline(args: Any, model: PipelineModule, optimizer: Any, model_
     if training_data is not None:
         loader = ResumableDataLoader(training_data, cfg.batch.micro_batch_size, rank=ctx.rank // model.num_stages,
                                      world_size=replicas, shuffle=cfg.data.shuffle, seed=cfg.seed or 0,
+                                     reshuffle_each_epoch=cfg.data.reshuffle_each_epoch,
                                      num_workers=cfg.data.num_workers, collate_fn=collate_fn)
     engine = PipelineEngine(model, cfg, ctx, None, None, loader)
     if model.parts is None:  # autopipe: the split (and so this rank's parameters) needs a batch now

@@ -243,6 +243,7 @@ def train(cfg: EngineConfig, ctx: DistContext, dataset: TokenDataset, *, stop_re
     flush_size = cfg.batch.micro_batch_size * cfg.autopipe.num_microbatches
     loader = ResumableDataLoader(dataset, flush_size, rank=replica, world_size=layout.num_replicas,
                                  shuffle=cfg.data.shuffle, seed=cfg.seed or 0, num_workers=cfg.data.num_workers,
+                                 reshuffle_each_epoch=cfg.data.reshuffle_each_epoch,
                                  batch_key="train_micro_batch_size_per_gpu x autopipe.num_microbatches")
     step = resume(cfg, ctx, runner, optimizer, scheduler, loader,
                   allow_unsafe_pickle=allow_unsafe_pickle) if cfg.train.resume else 0

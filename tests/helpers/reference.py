@@ -64,12 +64,21 @@ def ds_config(**overrides) -> dict:
 
 
 def reference_loop(model: nn.Module, batches: list[dict], *, dtype: torch.dtype, accumulation: int, lr: float,
-                   clip: float = 0.0, device: str = "cpu") -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Hand-written mixed precision: compute-dtype weights, fp32 masters and fp32 gradient sums, torch AdamW."""
+                   clip: float = 0.0, device: str = "cpu",
+                   deepspeed_adam: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Hand-written mixed precision: compute-dtype weights, fp32 masters and fp32 gradient sums, torch AdamW (with
+    ``deepspeed_adam``: stepped by DeepSpeed's C++ Adam, as the engine steps the config's AdamW on a CPU)."""
     model = model.to(device=device, dtype=dtype)
     params = [p for p in model.parameters()]
     masters = [p.detach().float().clone().requires_grad_(True) for p in params]
-    optimizer = torch.optim.AdamW(masters, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    hypers = dict(lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    if deepspeed_adam:
+        from angelptm.engine import deepspeed_cpu_adam
+
+        kernel = deepspeed_cpu_adam.load_kernel(True, hypers["betas"])
+        optimizer = deepspeed_cpu_adam.DeepSpeedCpuAdam(masters, kernel, decoupled_weight_decay=True, **hypers)
+    else:
+        optimizer = torch.optim.AdamW(masters, **hypers)
     losses = []
     for start in range(0, len(batches), accumulation):
         sums = [torch.zeros_like(m) for m in masters]

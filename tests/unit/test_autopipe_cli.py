@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from angelptm.config import load_config
@@ -131,3 +135,15 @@ def test_resume_refuses_a_checkpoint_of_another_pipeline_layout(tmp_path):
     with pytest.raises(CheckpointError, match="this run has 4 ranks"):
         wider = load_config(_pipeline_config(str(tmp_path), num_stages=2), world_size=4)
         pipeline.saved_split(wider, _context(4), pipeline.check_config(wider, _context(4)))
+
+
+@pytest.mark.parametrize("command", [[], ["profile"], ["plan"]])
+def test_help_is_plain_text(command):
+    """``python -m autopipe --help`` (and each command's): no reST markup, and the top level shows the commands."""
+    result = subprocess.run([sys.executable, "-m", "autopipe", *command, "--help"], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parents[2], timeout=120)
+    assert result.returncode == 0, result.stderr
+    for markup in ("``", ":mod:", ":class:", ":func:", "\\\\"):
+        assert markup not in result.stdout, f"{markup!r} in:\n{result.stdout}"
+    if not command:
+        assert "python -m autopipe plan --profile profile.json" in result.stdout

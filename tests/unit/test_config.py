@@ -440,6 +440,25 @@ def test_accepted_not_acted_keys_are_listed():
         assert acted not in cfg.accepted_not_acted
 
 
+@pytest.mark.parametrize("spelling", ["stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+                                      "stage3_gather_fp16_weights_on_model_save"])
+def test_the_16bit_gather_on_save_is_not_listed_as_inert_and_a_stage_3_false_is_named(spelling):
+    """save_16bit_model gathers the whole 16-bit weights at either value: the key is not "no effect"; with stage 3,
+    false (DeepSpeed's ZeRO-3 then writes no weights) gets a start-up line saying the gather happens all the same."""
+    from angelptm.engine.builders import gather_note
+
+    for stage in (0, 3):
+        for value in (True, False):
+            cfg = load({"zero_optimization": {"stage": stage, spelling: value}})
+            assert not any("gather" in key for key in cfg.accepted_not_acted)
+            assert cfg.zero.gather_16bit_weights_on_model_save is value
+            note = gather_note(cfg)
+            assert (note is not None) == (stage == 3 and not value)
+    assert "gathers and writes the whole 16-bit weights all the same" in gather_note(
+        load({"zero_optimization": {"stage": 3, spelling: False}}))
+    assert gather_note(load({"zero_optimization": {"stage": 3}})) is None
+
+
 def test_nothing_listed_for_a_config_without_inert_keys():
     assert load({"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}).accepted_not_acted == ()
 

@@ -82,6 +82,36 @@ def test_every_relative_link_in_the_readme_and_docs_points_to_a_file_that_exists
     assert not broken, "relative links to missing files:\n" + "\n".join(broken)
 
 
+def _anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives ``page``'s headings: lower case, punctuation but ``-`` and ``_`` dropped, spaces as
+    ``-``, and ``-1``, ``-2`` ... after repeats (headings inside code blocks are not headings)."""
+    found: set[str] = set()
+    seen: dict[str, int] = {}
+    in_code = False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        heading = None if in_code else re.match(r"#{1,6} (.*)", line)
+        if heading:
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+            found.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+            seen[slug] = seen.get(slug, 0) + 1
+    return found
+
+
+def test_every_anchor_of_a_link_to_a_page_names_one_of_its_headings():
+    broken = []
+    for page in _markdown_files():
+        for target in LINK.findall(page.read_text()):
+            path, _, anchor = target.partition("#")
+            if re.match(r"[a-z]+:", target) or not anchor:
+                continue
+            linked = page.parent / path if path else page
+            if linked.suffix == ".md" and linked.exists() and anchor not in _anchors(linked):
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, "links to headings that do not exist:\n" + "\n".join(broken)
+
+
 def test_every_docs_page_is_linked_from_the_readme():
     readme = (ROOT / "README.md").read_text()
     linked = {Path(target.split("#", 1)[0]).as_posix() for target in LINK.findall(readme)}

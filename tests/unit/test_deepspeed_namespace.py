@@ -16,6 +16,7 @@ from torch import nn
 
 import angelptm
 from angelptm import checkpointing, comm  # DeepSpeed's paths: deepspeed.checkpointing is an attribute, as here
+from angelptm.engine import deepspeed_cpu_adam
 from angelptm.errors import ConfigError
 from angelptm.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from angelptm.pipe.partition import partition_balanced, partition_uniform
@@ -146,7 +147,10 @@ def test_torch_scheduler_on_engine_optimizer_moves_the_applied_lr() -> None:
     assert isinstance(engine.optimizer, torch.optim.Optimizer) and optimizer is engine.optimizer
     scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lam)
     reference_model = mlp(2)
-    reference = torch.optim.AdamW(reference_model.parameters(), lr=0.05, weight_decay=0.1)
+    # The engine steps the config's AdamW on a CPU with DeepSpeed's C++ Adam: so does the reference.
+    reference = deepspeed_cpu_adam.DeepSpeedCpuAdam(
+        reference_model.parameters(), deepspeed_cpu_adam.load_kernel(True, (0.9, 0.999)), lr=0.05, betas=(0.9, 0.999),
+        eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True)
     reference_scheduler = torch.optim.lr_scheduler.LambdaLR(reference, lam)
     for x, y in batches(4):
         engine.backward(nn.functional.mse_loss(engine(x), y))
@@ -183,7 +187,10 @@ def test_no_sync_accumulates_like_summed_backwards() -> None:
     """gradient_accumulation_steps 1, two backwards (the first inside no_sync), one step: torch's summed gradients."""
     engine, _, _, _ = angelptm.initialize(model=mlp(4), config=config())
     reference_model = mlp(4)
-    reference = torch.optim.AdamW(reference_model.parameters(), lr=0.05, weight_decay=0.1)
+    # The engine steps the config's AdamW on a CPU with DeepSpeed's C++ Adam: so does the reference.
+    reference = deepspeed_cpu_adam.DeepSpeedCpuAdam(
+        reference_model.parameters(), deepspeed_cpu_adam.load_kernel(True, (0.9, 0.999)), lr=0.05, betas=(0.9, 0.999),
+        eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True)
     (x1, y1), (x2, y2) = batches(2)
     with engine.no_sync():
         engine.backward(nn.functional.mse_loss(engine(x1), y1))

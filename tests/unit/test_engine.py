@@ -30,7 +30,7 @@ def test_engine_equals_hand_written_mixed_precision_loop(dtype_key, dtype, accum
     # Llama flavour: GPT-2's key bias has an identically-zero true gradient, so Adam turns float
     # noise there into full-lr steps and no two summation orders would agree.
     ref_losses, ref_masters = reference_loop(tiny_gpt(seed, "llama"), batches, dtype=dtype,
-                                             accumulation=accumulation, lr=3e-3, clip=0.5)
+                                             accumulation=accumulation, lr=3e-3, clip=0.5, deepspeed_adam=True)
     losses, engine = engine_loop(tiny_gpt(seed, "llama"), batches, config)
     assert engine.global_steps == 4
     assert losses == pytest.approx(ref_losses, rel=1e-5)

@@ -2,11 +2,14 @@
 
 The real-size configs (GPT 1.3B, Llama 7B/13B/30B) go through ``pretrain.py --plan``'s planning for three
 machines, each with and without an NVMe tier; where a combination is meant not to fit, the refusal must
-name the tier and the shortfall. The README's "Configs for real sizes" table states the same matrix.
+name the tier and the shortfall. docs/zero-cache.md's "Configs for real sizes" table states the same matrix with
+the figures ``--plan`` prints (written by ``tools/plan_table.py``), checked here against a fresh run.
 """
 
 from __future__ import annotations
 
+import difflib
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -111,3 +114,22 @@ def test_named_budgets_split_the_host_between_its_gpus():
     pinned = zero_cache.tier_budgets(explicit, torch.device("cuda"), 8, box)
     assert (pinned.device_bytes, pinned.host_bytes) == (40 * 2**30, 64 * 2**30)  # the config's bytes win
 
+
+
+def _table_tool():
+    spec = importlib.util.spec_from_file_location("plan_table", ROOT / "tools" / "plan_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_pages_plan_table_and_example_plan_are_what_plan_prints():
+    """Every cell of docs/zero-cache.md's table (the bound's stream and time, or the refused tier's shortfall) and
+    its full example plan, from ``pretrain.py --plan`` run now for the configs and machines the table names."""
+    tool = _table_tool()
+    assert tool.CONFIGS == REAL_SIZES and list(tool.MACHINES) == list(HARDWARE.values()), "one matrix, not two"
+    page = tool.PAGE.read_text()
+    fresh = tool.render(page)
+    stale = [line for line in difflib.unified_diff(page.splitlines(), fresh.splitlines(), "page", "--plan now",
+                                                   lineterm="", n=0)]
+    assert not stale, f"docs/zero-cache.md disagrees with --plan; run `{tool.REGENERATE}`:\n" + "\n".join(stale)

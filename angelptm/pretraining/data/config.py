@@ -27,6 +27,10 @@ class DataConfig:
     shuffle: bool = True
     """Visit samples in a seeded random order (reproducible, and resumable mid-epoch)."""
 
+    reshuffle_each_epoch: bool = False
+    """Draw a new order for each epoch (from seed + epoch). False visits the first epoch's order in every epoch, as
+    DeepSpeed's ``training_data`` loader does (a ``DistributedSampler`` never given ``set_epoch``)."""
+
     num_workers: int = 0
     """DataLoader worker processes."""
 
