@@ -94,6 +94,9 @@ def load_kernel(decoupled: bool, betas: tuple[float, float]) -> CpuAdamKernel | 
             from deepspeed.ops.adam import DeepSpeedCPUAdam
             from deepspeed.ops.op_builder import CPUAdamBuilder
 
+            if not _built("cpu_adam"):  # (a silent minute or two otherwise, on a newcomer's first run)
+                logger.info("compiling DeepSpeed's C++ CPU Adam for this machine (first use only, about a minute; "
+                            "cached afterwards)")
             op = CPUAdamBuilder().load(verbose=False)
     except Exception as err:  # noqa: BLE001 (a failed JIT build raises whatever the toolchain raised)
         logger.warning("DeepSpeed's C++ CPU Adam is unavailable (%s: %s): the config's optimizer is torch's Adam, "
@@ -160,3 +163,15 @@ class DeepSpeedCpuAdam(torch.optim.Adam):
                 self.kernel.update(step, float(group["lr"]), group["betas"], group["eps"], group["weight_decay"],
                                    param, param.grad, state["exp_avg"], state["exp_avg_sq"])
         return loss
+
+
+def _built(extension: str) -> bool:
+    """Whether torch's extension cache holds a build of ``extension`` already (False where this torch does not say)."""
+    try:
+        from pathlib import Path
+
+        from torch.utils.cpp_extension import _get_build_directory  # private, hence the guard
+
+        return any(Path(_get_build_directory(extension, verbose=False)).glob(f"{extension}*.so"))
+    except Exception:  # noqa: BLE001 (then only the message is left out)
+        return True
