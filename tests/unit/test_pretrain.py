@@ -52,12 +52,14 @@ def test_default_job_trains_then_resumes(tmp_path):
 def test_interrupt_saves_and_exits(tmp_path):
     process = subprocess.Popen([sys.executable, str(ROOT / "pretrain.py"), "--steps", "100000"], cwd=tmp_path,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 300
+    deadline, seen = time.monotonic() + 300, []
     for line in process.stdout:  # wait until training is under way
+        seen.append(line)
         if LOSS.search(line) or time.monotonic() > deadline:
             break
     process.send_signal(signal.SIGINT)
     rest = process.communicate(timeout=300)[0]
+    everything = "".join(seen) + rest  # (the signal may land right after the step line read above)
     assert process.returncode == 0, rest[-3000:]
     assert "saving a checkpoint" in rest
     tag = (tmp_path / "checkpoints" / "tiny" / "latest").read_text()
@@ -66,7 +68,7 @@ def test_interrupt_saves_and_exits(tmp_path):
     # Not "done: final loss" of the last multiple of 10: the loss on the line of the step it stopped at.
     said = re.search(r"interrupted at step (\d+): loss (\d+\.\d+)", rest)
     assert said and int(said[1]) == last_step and "done: final loss" not in rest, rest[-3000:]
-    assert f"step {last_step}/100000 | loss {said[2]} " in rest, rest[-3000:]
+    assert f"step {last_step}/100000 | loss {said[2]} " in everything, everything[-3000:]
 
 
 def test_every_option_has_help(monkeypatch):
