@@ -105,20 +105,11 @@ class DeepSpeedCheckpoint:
     """What a DeepSpeed checkpoint holds, by parameter name (``named_parameters`` names, as DeepSpeed records)."""
 
     path: Path
-    stage: int
-    world_size: int
-    """Data-parallel ranks that saved it."""
     module: dict[str, torch.Tensor]
     """The module's whole state dict on CPU, weights in fp32 (tied weights under each name)."""
-    masters: dict[str, torch.Tensor]
-    """The fp32 master weight of each parameter the optimizer held."""
-    moments: dict[str, dict[str, torch.Tensor]] | None
-    """``exp_avg`` / ``exp_avg_sq`` -> name -> tensor of the parameter's shape; None when not read."""
-    steps: dict[str, float]
-    """Adam's step count of each parameter."""
-    hypers: dict[str, dict[str, Any]]
-    """Each parameter's group hyperparameters (lr, betas, eps, weight_decay, ...) as saved."""
-    loss_scale: dict[str, Any] | None
+    optimizer: partitions.Partitions
+    """The optimizer's side, every rank's partitions merged: stage and ranks, the fp32 masters, Adam's moments,
+    steps and group hyperparameters, the loss scale."""
     lr_scheduler: dict[str, Any] | None
     global_steps: int
     global_samples: int
@@ -211,8 +202,7 @@ def read(path: Path, *, optimizer_states: bool, optimizer_order: Sequence[str] |
     aliases = {alias: name for alias, name in (states.get("shared_params") or {}).items()}
     module = checkpoint.consolidate({**states["module"], **parts.frozen}, parts.masters, aliases)
     return DeepSpeedCheckpoint(
-        path=path, stage=parts.stage, world_size=parts.world_size, module=module, masters=parts.masters,
-        moments=parts.moments, steps=parts.steps, hypers=parts.hypers, loss_scale=parts.loss_scale,
+        path=path, module=module, optimizer=parts,
         lr_scheduler=states.get("lr_scheduler"), global_steps=int(states.get("global_steps", 0)),
         global_samples=int(states.get("global_samples", 0)), skipped_steps=int(states.get("skipped_steps", 0)),
         client_state={k: v for k, v in states.items() if k not in DEEPSPEED_KEYS})

@@ -45,12 +45,17 @@ class Partitions:
 
     stage: int
     world_size: int
+    """Data-parallel ranks that saved it."""
     masters: dict[str, torch.Tensor]
+    """The fp32 master weight of each parameter the optimizer held."""
     frozen: dict[str, torch.Tensor]
     """Whole frozen parameters (ZeRO-3 saves each rank's fragment of them)."""
     moments: dict[str, dict[str, torch.Tensor]] | None
+    """``exp_avg`` / ``exp_avg_sq`` -> name -> tensor of the parameter's shape; None when not read."""
     steps: dict[str, float]
+    """Adam's step count of each parameter."""
     hypers: dict[str, dict[str, Any]]
+    """Each parameter's group hyperparameters (lr, betas, eps, weight_decay, ...) as saved."""
     loss_scale: dict[str, Any] | None
 
 

@@ -48,8 +48,9 @@ def load(engine: Any, path: Path, *, load_module_strict: bool, load_optimizer_st
     saved = deepspeed_format.read(path, optimizer_states=with_states,
                                   optimizer_order=optimizer.names if optimizer is not None else None)
     if engine.ctx.is_main:
+        ranks = saved.optimizer.world_size
         logger.info("%s: a DeepSpeed checkpoint (ZeRO stage %d, %d rank%s, step %d), read by parameter name%s", path,
-                    saved.stage, saved.world_size, "s" if saved.world_size > 1 else "", saved.global_steps,
+                    saved.optimizer.stage, ranks, "s" if ranks > 1 else "", saved.global_steps,
                     " with its optimizer states" if with_states else "")
     engine._load_module_state(path, {"module": saved.module}, strict=load_module_strict, has_optimizer_file=True)
     if optimizer is not None:
@@ -92,13 +93,13 @@ def _names_by_group(optimizer: Any) -> list[list[str]]:
 def _optimizer_state(saved: DeepSpeedCheckpoint, optimizer: Any, masters: dict[str, torch.Tensor],
                      path: Path) -> dict[str, Any]:
     """The replicated engine's optimizer ``state_dict()`` from DeepSpeed's states (converted for ZeRO-Cache)."""
-    moments = saved.moments or {}
+    moments = saved.optimizer.moments or {}
     missing = [name for name in optimizer.names if not all(name in moments.get(field, {}) for field in MOMENTS)]
     if missing:
         raise deepspeed_format.refuse(path, f"it holds no Adam moments for {', '.join(missing[:3])}"
                                             f"{' ...' if len(missing) > 3 else ''} (frozen when it was saved?)",
                                       deepspeed_format.WEIGHTS_ALONE)
-    state = {index: {"step": torch.tensor(saved.steps.get(name, 0.0), dtype=torch.float32),
+    state = {index: {"step": torch.tensor(saved.optimizer.steps.get(name, 0.0), dtype=torch.float32),
                      **{field: moments[field][name] for field in MOMENTS}}
              for index, name in enumerate(optimizer.names)}
     groups, first = [], 0
@@ -115,7 +116,7 @@ def _optimizer_state(saved: DeepSpeedCheckpoint, optimizer: Any, masters: dict[s
 def _saved_hypers(saved: DeepSpeedCheckpoint, names: list[str], current: dict[str, Any],
                   path: Path) -> dict[str, Any]:
     """The hyperparameters DeepSpeed saved for the parameters of one of this run's groups (one set for all)."""
-    found = [saved.hypers[name] for name in names if name in saved.hypers]
+    found = [saved.optimizer.hypers[name] for name in names if name in saved.optimizer.hypers]
     values = [{k: v for k, v in hypers.items() if k in current and k not in IMPLEMENTATION_KEYS} for hypers in found]
     if any(value != values[0] for value in values[1:]):
         differing = sorted({k for value in values for k in value if value[k] != values[0].get(k)})
@@ -128,6 +129,7 @@ def _saved_hypers(saved: DeepSpeedCheckpoint, names: list[str], current: dict[st
 
 def _loss_scale(saved: DeepSpeedCheckpoint, scaler: Any) -> dict[str, Any] | None:
     """This run's loss-scaler state with DeepSpeed's values, when both scale the same way (fp16, dynamic or not)."""
-    if scaler is None or not saved.loss_scale or bool(saved.loss_scale.get("dynamic")) != scaler.dynamic:
+    saved_scale = saved.optimizer.loss_scale
+    if scaler is None or not saved_scale or bool(saved_scale.get("dynamic")) != scaler.dynamic:
         return None
-    return {**scaler.state_dict(), **{k: v for k, v in saved.loss_scale.items() if k in scaler.state_dict()}}
+    return {**scaler.state_dict(), **{k: v for k, v in saved_scale.items() if k in scaler.state_dict()}}

@@ -145,16 +145,8 @@ def test_a_run_shorter_than_max_bad_steps_that_ends_with_a_nan_loss_exits_3_and_
     STEPS = 6
     sys.path.insert(0, str(ROOT))
     import pretrain as job
-    from angelptm.pretraining.models.gpt import GPT
 
-    forward, calls = GPT.forward, []
-
-    def nan_from_the_fourth(self, *args, **kwargs):
-        calls.append(None)
-        loss = forward(self, *args, **kwargs)
-        return loss * float("nan") if len(calls) >= 4 else loss
-
-    monkeypatch.setattr(GPT, "forward", nan_from_the_fourth)
+    nan_from_the_fourth_forward(monkeypatch)
     config = job_config(tmp_path, steps=STEPS, save_interval=1, log_interval=1)
     assert job.main(["--config", str(config)]) == 3
     out, err = capsys.readouterr()
