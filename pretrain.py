@@ -24,6 +24,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import angelptm
+from angelptm.checkpoints import files as checkpoint_files
 from angelptm.checkpoints.safe_pickle import OPT_IN_HELP
 from angelptm.config import EngineConfig, load_config, read_config_source
 from angelptm.engine.builders import report_precision
@@ -32,14 +33,13 @@ from angelptm.launch.distributed import DistContext, init_distributed, launcher_
 from angelptm.memory.fit_check import check_config_fits
 from angelptm.memory.oom import StepOutOfMemoryError
 from angelptm.memory.plan_report import DEFAULT_TFLOPS, PlanRequest, named_hardware, plan_report
+from angelptm.pretraining import health
 from angelptm.pretraining import pipeline_parallel as pipeline
 from angelptm.pretraining.data import TokenDataset, prepare_default_dataset, repeat_batches
 from angelptm.pretraining.data.tokenizer import configured_tokenizer
-from angelptm.checkpoints import files as checkpoint_files
-from angelptm.pretraining import health
 from angelptm.pretraining.job_errors import RunUnhealthyError, comms_timeout, one_line
-from angelptm.pretraining.save_dir import prune_checkpoints, refuse_fresh_start_over_a_run, resume
 from angelptm.pretraining.models import build_model
+from angelptm.pretraining.save_dir import prune_checkpoints, refuse_fresh_start_over_a_run, resume
 from angelptm.telemetry.monitor import ThroughputMeter, format_memory, format_tiers, memory_snapshot
 from angelptm.telemetry.progress import progress_bar
 

@@ -33,6 +33,6 @@ __version__ = "0.1.0"
 __version_major__, __version_minor__, __version_patch__ = (int(part) for part in __version__.split("."))
 __git_hash__ = __git_branch__ = "[none]"  # DeepSpeed's attributes (an installed package, not a checkout)
 
-__all__ = ["CheckpointError", "ConfigError", "DeepSpeedEngine", "Engine", "EngineConfig", "PipelineEngine", "PipelineModule",
-           "accelerator", "add_config_arguments", "checkpointing", "comm", "init_distributed", "initialize",
-           "load_config", "moe", "ops", "pipe", "runtime", "utils", "zero", "__version__"]
+__all__ = ["CheckpointError", "ConfigError", "DeepSpeedEngine", "Engine", "EngineConfig", "PipelineEngine",
+           "PipelineModule", "accelerator", "add_config_arguments", "checkpointing", "comm", "init_distributed",
+           "initialize", "load_config", "moe", "ops", "pipe", "runtime", "utils", "zero", "__version__"]

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
 from angelptm.errors import ConfigError
-from angelptm.launch.distributed import check_launcher_env, init_distributed as _join_process_group
+from angelptm.launch.distributed import check_launcher_env
+from angelptm.launch.distributed import init_distributed as _join_process_group
 
 __all__ = ["ProcessGroup", "ReduceOp", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce",
            "all_to_all_single", "allgather_fn", "barrier", "broadcast", "broadcast_object_list",

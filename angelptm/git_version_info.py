@@ -6,7 +6,7 @@
 
 import torch
 
-from angelptm import __version__ as version
+from angelptm import __version__ as version  # noqa: F401  (DeepSpeed's git_version_info.version)
 
 git_hash = "[none]"
 git_branch = "[none]"

@@ -40,13 +40,13 @@ from typing import Any
 
 import torch
 
-from angelptm.engine import gathered_params
 from angelptm.config import load_config
 from angelptm.config.loader import read_config_source
-from angelptm.launch.distributed import launcher_world_size
-from angelptm.errors import ConfigError
-from angelptm.memory.fit_check import BuildWatch
+from angelptm.engine import gathered_params
 from angelptm.engine.init_on_device import RandomFillsOnDevice
+from angelptm.errors import ConfigError
+from angelptm.launch.distributed import launcher_world_size
+from angelptm.memory.fit_check import BuildWatch
 from zero_cache import AUTO, home_costs
 
 REMOTE_DEVICES = (None, "none", "cuda", "cpu", "nvme")

@@ -145,10 +145,11 @@ class Profile:
         """How the op times were calibrated, in one line."""
         if not self.measured_total_s:
             return "op times not calibrated to a whole-graph run"
-        return (f"calibrated to the whole graph's forward + backward timed end to end, {self.measured_total_s * 1e3:.3f} "
-                f"ms: ops timed alone sum to {self.raw_forward_total_s * 1e3:.3f} + {self.raw_backward_total_s * 1e3:.3f} "
-                f"ms; harness overhead {self.forward_overhead_s * 1e6:.1f} / {self.backward_overhead_s * 1e6:.1f} us "
-                f"per op subtracted; scale {self.time_scale:.3f}")
+        return (f"calibrated to the whole graph's forward + backward timed end to end, "
+                f"{self.measured_total_s * 1e3:.3f} ms: ops timed alone sum to "
+                f"{self.raw_forward_total_s * 1e3:.3f} + {self.raw_backward_total_s * 1e3:.3f} ms; harness overhead "
+                f"{self.forward_overhead_s * 1e6:.1f} / {self.backward_overhead_s * 1e6:.1f} us per op subtracted; "
+                f"scale {self.time_scale:.3f}")
 
     def to_json(self) -> str:
         """The profile as a JSON document."""

@@ -153,10 +153,11 @@ def search(chain: CostChain, settings: CostSettings) -> PlanPrediction:
         need, _ = min_max_partition(chain.num_units, chunks, model.memory_bytes)
         per_rank = need * settings.virtual_stages_per_rank
         raise ValueError(
-            f"autopipe.stage_memory_limit_bytes={settings.memory_limit_bytes:.0f} ({settings.memory_limit_bytes / 2**30:.2f}"
-            f" GiB): no split into {chunks} stages fits; the best split still needs {per_rank:.0f} bytes "
-            f"({per_rank / 2**30:.2f} GiB) on its fullest rank. Allowed: a limit >= that, more stages, "
-            f"autopipe.recompute=true, fewer micro-batches in flight (gpipe keeps all M), or a smaller micro-batch")
+            f"autopipe.stage_memory_limit_bytes={settings.memory_limit_bytes:.0f} "
+            f"({settings.memory_limit_bytes / 2**30:.2f} GiB): no split into {chunks} stages fits; the best split "
+            f"still needs {per_rank:.0f} bytes ({per_rank / 2**30:.2f} GiB) on its fullest rank. Allowed: a limit "
+            f">= that, more stages, autopipe.recompute=true, fewer micro-batches in flight (gpipe keeps all M), "
+            "or a smaller micro-batch")
     return predict(chain, settings, starts, "auto")
 
 
@@ -227,12 +228,14 @@ class PlanReport:
         """A plain-text table: stages per method, then predicted speedups."""
         lines = []
         for plan in (self.auto, *self.baselines):
-            lines.append(f"{plan.method}: stage starts (units) {list(plan.stage_starts)}, step {plan.step_time_s * 1e3:.3f} ms, "
-                         f"bottleneck {plan.bottleneck_s * 1e3:.3f} ms, bubble {plan.bubble_fraction:.1%}")
+            lines.append(f"{plan.method}: stage starts (units) {list(plan.stage_starts)}, "
+                         f"step {plan.step_time_s * 1e3:.3f} ms, bottleneck {plan.bottleneck_s * 1e3:.3f} ms, "
+                         f"bubble {plan.bubble_fraction:.1%}")
             lines.append(f"  {'stage':>5} {'units':>11} {'fwd ms':>9} {'bwd ms':>9} {'comm ms':>8} {'time ms':>9} "
                          f"{'memory GiB':>10}")
             for index, stage in enumerate(plan.stages):
-                lines.append(f"  {index:>5} {f'{stage.first_unit}-{stage.end_unit - 1}':>11} {stage.forward_s * 1e3:>9.3f} "
+                units = f"{stage.first_unit}-{stage.end_unit - 1}"
+                lines.append(f"  {index:>5} {units:>11} {stage.forward_s * 1e3:>9.3f} "
                              f"{stage.backward_s * 1e3:>9.3f} {stage.comm_s * 1e3:>8.3f} {stage.time_s * 1e3:>9.3f} "
                              f"{stage.memory_bytes / 2**30:>10.3f}")
         for baseline in self.baselines:

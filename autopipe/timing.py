@@ -1,10 +1,11 @@
 """Timers for the profiler and the runtime: whole calls, and per-call cost of back-to-back repeats.
 
-:func:`sample_times_s` times one call per sample, for a whole graph or a stage (what the pipeline runs). :func:`per_call_time_s` times one small op: ``calls`` back-to-back runs between two
-timestamps with no synchronisation between them, divided by ``calls``. On a GPU the stream is first held
-by a spin kernel (``torch.cuda._sleep``) long enough for the host to queue all the runs, so the events see
-the kernels back to back, as in a real fused run where the host runs ahead of the GPU, and not the host's
-per-call Python and launch cost.
+:func:`sample_times_s` times one call per sample, for a whole graph or a stage (what the pipeline runs).
+:func:`per_call_time_s` times one small op: ``calls`` back-to-back runs between two timestamps with no
+synchronisation between them, divided by ``calls``. On a GPU the stream is first held by a spin kernel
+(``torch.cuda._sleep``) long enough for the host to queue all the runs, so the events see the kernels back
+to back, as in a real fused run where the host runs ahead of the GPU, and not the host's per-call Python and
+launch cost.
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ TEST_FILES = ("unit/runtime/test_ds_config_dict.py", "unit/runtime/test_ds_confi
 POOL_FIX = """# Written by angelptm's bench/deepspeed_api_tests.py, for both backends alike.
 # DeepSpeed's DistributedTest re-raises a failed test's exception in a multiprocessing.Pool worker; pytest's
 # outcome exceptions (a failed pytest.raises) are BaseExceptions, which the worker does not catch: it dies and the
-# pool waits until DeepSpeed's harness ends the whole session ("Test hanged"). Turned into a RuntimeError, the failure is reported as one and the run goes on.
+# pool waits until DeepSpeed's harness ends the whole session ("Test hanged"). Turned into a RuntimeError, the failure
+# is reported as one and the run goes on.
 import multiprocessing.pool as _pool
 
 _starmapstar = _pool.starmapstar

@@ -78,8 +78,9 @@ def build(size: str, checkpointing: bool, construction: Any = None, fp16: bool =
     fp32_fits = construction is not None or 4 * twin.num_params() < 0.9 * torch.cuda.mem_get_info()[0]
     previous = torch.get_default_dtype()
     if not fp32_fits:
-        print(f"bench: {size} built in {dtype} directly: in fp32 it would take {4 * twin.num_params() / 2**30:.0f} GiB, "
-              f"the GPU has {torch.cuda.mem_get_info()[0] / 2**30:.0f} GiB free", file=sys.stderr, flush=True)
+        print(f"bench: {size} built in {dtype} directly: in fp32 it would take "
+              f"{4 * twin.num_params() / 2**30:.0f} GiB, the GPU has {torch.cuda.mem_get_info()[0] / 2**30:.0f} GiB "
+              "free", file=sys.stderr, flush=True)
         torch.set_default_dtype(dtype)
     try:
         with construction if construction is not None else torch.device("cuda"):
@@ -162,9 +163,9 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
             engine.step()
             return loss
     elif mode.startswith("zero_cache"):  # zero_cache_shard: params sharded over the ranks (ZeRO-3)
-        import angelptm
-
         import logging
+
+        import angelptm
 
         logging.basicConfig(level=logging.WARNING, format="zero_cache: %(name)s %(message)s")
         logging.getLogger("zero_cache").setLevel(logging.INFO)  # the plan, the IO backend, the re-plan
@@ -259,7 +260,8 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
             extra["gathers_per_group_step"] = gathered.gathers / steps / sum(homes.values())
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     tokens = accumulation * micro * 1024 * world_size  # every rank's micro-batches: the global batch
-    return {"size": size, "mode": mode, "ranks": world_size, "params": num_params, "step_s": step_s, "tokens_per_s": tokens / step_s,
+    return {"size": size, "mode": mode, "ranks": world_size, "params": num_params, "step_s": step_s,
+            "tokens_per_s": tokens / step_s,
             "tflops": tokens * flops_per_token / step_s / 1e12,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
             # ru_maxrss: the process's peak resident set (KiB on Linux), pinned host memory included
@@ -291,7 +293,7 @@ def run_child(command: list[str]) -> tuple[int, list[str], list[str]]:
             open_ = len(first_error) == 1 or line[:1].isspace() or line.startswith(("During handling", "The above"))
         if "Warning" not in line:
             tail.append(line)
-    results = [l for l in proc.stdout.read().splitlines() if l.startswith("RESULT ")]
+    results = [line for line in proc.stdout.read().splitlines() if line.startswith("RESULT ")]
     shown = ["-- first traceback --", *first_error, "-- last lines --"] if first_error else []
     return proc.wait(), results, shown + list(tail)
 
@@ -311,8 +313,10 @@ def main() -> None:
     parser.add_argument("--anchor", default="deepspeed", help="mode the ratios are taken against")
     parser.add_argument("--nproc", nargs="+", type=int, default=[1],
                         help="run each mode on each of these GPU counts (torchrun; same micro-batch per GPU)")
-    parser.add_argument("--memory-cap", help="torch.cuda.set_per_process_memory_fraction to this many bytes (every mode)")
-    parser.add_argument("--build-on-host", action="store_true", help="zero_cache: build under zero.Init(remote_device=cpu)")
+    parser.add_argument("--memory-cap",
+                        help="torch.cuda.set_per_process_memory_fraction to this many bytes (every mode)")
+    parser.add_argument("--build-on-host", action="store_true",
+                        help="zero_cache: build under zero.Init(remote_device=cpu)")
     parser.add_argument("--param-home", default="auto", help="zero_cache.param_home")
     parser.add_argument("--trace", help="engine modes: write a trace and PNG of one step under this directory")
     parser.add_argument("--child", nargs=2, metavar=("SIZE", "MODE"), help=argparse.SUPPRESS)

@@ -38,8 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from zero_cache.optim.host_adam import HostAdam  # noqa: E402
 from zero_cache.plan.step_cost import host_adam_bytes_per_element  # noqa: E402
-from zero_cache.runtime.rates import (copy_load, host_memory_rate, measured_copies,  # noqa: E402
-                                      measured_host_memory)
+from zero_cache.runtime.rates import copy_load, host_memory_rate, measured_copies, measured_host_memory  # noqa: E402
 from zero_cache.storage.tiers import Tier  # noqa: E402
 
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

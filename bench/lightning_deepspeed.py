@@ -12,7 +12,8 @@ tokens in fp32 (the config says ``bf16: false``, so neither engine picks its own
 ``OUT_DIR/summary.txt``; prints per-step losses and whether they agree (max |difference| <= 1e-5).
 
 ``--cpu`` runs Lightning's CPU accelerator with the strategy's CUDA checks skipped (a subclass overrides
-``setup_environment`` and ``setup_distributed``): a smoke test of the same path on a machine without a GPU, not what Lightning supports.
+``setup_environment`` and ``setup_distributed``): a smoke test of the same path on a machine without a GPU, not
+what Lightning supports.
 """
 
 from __future__ import annotations

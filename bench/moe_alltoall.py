@@ -61,9 +61,17 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe.alltoall import Exchange, ExchangePlan, flat_plan, hierarchical_plan  # noqa: E402
-from moe.topology import (ExpertParallelGroups, Link, build_expert_parallel_groups, crossover_bytes,  # noqa: E402
-                          crossover_under_noise, fit_link, flat_all_to_all_s, hierarchical_all_to_all_s,
-                          measured_crossover_bytes)
+from moe.topology import (  # noqa: E402
+    ExpertParallelGroups,
+    Link,
+    build_expert_parallel_groups,
+    crossover_bytes,
+    crossover_under_noise,
+    fit_link,
+    flat_all_to_all_s,
+    hierarchical_all_to_all_s,
+    measured_crossover_bytes,
+)
 
 SIZES_BYTES = [2 ** p for p in range(16, 29, 2)]  # 64 KiB .. 256 MiB per rank
 TABLE_BYTES = [256 * 2 ** 10, 2 * 2 ** 20, 16 * 2 ** 20, 128 * 2 ** 20]
@@ -247,8 +255,9 @@ def measure_link(device: torch.device, iters: int, sizes: list[int],
         lines.append(f"  {size / 2 ** 20:9.3f} MiB per rank: {seconds * 1e6:9.1f} us, "
                      f"{moved_bytes / seconds / 1e9:7.1f} GB/s per GPU off-rank")
     link = fit_link(points[first:])
-    lines.append(f"  fit: alpha {link.latency_s * 1e6:.2f} us per message, bandwidth {link.bandwidth_bytes_per_s / 1e9:.1f} "
-                 f"GB/s per GPU ({ranks} ranks, {link_name(device, transport)})")
+    lines.append(f"  fit: alpha {link.latency_s * 1e6:.2f} us per message, "
+                 f"bandwidth {link.bandwidth_bytes_per_s / 1e9:.1f} GB/s per GPU "
+                 f"({ranks} ranks, {link_name(device, transport)})")
     return link, lines
 
 
@@ -359,7 +368,8 @@ def measured_crossover(results: list[dict]) -> tuple[float | None, str]:
     if wins[-1] == len(results) - 1:
         return None, f"above the largest size ({results[-1]['bytes'] / 2 ** 20:.3f} MiB: hierarchical faster there)"
     cross = measured_crossover_bytes([(r["bytes"], r["flat_s"], r["hier_s"]) for r in results])
-    note = f" (hierarchical also wins at {len(wins) - 1} smaller sizes of {wins[-1]})" if len(wins) - 1 < wins[-1] else ""
+    note = (f" (hierarchical also wins at {len(wins) - 1} smaller sizes of {wins[-1]})"
+            if len(wins) - 1 < wins[-1] else "")
     return cross, f"{cross / 2 ** 20:.3f} MiB{note}"
 
 
@@ -393,10 +403,12 @@ def slow_lines(results: list[dict], groups: ExpertParallelGroups, intra: Link, i
                  f"{'never' if predicted is None else f'{predicted / 2 ** 20:.3f} MiB'}, measured {note}")
     if predicted is not None and measured is not None:
         ratio = predicted / measured
-        lines.append(f"predicted / measured crossover: {ratio:.2f} ({'within' if abs(ratio - 1) <= 0.2 else 'outside'} 20%)")
+        within = "within" if abs(ratio - 1) <= 0.2 else "outside"
+        lines.append(f"predicted / measured crossover: {ratio:.2f} ({within} 20%)")
     else:
         agree = (predicted is None) == (measured is None and note.startswith("never"))
-        lines.append(f"predicted / measured crossover: no ratio (model and measurement {'agree' if agree else 'disagree'})")
+        lines.append("predicted / measured crossover: no ratio "
+                     f"(model and measurement {'agree' if agree else 'disagree'})")
     lines.append(crossover_spread(results))
     return lines
 

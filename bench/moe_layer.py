@@ -80,7 +80,8 @@ def init_dist(device: str) -> tuple[int, int, torch.device]:
     if device == "cuda":
         torch.cuda.set_device(local)
     deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size(), torch.device(device, local) if device == "cuda" else torch.device("cpu")
+    here = torch.device(device, local) if device == "cuda" else torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), here
 
 
 def expert_weights(global_id: int, d: int, f: int) -> list[torch.Tensor]:

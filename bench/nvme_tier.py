@@ -30,7 +30,7 @@ def dd_gbps(path: Path, num_bytes: int) -> tuple[float, float]:
     """(write, read) GB/s of dd with 1 MiB O_DIRECT blocks."""
     count = num_bytes // 2**20
     rates = []
-    for args in ([f"if=/dev/zero", f"of={path}", "oflag=direct", "conv=fsync"], [f"if={path}", "of=/dev/null",
+    for args in (["if=/dev/zero", f"of={path}", "oflag=direct", "conv=fsync"], [f"if={path}", "of=/dev/null",
                                                                                  "iflag=direct"]):
         start = time.perf_counter()
         proc = subprocess.run(["dd", "bs=1M", f"count={count}", *args], capture_output=True, text=True, check=True)

@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import user_models  # noqa: E402  (bench/ is not a package)
+
 from zero_cache.tuning import MAX_TRIALS, MEASURED_STEPS, RESTARTS, SETTLE_STEPS  # noqa: E402
 
 TUNING_STEPS = 1 + (1 + RESTARTS) * MAX_TRIALS * (SETTLE_STEPS + MEASURED_STEPS)

@@ -111,10 +111,13 @@ class MoEConfig:
             raise ValueError(f"moe.min_capacity: must be >= 0, got {self.min_capacity}")
         if self.ep_size < 1 or self.num_experts % self.ep_size:
             raise ValueError(
-                f"moe.ep_size: must divide num_experts={self.num_experts} so each rank holds whole experts, got {self.ep_size}"
+                f"moe.ep_size: must divide num_experts={self.num_experts} so each rank holds whole experts, "
+                f"got {self.ep_size}"
             )
         if self.noisy_gate_policy not in NOISY_GATE_POLICIES:
-            raise ValueError(f"moe.noisy_gate_policy: must be one of {NOISY_GATE_POLICIES}, got {self.noisy_gate_policy!r}")
+            raise ValueError(
+                f"moe.noisy_gate_policy: must be one of {NOISY_GATE_POLICIES}, got {self.noisy_gate_policy!r}"
+            )
         for name in ("aux_loss_coef", "z_loss_coef"):
             if not 0 <= getattr(self, name) <= MAX_LOSS_COEF:
                 raise ValueError(f"moe.{name}: must be between 0 and {MAX_LOSS_COEF:g} (typical: 0.01 for the "
@@ -122,7 +125,9 @@ class MoEConfig:
         if self.moe_every < 1:
             raise ValueError(f"moe.moe_every: must be >= 1, got {self.moe_every}")
         if isinstance(self.hierarchical_all_to_all, str) and self.hierarchical_all_to_all != "auto":
-            raise ValueError(f"moe.hierarchical_all_to_all: true, false or 'auto', got {self.hierarchical_all_to_all!r}")
+            raise ValueError(
+                f"moe.hierarchical_all_to_all: true, false or 'auto', got {self.hierarchical_all_to_all!r}"
+            )
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ValueError(f"moe.ranks_per_node: must be >= 1, got {self.ranks_per_node}")
         if self.drop_policy not in DROP_POLICIES:

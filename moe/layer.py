@@ -27,8 +27,15 @@ from moe.config import MoEConfig
 from moe.dispatch import ChunkRows, chunk_rows, combine, permute, sort_routes
 from moe.experts import experts_from_module
 from moe.gate import Router
-from moe.topology import (ExpertParallelGroups, Link, build_expert_parallel_groups, crossover_bytes,
-                          flat_all_to_all_s, hierarchical_all_to_all_s, ranks_per_node_from_env)
+from moe.topology import (
+    ExpertParallelGroups,
+    Link,
+    build_expert_parallel_groups,
+    crossover_bytes,
+    flat_all_to_all_s,
+    hierarchical_all_to_all_s,
+    ranks_per_node_from_env,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +90,9 @@ class MoELayer(nn.Module):
             ValueError: the group size is not ep_size, or hierarchical exchange is forced on one node.
         """
         if ep_groups.size != self.config.ep_size:
-            raise ValueError(f"moe.ep_size={self.config.ep_size} but the expert-parallel group has {ep_groups.size} ranks")
+            raise ValueError(
+                f"moe.ep_size={self.config.ep_size} but the expert-parallel group has {ep_groups.size} ranks"
+            )
         if self.config.hierarchical_all_to_all is True and ep_groups.intra is None:
             raise ValueError("moe.hierarchical_all_to_all=true: the expert-parallel group must span more than one "
                              "node (ep_size > ranks_per_node); use false or 'auto'")
@@ -155,7 +164,8 @@ class MoELayer(nn.Module):
         if setting != "auto":
             return setting, "as configured"
         cfg, chunks = self.config, len(counts_WCE[0])
-        bytes_per_rank = sum(sum(map(sum, rank_counts)) for rank_counts in counts_WCE) * row_bytes / groups.size / chunks
+        rows = sum(sum(map(sum, rank_counts)) for rank_counts in counts_WCE)
+        bytes_per_rank = rows * row_bytes / groups.size / chunks
         intra = Link(cfg.intra_node_latency_us * 1e-6, cfg.intra_node_bandwidth_gbs * 1e9)
         inter = Link(cfg.inter_node_latency_us * 1e-6, cfg.inter_node_bandwidth_gbs * 1e9)
         args = (bytes_per_rank, groups.ranks_per_node, groups.nodes, intra, inter)

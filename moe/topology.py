@@ -86,7 +86,8 @@ def hierarchical_all_to_all_s(bytes_per_rank: float, ranks_per_node: int, nodes:
     """Predicted seconds of one two-step (intra-node, then inter-node) all-to-all; same arguments as
     :func:`flat_all_to_all_s`."""
     lpn = ranks_per_node
-    steps = [(intra, lpn - 1, bytes_per_rank * (lpn - 1) / lpn), (inter, nodes - 1, bytes_per_rank * (nodes - 1) / nodes)]
+    steps = [(intra, lpn - 1, bytes_per_rank * (lpn - 1) / lpn),
+             (inter, nodes - 1, bytes_per_rank * (nodes - 1) / nodes)]
     # A level with one member has no step (one node: the flat exchange inside it; cf. build_expert_parallel_groups).
     return sum(step_s + step_on_link_s(link, peers, moved) for link, peers, moved in steps if peers > 0)
 

@@ -80,7 +80,8 @@ SECTION_NOTES: dict[str, str] = {
     "aio": (
         "The NVMe tier's IO (copied into `zero_cache.aio`); listed as having no effect when no NVMe tier is "
         "configured. `use_gds` is never used. Each key's meaning is under `zero_cache.aio` below."),
-    "tensorboard": "A metric sink (`pip install -e \".[tensorboard]\"` for TensorBoard); events go under `output_path`.",
+    "tensorboard": ("A metric sink (`pip install -e \".[tensorboard]\"` for TensorBoard); "
+                    "events go under `output_path`."),
     "csv_monitor": "A metric sink: a CSV of the metrics under `output_path`.",
     "wandb": "Accepted so that DeepSpeed configs load; not acted on.",
     "zero_cache": (

@@ -24,11 +24,19 @@ from zero_cache.plan.planner import Plan, PlanError, PlanInputs, make_plan
 from zero_cache.plan.tier_names import DEVICE, HOST, NVME
 from zero_cache.plan.units import AUTO, format_bytes
 from zero_cache.plan.working_set import WorkingSet, capped
-from zero_cache.resolve import (Resolved, activation_room_bytes, least_footprint_inputs, least_footprint_plan,
-                                resolve)
-from zero_cache.runtime.shard_params import (agree_working_set, candidate_plans, choose_shard_params, choose_streaming,
-                                             decide_shard_params, device_groups, gather_ahead_groups, gather_objects,
-                                             register_saving_hooks, wanted_placement)
+from zero_cache.resolve import Resolved, activation_room_bytes, least_footprint_inputs, least_footprint_plan, resolve
+from zero_cache.runtime.shard_params import (
+    agree_working_set,
+    candidate_plans,
+    choose_shard_params,
+    choose_streaming,
+    decide_shard_params,
+    device_groups,
+    gather_ahead_groups,
+    gather_objects,
+    register_saving_hooks,
+    wanted_placement,
+)
 from zero_cache.runtime.sharding import Sharding
 from zero_cache.storage.chunks import ChunkStore
 from zero_cache.storage.hardware import Hardware
@@ -64,7 +72,8 @@ def working_set_given_up(inputs: PlanInputs, plan: Plan) -> str:
     parts = [f"{plan.gather_ahead} of {wanted.ahead} groups fetched ahead"] if (
         plan.params_sharded and plan.gather_ahead < wanted.ahead) else []
     if plan.gradient_buckets < wanted.buckets:
-        parts.append(f"{plan.gradient_buckets} of {wanted.buckets} gradient buckets (each reduction waited for at once)")
+        parts.append(f"{plan.gradient_buckets} of {wanted.buckets} gradient buckets "
+                     "(each reduction waited for at once)")
     return ", ".join(parts)
 
 

@@ -155,16 +155,22 @@ class ZeroCacheConfig:
     def __post_init__(self) -> None:
         if isinstance(self.chunk_size, str):
             if self.chunk_size != AUTO:
-                raise ValueError(f"zero_cache.chunk_size: expected a number of elements or 'auto', got {self.chunk_size!r}")
+                raise ValueError(
+                    f"zero_cache.chunk_size: expected a number of elements or 'auto', got {self.chunk_size!r}"
+                )
         elif self.chunk_size < 1024:
-            raise ValueError(f"zero_cache.chunk_size: {self.chunk_size} elements is too small; use at least 1024 or 'auto'")
+            raise ValueError(
+                f"zero_cache.chunk_size: {self.chunk_size} elements is too small; use at least 1024 or 'auto'"
+            )
         # Parse now so a bad size fails at load time, not at the first allocation.
         parse_budget(self.device_memory_budget, name="zero_cache.device_memory_budget")
         parse_budget(self.host_memory_budget, name="zero_cache.host_memory_budget")
         parse_budget(self.nvme_memory_budget, name="zero_cache.nvme_memory_budget")
         parse_budget(self.activation_memory, name="zero_cache.activation_memory")
         if self.nvme_path is not None and not str(self.nvme_path).strip():
-            raise ValueError("zero_cache.nvme_path: empty; give a directory on the NVMe drive, or null for no disk tier")
+            raise ValueError(
+                "zero_cache.nvme_path: empty; give a directory on the NVMe drive, or null for no disk tier"
+            )
         if self.max_live_elements < 0:
             raise ValueError(f"zero_cache.max_live_elements: must be >= 0, got {self.max_live_elements}")
         for key in ("update_in_backward", "native_host_adam", "shard_params"):
@@ -176,8 +182,8 @@ class ZeroCacheConfig:
         if not isinstance(self.nvme_param_homes, bool):
             raise ValueError(f"zero_cache.nvme_param_homes: expected true or false, got {self.nvme_param_homes!r}")
         if self.nvme_param_homes and self.nvme_path is None:
-            raise ValueError("zero_cache.nvme_param_homes is true but no swap directory is set: set zero_cache.nvme_path "
-                             "(or offload_param.nvme_path) to a directory on a local disk")
+            raise ValueError("zero_cache.nvme_param_homes is true but no swap directory is set: "
+                             "set zero_cache.nvme_path (or offload_param.nvme_path) to a directory on a local disk")
         if not isinstance(self.hierarchical, bool) and self.hierarchical != AUTO:
             raise ValueError(f"zero_cache.hierarchical: expected true, false or 'auto', got {self.hierarchical!r}")
         if self.ranks_per_host is not None and self.ranks_per_host < 1:

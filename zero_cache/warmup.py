@@ -23,16 +23,22 @@ from zero_cache.config import ZeroCacheConfig
 from zero_cache.nonmodel import NonModelMeter
 from zero_cache.optim.optimizer import ZeroCacheOptimizer
 from zero_cache.plan.eviction import gathers_per_group
+from zero_cache.plan.home_costs import home_costs
 from zero_cache.plan.layout import ChunkLayout
-from zero_cache.plan.planner import (Plan, PlanError, PlanInputs, device_steppable_groups, make_plan,
-                                     with_device_step_count)
+from zero_cache.plan.planner import (
+    Plan,
+    PlanError,
+    PlanInputs,
+    device_steppable_groups,
+    make_plan,
+    with_device_step_count,
+)
 from zero_cache.plan.step_cost import NOMINAL_RATES, agreed_rates
 from zero_cache.plan.tier_names import DEVICE, HOST, NVME
 from zero_cache.plan.units import AUTO, format_bytes
 from zero_cache.resolve import plan_inputs
 from zero_cache.runtime.rates import measured_copies, measured_disk, measured_host_memory, with_timed_work
 from zero_cache.runtime.shard_params import agree_working_set, gather_objects
-from zero_cache.plan.home_costs import home_costs
 from zero_cache.tuning import CHECK_STEPS, RESTARTS, DeviceStepTuner, SettledSteps
 
 logger = logging.getLogger(__name__)
@@ -41,7 +47,8 @@ logger = logging.getLogger(__name__)
 def with_measured_gathers(inputs: PlanInputs, optimizer: ZeroCacheOptimizer,
                           as_planned: tuple[int, frozenset[int]] | None = None) -> PlanInputs:
     """``inputs`` with how often a group is gathered per step, from the warm-up's recorded acquisitions (forward,
-    recomputed blocks, backward) under Belady's rule, the one gathering runs (one rank: only groups that stream take a slot).
+    recomputed blocks, backward) under Belady's rule, the one gathering runs (one rank: only groups that stream take a
+    slot).
     Of the live slots, ``ahead`` hold groups being gathered ahead of use, so ``max_live - ahead`` keep groups
     for reuse: with that capacity the rule's count is the runtime's (``tests/unit/test_zero_cache_eviction.py``).
     ``as_planned``: that capacity and the streamed groups of the first plan, where the warm-up ran under another

@@ -35,8 +35,7 @@ import torch
 
 from angelptm.checkpoints import deepspeed_partitions as partitions
 from angelptm.checkpoints import files as checkpoint
-from angelptm.checkpoints import paths
-from angelptm.checkpoints import safe_pickle
+from angelptm.checkpoints import paths, safe_pickle
 from angelptm.errors import CheckpointError
 
 MODEL_FILE = "mp_rank_00_model_states.pt"

@@ -20,8 +20,7 @@ from typing import Any
 
 import torch
 
-from angelptm.checkpoints import deepspeed_format
-from angelptm.checkpoints import optimizer_format
+from angelptm.checkpoints import deepspeed_format, optimizer_format
 from angelptm.checkpoints.deepspeed_format import DeepSpeedCheckpoint
 from angelptm.checkpoints.deepspeed_partitions import IMPLEMENTATION_KEYS, MOMENTS
 from zero_cache import OptimizerCheckpoint

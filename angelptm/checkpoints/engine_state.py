@@ -15,13 +15,9 @@ from typing import Any
 
 import torch
 
-from angelptm.checkpoints import architecture
+from angelptm.checkpoints import architecture, deepspeed_format, deepspeed_resume, optimizer_format, writer_lock
 from angelptm.checkpoints import background as background_save
-from angelptm.checkpoints import deepspeed_format
-from angelptm.checkpoints import deepspeed_resume
 from angelptm.checkpoints import files as checkpoint
-from angelptm.checkpoints import optimizer_format
-from angelptm.checkpoints import writer_lock
 from angelptm.engine.expert_parallel import ExpertParallel
 from angelptm.errors import CheckpointError
 from zero_cache import OptimizerCheckpoint
@@ -293,10 +289,10 @@ class EngineCheckpoints:
         model_states = checkpoint.load_file(path / checkpoint.MODEL_FILE, allow_unsafe_pickle=unsafe)
         saved_ep, ep_size = model_states.get("ep_size", 1), self.experts.ep_size if self.experts else 1
         if saved_ep != ep_size:
-            raise CheckpointError(f"{path} was saved with moe.ep_size={saved_ep} and this run has {ep_size}: its experts "
-                                  "are split differently. Resume with the same ep_size, or export it with `python -m "
-                                  "angelptm.checkpoints.export` and load the weights into the model built with "
-                                  "ep_size 1")
+            raise CheckpointError(f"{path} was saved with moe.ep_size={saved_ep} and this run has {ep_size}: its "
+                                  "experts are split differently. Resume with the same ep_size, or export it with "
+                                  "`python -m angelptm.checkpoints.export` and load the weights into the model built "
+                                  "with ep_size 1")
         self._check_architecture(path, model_states.get("architecture"), load_module_only=load_module_only)
         has_optimizer_file = (path / checkpoint.OPTIM_FILE).is_file()
         module_weights = self._load_module_state(path, model_states, strict=load_module_strict,
@@ -380,10 +376,10 @@ class EngineCheckpoints:
                                       + " ".join(str(err).split())[:600]) from None
             return {}
         if in_masters and (self.optimizer is None or not has_optimizer_file):
-            raise CheckpointError(f"{path} was saved with ZeRO-Cache's params sharded: its weights are the fp32 masters "
-                                  f"in {checkpoint.OPTIM_FILE}, which this load cannot use (it is missing, or the "
-                                  "engine has no optimizer). Export it with `python -m angelptm.checkpoints.export` "
-                                  "and load the weights into the model instead")
+            raise CheckpointError(f"{path} was saved with ZeRO-Cache's params sharded: its weights are the fp32 "
+                                  f"masters in {checkpoint.OPTIM_FILE}, which this load cannot use (it is missing, or "
+                                  "the engine has no optimizer). Export it with `python -m "
+                                  "angelptm.checkpoints.export` and load the weights into the model instead")
         weights = {aliases[key]: tensor.float() for key, tensor in state.items() if key in held}
         result = self.module.load_state_dict({k: v for k, v in state.items() if k not in held}, strict=False)
         saved_weights = set(model_states["param_aliases"]) if in_masters else set()

@@ -34,9 +34,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from angelptm.checkpoints import deepspeed_format
+from angelptm.checkpoints import deepspeed_format, paths
 from angelptm.checkpoints import files as checkpoint
-from angelptm.checkpoints import paths
 from angelptm.checkpoints.safe_pickle import OPT_IN_HELP
 from angelptm.errors import CheckpointError
 
@@ -66,9 +65,9 @@ def _read(load_dir: str | Path, tag: str | None, unsafe: bool) -> tuple[dict, di
         raise CheckpointError(f"{load_dir} holds no checkpoint (no 'latest' file); pass --tag")
     model_states = checkpoint.load_file(path / checkpoint.MODEL_FILE, allow_unsafe_pickle=unsafe)
     if "module" not in model_states:  # a pipeline's (each rank file holds one stage) or AutoPipe's checkpoint
-        raise CheckpointError(f"{path} is a pipeline checkpoint ({model_states.get('format', 'autopipe')}): each rank's "
-                              "file holds one stage, and exporting one is not built. Load it into the same pipeline "
-                              "layout to go on training")
+        raise CheckpointError(f"{path} is a pipeline checkpoint ({model_states.get('format', 'autopipe')}): each "
+                              "rank's file holds one stage, and exporting one is not built. Load it into the same "
+                              "pipeline layout to go on training")
     module, masters = model_states["module"], {}
     if (path / checkpoint.OPTIM_FILE).is_file():
         optimizer = checkpoint.load_file(path / checkpoint.OPTIM_FILE, allow_unsafe_pickle=unsafe)["optimizer"]

@@ -4,8 +4,8 @@ Writing protocol (rank 0 coordinates, every rank writes its own RNG/data-positio
 
 0. take ``save_dir``'s writer lock (one writing process per directory: ``angelptm.checkpoints.writer_lock``) and
    remove the leftovers of saves whose process is gone;
-1. write every file into ``save_dir/.tmp-<pid>-<host>-<random>-<tag>/`` and fsync each one, hashing it on the way out; rank 0
-   gathers every rank's file records and writes ``manifest.json`` (``angelptm.checkpoints.manifest``).
+1. write every file into ``save_dir/.tmp-<pid>-<host>-<random>-<tag>/`` and fsync each one, hashing it on the way
+   out; rank 0 gathers every rank's file records and writes ``manifest.json`` (``angelptm.checkpoints.manifest``).
    Ranks given different ``save_dir``s each write into their own: there the lowest such rank creates the
    temporary directory and does steps 1-3 for the files written into it;
 2. rename the temporary directory to ``save_dir/<tag>`` (an existing tag is first moved aside
@@ -41,12 +41,9 @@ import numpy as np
 import torch
 import torch.distributed  # noqa: F401  (all_gather of the save outcome)
 
-from angelptm.checkpoints import lazy_states
-from angelptm.checkpoints import manifest
-from angelptm.checkpoints import paths
+from angelptm.checkpoints import lazy_states, manifest, paths, writer_lock
 from angelptm.checkpoints import safe_pickle as checkpoint_pickle
-from angelptm.checkpoints import writer_lock
-from angelptm.checkpoints.paths import LATEST, MODEL_FILE, OPTIM_FILE
+from angelptm.checkpoints.paths import LATEST, MODEL_FILE, OPTIM_FILE  # noqa: F401  (re-exported to callers)
 from angelptm.checkpoints.selection import resolve  # noqa: F401  (callers load through files.resolve)
 from angelptm.errors import CheckpointError, DiskFullError
 from angelptm.launch.distributed import DistContext

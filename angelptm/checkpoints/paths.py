@@ -130,7 +130,8 @@ def read_small_file(path: Path, max_bytes: int) -> tuple[bytes | None, str | Non
     try:
         mode = os.lstat(path).st_mode
         if stat.S_ISLNK(mode):
-            return None, f"{path} is a symbolic link (the engine writes this file itself and never follows a link there)"
+            return None, (f"{path} is a symbolic link (the engine writes this file itself and never follows a link "
+                          "there)")
         if not stat.S_ISREG(mode):
             return None, f"{path} is not a regular file (a directory, device or pipe)"
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)

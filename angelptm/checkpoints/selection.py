@@ -22,9 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed  # noqa: F401  (all_gather of the verdicts)
 
-from angelptm.checkpoints import manifest
-from angelptm.checkpoints import paths
-from angelptm.checkpoints import safe_pickle
+from angelptm.checkpoints import manifest, paths, safe_pickle
 from angelptm.checkpoints.paths import LATEST, MODEL_FILE
 from angelptm.errors import CheckpointError
 from angelptm.launch.distributed import DistContext

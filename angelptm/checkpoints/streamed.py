@@ -28,8 +28,7 @@ from typing import Any
 
 import torch
 
-from angelptm.checkpoints import manifest
-from angelptm.checkpoints import safe_pickle
+from angelptm.checkpoints import manifest, safe_pickle
 from zero_cache import StateRef, StateSnapshot
 
 _STORAGE_ALIGNMENT = 64

@@ -136,7 +136,9 @@ def read_config_source(config: str | os.PathLike | dict | None) -> dict:
         try:
             return json.loads(json.dumps(config))  # deep copy, and proves it is JSON-shaped
         except (TypeError, ValueError) as err:
-            raise ConfigError(f"the config dict must hold only JSON values (numbers, strings, lists, dicts): {err}") from None
+            raise ConfigError(
+                f"the config dict must hold only JSON values (numbers, strings, lists, dicts): {err}"
+            ) from None
     path = Path(config)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
@@ -197,9 +199,11 @@ def _nested_schema(annotation: Any) -> type | None:
     """The model/dataclass inside ``X``, ``X | None`` or ``Optional[X]``, if any."""
     if isinstance(annotation, str):
         return None
-    candidates = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
+    is_union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    candidates = typing.get_args(annotation) if is_union else (annotation,)
     for candidate in candidates:
-        if isinstance(candidate, type) and (issubclass(candidate, pydantic.BaseModel) or dataclasses.is_dataclass(candidate)):
+        if isinstance(candidate, type) and (issubclass(candidate, pydantic.BaseModel)
+                                            or dataclasses.is_dataclass(candidate)):
             return candidate
     return None
 
@@ -279,7 +283,9 @@ def _scheduler(section: edge.SchedulerSection | None) -> typed.SchedulerConfig |
         lines = [f"scheduler.params.{line}" for line in _describe(err, section.params)]
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
     if getattr(params, "warmup_num_steps", 1) <= 0:  # (OneCycle and LRRangeTest have no warm-up)
-        raise ConfigError(f"scheduler.params.warmup_num_steps: must be a positive integer, got {params.warmup_num_steps}")
+        raise ConfigError(
+            f"scheduler.params.warmup_num_steps: must be a positive integer, got {params.warmup_num_steps}"
+        )
     _check_schedule(params)
     return typed.SchedulerConfig(type=section.type, params=params.model_dump())
 
@@ -378,7 +384,8 @@ def _not_acted_sections(raw: dict) -> tuple[str, ...]:
     acted = {"stage", "reduce_bucket_size", "offload_param", "offload_optimizer", "zenflow",
              "stage3_gather_16bit_weights_on_model_save"}
     zero = raw.get("zero_optimization") or {}
-    offloaded = any((zero.get(key) or {}).get("device", "none") != "none" for key in ("offload_param", "offload_optimizer"))
+    offloaded = any((zero.get(key) or {}).get("device", "none") != "none"
+                    for key in ("offload_param", "offload_optimizer"))
     if (raw.get("zero_cache") or {}).get("enabled") or (zero.get("stage") == 3 and offloaded):
         acted |= {"overlap_comm", "stage3_prefetch_bucket_size", "stage3_max_live_parameters"}  # sharded ZeRO-Cache
     keys = tuple(f"zero_optimization.{key}" for key in sorted(zero) if key not in acted)
@@ -427,7 +434,9 @@ def _optimizer(section: edge.OptimizerSection | None) -> typed.OptimizerConfig |
         return None
     kind = {name.lower(): name for name in edge.OPTIMIZER_TYPES}.get(section.type.lower())
     if kind is None:
-        raise ConfigError(f"optimizer.type: {section.type!r} is not supported; use one of {', '.join(edge.OPTIMIZER_TYPES)}")
+        raise ConfigError(
+            f"optimizer.type: {section.type!r} is not supported; use one of {', '.join(edge.OPTIMIZER_TYPES)}"
+        )
     params = section.params
     if not params.bias_correction:
         raise ConfigError("optimizer.params.bias_correction: false is not supported; remove the key or set it to true")
@@ -503,7 +512,8 @@ def _data_parallel_ranks(parsed: edge.EdgeConfig, world_size: int) -> int:
 def _zero_cache_section(parsed: edge.EdgeConfig) -> ZeroCacheConfig:
     """ZeRO-3 with an offload device means "ZeRO-Cache on"; its nvme_path and the ``aio`` block carry over."""
     zero, section = parsed.zero_optimization, parsed.zero_cache
-    if "aio" in parsed.model_fields_set:  # DeepSpeed's block drives the IO; zero_cache.aio.backend still picks the backend
+    # DeepSpeed's block drives the IO; zero_cache.aio.backend still picks the backend
+    if "aio" in parsed.model_fields_set:
         aio = parsed.aio
         section = dataclasses.replace(section, aio=dataclasses.replace(
             section.aio, block_size=aio.block_size, queue_depth=aio.queue_depth, thread_count=aio.intra_op_parallelism,

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 import zero_cache
-
 from angelptm.config import EngineConfig
 from angelptm.engine import deepspeed_cpu_adam
 from angelptm.engine.cpu_bf16 import slow_bf16_warning

@@ -11,7 +11,13 @@ from torch import nn
 from angelptm.config import EngineConfig, load_config
 from angelptm.engine import gathered_params
 from angelptm.engine.builders import (
-    build_optimizer, check_arguments, listed_parameters, pick_config, place_module, report_config, resolve_scheduler,
+    build_optimizer,
+    check_arguments,
+    listed_parameters,
+    pick_config,
+    place_module,
+    report_config,
+    resolve_scheduler,
 )
 from angelptm.engine.engine import Engine
 from angelptm.engine.expert_parallel import ExpertParallel, setup_expert_parallel
@@ -156,10 +162,10 @@ def _refuse_deepspeed_partitioned(model: nn.Module) -> None:
     if partitioned:
         raise ConfigError(
             f"parameters {partitioned[:3]}{' ...' if len(partitioned) > 3 else ''} were partitioned by the real "
-            "DeepSpeed's zero.Init and hold no weights here. Build the model under angelptm.zero.Init (`import angelptm "
-            "as deepspeed`); with transformers, import angelptm.integrations.transformers before the model is built "
-            "(from_config / from_pretrained under a ZeRO-3 config then build on angelptm.zero), or build it before "
-            "creating TrainingArguments / HfDeepSpeedConfig")
+            "DeepSpeed's zero.Init and hold no weights here. Build the model under angelptm.zero.Init (`import "
+            "angelptm as deepspeed`); with transformers, import angelptm.integrations.transformers before the model is "
+            "built (from_config / from_pretrained under a ZeRO-3 config then build on angelptm.zero), or build it "
+            "before creating TrainingArguments / HfDeepSpeedConfig")
 
 
 def _broadcast_module(model: nn.Module, ctx: DistContext, experts: ExpertParallel | None) -> None:

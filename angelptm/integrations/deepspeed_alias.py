@@ -79,9 +79,10 @@ def install() -> None:
 
 @contextlib.contextmanager
 def suspended() -> Iterator[None]:
-    """Within the block ``import deepspeed`` gives the installed DeepSpeed, also while it is this alias: what ZeRO-Cache's
-    host Adam loads DeepSpeed's C++ Adam in (``zero_cache.attach``'s ``deepspeed_import``). Under the alias, accelerate's
-    and Lightning's scripts would reach this engine's ``deepspeed.ops.adam``, a torch Adam without the C++ op.
+    """Within the block ``import deepspeed`` gives the installed DeepSpeed, also while it is this alias: what
+    ZeRO-Cache's host Adam loads DeepSpeed's C++ Adam in (``zero_cache.attach``'s ``deepspeed_import``). Under the
+    alias, accelerate's and Lightning's scripts would reach this engine's ``deepspeed.ops.adam``, a torch Adam without
+    the C++ op.
 
     The alias's modules and finder step aside for the block and come back after it, the finder where it was. The real
     modules are imported once and kept in :data:`_REAL` between blocks: a second block gets the same classes, so

@@ -32,8 +32,13 @@ import torch
 import transformers
 from accelerate import Accelerator
 from accelerate.scheduler import AcceleratedScheduler
-from accelerate.utils import (DeepSpeedEngineWrapper, DeepSpeedOptimizerWrapper, DeepSpeedSchedulerWrapper,
-                              DummyOptim, DummyScheduler)
+from accelerate.utils import (
+    DeepSpeedEngineWrapper,
+    DeepSpeedOptimizerWrapper,
+    DeepSpeedSchedulerWrapper,
+    DummyOptim,
+    DummyScheduler,
+)
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader

@@ -152,7 +152,8 @@ def init_distributed(*, dist_init_required: bool | None = None, timeout_s: float
         for name in ("MASTER_ADDR", "MASTER_PORT", "RANK"):
             if name not in os.environ:
                 raise ConfigError(
-                    f"WORLD_SIZE={world_size} but {name} is not set; start the job with torchrun or the deepspeed launcher"
+                    f"WORLD_SIZE={world_size} but {name} is not set; "
+                    "start the job with torchrun or the deepspeed launcher"
                 )
         backend = "nccl" if use_cuda else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)

@@ -28,7 +28,11 @@ from torch import nn
 import zero_cache
 from angelptm.config import EngineConfig
 from angelptm.errors import ConfigError
-from angelptm.memory.model_states import check_sizes_by_arithmetic, check_states_fit, state_bytes_per_param
+from angelptm.memory.model_states import (
+    check_sizes_by_arithmetic,
+    check_states_fit,
+    state_bytes_per_param,  # noqa: F401  (re-exported to callers)
+)
 from zero_cache import check_explicit_budgets
 
 BUILD_SHARE_OF_AVAILABLE = 0.9
@@ -57,7 +61,8 @@ def check_config_fits(cfg: EngineConfig, *, world_size: int = 1, ranks_per_host:
     device = device or _default_device()
     per_host = min(ranks_per_host or cfg.zero_cache.ranks_per_host or _env_int("LOCAL_WORLD_SIZE", world_size),
                    world_size)
-    check_sizes_by_arithmetic(cfg, device, world_size, per_host)  # before even a meta model: building one of 2^62 layers never ends
+    # Before even a meta model: building one of 2^62 layers never ends.
+    check_sizes_by_arithmetic(cfg, device, world_size, per_host)
     if cfg.zero_cache.enabled:
         try:
             check_explicit_budgets(cfg.zero_cache, device, per_host)

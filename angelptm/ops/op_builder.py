@@ -22,7 +22,8 @@ class OpBuilder:
 
     def load(self, verbose: bool = True) -> Any:
         raise NotImplementedError(f"DeepSpeed's native op {self.NAME!r} is not built by angelptm; use "
-                                  "angelptm.ops.adam (torch's Adam under DeepSpeed's names) or the engine's own optimizer")
+                                  "angelptm.ops.adam (torch's Adam under DeepSpeed's names) or the engine's own "
+                                  "optimizer")
 
 
 def _builder(class_name: str, op_name: str) -> type[OpBuilder]:

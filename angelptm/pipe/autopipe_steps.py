@@ -51,8 +51,9 @@ def shared_profile(cfg: EngineConfig, graph, example: dict[str, torch.Tensor], c
                           f"this run's micro-batch is {shapes}; profile again at this micro-batch size")
     names = [node.name for node in graph.ops]
     if profile.op_names != names:
-        raise ConfigError(f"autopipe.profile_path={ap.profile_path!r} was recorded for another graph ({len(profile.ops)} "
-                          f"ops, this model has {len(names)}); profile this model and micro-batch size again")
+        raise ConfigError(f"autopipe.profile_path={ap.profile_path!r} was recorded for another graph "
+                          f"({len(profile.ops)} ops, this model has {len(names)}); profile this model and micro-batch "
+                          "size again")
     return profile
 
 

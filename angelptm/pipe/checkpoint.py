@@ -1,12 +1,12 @@
 """Checkpoints of a :class:`~angelptm.pipe.engine.PipelineEngine`: every rank saves its own stage.
 
 A rank holds only its stage's layers, so each rank's file carries that stage's parameters, frozen ones
-too, and the module's buffers (by the ``PipelineModule``'s state-dict names), its optimizer state (fp32 masters, moments), the scheduler, its
-RNG streams and data position; rank 0's model file carries the steps, the layout and the client
-state. The files go through :func:`angelptm.checkpoints.files.save` (atomic, with a manifest), so a checkpoint
-is whole or absent, and loading verifies it first. A checkpoint loads into a pipeline of the same
-stages, ranks and split (the layer boundaries or AutoPipe's op cuts); anything else is refused with
-what differs.
+too, and the module's buffers (by the ``PipelineModule``'s state-dict names), its optimizer state (fp32
+masters, moments), the scheduler, its RNG streams and data position; rank 0's model file carries the steps,
+the layout and the client state. The files go through :func:`angelptm.checkpoints.files.save` (atomic, with a
+manifest), so a checkpoint is whole or absent, and loading verifies it first. A checkpoint loads into a
+pipeline of the same stages, ranks and split (the layer boundaries or AutoPipe's op cuts); anything else is
+refused with what differs.
 """
 
 from __future__ import annotations
@@ -102,7 +102,8 @@ class PipelineCheckpoints:
 
     def _load_stage(self, path: Path, model_states: dict, strict: bool, load_optimizer_states: bool,
                     load_lr_scheduler_states: bool, module_only: bool, allow_unsafe_pickle: bool) -> None:
-        state = checkpoint.load_file(path / checkpoint.rank_file(self.ctx.rank), allow_unsafe_pickle=allow_unsafe_pickle)
+        state = checkpoint.load_file(path / checkpoint.rank_file(self.ctx.rank),
+                                     allow_unsafe_pickle=allow_unsafe_pickle)
         self._check_layout(path, state["layout"])
         self._load_stage_weights(path, state["module"], strict=strict)
         if module_only:

@@ -29,7 +29,12 @@ from torch.utils.data import default_collate
 
 from angelptm.config import EngineConfig, load_config
 from angelptm.engine.builders import (
-    build_optimizer, listed_parameters, pick_config, place_module, report_config, resolve_scheduler,
+    build_optimizer,
+    listed_parameters,
+    pick_config,
+    place_module,
+    report_config,
+    resolve_scheduler,
 )
 from angelptm.engine.engine import Engine
 from angelptm.errors import ConfigError

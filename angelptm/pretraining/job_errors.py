@@ -7,13 +7,13 @@ the setting or action that helps. Anything else is a bug and keeps its traceback
 
 from __future__ import annotations
 
-from zero_cache import SwapCorruptionError, TierFullError
-
 from angelptm.checkpoints.files import DISK_FULL
 from angelptm.errors import CheckpointError, ConfigError, DataError
 from angelptm.launch.distributed import RendezvousError
-from angelptm.launch.liveness import EXIT_CODE as LOST_RANK_EXIT, RankLostError
+from angelptm.launch.liveness import EXIT_CODE as LOST_RANK_EXIT
+from angelptm.launch.liveness import RankLostError
 from angelptm.memory.oom import StepOutOfMemoryError
+from zero_cache import SwapCorruptionError, TierFullError
 
 BAD_INPUT_EXIT = 2
 """Exit status of a job stopped by its input or its machine's limits (argparse's status for bad arguments)."""

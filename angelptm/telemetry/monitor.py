@@ -134,7 +134,8 @@ class MetricsSink:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 raise ImportError(
-                    "tensorboard.enabled is true but the tensorboard package is missing: pip install 'angelptm[tensorboard]'"
+                    "tensorboard.enabled is true but the tensorboard package is missing: "
+                    "pip install 'angelptm[tensorboard]'"
                 ) from None
             self._writer = SummaryWriter(log_dir=tensorboard_dir)
 

@@ -25,6 +25,7 @@ from angelptm.checkpoints.files import save_safetensors
 from angelptm.errors import CheckpointError
 from zero_cache import parse_bytes
 
+
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | Path, tag: str | None = None,
                                              exclude_frozen_parameters: bool = False,
                                              lazy_mode: bool = False) -> dict[str, torch.Tensor]:

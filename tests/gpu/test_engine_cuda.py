@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference import ds_config, random_batches, reference_loop, tiny_gpt, train_steps
 
 import angelptm
-from reference import ds_config, random_batches, reference_loop, tiny_gpt, train_steps
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,10 +8,10 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from reference import SEQ, VOCAB, assert_masters_close, ds_config, random_batches, reference_loop, train_steps
 
 import angelptm
 from angelptm.pretraining.models import ModelConfig, build_model
-from reference import SEQ, VOCAB, assert_masters_close, ds_config, random_batches, reference_loop, train_steps
 from zero_cache.plan.layout import pack
 from zero_cache.plan.planner import DEVICE, DEVICE_MARGIN_FRACTION, HOST, NVME
 

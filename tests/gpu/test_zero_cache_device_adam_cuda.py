@@ -9,13 +9,13 @@ import logging
 
 import pytest
 import torch
+from reference import SEQ, VOCAB, ds_config, random_batches, train_steps
 
 import angelptm
 from angelptm.pretraining.models import ModelConfig, build_model
-from reference import SEQ, VOCAB, ds_config, random_batches, train_steps
 from zero_cache.optim.device_adam import adam_in_one_pass, one_pass_available
-from zero_cache.plan.planner import DEVICE
 from zero_cache.optim.host_adam import torch_fused_adam
+from zero_cache.plan.planner import DEVICE
 
 pytestmark = pytest.mark.gpu
 EPS = torch.finfo(torch.float32).eps

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from launch import run_ok, torchrun
 
 JOB = Path(__file__).resolve().parents[1] / "helpers" / "zero_cache_dp_job.py"
@@ -22,7 +21,8 @@ def test_two_gpus_equal_one_gpu_with_the_same_global_batch_and_resume(tmp_path):
     run_ok([sys.executable, str(JOB), *common, "--steps", "0", "--out", str(tmp_path / "start.pt")])
     run_ok(torchrun(2, JOB, *common, "--steps", "2", "--save-dir", str(tmp_path / "ckpt"),
                     "--out", str(tmp_path / "half.pt")))
-    run_ok(torchrun(2, JOB, *common, "--steps", "2", "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "two.pt")))
+    run_ok(torchrun(2, JOB, *common, "--steps", "2", "--load", str(tmp_path / "ckpt"),
+                    "--out", str(tmp_path / "two.pt")))
     one, two, start = (torch.load(tmp_path / f"{name}.pt")["weights"] for name in ("one", "two", "start"))
     assert max((one[k] - start[k]).abs().max().item() for k in one) > 1e-3, "training must move the weights"
     for name, expected in one.items():  # fp32 on GPU: equal up to reduction order (TF32 is off by default)

@@ -21,6 +21,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from reference import end_job  # noqa: E402
+
 from angelptm.pretraining.models import ModelConfig, build_model  # noqa: E402
 from autopipe.cost import CostSettings  # noqa: E402
 from autopipe.graph import trace  # noqa: E402
@@ -28,7 +30,6 @@ from autopipe.profile import Profile  # noqa: E402
 from autopipe.profiler import profile_graph  # noqa: E402
 from autopipe.runtime import PipelineLayout, PipelineRunner  # noqa: E402
 from autopipe.search import search  # noqa: E402
-from reference import end_job  # noqa: E402
 
 MICRO_BATCH, SEQ, VOCAB = 2, 16, 64
 

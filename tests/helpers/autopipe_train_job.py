@@ -21,13 +21,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from reference import SEQ, VOCAB, RandomTokens, end_job  # noqa: E402
+
 from angelptm.config import load_config  # noqa: E402
 from angelptm.launch.distributed import init_distributed  # noqa: E402
 from angelptm.pretraining import pipeline_parallel as pipeline  # noqa: E402
 from angelptm.pretraining.data import repeat_batches  # noqa: E402
 from angelptm.pretraining.data.loader import ResumableDataLoader  # noqa: E402
-from reference import SEQ, VOCAB, RandomTokens, end_job  # noqa: E402
-
 
 
 def config(stages: int, steps: int) -> dict:

@@ -111,8 +111,9 @@ def main() -> None:
     # A fresh iter() after the epochs: DeepSpeed's loader starts the epoch over.
     fresh = next(iter(trainloader))[1].tolist()
     torch.save({name: p.detach().clone() for name, p in net.named_parameters()}, f"{args.out}.weights.pt")
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
     Path(args.out).write_text(json.dumps({"losses": losses, "labels": labels, "lrs": lrs, "fresh": fresh,
-                                          "optimizer": type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__}))
+                                          "optimizer": type(inner).__name__}))
 
 
 if __name__ == "__main__":

@@ -14,10 +14,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from reference import SEQ, VOCAB, RandomTokens, end_job  # noqa: E402
+
 import angelptm  # noqa: E402
 from angelptm.pretraining.data import repeat_batches  # noqa: E402
 from angelptm.pretraining.models import ModelConfig, build_model  # noqa: E402
-from reference import SEQ, VOCAB, RandomTokens, end_job  # noqa: E402
 
 
 def main() -> None:

@@ -17,8 +17,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import angelptm  # noqa: E402
 from reference import end_job, random_batches, tiny_gpt  # noqa: E402
+
+import angelptm  # noqa: E402
 
 CHUNK_NUMEL = 8192
 LR, BETAS, WEIGHT_DECAY = 3e-3, (0.9, 0.95), 0.1

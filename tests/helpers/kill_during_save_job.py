@@ -16,11 +16,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from reference import train_on_seeded_tokens as train  # noqa: E402
+
 import angelptm  # noqa: E402
 from angelptm.checkpoints import files as checkpoint  # noqa: E402
 from angelptm.checkpoints import manifest as checkpoint_manifest  # noqa: E402
 from angelptm.pretraining.models import ModelConfig, build_model  # noqa: E402
-from reference import train_on_seeded_tokens as train  # noqa: E402
 
 
 def main() -> None:

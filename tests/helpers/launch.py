@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 _HANDED_OUT: set[int] = set()
 ROOT = Path(__file__).resolve().parents[2]
 

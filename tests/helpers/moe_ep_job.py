@@ -19,8 +19,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from moe import GroupedExperts, MoEConfig, MoELayer, build_expert_parallel_groups  # noqa: E402
 from reference import end_job  # noqa: E402
+
+from moe import GroupedExperts, MoEConfig, MoELayer, build_expert_parallel_groups  # noqa: E402
 
 D, F, E, WORLD = 16, 24, 8, 4
 SCENARIOS = {  # name -> MoEConfig overrides

@@ -15,8 +15,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import angelptm  # noqa: E402
 from reference import end_job  # noqa: E402
+
+import angelptm  # noqa: E402
 
 
 def main() -> None:

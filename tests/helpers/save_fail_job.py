@@ -16,9 +16,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from reference import end_job  # noqa: E402
+
 import angelptm  # noqa: E402
 from angelptm.checkpoints import files as checkpoint  # noqa: E402
-from reference import end_job  # noqa: E402
 
 
 def main() -> None:

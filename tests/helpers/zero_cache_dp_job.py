@@ -21,10 +21,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from reference import SEQ, VOCAB, RandomTokens, end_job, open_files_under  # noqa: E402
+
 import angelptm  # noqa: E402
 from angelptm.pretraining.data import repeat_batches  # noqa: E402
 from angelptm.pretraining.models import ModelConfig, build_model  # noqa: E402
-from reference import SEQ, VOCAB, RandomTokens, end_job, open_files_under  # noqa: E402
 from zero_cache.plan.layout import pack  # noqa: E402
 from zero_cache.plan.planner import DEVICE_MARGIN_FRACTION  # noqa: E402
 from zero_cache.plan.working_set import GRADIENT_BUCKETS, GROUPS_IN_USE, budget_for_room  # noqa: E402
@@ -70,14 +71,16 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=0.5, help="0: no clipping")
     parser.add_argument("--no-overlap", action="store_true", help="zero_optimization.overlap_comm false")
     parser.add_argument("--after-backward", action="store_true", help="zero_cache.update_in_backward false")
-    parser.add_argument("--hosts-of", type=int, default=None, help="hierarchical collectives over hosts of this many ranks")
+    parser.add_argument("--hosts-of", type=int, default=None,
+                        help="hierarchical collectives over hosts of this many ranks")
     parser.add_argument("--die-at-step", type=int, default=None, help="rank 1 exits (code 3) before this step")
     parser.add_argument("--shard-params", action="store_true", help="zero_cache.shard_params true (ZeRO-3)")
     parser.add_argument("--destroy", action="store_true", help="engine.destroy() at the end; the weights written are "
                         "the module's own then (and the swap files must be closed)")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing (recompute in backward)")
     parser.add_argument("--untied", action="store_true", help="separate embedding and output weights")
-    parser.add_argument("--param-home", default="auto", help="zero_cache.param_home (host: shards streamed from the host)")
+    parser.add_argument("--param-home", default="auto",
+                        help="zero_cache.param_home (host: shards streamed from the host)")
     parser.add_argument("--least-working-set", action="store_true", help="with --shard-params --param-home host: a "
                         "device budget of the least working set (2 gradient buckets, not 3; "
                         "zero_cache.plan.working_set)")
@@ -96,7 +99,8 @@ def main() -> None:
                                     hidden_size=32, num_heads=4, activation_checkpointing=args.checkpointing,
                                     tie_embeddings=not args.untied))
     shard_params = args.shard_params and world_size > 1
-    config = {"train_micro_batch_size_per_gpu": args.global_batch // world_size, "gradient_accumulation_steps": args.accumulation,
+    config = {"train_micro_batch_size_per_gpu": args.global_batch // world_size,
+              "gradient_accumulation_steps": args.accumulation,
               "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
               "gradient_clipping": args.clip, "steps_per_print": 100,
               "zero_optimization": {"overlap_comm": not args.no_overlap},
@@ -109,7 +113,8 @@ def main() -> None:
                                                                          shard_params)),
                              "update_in_backward": False if args.after_backward else "auto",
                              "host_memory_budget": 64 * 2**20, "param_home": args.param_home,
-                             "device_steps": args.device_steps if args.device_steps == "auto" else int(args.device_steps)}}
+                             "device_steps": (args.device_steps if args.device_steps == "auto"
+                                              else int(args.device_steps))}}
     if args.nvme_path:
         config["zero_cache"]["nvme_path"] = args.nvme_path
     if args.hosts_of:

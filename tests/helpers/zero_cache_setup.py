@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
+from reference import SEQ, VOCAB, ds_config
 
 import angelptm
 from angelptm.pretraining.models import ModelConfig, build_model
-from reference import SEQ, VOCAB, ds_config
 from zero_cache.plan.layout import pack
 
 # Bytes of model state per chunk element: the param, then fp32 master + exp_avg + exp_avg_sq; with

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from launch import run_ok, torchrun
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
@@ -41,8 +40,8 @@ def reference(data_seed: int, rows: int) -> tuple[torch.Tensor, dict[str, torch.
 ])
 def test_pipeline_matches_unpartitioned_model(tmp_path, world, stages, virtual, schedule, micro):
     data_seed = int(torch.randint(0, 2**31, ()).item())
-    results = run_job(tmp_path, world, "--stages", str(stages), "--chunks-per-rank", str(virtual), "--schedule", schedule,
-                      "--microbatches", str(micro), "--data-seed", str(data_seed))
+    results = run_job(tmp_path, world, "--stages", str(stages), "--chunks-per-rank", str(virtual),
+                      "--schedule", schedule, "--microbatches", str(micro), "--data-seed", str(data_seed))
     expected_loss, expected_grads = reference(data_seed, (world // stages) * micro * MICRO_BATCH)
     losses = [r["loss"] for r in results if r["loss"] is not None]
     assert len(losses) == world // stages  # the last stage of each replica

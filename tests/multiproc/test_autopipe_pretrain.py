@@ -9,7 +9,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from launch import run, shipped_config, torchrun
 
 ROOT = Path(__file__).resolve().parents[2]

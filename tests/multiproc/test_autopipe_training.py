@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from launch import run_ok, torchrun
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))

@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from launch import run_ok, torchrun
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "moe_alltoall.py"

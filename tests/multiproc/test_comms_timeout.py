@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from launch import run_ok, torchrun
 
 import angelptm
-from launch import run_ok, torchrun
 
 JOB = Path(__file__).resolve().parents[1] / "helpers" / "dp_job.py"
 pytestmark = pytest.mark.dist
@@ -19,7 +19,8 @@ pytestmark = pytest.mark.dist
 def test_two_ranks_equal_one_rank_with_double_batch(tmp_path):
     data_seed = torch.randint(0, 2**31, ()).item()
     run_ok(torchrun(2, JOB, "--micro", "2", "--data-seed", str(data_seed), "--out", str(tmp_path / "dp.pt")))
-    run_ok([sys.executable, str(JOB), "--micro", "4", "--data-seed", str(data_seed), "--out", str(tmp_path / "single.pt")])
+    run_ok([sys.executable, str(JOB), "--micro", "4", "--data-seed", str(data_seed),
+            "--out", str(tmp_path / "single.pt")])
     dp, single = torch.load(tmp_path / "dp.pt"), torch.load(tmp_path / "single.pt")
     assert dp["world_size"] == 2 and single["world_size"] == 1
     assert dp["steps"] == single["steps"] == 3

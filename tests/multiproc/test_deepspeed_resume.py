@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from launch import ROOT, run, torchrun
 
 pytest.importorskip("deepspeed")

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from launch import run_ok, torchrun
 
 pytest.importorskip("deepspeed")

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from gathered_params_job import BETAS, LR, WEIGHT_DECAY, edit, torch_step
 from launch import run_ok, torchrun
 from reference import random_batches, tiny_gpt

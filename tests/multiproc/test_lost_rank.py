@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from launch import free_port, shipped_config, torchrun
 
 ROOT = Path(__file__).resolve().parents[2]

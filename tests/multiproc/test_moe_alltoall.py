@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from launch import run, torchrun
 
 JOB = Path(__file__).resolve().parents[1] / "helpers" / "moe_ep_job.py"

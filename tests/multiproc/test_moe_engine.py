@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from launch import run, run_ok, shipped_config, torchrun
 
 from angelptm.checkpoints.export import consolidated_fp32_state_dict

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from launch import run_ok, torchrun
 
 JOB = Path(__file__).resolve().parents[1] / "helpers" / "zero_cache_dp_job.py"

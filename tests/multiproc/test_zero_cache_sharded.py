@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from launch import run, run_ok, torchrun
+from safetensors.torch import load_file
 
 JOB = Path(__file__).resolve().parents[1] / "helpers" / "zero_cache_dp_job.py"
 ROOT = Path(__file__).resolve().parents[2]

@@ -165,11 +165,12 @@ def test_host_adam_reaches_the_real_deepspeed_op_under_the_alias_and_the_alias_c
 def test_the_engine_hands_zero_cache_the_alias_suspension_for_its_host_adam(monkeypatch) -> None:
     """ZeRO-Cache knows nothing of angelptm's alias: the engine passes the context its host Adam imports DeepSpeed
     in, and HostAdam imports inside it (here the context refuses, so no op is built, and the host Adam falls back)."""
+    from test_zero_cache_device_steps import tiny_llama
+    from test_zero_cache_streamed import config
+
     import angelptm
     from angelptm.engine import builders
     from angelptm.integrations import deepspeed_alias
-    from test_zero_cache_device_steps import tiny_llama
-    from test_zero_cache_streamed import config
     from zero_cache.optim.host_adam import HostAdam
 
     handed = []

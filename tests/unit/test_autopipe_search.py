@@ -11,7 +11,12 @@ import pytest
 
 from autopipe.cost import CostChain, CostSettings, StageCostModel
 from autopipe.search import (
-    min_max_partition, parameter_count_starts, plan_with_baselines, predict, search, uniform_layer_starts,
+    min_max_partition,
+    parameter_count_starts,
+    plan_with_baselines,
+    predict,
+    search,
+    uniform_layer_starts,
 )
 
 

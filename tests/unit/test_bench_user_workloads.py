@@ -30,7 +30,8 @@ def test_the_nvme_json_runs_and_reports_disk_bytes(tmp_path):
     nvme_paths = [f"--set=zero_optimization.{offload}.nvme_path={swap}" for offload in ("offload_param",
                                                                                        "offload_optimizer")]
     done = subprocess.run([sys.executable, str(ROOT / "bench/user_workloads.py"), "--sizes", "tiny", "--engines",
-                           "angelptm", "--anchor", "angelptm", "--steps", "3", "--warmup-steps", "0", "--tuning-steps", "0",
+                           "angelptm", "--anchor", "angelptm", "--steps", "3", "--warmup-steps", "0",
+                           "--tuning-steps", "0",
                            "--configs", str(ROOT / "bench/configs/zero_infinity_nvme.json"), *nvme_paths,
                            "--set", "gradient_clipping=0.01", "--require-clip"],
                           capture_output=True, text=True, timeout=300)
@@ -57,8 +58,9 @@ def test_a_failed_run_keeps_the_others_rows_and_makes_the_bench_exit_non_zero(tm
     refused["zero_optimization"]["stage"] = 7
     (tmp_path / "refused.json").write_text(json.dumps(refused))
     done = subprocess.run([sys.executable, str(ROOT / "bench/user_workloads.py"), "--sizes", "tiny", "--engines",
-                           "angelptm", "--anchor", "angelptm", "--steps", "2", "--warmup-steps", "0", "--tuning-steps", "0", "--configs",
-                           str(tmp_path / "refused.json"), str(ROOT / "bench/configs/zero_offload.json")],
+                           "angelptm", "--anchor", "angelptm", "--steps", "2", "--warmup-steps", "0",
+                           "--tuning-steps", "0", "--configs", str(tmp_path / "refused.json"),
+                           str(ROOT / "bench/configs/zero_offload.json")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     assert "nngpt tiny refused angelptm: failed (exit 1)" in done.stdout
@@ -170,7 +172,6 @@ def test_a_clip_row_counts_its_clipped_steps_and_is_refused_when_none_clipped():
 
 def test_the_default_init_is_pytorchs_and_the_small_one_gpt2s():
     import torch
-
     import user_models  # (bench/, on the path through user_workloads)
 
     user_workloads()

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from reference import train_on_seeded_tokens as train_steps
 from safetensors.torch import load_file
 
 import angelptm
@@ -16,7 +17,6 @@ from angelptm.checkpoints import files as checkpoint
 from angelptm.checkpoints.export import main as export_main
 from angelptm.pretraining.data import TokenWriter
 from angelptm.pretraining.models import ModelConfig, build_model
-from reference import train_on_seeded_tokens as train_steps
 
 JOB = Path(__file__).resolve().parents[1] / "helpers" / "resume_job.py"
 

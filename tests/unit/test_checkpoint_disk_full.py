@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from reference import train_on_seeded_tokens as train_steps
+from test_checkpoint_faults import fp32_engine
 
 from angelptm.checkpoints import files as checkpoint
 from angelptm.checkpoints import manifest as checkpoint_manifest
 from angelptm.errors import CheckpointError, DiskFullError
 from angelptm.pretraining.data import TokenWriter
-from reference import train_on_seeded_tokens as train_steps
-from test_checkpoint_faults import fp32_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 

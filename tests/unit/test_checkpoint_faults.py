@@ -15,12 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from reference import train_on_seeded_tokens as train_steps
 
 import angelptm
 from angelptm.checkpoints import files as checkpoint
 from angelptm.checkpoints import manifest as checkpoint_manifest
 from angelptm.pretraining.models import ModelConfig, build_model
-from reference import train_on_seeded_tokens as train_steps
 
 KILL_JOB = Path(__file__).resolve().parents[1] / "helpers" / "kill_during_save_job.py"
 

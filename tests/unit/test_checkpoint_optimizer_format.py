@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import ds_config, random_batches, train_steps
+from zero_cache_setup import FP32_BYTES_PER_ELEMENT, budgets, six_layer_llama, zero_cache_config
 
 import angelptm
 from angelptm.checkpoints.optimizer_format import to_plain, to_zero_cache
 from angelptm.errors import CheckpointError
-from reference import ds_config, random_batches, train_steps
-from zero_cache_setup import FP32_BYTES_PER_ELEMENT, budgets, six_layer_llama, zero_cache_config
 
 SEED = 7
 

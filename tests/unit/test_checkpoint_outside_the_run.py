@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 import pytest
+from test_checkpoint_safety import HOLD_LOCK, engine, one_step
 
 import angelptm
 from angelptm.checkpoints import writer_lock
-from test_checkpoint_safety import HOLD_LOCK, engine, one_step
 
 ROOT = Path(__file__).resolve().parents[2]
 OUTSIDE_TEXT = "root:x:0:0:root:/root:/bin/bash\nsecret-token-of-another-user\n"

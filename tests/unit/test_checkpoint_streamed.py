@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference import random_batches, train_steps
+from zero_cache_setup import CHUNK_NUMEL, budgets, six_layer_llama, zero_cache_config
 
 import angelptm
 from angelptm.checkpoints import files as checkpoint
 from angelptm.checkpoints import manifest as checkpoint_manifest
 from angelptm.checkpoints import streamed
-from reference import random_batches, train_steps
-from zero_cache_setup import CHUNK_NUMEL, budgets, six_layer_llama, zero_cache_config
 
 ROOT = Path(__file__).resolve().parents[2]
 STATE_BYTES_PER_ELEMENT = 12  # fp32 master, exp_avg, exp_avg_sq
@@ -42,8 +42,9 @@ def engine_of(seed: int, *, num_layers: int = 6, nvme_path: Path | None = None):
 
 
 def _llama(seed: int, num_layers: int) -> torch.nn.Module:
-    from angelptm.pretraining.models import ModelConfig, build_model
     from reference import SEQ, VOCAB
+
+    from angelptm.pretraining.models import ModelConfig, build_model
 
     torch.manual_seed(seed)
     return build_model(ModelConfig(flavour="llama", vocab_size=VOCAB, max_seq_len=SEQ, num_layers=num_layers,

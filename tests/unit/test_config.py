@@ -17,9 +17,8 @@ import torch
 from angelptm.config import EngineConfig, LossScaleConfig, load_config, resolve_batch_sizes
 from angelptm.errors import ConfigError
 from autopipe import AutoPipeConfig
-from zero_cache import ZeroCacheConfig
 from moe import MoEConfig
-from zero_cache import parse_budget, parse_bytes
+from zero_cache import ZeroCacheConfig, parse_budget, parse_bytes
 
 BATCH = {"train_batch_size": 8}
 

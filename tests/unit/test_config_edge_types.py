@@ -3,9 +3,6 @@ JSON boolean for a number, or NaN/Infinity, is an error naming the key (``true``
 
 from __future__ import annotations
 
-import json
-import logging
-
 import pytest
 
 from angelptm.config import load_config

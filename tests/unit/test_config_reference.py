@@ -115,5 +115,6 @@ def test_every_anchor_of_a_link_to_a_page_names_one_of_its_headings():
 def test_every_docs_page_is_linked_from_the_readme():
     readme = (ROOT / "README.md").read_text()
     linked = {Path(target.split("#", 1)[0]).as_posix() for target in LINK.findall(readme)}
-    missing = [f"docs/{page.name}" for page in sorted((ROOT / "docs").glob("*.md")) if f"docs/{page.name}" not in linked]
+    missing = [f"docs/{page.name}" for page in sorted((ROOT / "docs").glob("*.md"))
+               if f"docs/{page.name}" not in linked]
     assert not missing, f"docs pages the README does not link: {missing}"

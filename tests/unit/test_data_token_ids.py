@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from angelptm.errors import DataError
-from angelptm.pretraining.data import TokenDataset, TokenWriter, dataset as dataset_module
+from angelptm.pretraining.data import TokenDataset, TokenWriter
+from angelptm.pretraining.data import dataset as dataset_module
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 64

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from angelptm.errors import ConfigError
 from angelptm.pretraining.data.dataset import read_index

@@ -20,7 +20,8 @@ from angelptm.engine import deepspeed_cpu_adam
 from angelptm.errors import ConfigError
 from angelptm.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from angelptm.pipe.partition import partition_balanced, partition_uniform
-from angelptm.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint, main as zero_to_fp32_main
+from angelptm.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from angelptm.utils.zero_to_fp32 import main as zero_to_fp32_main
 
 deepspeed = pytest.importorskip("deepspeed")
 
@@ -275,9 +276,9 @@ def test_pipeline_module_refuses_what_it_cannot_honour() -> None:
 
 
 def test_deepspeed_import_paths_resolve() -> None:
+    import moe
     from angelptm.moe.layer import MoE
     from angelptm.runtime.lr_schedules import WarmupDecayLR
-    import moe
 
     assert MoE is moe.MoE and WarmupDecayLR is angelptm.engine.schedulers.WarmupDecayLR
     with pytest.raises(ValueError, match="tensor parallelism"):

@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch.distributed as dist
-
 from launch import free_port  # tests/helpers
 
 distributed = importlib.import_module("angelptm.launch.distributed")

@@ -7,11 +7,10 @@ import logging
 
 import pytest
 import torch
+from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop, tiny_gpt, train_steps
 from torch import nn
 
 import angelptm
-
-from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop, tiny_gpt, train_steps
 
 
 def engine_loop(model: nn.Module, batches: list[dict], config: dict) -> tuple[list[float], angelptm.Engine]:
@@ -127,7 +126,8 @@ def test_hugging_face_model_trains_through_the_engine():
     exported = engine.consolidated_state_dict()
     fresh = transformers.GPT2LMHeadModel(hf_config)
     fresh.load_state_dict(exported)
-    torch.testing.assert_close(fresh.transformer.wte.weight, engine.optimizer.master_state_dict()["transformer.wte.weight"])
+    torch.testing.assert_close(fresh.transformer.wte.weight,
+                               engine.optimizer.master_state_dict()["transformer.wte.weight"])
 
 
 def test_step_without_optimizer_explains():

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import angelptm
 from reference import ds_config, open_files_under, random_batches, train_steps
 from test_zero_cache_nvme import nvme_config, six_layer_llama
 from test_zero_cache_nvme_homes import config as homes_config
 from test_zero_cache_nvme_homes import tiny_gpt
+
+import angelptm
 
 KINDS = ["nvme", "host", "auto", "three_tiers", "replicated"]
 """"nvme"/"host": gathered params streamed from their home (placeholders between uses); "auto": replicated params

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import angelptm
 from gathered_params_job import BETAS, CHUNK_NUMEL, LR, WEIGHT_DECAY, edit, torch_step
 from reference import ds_config, random_batches, tiny_gpt, train_steps
-from zero_cache.plan.layout import pack
 
+import angelptm
+from zero_cache.plan.layout import pack
 
 
 def chunk_bytes(model: torch.nn.Module, bytes_per_element: int) -> int:

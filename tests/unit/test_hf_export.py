@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import angelptm
-from angelptm.checkpoints import export
-from angelptm.checkpoints import hf_export
+from angelptm.checkpoints import export, hf_export
 from angelptm.errors import CheckpointError
 from angelptm.pretraining.models import ModelConfig, build_model
 

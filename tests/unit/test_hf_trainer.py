@@ -139,9 +139,10 @@ def test_initialize_refuses_params_the_real_deepspeed_partitioned_naming_the_way
 def test_only_transformers_own_zero3_calls_are_routed_to_angelptm():
     """deepspeed.zero.Init with transformers' registered config (what from_config / from_pretrained pass) builds on
     angelptm.zero; any other call, and GatheredParameters over DeepSpeed-partitioned params, reach DeepSpeed."""
+    from transformers.integrations import HfDeepSpeedConfig
+
     import angelptm
     from angelptm.integrations import transformers_zero3
-    from transformers.integrations import HfDeepSpeedConfig
 
     calls = []
 

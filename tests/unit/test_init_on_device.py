@@ -10,12 +10,12 @@ import math
 
 import pytest
 import torch
+from reference import SEQ, VOCAB, ds_config, random_batches, train_steps
 from torch import nn
 
 import angelptm
 from angelptm.engine.init_on_device import RandomFillsOnDevice
 from angelptm.pretraining.models import ModelConfig, build_model
-from reference import SEQ, VOCAB, ds_config, random_batches, train_steps
 
 PIECE_BYTES, MIN_NUMEL = 4096, 1000
 BIG, SMALL = (300, 200), (10, 20)  # 60,000 elements (15 fp32 pieces, 8 bf16 ones), and 200

@@ -16,12 +16,12 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from launch import free_port  # tests/helpers
 
 import angelptm
 from angelptm.errors import ConfigError
 from angelptm.launch import distributed
 from angelptm.pretraining import job_errors
-from launch import free_port  # tests/helpers
 
 liveness = importlib.import_module("angelptm.launch.liveness")
 

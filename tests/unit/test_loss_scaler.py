@@ -10,10 +10,10 @@ import random
 import pytest
 import torch
 import torch.distributed as tdist
+from launch import free_port  # tests/helpers
 
 from angelptm.config import LossScaleConfig
 from angelptm.engine.loss_scaler import LossScaler
-from launch import free_port  # tests/helpers
 
 ds_loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
 logging.getLogger("DeepSpeed").setLevel(logging.ERROR)

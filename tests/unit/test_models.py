@@ -50,9 +50,9 @@ def test_flavour_defaults_and_derived_sizes():
     g = ModelConfig(flavour="gpt2")
     assert (g.position, g.norm, g.mlp, g.bias) == ("learned", "layernorm", "gelu", True)
     assert g.ffn_hidden_size == 4 * g.hidden_size and g.num_kv_heads == g.num_heads
-    l = ModelConfig(flavour="llama")
-    assert (l.position, l.norm, l.mlp, l.bias) == ("rotary", "rmsnorm", "swiglu", False)
-    assert l.ffn_hidden_size == 384  # round(8/3 * 128) = 341 -> next multiple of 64
+    llama = ModelConfig(flavour="llama")
+    assert (llama.position, llama.norm, llama.mlp, llama.bias) == ("rotary", "rmsnorm", "swiglu", False)
+    assert llama.ffn_hidden_size == 384  # round(8/3 * 128) = 341 -> next multiple of 64
     assert ModelConfig(flavour="llama", hidden_size=4096, num_heads=32).ffn_hidden_size == 10944  # 10923 -> 171*64
     mixed = ModelConfig(flavour="llama", position="learned", bias=True, ffn_hidden_size=100)
     assert (mixed.position, mixed.norm, mixed.bias, mixed.ffn_hidden_size) == ("learned", "rmsnorm", True, 100)

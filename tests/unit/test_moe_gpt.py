@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import torch
+from launch import shipped_config
 
 from angelptm.pretraining.models import ModelConfig, build_model
 from angelptm.pretraining.models.gpt import Block, MoEBlock
 from moe import MoEConfig
-from launch import shipped_config
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = dict(vocab_size=64, max_seq_len=16, num_layers=4, hidden_size=32, num_heads=4)

@@ -8,8 +8,14 @@ import torch
 
 from moe.alltoall import AllToAll, Reorder, flat_plan, hierarchical_plan
 from moe.dispatch import reorder_chunks
-from moe.topology import (Link, crossover_bytes, flat_all_to_all_s, hierarchical_all_to_all_s,
-                          prefer_hierarchical, ranks_per_node_from_env)
+from moe.topology import (
+    Link,
+    crossover_bytes,
+    flat_all_to_all_s,
+    hierarchical_all_to_all_s,
+    prefer_hierarchical,
+    ranks_per_node_from_env,
+)
 
 INTRA, INTER = Link(5e-6, 300e9), Link(20e-6, 50e9)
 

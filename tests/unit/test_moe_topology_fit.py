@@ -7,8 +7,15 @@ import random
 
 import pytest
 
-from moe.topology import (Link, crossover_bytes, crossover_under_noise, fit_link, flat_all_to_all_s,
-                          hierarchical_all_to_all_s, measured_crossover_bytes)
+from moe.topology import (
+    Link,
+    crossover_bytes,
+    crossover_under_noise,
+    fit_link,
+    flat_all_to_all_s,
+    hierarchical_all_to_all_s,
+    measured_crossover_bytes,
+)
 
 MiB = 2 ** 20
 
@@ -112,7 +119,8 @@ def logged_exchanges() -> list[tuple[float, float, float]]:
 
 
 def test_logged_measured_crossover_is_the_logs():
-    assert measured_crossover_bytes(logged_exchanges()) / MiB == pytest.approx(LOGGED_MEASURED_MIB, rel=1e-2)  # table rounded to 3 digits
+    # The table is rounded to 3 digits.
+    assert measured_crossover_bytes(logged_exchanges()) / MiB == pytest.approx(LOGGED_MEASURED_MIB, rel=1e-2)
 
 
 def test_relative_fit_reproduces_the_logged_slow_link_probes():

@@ -6,14 +6,14 @@ import os
 
 import pytest
 import torch
-
-import angelptm
 from reference import random_batches, train_steps
 from test_zero_cache_nvme import aligned_bytes, nvme_config, tiers_of
+from zero_cache_setup import six_layer_llama
+
+import angelptm
 from zero_cache.config import AioConfig
 from zero_cache.plan.planner import NVME
 from zero_cache.storage.nvme import ALIGN_BYTES, NvmeTier, SwapCorruptionError, slot_checksum
-from zero_cache_setup import six_layer_llama
 
 
 def corrupt(tier: NvmeTier, offset: int) -> None:

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from launch import free_port  # tests/helpers
 
 JOB = Path(__file__).resolve().parents[1] / "helpers" / "plain_script_job.py"

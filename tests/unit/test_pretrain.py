@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from launch import shipped_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +28,7 @@ def test_default_job_trains_then_resumes(tmp_path):
     first = pretrain(tmp_path, "--steps", "20")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "starting fresh" in first.stderr and "WARNING" not in first.stderr  # a first run is not a problem
-    logged = [(int(s), float(l)) for s, l in LOSS.findall(first.stderr + first.stdout)]
+    logged = [(int(s), float(loss)) for s, loss in LOSS.findall(first.stderr + first.stdout)]
     assert [s for s, _ in logged] == [10, 20]
     assert logged[-1][1] < logged[0][1], "the loss should fall over the first 20 steps"
     assert "TFLOPS" in first.stdout and "tokens/s" in first.stdout

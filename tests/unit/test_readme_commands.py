@@ -25,8 +25,9 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert any(line.startswith(command + " ") or line == command for line in ci_lines), (
         f"`.ci/run` should run the README's test command as written: {command!r}"
     )
-    pytest_part = command.split("&&")[-1].strip()
-    assert pytest_part == "python3 -u -m pytest", "the README's pytest takes no arguments; pyproject holds them"
+    steps = [part.strip() for part in command.split("&&")]
+    assert steps[-1] == "python3 -u -m pytest", "the README's pytest takes no arguments; pyproject holds them"
+    assert "ruff check ." in steps, "the README's test command lints the tree with ruff before the tests"
 
 
 def test_a_bare_pytest_collects_every_test_module():

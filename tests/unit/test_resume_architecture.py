@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from reference import train_on_seeded_tokens as train_steps
 
 import angelptm
 from angelptm.errors import CheckpointError
 from angelptm.pretraining.data import TokenWriter
 from angelptm.pretraining.models import ModelConfig, build_model
-from reference import train_on_seeded_tokens as train_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = dict(vocab_size=64, max_seq_len=16, num_layers=1, hidden_size=32, num_heads=4)

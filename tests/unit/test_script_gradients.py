@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import angelptm
 from grad_clear_job import run_all  # tests/helpers
 from launch import free_port  # tests/helpers
+
+import angelptm
 
 pytest.importorskip("deepspeed")
 

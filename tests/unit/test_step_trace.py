@@ -14,7 +14,9 @@ from zero_cache.runtime.timeline import COMPUTE, D2H, H2D, HOST_ADAM, WAITS, Int
 
 def grid_measure(spans, cover, step=0.25):
     """Brute force: sample every ``step`` and count the points inside ``spans`` (and inside ``cover``)."""
-    inside = lambda t, ss: any(a <= t < b for a, b in ss)
+    def inside(t, ss):
+        return any(a <= t < b for a, b in ss)
+
     points = [k * step for k in range(int(100 / step))]
     return (sum(step for t in points if inside(t, spans)),
             sum(step for t in points if inside(t, spans) and inside(t, cover)))
@@ -41,7 +43,8 @@ def test_union_and_covered_match_a_grid_on_random_spans():
 
 def test_overlap_shares_count_only_work_and_leave_out_idle_tracks():
     intervals = [Interval(COMPUTE, "forward", 0, 10), Interval(COMPUTE, "backward", 20, 30),
-                 Interval(H2D, "copy", 5, 15), Interval(HOST_ADAM, "chunk 1", 25, 45), Interval(WAITS, "chunk 1", 10, 20)]
+                 Interval(H2D, "copy", 5, 15), Interval(HOST_ADAM, "chunk 1", 25, 45),
+                 Interval(WAITS, "chunk 1", 10, 20)]
     shares = overlap_shares(intervals)
     assert shares[H2D] == pytest.approx(0.5)  # 5..10 of 5..15
     assert shares[HOST_ADAM] == pytest.approx(0.25)  # 25..30 of 25..45

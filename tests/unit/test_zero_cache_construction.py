@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import SEQ, VOCAB, ds_config, random_batches, train_steps
 
 import angelptm
 from angelptm.engine.builders import place_module
 from angelptm.pretraining.models import ModelConfig, build_model
-from reference import SEQ, VOCAB, ds_config, random_batches, train_steps
 from zero_cache.plan.planner import DEVICE, HOST
 
 CHUNK_NUMEL = 8192

@@ -15,14 +15,15 @@ import random
 
 import pytest
 import torch
-
 from reference import random_batches, train_steps
-from zero_cache.optim import device_adam, optimizer as optimizer_module
+from test_zero_cache_streamed import assert_close_to
+from zero_cache_setup import resident_engine, six_layer_llama
+
+from zero_cache.optim import device_adam
+from zero_cache.optim import optimizer as optimizer_module
 from zero_cache.optim.host_adam import torch_fused_adam
 from zero_cache.plan.layout import TensorSlot
 from zero_cache.plan.planner import DEVICE
-from test_zero_cache_streamed import assert_close_to
-from zero_cache_setup import resident_engine, six_layer_llama
 
 
 def test_contiguous_runs_are_the_slots_elements_in_maximal_runs():

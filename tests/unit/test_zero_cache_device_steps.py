@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import SEQ, VOCAB, random_batches, train_steps
+from test_zero_cache_streamed import CHUNK_NUMEL, assert_close_to, config, poison_one_weight, state_bytes
 
 import angelptm
-from reference import random_batches, train_steps
 from angelptm.pretraining.models import ModelConfig, build_model
-from reference import SEQ, VOCAB
-from test_zero_cache_streamed import CHUNK_NUMEL, assert_close_to, config, poison_one_weight, state_bytes
 from zero_cache.config import ZeroCacheConfig
 from zero_cache.optim.device_steps import DeviceSteps
 from zero_cache.plan.planner import HOST
-from zero_cache.plan.step_cost import (NOMINAL_RATES, HostChunk, StepTraffic, cheapest_device_steps,
-                                       with_device_steps)
+from zero_cache.plan.step_cost import NOMINAL_RATES, HostChunk, StepTraffic, cheapest_device_steps, with_device_steps
 from zero_cache.runtime.jobs import JobQueue
 
 

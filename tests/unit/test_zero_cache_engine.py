@@ -9,13 +9,13 @@ import weakref
 
 import pytest
 import torch
+from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop, train_steps
+from zero_cache_setup import FP32_BYTES_PER_ELEMENT, budgets, six_layer_llama, zero_cache_config
 
 import angelptm
 from angelptm.config import load_config
 from angelptm.pretraining.models import ModelConfig, build_model
-from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop, train_steps
 from zero_cache.plan.planner import DEVICE, HOST
-from zero_cache_setup import FP32_BYTES_PER_ELEMENT, budgets, six_layer_llama, zero_cache_config
 
 
 def test_states_four_times_the_device_budget_train_like_the_reference():

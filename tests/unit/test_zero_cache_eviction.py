@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import SEQ, VOCAB, ds_config, random_batches, train_steps
 
 import angelptm
-from angelptm.pretraining.models import ModelConfig, build_model
-from reference import SEQ, VOCAB, ds_config, random_batches, train_steps
 import zero_cache.runtime.gathered
+from angelptm.pretraining.models import ModelConfig, build_model
 from zero_cache.plan.eviction import belady_misses, belady_victim, gathers_per_group
 from zero_cache.plan.planner import PlanInputs
 from zero_cache.warmup import with_measured_gathers

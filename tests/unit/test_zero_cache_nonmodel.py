@@ -7,11 +7,11 @@ import importlib
 import random
 
 import torch
-
-import angelptm
 from reference import random_batches, train_steps
 from test_zero_cache_device_steps import tiny_llama
 from test_zero_cache_streamed import config
+
+import angelptm
 from zero_cache.nonmodel import NonModelMeter
 from zero_cache.storage.tiers import Tier
 

@@ -17,17 +17,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop, train_steps
+from zero_cache_setup import CHUNK_NUMEL, budgets, six_layer_llama, zero_cache_config
 
 import angelptm
-from angelptm.telemetry.monitor import format_tiers
 from angelptm.pretraining.models import ModelConfig, build_model
-from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop, train_steps
+from angelptm.telemetry.monitor import format_tiers
 from zero_cache.config import AioConfig
 from zero_cache.plan.layout import pack
 from zero_cache.plan.planner import DEVICE, HOST, NVME
 from zero_cache.storage.aio import NativeFileIO, ThreadFileIO, open_file_io
 from zero_cache.storage.nvme import ALIGN_BYTES, SWAP_PREFIX, NvmeTier, check_directory
-from zero_cache_setup import CHUNK_NUMEL, budgets, six_layer_llama, zero_cache_config
 
 BACKENDS = ("native", "deepspeed", "libaio", "threads")
 

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference import SEQ, VOCAB, ds_config, random_batches, train_steps
 
 import angelptm
 import zero_cache
 from angelptm.config import load_config
 from angelptm.pretraining.models import ModelConfig, build_model
-from reference import SEQ, VOCAB, ds_config, random_batches, train_steps
 from zero_cache.plan.tier_names import HOST, NVME
 from zero_cache.storage.nvme_home import NVME_HELD_GRADIENTS, NvmeHome
 

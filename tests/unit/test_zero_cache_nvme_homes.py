@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import gc
 import os
-from dataclasses import replace
 import weakref
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from reference import SEQ, VOCAB, ds_config, open_files_under, random_batches, reference_loop, train_steps
 
 import angelptm
 from angelptm.config import load_config
 from angelptm.pretraining.models import ModelConfig, build_model
-from reference import SEQ, VOCAB, ds_config, open_files_under, random_batches, reference_loop, train_steps
 from zero_cache.config import AioConfig
 from zero_cache.plan.planner import PlanError, PlanInputs, make_plan
 from zero_cache.plan.tier_names import HOST, NVME

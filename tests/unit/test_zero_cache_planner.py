@@ -9,8 +9,17 @@ import random
 import pytest
 
 from zero_cache.plan.layout import ALIGN_NUMEL, pack, search_chunk_size
-from zero_cache.plan.planner import (DEVICE, HOST, NVME, REMOTE, PlanError, PlanInputs, belady_misses, first_use_order,
-                                     make_plan)
+from zero_cache.plan.planner import (
+    DEVICE,
+    HOST,
+    NVME,
+    REMOTE,
+    PlanError,
+    PlanInputs,
+    belady_misses,
+    first_use_order,
+    make_plan,
+)
 from zero_cache.plan.step_cost import Rates
 from zero_cache.plan.units import format_bytes
 
@@ -191,7 +200,6 @@ def test_too_small_a_device_for_the_live_groups_is_refused_with_the_shortfall():
 def brute_force_cost(inp: PlanInputs) -> float:
     """The least step cost over every (resident shards, device optimizer groups) that fits, written out
     independently of the planner: shards and device groups go to the chunks used first."""
-    order = list(dict.fromkeys(inp.trace)) + [c for c in range(inp.num_chunks) if c not in inp.trace]
     room = (int(inp.device_budget_bytes * (1 - inp.margin_fraction)) - inp.nonmodel_peak_bytes - inp.scratch_bytes
             - inp.exchange_buffer_bytes)
     best = None
@@ -202,7 +210,8 @@ def brute_force_cost(inp: PlanInputs) -> float:
             continue
         for on_device in range(min(resident, left // inp.optimizer_chunk_bytes) + 1):
             host_chunks = inp.num_chunks - on_device
-            h2d = (inp.num_chunks - resident) * 2 * inp.param_chunk_bytes + (resident - on_device) * inp.param_chunk_bytes
+            h2d = ((inp.num_chunks - resident) * 2 * inp.param_chunk_bytes
+                   + (resident - on_device) * inp.param_chunk_bytes)
             d2h = host_chunks * inp.param_chunk_bytes
             rates = inp.rates
             cost = max(h2d / rates.h2d_bytes_per_s, d2h / rates.d2h_bytes_per_s,

@@ -15,24 +15,35 @@ import types
 
 import pytest
 import torch
-
-import angelptm
 from reference import random_batches, train_steps
 from test_zero_cache_device_steps import tiny_llama
 from test_zero_cache_streamed import config
 from test_zero_cache_tuning import random_inputs
+from zero_cache_setup import resident_engine
+
+import angelptm
 from zero_cache.config import AioConfig
 from zero_cache.optim.host_adam import torch_fused_adam
 from zero_cache.plan.planner import DEVICE, HOST, make_plan
 from zero_cache.plan.step_cost import NOMINAL_RATES, Rates, agreed_rates, host_adam_bytes_per_element
-from zero_cache.runtime.rates import (COPY_MARGIN, HOST_MEMORY_PASSES, HOST_MEMORY_PROBE_ROOM,
-                                      MIN_HOST_MEMORY_PROBE_BYTES, MIN_MEASURED_ELEMENTS, MIN_PROBE_BYTES, PROBE_BYTES,
-                                      Throughput, host_memory_rate, measured_copies, measured_disk,
-                                      measured_host_memory, with_timed_work)
+from zero_cache.runtime.rates import (
+    COPY_MARGIN,
+    HOST_MEMORY_PASSES,
+    HOST_MEMORY_PROBE_ROOM,
+    MIN_HOST_MEMORY_PROBE_BYTES,
+    MIN_MEASURED_ELEMENTS,
+    MIN_PROBE_BYTES,
+    PROBE_BYTES,
+    Throughput,
+    host_memory_rate,
+    measured_copies,
+    measured_disk,
+    measured_host_memory,
+    with_timed_work,
+)
 from zero_cache.storage.nvme import ALIGN_BYTES, NvmeTier, check_directory
 from zero_cache.storage.tiers import Tier, TierFullError
 from zero_cache.tuning import CHECK_STEPS, MEASURED_STEPS, SETTLE_STEPS
-from zero_cache_setup import resident_engine
 
 
 def random_rates(rng: random.Random) -> Rates:

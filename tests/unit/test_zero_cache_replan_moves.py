@@ -5,14 +5,14 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-
-import angelptm
 from reference import random_batches, train_steps
 from test_zero_cache_device_steps import resident_budget, tiny_llama
 from test_zero_cache_streamed import config
+from zero_cache_setup import budgets, six_layer_llama, zero_cache_config
+
+import angelptm
 from zero_cache.plan.planner import DEVICE, HOST, NVME
 from zero_cache.storage.chunks import STATE_FIELDS
-from zero_cache_setup import budgets, six_layer_llama, zero_cache_config
 
 
 def test_a_group_moves_into_a_full_host_once_another_has_left_it_for_the_disk(tmp_path):

@@ -17,12 +17,12 @@ import math
 
 import pytest
 import torch
+from reference import random_batches
+from zero_cache_setup import BF16_BYTES_PER_ELEMENT, budgets, six_layer_llama, zero_cache_config
 
 import angelptm
-from reference import random_batches
 from zero_cache.optim.revision import APPLIED, DEFERRED, SpeculationWindow
 from zero_cache.plan.planner import OFF_DEVICE
-from zero_cache_setup import BF16_BYTES_PER_ELEMENT, budgets, six_layer_llama, zero_cache_config
 
 LR, BETAS, EPS, WEIGHT_DECAY = 3e-3, (0.9, 0.95), 1e-8, 0.1
 TOLERANCE = 1e-6
@@ -30,8 +30,8 @@ TARGET_NORMS = [None, 0.5, 0.5, 1.2, 0.5, 0.5, 100.0, 0.5, 0.5, 1.2]
 """Gradient norms the loss is scaled to reach, step by step (threshold 1; None: loss as it is, which measures the
 scale): 0.5 is not clipped; 1.2 is clipped once every chunk has been applied (all redone); 100 is a spike, clipped
 with most chunks deferred (the chunks updated in backward need a 1e-4 share of the squared norm for one of them to be
-deferred: at a spike of 3, in about one run in 30 they held less, and none was). After a clipped step the next is predicted to clip too and is not speculated, so the
-unclipped steps come in pairs."""
+deferred: at a spike of 3, in about one run in 30 they held less, and none was). After a clipped step the next is
+predicted to clip too and is not speculated, so the unclipped steps come in pairs."""
 
 
 def build(seed: int, *, clip: float = 1.0, accumulation: int = 1, fp16: bool = False, **zero_cache):

@@ -8,8 +8,14 @@ import random
 
 import pytest
 
-from zero_cache.plan.step_cost import (STATE_BYTES_PER_ELEMENT, HostChunk, Rates, host_adam_bytes_per_element,
-                                      step_traffic, with_device_steps)
+from zero_cache.plan.step_cost import (
+    STATE_BYTES_PER_ELEMENT,
+    HostChunk,
+    Rates,
+    host_adam_bytes_per_element,
+    step_traffic,
+    with_device_steps,
+)
 
 
 def random_rates() -> Rates:

@@ -12,10 +12,10 @@ import threading
 
 import pytest
 import torch
+from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop, train_steps
 
 import angelptm
 from angelptm.pretraining.models import ModelConfig, build_model
-from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop, train_steps
 from zero_cache.plan.layout import pack
 from zero_cache.plan.planner import DEVICE, HOST
 

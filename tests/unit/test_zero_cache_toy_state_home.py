@@ -15,13 +15,16 @@ from typing import Any, Iterator
 
 import pytest
 import torch
-
 from reference import random_batches, train_steps
 from test_zero_cache_engine import test_resume_with_zero_cache_is_exact  # noqa: F401  (run again here)
 from test_zero_cache_update_paths import (  # noqa: F401  (the tests: run again here)
-    build, host_chunks, test_a_non_finite_gradient_skips_the_step_and_keeps_every_weight,
+    build,
+    host_chunks,
+    test_a_non_finite_gradient_skips_the_step_and_keeps_every_weight,
     test_update_in_backward_is_the_same_arithmetic_as_after_backward,
-    test_zero_grad_after_backward_restores_the_params_the_gradients_overwrote)
+    test_zero_grad_after_backward_restores_the_params_the_gradients_overwrote,
+)
+
 from zero_cache.plan.state_costs import STATE_COSTS
 from zero_cache.plan.tier_names import HOST
 from zero_cache.storage import state_homes

@@ -11,16 +11,26 @@ import threading
 
 import pytest
 import torch
-
-import angelptm
 from reference import random_batches, train_steps
 from test_zero_cache_device_steps import tiny_llama
 from test_zero_cache_streamed import assert_close_to, config, resident_budget
+
+import angelptm
 from zero_cache.optim.host_update import HostUpdater
 from zero_cache.plan.planner import DEVICE, HOST, PlanInputs, make_plan, with_device_step_count
 from zero_cache.storage.chunks import ChunkStore
-from zero_cache.tuning import (CHECK_STEPS, MAX_TRIALS, MEASURED_STEPS, RESTARTS, RETUNE_STEPS, SETTLE_STEPS,
-                               SLOW_FACTOR, DeviceStepTuner, SettledSteps, next_count)
+from zero_cache.tuning import (
+    CHECK_STEPS,
+    MAX_TRIALS,
+    MEASURED_STEPS,
+    RESTARTS,
+    RETUNE_STEPS,
+    SETTLE_STEPS,
+    SLOW_FACTOR,
+    DeviceStepTuner,
+    SettledSteps,
+    next_count,
+)
 
 
 def drive(tuner: DeviceStepTuner, cost: dict[int, float], noise: float = 0.05) -> tuple[list[int], list[float]]:
@@ -399,7 +409,8 @@ def test_switching_between_trial_counts_allocates_no_kept_gradient_twice(monkeyp
     optimizer.step_clock.clock = clock
     train_steps(engine, batches[:1])  # the warm-up and its re-plan
     store = optimizer.store
-    kept_before, host_before, allocations_before = len(store.plan.kept_gradients), store.tiers[HOST].used_bytes, len(allocated)
+    kept_before, host_before, allocations_before = (len(store.plan.kept_gradients), store.tiers[HOST].used_bytes,
+                                                    len(allocated))
     assert kept_before and not optimizer.device_stepped
     seen = []
     for batch in batches[1:]:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import random_batches, reference_loop, train_steps
+from zero_cache_setup import budgets, resident_engine, six_layer_llama, zero_cache_config
 
 import angelptm
-from reference import random_batches, reference_loop, train_steps
 from zero_cache.plan.planner import HOST
-from zero_cache_setup import budgets, resident_engine, six_layer_llama, zero_cache_config
 
 
 def build(seed: int, *, clip: float = 1.0, update_in_backward: bool | str = "auto"):

@@ -10,14 +10,13 @@ import random
 
 import pytest
 import torch
+from reference import random_batches, train_steps
+from test_zero_cache_streamed import CHUNK_NUMEL, assert_close_to, config, state_bytes, tiny_gpt
 
 import angelptm
 import zero_cache
-from reference import random_batches, train_steps
-from test_zero_cache_streamed import CHUNK_NUMEL, assert_close_to, config, state_bytes, tiny_gpt
 from zero_cache.config import ZeroCacheConfig
-from zero_cache.plan.planner import (DEVICE, DEVICE_MARGIN_FRACTION, HOST, NVME, PlanError, PlanInputs,
-                                     make_plan)
+from zero_cache.plan.planner import DEVICE, DEVICE_MARGIN_FRACTION, HOST, NVME, PlanError, PlanInputs, make_plan
 from zero_cache.resolve import activation_room_bytes, least_footprint_plan
 
 

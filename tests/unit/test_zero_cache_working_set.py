@@ -14,14 +14,21 @@ import re
 
 import pytest
 import torch
+from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop, train_steps
 
 import angelptm
 from angelptm.pretraining.models import ModelConfig, build_model
-from reference import SEQ, VOCAB, ds_config, random_batches, reference_loop, train_steps
 from zero_cache.plan.layout import pack
 from zero_cache.plan.planner import DEVICE, DEVICE_MARGIN_FRACTION, HOST, PlanError, PlanInputs, make_plan
-from zero_cache.plan.working_set import (GRADIENT_BUCKETS, GROUPS_IN_USE, WorkingSet, agreed, budget_for_room, minimum,
-                                         shrinking)
+from zero_cache.plan.working_set import (
+    GRADIENT_BUCKETS,
+    GROUPS_IN_USE,
+    WorkingSet,
+    agreed,
+    budget_for_room,
+    minimum,
+    shrinking,
+)
 from zero_cache.runtime.shard_params import agree_working_set
 
 
@@ -161,7 +168,8 @@ def test_a_budget_below_the_old_working_set_trains_like_torch_adamw(accumulation
     wanted = budget_for_room((1 + 4 + 3) * chunk_bytes, DEVICE_MARGIN_FRACTION)  # prefetch_depth 2, 3 buckets
     budget = rng.randint(least, wanted - 1)
     caplog.set_level(logging.INFO, logger="zero_cache.attach")
-    engine, optimizer, _, _ = angelptm.initialize(model=model, config=streamed_config(chunk_numel, budget, accumulation))
+    engine, optimizer, _, _ = angelptm.initialize(model=model,
+                                                  config=streamed_config(chunk_numel, budget, accumulation))
     plan = optimizer.store.plan
     assert plan.gradient_buckets == 2 and 1 <= plan.gather_ahead <= 2  # the config's depth is 2
     assert "does not hold the config's working set; planned " in caplog.text

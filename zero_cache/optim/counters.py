@@ -6,7 +6,6 @@ reads them with the tiers and the copy streams' traffic, then starts them again 
 
 from __future__ import annotations
 
-
 import torch
 
 from zero_cache.optim.host_update import HostUpdater

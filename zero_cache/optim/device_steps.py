@@ -35,8 +35,8 @@ from typing import Any, Callable
 
 import torch
 
-from zero_cache.plan.layout import TensorSlot
 from zero_cache.optim.step_clock import TimedSpans, stream_mark
+from zero_cache.plan.layout import TensorSlot
 from zero_cache.plan.tier_names import DEVICE
 from zero_cache.storage.chunks import STATE_FIELDS, ChunkStore
 from zero_cache.storage.tiers import wait

@@ -20,8 +20,8 @@ and written back after step 2: host memory is updated in place, an NVMe group is
 and written behind (:mod:`zero_cache.storage.nvme_states`).
 
 While it updates chunk i the worker has already issued the fetch of chunk i + 1 (its gradient copy
-and its disk read), so the transfers of one chunk overlap CPU Adam of the next. A few buffers serve every transfer (no per-step pinning,
-no per-chunk staging), and on a CPU-only run the same code runs with synchronous copies.
+and its disk read), so the transfers of one chunk overlap CPU Adam of the next. A few buffers serve every
+transfer (no per-step pinning, no per-chunk staging), and on a CPU-only run the same code runs with synchronous copies.
 """
 
 from __future__ import annotations

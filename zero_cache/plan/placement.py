@@ -202,5 +202,6 @@ class Plan:
         kept = f" ({', '.join(notes)})" if notes else ""
         owned = len(self.optimizer_tier) - self.optimizer_tier.count(REMOTE)
         return (f"params {params}; optimizer states of {owned} chunks: {counts[DEVICE]} on the "
-                f"device, {counts[HOST]} on the host, {counts[NVME]} on NVMe{kept}; device {format_bytes(self.device_bytes)}, "
-                f"host {format_bytes(self.host_bytes)}{disk}; per step {self.traffic.describe()}")
+                f"device, {counts[HOST]} on the host, {counts[NVME]} on NVMe{kept}; "
+                f"device {format_bytes(self.device_bytes)}, host {format_bytes(self.host_bytes)}{disk}; "
+                f"per step {self.traffic.describe()}")

@@ -464,9 +464,10 @@ def _shortfall_message(tier: str, need: int, have: int, inputs: PlanInputs, deta
     owned = len(inputs.owned_chunks)
     held = inputs.num_chunks if inputs.param_chunks_held is None else inputs.param_chunks_held
     params = "every param chunk" if inputs.param_chunks_held is None else f"{held} param chunks"
+    held_bytes = held * inputs.param_chunk_bytes + owned * inputs.optimizer_chunk_bytes
     share = ("" if owned == inputs.num_chunks else
              f" (this data-parallel rank holds {params} and the optimizer states of {owned} of the "
-             f"{inputs.num_chunks} chunks: {format_bytes(held * inputs.param_chunk_bytes + owned * inputs.optimizer_chunk_bytes)})")
+             f"{inputs.num_chunks} chunks: {format_bytes(held_bytes)})")
     head = (f"model states do not fit: the {tier} tier needs {format_bytes(need)} but its budget is "
             f"{format_bytes(have)} (short by {format_bytes(need - have)}); {detail}. All model states together "
             f"take {format_bytes(total)}{share}. ")

@@ -59,8 +59,8 @@ class Rates:
     """The disk's rate measured on this machine's swap directory (:func:`zero_cache.runtime.rates.measured_disk`)."""
     device_step_elements_per_s: float = 0.0
     """Host-held groups stepped on the device, from when they may start (backward and the device-held groups' Adam
-    done) to their last copy out, timed over training steps (:func:`zero_cache.runtime.rates.with_timed_work`); 0 until then, when their copies are priced as
-    running beside everything else at the bus's rates."""
+    done) to their last copy out, timed over training steps (:func:`zero_cache.runtime.rates.with_timed_work`); 0
+    until then, when their copies are priced as running beside everything else at the bus's rates."""
 
     device_adam_elements_per_s: float = 0.0
     """The device's Adam over the groups it holds (one pass over the master, moments, gradient and params), timed

@@ -13,8 +13,8 @@ warm-up step on, plans use:
   together, as the plan counts the step's disk bytes). On an H100's machine the steps with params on NVMe
   moved 9.0 GiB in 5.0 s where the nominal 1.0 GB/s priced them at 8.0 s;
 - **device steps**: the elements of the host groups stepped on the device over the seconds from when each step's
-  may start (backward and the device-held groups' Adam done) to its last copy out, taken over the tuning's steps like the host's Adam; only the step's
-  prediction uses it (the plan's choices stay on the bus's rates);
+  may start (backward and the device-held groups' Adam done) to its last copy out, taken over the tuning's steps
+  like the host's Adam; only the step's prediction uses it (the plan's choices stay on the bus's rates);
 - **device Adam**: the elements of the device-held groups over the seconds the device's Adam took on the compute
   stream each step; only the step's prediction uses it (a whole-GPU plan has no other work after backward);
 - **host memory**: the host's two users of its memory at once, as a step runs them: the host's Adam over a scratch

@@ -154,7 +154,8 @@ class Timeline:
         if not self.recording:
             yield
             return
-        # Any thread: on CUDA the backward's hooks run on autograd's device thread, which waits for the step all the same.
+        # Any thread: on CUDA the backward's hooks run on autograd's device thread, which waits for the step all the
+        # same.
         with self._off_compute(only_on_its_thread=False), self.on_thread(WAITS, name):
             yield
 

@@ -33,9 +33,9 @@ from zero_cache.plan.state_costs import STATE_FILL_ORDER
 from zero_cache.plan.tier_names import DEVICE, HOST, BudgetedTier
 from zero_cache.runtime.sharding import Sharding
 from zero_cache.storage.homes import ParamHome, home_class
-from zero_cache.storage.state_home import (STATE_FIELDS, OptimizerGroup, StateHome,  # noqa: F401  (re-exported)
-                                           state_field)
+from zero_cache.storage.state_home import STATE_FIELDS, OptimizerGroup, StateHome, state_field  # noqa: F401  (re-exported)
 from zero_cache.storage.state_homes import state_homes
+
 
 class ChunkStore:
     """Owns every chunk's storage and binds the module's parameters to views of it.
@@ -246,7 +246,8 @@ class ChunkStore:
 
         ``states`` are the chunk's states when they are not resident (an NVMe group read into a buffer).
         """
-        whole = self.groups[slot.chunk].field(field) if states is None or field == "grad" else state_field(states, field)
+        whole = (self.groups[slot.chunk].field(field) if states is None or field == "grad"
+                 else state_field(states, field))
         return whole[slot.offset:slot.offset + slot.numel]
 
     def state_home(self, chunk: int) -> StateHome:

@@ -9,8 +9,8 @@ host memory the margin may not cover; a GPU shared with another process has less
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from zero_cache.plan.tier_names import DEVICE, HOST, NVME
 from zero_cache.storage.nvme_home import NvmeHome
-from zero_cache.storage.param_home import (DeviceHome, HostHome, ParamHome,  # noqa: F401  (re-exported)
-                                           copy_in_and_gather)
+from zero_cache.storage.param_home import DeviceHome, HostHome, ParamHome, copy_in_and_gather  # noqa: F401  (re-exported)
 
 HOME_CLASSES: dict[str, type[ParamHome]] = {DEVICE: DeviceHome, HOST: HostHome, NVME: NvmeHome}
 """Tier name -> the runtime class of a home there (the plan's ``param_home`` entries)."""

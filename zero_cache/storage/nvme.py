@@ -21,8 +21,8 @@ changed on the disk (another process writing into the file, a failing drive) sto
 run once skipped 276 steps as "overflow" and pruned every good checkpoint). The checksum is one torch
 reduction over the pinned bounce buffer: the wrapping sum of each 4 KiB block's 64-bit words, and of
 those block sums weighted by their block's index. It costs 0.15-0.26 s/GiB on the 2-core CI machine
-(zlib.crc32 of the same bytes: 0.43-0.56 s/GiB, one core); it catches any change confined to one word, a random overwrite with
-probability 1 - 2**-64, and moved blocks, but not words swapped within one 4 KiB block.
+(zlib.crc32 of the same bytes: 0.43-0.56 s/GiB, one core); it catches any change confined to one word, a random
+overwrite with probability 1 - 2**-64, and moved blocks, but not words swapped within one 4 KiB block.
 """
 
 from __future__ import annotations
@@ -185,7 +185,8 @@ class SwapFile:
 
     def __init__(self, directory: Path, rank: int) -> None:
         # The random part keeps several engines of one process apart.
-        self.path = directory / f"{SWAP_PREFIX}{socket.gethostname()}-{os.getpid()}-rank{rank}-{secrets.token_hex(4)}.swap"
+        self.path = directory / (f"{SWAP_PREFIX}{socket.gethostname()}-{os.getpid()}-rank{rank}-"
+                                 f"{secrets.token_hex(4)}.swap")
         direct_flag = getattr(os, "O_DIRECT", 0)
         try:
             self.fd = _open_nameless(directory, self.path, direct_flag)
@@ -345,7 +346,8 @@ class NvmeTier:
         if expected is None:  # never written (a fresh slot): nothing to compare with
             return request
         slot = offset // self.slot_bytes
-        return _CheckedRead(request, buffer, expected, f"slot {slot} (offset {offset}) of the swap file {self.file.path}")
+        return _CheckedRead(request, buffer, expected,
+                            f"slot {slot} (offset {offset}) of the swap file {self.file.path}")
 
     def write(self, offset: int, buffer: torch.Tensor) -> IORequest:
         """Start writing an aligned uint8 ``buffer`` of ``slot_bytes`` to one slot (its checksum is taken first:

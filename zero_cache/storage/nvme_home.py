@@ -11,8 +11,13 @@ from typing import Any, Iterator
 
 import torch
 
-from zero_cache.plan.home_costs import (HOME_COSTS, NVME_HELD, NVME_HELD_GRADIENTS, NVME_READS_AHEAD,  # noqa: F401
-                                        NVME_STAGING_BUFFERS)  # (re-exported: the buffers' shares are the plan's to count)
+from zero_cache.plan.home_costs import (  # noqa: F401
+    HOME_COSTS,
+    NVME_HELD,
+    NVME_HELD_GRADIENTS,
+    NVME_READS_AHEAD,
+    NVME_STAGING_BUFFERS,  # (re-exported: the buffers' shares are the plan's to count)
+)
 from zero_cache.plan.tier_names import HOST, NVME
 from zero_cache.storage.nvme import ALIGN_BYTES, NvmeTier
 from zero_cache.storage.param_home import ParamHome, copy_in_and_gather

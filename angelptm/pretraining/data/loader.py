@@ -162,10 +162,10 @@ class ResumableDataLoader:
         (a partial global batch is rounded down: those samples are seen again).
 
         The order within an epoch is one permutation of the dataset that depends on (seed, epoch)
-        only (on seed alone unless ``reshuffle_each_epoch``), and the ranks take strided slices of its first ``samples_per_epoch`` entries; the
-        first ``n`` global batches therefore cover its first ``n * batch_size * world_size`` entries
-        whatever the world size. So when the epoch length in global samples is unchanged (the
-        dataset's length divides into both the old and the new global batch), the samples the
+        only (on seed alone unless ``reshuffle_each_epoch``), and the ranks take strided slices of its first
+        ``samples_per_epoch`` entries; the first ``n`` global batches therefore cover its first
+        ``n * batch_size * world_size`` entries whatever the world size. So when the epoch length in global
+        samples is unchanged (the dataset's length divides into both the old and the new global batch), the samples the
         resumed run still sees in this epoch are exactly those the original run had not yet seen;
         otherwise the epoch boundaries move and the match is approximate.
         """
