@@ -7,7 +7,9 @@
 
 The model comes from the config's "model" section, the tokens from "data" (the shipped
 public-domain corpus when no path is given), the loop from "train". A run that finds a checkpoint
-in ``train.save_dir`` continues from it; Ctrl-C or SIGTERM finishes the current step, saves, and exits.
+in ``train.save_dir`` continues from it; Ctrl-C or SIGTERM finishes the current step, saves, and exits. With
+ZeRO-Cache in one process the periodic checkpoints are written beside training (``train.background_save``); the
+run waits for one still being written before the next save and before it ends.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, help="override train.steps")
     parser.add_argument("--save-dir", help="override train.save_dir")
     parser.add_argument("--no-resume", action="store_true", help="start fresh even if save_dir has a checkpoint")
+    parser.add_argument("--no-background-save", action="store_true",
+                        help="write each checkpoint before training goes on (train.background_save: false)")
     parser.add_argument("--allow-unsafe-pickle", action="store_true",
                         help=OPT_IN_HELP)
     parser.add_argument("--plan", action="store_true",
@@ -108,6 +112,8 @@ def read_config(args: argparse.Namespace) -> dict:
         train["save_dir"] = args.save_dir
     if args.no_resume:
         train["resume"] = False
+    if args.no_background_save:
+        train["background_save"] = False
     return raw
 
 
@@ -263,6 +269,7 @@ def run_loop(engine: angelptm.Engine, cfg: EngineConfig, ctx: DistContext, loade
     progress = progress_bar(cfg.train.steps, engine.global_steps, shown=ctx.is_main)  # off a terminal: step lines only
     loss_sum, loss_count, last_loss = 0.0, 0, float("nan")
     run_health = health.RunHealth(cfg.train.max_bad_steps)
+    background = background_saves(cfg, ctx)
     prune_due = False  # after a save, at the next step: its loss tells whether the saved weights still train
     while engine.global_steps < cfg.train.steps and not ctx.any_rank(stop.requested):
         if trace_dir is not None and engine.global_steps == first_step + 1:
@@ -272,10 +279,11 @@ def run_loop(engine: angelptm.Engine, cfg: EngineConfig, ctx: DistContext, loade
             record_health(engine, ctx, run_health, step_losses)
         except RunUnhealthyError as err:
             progress.close()  # the error line starts a line of its own
-            raise stopped_unhealthy(err, cfg, ctx, run_health) from None
-        if prune_due and ctx.is_main and not run_health.diverged:
-            prune_checkpoints(cfg.train.save_dir, cfg.train.keep_last)
-        prune_due = False
+            raise stopped_unhealthy(err, engine, cfg, ctx, run_health) from None
+        if prune_due and not engine.saving_in_background:  # (a save in the background: once it is published)
+            if ctx.is_main and not run_health.diverged:
+                prune_checkpoints(cfg.train.save_dir, cfg.train.keep_last)
+            prune_due = False
         loss_sum, loss_count = loss_sum + sum(step_losses), loss_count + len(step_losses)
         meter.add_tokens(tokens_per_step)
         progress.update(1)
@@ -285,17 +293,17 @@ def run_loop(engine: angelptm.Engine, cfg: EngineConfig, ctx: DistContext, loade
             loss_sum, loss_count = 0.0, 0
             log_metrics(step, last_loss, engine, meter, ctx, cfg.train.steps)
         if step % cfg.train.save_interval == 0 and step < cfg.train.steps:
-            save(engine, cfg, run_health)
+            save(engine, cfg, run_health, background=background)
             prune_due = True
     progress.close()
     engine.finish_trace()
     diverged = run_health.ended_diverged(engine.global_steps)
     if diverged is not None:  # however short the run: never "done" with a NaN loss, and no NaN checkpoint as latest
-        raise stopped_unhealthy(diverged, cfg, ctx, run_health)
+        raise stopped_unhealthy(diverged, engine, cfg, ctx, run_health)
     if loss_count:  # stopped between two step lines: the line of the last step it ran
         last_loss = mean_over_ranks(loss_sum / loss_count, ctx)
         log_metrics(engine.global_steps, last_loss, engine, meter, ctx, cfg.train.steps)
-    save(engine, cfg, run_health)
+    save(engine, cfg, run_health)  # (written before it returns, after any save still in the background)
     if ctx.is_main:
         prune_checkpoints(cfg.train.save_dir, cfg.train.keep_last)
     return health.RunEnd(step=engine.global_steps, loss=last_loss, interrupted=engine.global_steps < cfg.train.steps)
@@ -331,9 +339,17 @@ def record_health(engine: angelptm.Engine, ctx: DistContext, run_health: health.
                       scale_search=not applied and scaler is not None and scaler.dynamic)
 
 
-def stopped_unhealthy(err: RunUnhealthyError, cfg: EngineConfig, ctx: DistContext,
+def stopped_unhealthy(err: RunUnhealthyError, engine: angelptm.Engine, cfg: EngineConfig, ctx: DistContext,
                       run_health: health.RunHealth) -> RunUnhealthyError:
-    """``err`` naming the checkpoint to resume from, which ``latest`` names again (rank 0; the others: ``err``)."""
+    """``err`` naming the checkpoint to resume from, which ``latest`` names again (rank 0; the others: ``err``).
+
+    A save still in the background is finished first: its writer would otherwise move ``latest`` after it was
+    pointed back at the last healthy checkpoint."""
+    try:
+        engine.wait_for_checkpoint()
+    except Exception as save_err:  # (the unhealthy run is the error to report; this one is logged)
+        logger.error("the checkpoint being written when the run stopped failed (latest is untouched by it): %s",
+                     save_err)
     if not ctx.is_main:
         return err
     return health.stop_unhealthy(err, cfg.train.save_dir, run_health)
@@ -347,11 +363,24 @@ def say_nothing_to_train(cfg: EngineConfig, ctx: DistContext) -> None:
                     cfg.train.save_dir, cfg.train.steps, 2 * cfg.train.steps)
 
 
-def save(engine: angelptm.Engine, cfg: EngineConfig, run_health: health.RunHealth) -> None:
+def background_saves(cfg: EngineConfig, ctx: DistContext) -> bool:
+    """Whether the periodic saves go on beside training (``train.background_save``, one process; the engine writes
+    them so with ZeRO-Cache, and before returning elsewhere)."""
+    if cfg.train.background_save and ctx.world_size > 1 and ctx.is_main:
+        logger.info("train.background_save: with %d ranks each checkpoint is written before training goes on (the "
+                    "end of a save is a collective)", ctx.world_size)
+    return cfg.train.background_save and ctx.world_size == 1
+
+
+def save(engine: angelptm.Engine, cfg: EngineConfig, run_health: health.RunHealth, *,
+         background: bool = False) -> None:
     """Save a checkpoint recording whether the run is healthy; ``latest`` moves onto it unless a non-finite loss
-    came since the last healthy step (that checkpoint is kept for inspection, never resumed by default)."""
+    came since the last healthy step (that checkpoint is kept for inspection, never resumed by default).
+
+    ``background``: return once it is staged (:meth:`angelptm.Engine.save_checkpoint`); a save still being written
+    is waited for first either way."""
     engine.save_checkpoint(cfg.train.save_dir, client_state={health.HEALTHY_KEY: run_health.healthy},
-                           save_latest=not run_health.diverged)
+                           save_latest=not run_health.diverged, background=background)
 
 
 def log_metrics(step: int, loss: float, engine: angelptm.Engine, meter: ThroughputMeter, ctx: DistContext,

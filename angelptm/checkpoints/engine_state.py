@@ -171,6 +171,13 @@ class EngineCheckpoints:
         pending, self._pending_save = self._pending_save, None
         return pending.wait() if pending is not None else None
 
+    @property
+    def saving_in_background(self) -> bool:
+        """Whether a checkpoint started with ``save_checkpoint(background=True)`` is still being written (its writer
+        has not finished: ``latest`` may not name it yet)."""
+        pending = self._pending_save
+        return pending is not None and not pending.done()
+
     def _checkpoint_goes_on(self, *, report: bool = False) -> None:
         """At the engine's calls: a save in the background stages chunks into its free buffers; with ``report`` (the
         step), a save whose writer failed raises its error (once; the save is then over)."""
