@@ -17,6 +17,7 @@ class LossScaler:
     def __init__(self, config: LossScaleConfig) -> None:
         self.dynamic = config.static_scale is None
         self.cur_scale = float(2**config.initial_scale_power) if self.dynamic else float(config.static_scale)
+        self.initial_scale_power = config.initial_scale_power
         self.window = config.window
         self.min_scale = config.min_scale
         self.hysteresis = config.hysteresis
@@ -30,6 +31,16 @@ class LossScaler:
         """The factor the loss is multiplied by before backward."""
         return self.cur_scale
 
+    def _gave_up(self) -> str:
+        """Why the scale search stops: it halved from ``2**initial_scale_power`` to its floor and the gradients still
+        overflow (both keys named: a search that starts too high against a floor too high gives up the same way a
+        diverged run does)."""
+        power = self.initial_scale_power
+        return (f"fp16 gradients overflowed with the loss scale at fp16.min_loss_scale={self.min_scale}, the floor "
+                f"of its search down from 2**{power} (fp16.initial_scale_power={power}): no scale in that range fits "
+                "these gradients, so the run has diverged or the range is wrong: lower the learning rate, lower "
+                "fp16.min_loss_scale (or fp16.initial_scale_power), or use bf16")
+
     def update(self, overflow: bool) -> None:
         """Record one optimizer step's outcome.
 
@@ -42,10 +53,7 @@ class LossScaler:
         if overflow:
             if self.hysteresis == 1 or self.cur_hysteresis == 1:
                 if self.cur_scale == self.min_scale:
-                    raise FloatingPointError(
-                        f"fp16 gradients overflowed with the loss scale at fp16.min_loss_scale={self.min_scale}; "
-                        "the run has diverged: lower the learning rate, lower min_loss_scale, or use bf16"
-                    )
+                    raise FloatingPointError(self._gave_up())
                 self.cur_scale = max(self.cur_scale / 2.0, self.min_scale)
             else:
                 self.cur_hysteresis -= 1

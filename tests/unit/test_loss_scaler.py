@@ -148,7 +148,7 @@ def test_min_scale_overflow_message():
         assert scaler.cur_scale == expected
     with pytest.raises(FloatingPointError) as info:
         scaler.update(True)
-    assert "fp16.min_loss_scale=1.0" in str(info.value)
+    assert "fp16.min_loss_scale=1" in str(info.value) and "fp16.initial_scale_power=2" in str(info.value)
     assert scaler.cur_scale == 1.0
     # a clean step is still accepted at the minimum and the scale can grow back
     for _ in range(11):

@@ -192,7 +192,10 @@ def test_fp16_overflowing_at_its_minimum_loss_scale_stops_with_one_error_line(tm
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
     assert f"loss scale at fp16.min_loss_scale={2 ** 34}" in errors[0], errors[0]
-    assert re.search(r"the last healthy checkpoint is \S+global_step\d+ and `latest` names it", errors[0]), errors[0]
+    assert "fp16.initial_scale_power=40" in errors[0], errors[0]  # the search's start, as well as its floor
+    # The checkpoints saved while the scaler searched (every step skipped so far) are healthy: one is named.
+    found = re.search(r"the last healthy checkpoint is (\S+global_step\d+) and `latest` names it", errors[0])
+    assert found and Path(found[1]).is_dir() and checkpoint_is_healthy(Path(found[1])), errors[0]
 
 
 def nan_from_the_fourth_forward(monkeypatch) -> None:
