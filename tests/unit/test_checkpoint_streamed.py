@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import math
 import os
 import subprocess
 import sys
@@ -25,6 +26,8 @@ from angelptm.checkpoints import streamed
 
 ROOT = Path(__file__).resolve().parents[2]
 STATE_BYTES_PER_ELEMENT = 12  # fp32 master, exp_avg, exp_avg_sq
+LARGEST_SAVE_CHUNKS = 180
+"""Chunks of the largest state :func:`test_staging_is_k_chunks_whatever_the_model_size` saves (60 layers)."""
 
 
 def engine_of(seed: int, *, num_layers: int = 6, nvme_path: Path | None = None):
@@ -265,7 +268,7 @@ def counting_allocator() -> tuple[callable, dict]:
 
 @pytest.mark.parametrize("max_staged", [1, 3])
 def test_staging_is_k_chunks_whatever_the_model_size(tmp_path, monkeypatch, max_staged):
-    """A state many times the staging (6 to 60 layers: 18 to 162 chunks) stages the same bytes: K chunks."""
+    """A state many times the staging (6 to 60 layers: 18 to 180 chunks) stages the same bytes: K chunks."""
     peaks = {}
     for num_layers in (6, 60):
         engine, optimizer = engine_of(0, num_layers=num_layers)
@@ -278,6 +281,7 @@ def test_staging_is_k_chunks_whatever_the_model_size(tmp_path, monkeypatch, max_
         train_steps(engine, random_batches(1, count=2, batch=4))  # the steps overtake the writer
         engine.wait_for_checkpoint()
         snapshot = snapshots[0]
+        assert snapshot.num_chunks == {6: 18, 60: LARGEST_SAVE_CHUNKS}[num_layers]
         state_bytes = snapshot.num_chunks * STATE_BYTES_PER_ELEMENT * CHUNK_NUMEL
         bound = max_staged * STATE_BYTES_PER_ELEMENT * CHUNK_NUMEL
         assert count["made"] == max_staged and count["peak"] == bound, count
@@ -286,6 +290,31 @@ def test_staging_is_k_chunks_whatever_the_model_size(tmp_path, monkeypatch, max_
         engine.destroy()
     assert peaks[6][0] == peaks[60][0]
     assert peaks[60][1] >= 50 * peaks[60][0], "the state must be many times the staging"
+
+
+def test_a_13b_state_stages_the_same_k_chunks_by_arithmetic():
+    """13B by arithmetic, the staging by the test above. The GPT-2 of 40 layers x 5120 (vocab 50304: 12.8 B
+    parameters), laid out on the meta device by the engine's own chunk search, has 41 chunks of 314.7 M elements:
+    fewer than the 180 the test above saves with the same K buffers, which it counts whatever the number of chunks.
+    So a 13B save stages K x 12 B x 314.7 M (7.6 GB at the default K = 2) of its 154 GB of states."""
+    from angelptm.checkpoints.engine_state import STAGED_CHUNKS
+    from angelptm.pretraining.models import ModelConfig, build_model
+    from zero_cache import ZeroCacheConfig
+    from zero_cache.resolve import build_layout
+
+    with torch.device("meta"):
+        model = build_model(ModelConfig(flavour="gpt2", vocab_size=50304, max_seq_len=1024, num_layers=40,
+                                        hidden_size=5120, num_heads=40))
+    shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    layout = build_layout(shapes, ZeroCacheConfig(chunk_size="auto"))
+    state_bytes = STATE_BYTES_PER_ELEMENT * sum(p.numel() for p in model.parameters())
+    staged_bytes = STAGED_CHUNKS * STATE_BYTES_PER_ELEMENT * layout.chunk_numel
+    assert 12.5e9 < state_bytes / STATE_BYTES_PER_ELEMENT < 13.5e9, "not a 13B model"
+    assert layout.num_chunks <= LARGEST_SAVE_CHUNKS, (layout.num_chunks, "more chunks than the test above shows")
+    assert layout.chunk_numel >= max(math.prod(shape) for _, shape in shapes)  # (a chunk holds the largest tensor)
+    assert round(staged_bytes / 1e9, 1) == 7.6 and round(state_bytes / 1e9) == 154
+    assert staged_bytes < 128 * 2**30 / 16, "a 13B save's staging must be a small part of a 128 GiB host"
+    assert state_bytes > 128 * 2**30, "the whole state, what the save used to stage, does not fit that host"
 
 
 RSS_JOB = """
