@@ -7,6 +7,7 @@
 #   H200:                     source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200_13b_user h200_13b_user_clip
 #                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200_13b h200_13b_no_device_steps
 #                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200_2p7b_capped h200_2p7b_capped_clip
+#                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200_2p7b_checkpoint_save
 #   H100 (nvidia-h100-x1):    source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h100_10b h100_2p7b_capped
 #                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h100_2p7b_whole h100_llama_capped
 #                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h100_nvme_2p7b
@@ -40,6 +41,10 @@ capped=("${bench[@]}" "${cap[@]}" "${user[@]}" --engines deepspeed angelptm --mo
         --configs $c/zero_infinity.json)
 run h200_2p7b_capped 290 "${capped[@]}" "${noclip[@]}"
 run h200_2p7b_capped_clip 290 "${capped[@]}" "${clip[@]}"
+# Checkpoints beside training (issue 52), the same 2.7B capped workload: the disk's bandwidth, a run saving in the
+# background every 8 steps (the stall per 100 steps, GB/s against the disk's, host RSS), a fresh process loading its
+# last checkpoint, and that resume against the spread of two uninterrupted runs. Three processes of about 2.5 minutes.
+run h200_2p7b_checkpoint_save 580 python3 bench/checkpoint_save.py --model 2.7b
 # The whole H100, the ZeRO-Offload JSON: 10B unclipped and clipping every step.
 run h100_10b 560 "${bench[@]}" "${ours[@]}" "${user[@]}" --models nngpt --sizes 10b --configs $c/zero_offload.json \
     "${noclip[@]}"
