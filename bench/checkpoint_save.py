@@ -394,8 +394,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="2.7b", choices=[s for s in user_models.SHAPES if s != "13b"],
                         help="size of the torch.nn GPT (default 2.7b; 1.3b where the disk holds less)")
     parser.add_argument("--quick", action="store_true", help="the tiny model on CPU, small steps and disk test")
-    parser.add_argument("--steps", type=int, help="steps of runs A and B (default 24; --quick 5)")
-    parser.add_argument("--save-every", type=int, help="run A saves every this many steps (default 8; --quick 2)")
+    parser.add_argument("--steps", type=int, help="steps of runs A and B (default 30; --quick 5)")
+    parser.add_argument("--save-every", type=int, help="run A saves every this many steps (default 10; --quick 2)")
     parser.add_argument("--save-dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "angelptm_save_bench"),
                         help="where the disk test and the checkpoints go (emptied first)")
     parser.add_argument("--disk-gb", type=float, help="bytes of the disk test, in GB (default 4; --quick 0.03)")
@@ -410,8 +410,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.model = "tiny"
     quick = args.model == "tiny"
-    args.steps = args.steps or (5 if quick else 24)
-    args.save_every = args.save_every or (2 if quick else 8)
+    args.steps = args.steps or (5 if quick else 30)
+    args.save_every = args.save_every or (2 if quick else 10)
     args.disk_gb = args.disk_gb if args.disk_gb is not None else (0.03 if quick else 4.0)
     if args.max_staged_chunks is None:
         from angelptm.checkpoints.engine_state import STAGED_CHUNKS

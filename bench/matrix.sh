@@ -42,8 +42,9 @@ capped=("${bench[@]}" "${cap[@]}" "${user[@]}" --engines deepspeed angelptm --mo
 run h200_2p7b_capped 290 "${capped[@]}" "${noclip[@]}"
 run h200_2p7b_capped_clip 290 "${capped[@]}" "${clip[@]}"
 # Checkpoints beside training (issue 52), the same 2.7B capped workload: the disk's bandwidth, a run saving in the
-# background every 8 steps (the stall per 100 steps, GB/s against the disk's, host RSS), a fresh process loading its
-# last checkpoint, and that resume against the spread of two uninterrupted runs. Three processes of about 2.5 minutes.
+# background every 10 steps (the stall per 100 steps, GB/s against the disk's, host RSS), a fresh process loading its
+# last checkpoint, and that resume against the spread of two uninterrupted runs: three processes of about 2 minutes
+# (1.5 to build and initialize each), about 7 in all.
 run h200_2p7b_checkpoint_save 580 python3 bench/checkpoint_save.py --model 2.7b
 # The whole H100, the ZeRO-Offload JSON: 10B unclipped and clipping every step.
 run h100_10b 560 "${bench[@]}" "${ours[@]}" "${user[@]}" --models nngpt --sizes 10b --configs $c/zero_offload.json \
