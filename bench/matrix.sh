@@ -7,6 +7,7 @@
 #   H200:                     source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200_13b_user h200_13b_user_clip
 #                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200_13b h200_13b_no_device_steps
 #                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200_2p7b_capped h200_2p7b_capped_clip
+#                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200_2p7b_capped_ds_newest
 #   H100 (nvidia-h100-x1):    source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h100_10b h100_2p7b_capped
 #                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h100_2p7b_whole h100_llama_capped
 #                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h100_nvme_2p7b
@@ -40,6 +41,11 @@ capped=("${bench[@]}" "${cap[@]}" "${user[@]}" --engines deepspeed angelptm --mo
         --configs $c/zero_infinity.json)
 run h200_2p7b_capped 290 "${capped[@]}" "${noclip[@]}"
 run h200_2p7b_capped_clip 290 "${capped[@]}" "${clip[@]}"
+# DeepSpeed's newest offloads beside ZeRO-Infinity at the same size and cap, unclipped (DeepSpeed only: compare with
+# h200_2p7b_capped). ZenFlow runs ZeRO-2: under ZeRO-3, DeepSpeed 0.19.8's ZenFlow transposes every 2-D parameter,
+# the embedding's too, and the first forward fails (bench/results/*-deepspeed-zenflow-stage3-fails-*.out).
+run h200_2p7b_capped_ds_newest 400 "${bench[@]}" "${cap[@]}" "${user[@]}" --engines deepspeed --anchor deepspeed \
+    --models nngpt --sizes 2.7b --configs $c/zero_zenflow.json $c/zero_superoffload.json "${noclip[@]}"
 # The whole H100, the ZeRO-Offload JSON: 10B unclipped and clipping every step.
 run h100_10b 560 "${bench[@]}" "${ours[@]}" "${user[@]}" --models nngpt --sizes 10b --configs $c/zero_offload.json \
     "${noclip[@]}"
