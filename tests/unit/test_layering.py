@@ -32,7 +32,7 @@ ZERO_CACHE_MODULES_IN_USE = {
     "zero_cache.optim.host_adam": {"HostAdam", "torch_fused_adam"},  # (bench/host_adam.py times it)
     "zero_cache.optim.chunk_adam": {"fp32_gradient"},  # (bench/device_adam.py times the device's Adam
     "zero_cache.optim.device_adam": {"adam_in_one_pass"},  # in four passes and in one)
-    "zero_cache.tuning": {"MAX_TRIALS", "MEASURED_STEPS", "RESTARTS", "SETTLE_STEPS"},
+    "zero_cache.plan.tuning": {"MAX_TRIALS", "MEASURED_STEPS", "RESTARTS", "SETTLE_STEPS"},
     # (bench/host_memory.py sets the re-plan's probe against the host's Adam and copies, alone and at once, through a
     # host tier as the engine's)
     "zero_cache.runtime.rates": {"copy_load", "host_memory_rate", "measured_copies", "measured_host_memory"},
@@ -207,8 +207,8 @@ def test_what_the_plan_prices_is_what_the_homes_are() -> None:
     """One registry of home classes, one of their costs, with the same tier names; each class reads its answers from
     its costs (no second copy to drift)."""
     from zero_cache.plan.home_costs import DISK_BLOCK_BYTES, HOME_COSTS, OFF_DEVICE_FILL_ORDER
-    from zero_cache.storage.homes import HOME_CLASSES
     from zero_cache.storage.nvme import ALIGN_BYTES
+    from zero_cache.storage.param_homes.registry import HOME_CLASSES
 
     assert set(HOME_CLASSES) == set(HOME_COSTS) and set(OFF_DEVICE_FILL_ORDER) <= set(HOME_COSTS)
     assert ALIGN_BYTES == DISK_BLOCK_BYTES
@@ -225,7 +225,7 @@ def test_what_the_plan_prices_is_what_the_state_homes_are() -> None:
     """The optimizer-state homes: one registry of classes, one of costs, the same tier names; each class reads its
     flags from its costs, and the planner's fill order names registered homes."""
     from zero_cache.plan.state_costs import STATE_COSTS, STATE_FILL_ORDER
-    from zero_cache.storage.state_homes import STATE_HOME_CLASSES
+    from zero_cache.storage.state_homes.registry import STATE_HOME_CLASSES
 
     assert set(STATE_HOME_CLASSES) == set(STATE_COSTS) and set(STATE_FILL_ORDER) <= set(STATE_COSTS)
     for name, cls in STATE_HOME_CLASSES.items():
