@@ -1,4 +1,4 @@
-"""The device-step count chosen by measured step times (zero_cache.tuning), and the plan it applies."""
+"""The device-step count chosen by measured step times (zero_cache.plan.tuning), and the plan it applies."""
 
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ from test_zero_cache_streamed import assert_close_to, config, resident_budget
 import angelptm
 from zero_cache.optim.host_update import HostUpdater
 from zero_cache.plan.planner import DEVICE, HOST, PlanInputs, make_plan, with_device_step_count
-from zero_cache.storage.chunks import ChunkStore
-from zero_cache.tuning import (
+from zero_cache.plan.tuning import (
     CHECK_STEPS,
     MAX_TRIALS,
     MEASURED_STEPS,
@@ -31,6 +30,7 @@ from zero_cache.tuning import (
     SettledSteps,
     next_count,
 )
+from zero_cache.storage.chunks import ChunkStore
 
 
 def drive(tuner: DeviceStepTuner, cost: dict[int, float], noise: float = 0.05) -> tuple[list[int], list[float]]:

@@ -84,7 +84,7 @@ class Tier:
 
     def take_interval_low(self) -> int:
         """The least bytes held since the last call (or since the tier was made), and a new interval from now
-        (:mod:`zero_cache.nonmodel` reads the engine's own bytes beside the allocator's peak this way)."""
+        (:mod:`zero_cache.runtime.nonmodel` reads the engine's own bytes beside the allocator's peak this way)."""
         low = min(self._interval_low_bytes, self.used_bytes)
         self._interval_low_bytes = self.used_bytes
         return low
@@ -248,7 +248,7 @@ def use_expandable_segments(device: torch.device) -> str:
     (BENCHMARKS.md, the 10B and 6.9B runs). Expandable segments map one growing segment per stream instead, so
     what is freed can be reused whatever its size. Segments made before this call stay as they were, and the
     warm-up's re-plan adds what the allocator still holds unallocated at its peak to the non-model reserve
-    (:class:`~zero_cache.nonmodel.NonModelMeter`).
+    (:class:`~zero_cache.runtime.nonmodel.NonModelMeter`).
     """
     if device.type != "cuda":
         return "not a CUDA device"

@@ -1,6 +1,6 @@
 """Params homed on NVMe (DeepSpeed's ``offload_param: nvme``): the home class that proved a new kind of home is
-one subclass of :class:`~zero_cache.storage.param_home.ParamHome` (and one entry in
-:data:`zero_cache.storage.homes.HOME_CLASSES`; what it costs the planner is
+one subclass of :class:`~zero_cache.storage.param_homes.home.ParamHome` (and one entry in
+:data:`zero_cache.storage.param_homes.registry.HOME_CLASSES`; what it costs the planner is
 :class:`~zero_cache.plan.home_costs.NvmeCosts`)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from zero_cache.plan.home_costs import (  # noqa: F401
 )
 from zero_cache.plan.tier_names import HOST, NVME
 from zero_cache.storage.nvme import ALIGN_BYTES, NvmeTier
-from zero_cache.storage.param_home import ParamHome, copy_in_and_gather
+from zero_cache.storage.param_homes.home import ParamHome, copy_in_and_gather
 from zero_cache.storage.tiers import BufferPool, wait
 
 

@@ -1,10 +1,10 @@
 """Optimizer states homed on NVMe (DeepSpeed's ``offload_optimizer: nvme``): each group's states in a slot of the NVMe
 tier's swap file (:class:`~zero_cache.storage.nvme.NvmeTier`), its gradient accumulator in host memory.
 
-For an update the host worker fetches the states: the slot is read into one of :data:`SWAP_BUFFERS` pinned bounce
-buffers alongside the gradient's transfer (one update ahead), CPU Adam runs over the buffer, and the buffer is
-written back and returns to the pool with the write in flight ("write behind"); a later read of the same slot waits
-for it. Per step that is a read and a write of each group
+For an update the host worker fetches the states: the slot is read into one of
+:data:`~zero_cache.plan.state_costs.SWAP_BUFFERS` pinned bounce buffers alongside the gradient's transfer (one update
+ahead), CPU Adam runs over the buffer, and the buffer is written back and returns to the pool with the write in flight
+("write behind"); a later read of the same slot waits for it. Per step that is a read and a write of each group
 (:meth:`~zero_cache.plan.state_costs.NvmeStateCosts.disk_bytes_per_step`).
 """
 
@@ -15,15 +15,11 @@ from typing import Any, Iterator
 
 import torch
 
-from zero_cache.plan.state_costs import STATE_COSTS
+from zero_cache.plan.state_costs import STATE_COSTS, SWAP_BUFFERS
 from zero_cache.plan.tier_names import HOST, NVME
 from zero_cache.storage.nvme import ALIGN_BYTES, NvmeTier
-from zero_cache.storage.state_home import STATE_FIELDS, FetchedStates, OptimizerGroup, StateHome
+from zero_cache.storage.state_homes.home import STATE_FIELDS, FetchedStates, OptimizerGroup, StateHome
 from zero_cache.storage.tiers import BufferPool
-
-SWAP_BUFFERS = 3
-"""Pinned bounce buffers of the NVMe tier: one being read (chunk i+1), one under CPU Adam (chunk i),
-one being written (chunk i-1)."""
 
 
 class NvmeStates(StateHome):

@@ -1,5 +1,6 @@
 """Where a chunk's optimizer group lives: its **state home**, one class per kind (device, host, another rank here;
-NVMe in :mod:`zero_cache.storage.nvme_states`), registered by tier name in :mod:`zero_cache.storage.state_homes`.
+NVMe in :mod:`zero_cache.storage.state_homes.nvme`), registered by tier name in
+:mod:`zero_cache.storage.state_homes.registry`.
 
 The store and the step ask a group's home, never its tier's name:
 
@@ -40,7 +41,7 @@ class OptimizerGroup:
     """One chunk's optimizer state: fp32 master, exp_avg, exp_avg_sq in one home (and a gradient accumulator)."""
 
     home: StateHome
-    """Where the states live (:mod:`zero_cache.storage.state_homes`); the store and the step ask it."""
+    """Where the states live (:mod:`zero_cache.storage.state_homes.registry`); the store and the step ask it."""
     states: torch.Tensor | None
     """3 x chunk_numel fp32: master | exp_avg | exp_avg_sq; None where the home keeps them out of memory (a swap
     slot) or another rank holds them."""

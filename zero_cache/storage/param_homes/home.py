@@ -1,5 +1,5 @@
 """Where a chunk's params live between uses: its **home**, one class per kind (device, host here; NVMe in
-:mod:`zero_cache.storage.nvme_home`), registered by tier name in :mod:`zero_cache.storage.homes`.
+:mod:`zero_cache.storage.param_homes.nvme`), registered by tier name in :mod:`zero_cache.storage.param_homes.registry`.
 
 Replicated params live on the device for good (:class:`DeviceHome`). Gathered params (sharded over
 ranks, or streamed on one rank) keep this rank's shard of each collective group at a home the plan
