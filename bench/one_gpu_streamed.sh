@@ -20,7 +20,7 @@ run infinity_4p4b 480 "${step[@]}" "${cap[@]}" --sizes 4.4b --modes zero_cache z
     deepspeed_infinity --anchor deepspeed_infinity
 run streamed_6p9b 300 "${step[@]}" "${cap[@]}" --sizes 6.9b --modes zero_cache --anchor zero_cache
 run largest_8p5b 540 "${step[@]}" "${cap[@]}" --sizes 8.5b --modes zero_cache --anchor zero_cache
-mkdir -p /tmp/zero_cache_swap  # the NVMe tier's swap directory (the disk behind /tmp on the lent machines)
+mkdir -p /tmp/zero_cache_swap  # the NVMe tier's swap directory (on the H200 machines measured, /tmp is on the local disk)
 # Expandable segments: without them the re-plan's placement failed at step 1 on fragmentation (1.42 GiB reserved
 # but unallocated under the cap; 2026-11-25-h200-streamed-10b-nvme-22gb-first-oom-c34a7be.log).
 run largest_nvme_10b 420 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "${step[@]}" "${cap[@]}" --sizes 10b --modes zero_cache --anchor zero_cache \
