@@ -28,6 +28,6 @@ run largest_nvme_10b 420 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "$
 # A picture of one 6.9B step under a 22 GB device budget (built on the GPU to save time; OUT/trace_6p9b/).
 run trace_6p9b 300 "${step[@]}" --steps 6 --device-budget 22GB --sizes 6.9b --modes zero_cache --anchor zero_cache \
     --trace "$out/trace_6p9b"
-# No regression: the whole GPU, params resident (BENCHMARKS.md: 6.9B 463, 13.7B 410 model TFLOPS).
+# No regression: the whole GPU, params resident (bench/results/HISTORY.md: 6.9B 463, 13.7B 410 model TFLOPS).
 run full_6p9b 150 "${step[@]}" --sizes 6.9b --modes zero_cache --anchor zero_cache
 run full_13p7b 260 "${step[@]}" --sizes 13.7b --modes zero_cache --anchor zero_cache
