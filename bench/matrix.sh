@@ -8,12 +8,12 @@
 #                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200_13b h200_13b_no_device_steps
 #                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200_2p7b_capped h200_2p7b_capped_clip
 #                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200_2p7b_capped_ds_newest
-#   H100 (nvidia-h100-x1):    source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h100_10b h100_2p7b_capped
+#   H100:                     source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h100_10b h100_2p7b_capped
 #                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h100_2p7b_whole h100_llama_capped
 #                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h100_nvme_2p7b
-#   2x H200 (nvidia-h200-x2): source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200x2_6p9b_scaling
+#   2x H200 (one host):       source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200x2_6p9b_scaling
 #
-# One device call runs at most 600 s. A 13B run of ours takes about 3 minutes (2 to build and initialize, 32 steps);
+# Each line fits in 600 s. A 13B run of ours takes about 3 minutes (2 to build and initialize, 32 steps);
 # a 2.7B capped run about 2 (1.5 to initialize), DeepSpeed's about 1.5.
 #
 # Every row is a DeepSpeed script of a user's model (bench/user_models.py: the GPT written from torch.nn modules,

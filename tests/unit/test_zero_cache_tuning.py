@@ -75,8 +75,8 @@ def test_the_tuning_tries_the_counts_measured_fastest_on_the_gpu_rows():
     own 7 or 11, whose steps leave work to the next."""
     rows = {"13B, H200": (7, {7: 2.032, 4: 1.781, 2: 1.425}), "10B, H100": (11, {11: 1.683, 6: 1.518, 3: 1.551}),
             "2.7B capped, H100": (7, {7: 0.659, 4: 0.582, 2: 0.620}), "Llama capped, H100": (7, {7: 0.962, 4: 0.889}),
-            "13B, H200 (session 45)": (7, {4: 2.080, 2: 1.751, 1: 1.564}),
-            "10B, H100 (session 44)": (11, {6: 1.569, 3: 1.537, 2: 1.676})}
+            "13B, H200 (72e71da)": (7, {4: 2.080, 2: 1.751, 1: 1.564}),
+            "10B, H100 (949bc3f)": (11, {6: 1.569, 3: 1.537, 2: 1.676})}
     for row, (planned, measured) in rows.items():
         fastest = min(measured, key=measured.__getitem__)
         tried: dict[int, float] = {}

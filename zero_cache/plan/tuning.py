@@ -72,7 +72,7 @@ def next_count(planned: int, most: int, measured: dict[int, float]) -> int | Non
     Starting at a quarter was tried and reverted: at 13B on the H200 random tokens clip the first four steps, and
     the steps that pay for their updates ran 2.0-2.4 s whatever the count in force, against 1.43 s settled. Begun at
     2, the tuning measured 2 slow, went on down to none and settled there at 1.67 s, where 1 settles at 1.43 s
-    (``bench/results/h200-matrix-13b-*-session45.out``). The tuner now starts over when that timing changes
+    (``bench/results/2026-11-27-h200-matrix-13b-*-72e71da.out``). The tuner now starts over when that timing changes
     (:class:`DeviceStepTuner`)."""
     tried = list(measured)
     if len(tried) >= MAX_TRIALS or most <= 0 and tried:

@@ -245,8 +245,8 @@ def use_expandable_segments(device: torch.device) -> str:
 
     Under a tight device budget the caching allocator's fixed-size segments fragment: a 22 GB cap lost 1.39-1.42
     GiB to memory "reserved by PyTorch but unallocated" and an allocation the plan had room for failed
-    (BENCHMARKS.md, the 10B and 6.9B runs). Expandable segments map one growing segment per stream instead, so
-    what is freed can be reused whatever its size. Segments made before this call stay as they were, and the
+    (bench/results/HISTORY.md, the 10B and 6.9B runs). Expandable segments map one growing segment per stream
+    instead, so what is freed can be reused whatever its size. Segments made before this call stay as they were, and the
     warm-up's re-plan adds what the allocator still holds unallocated at its peak to the non-model reserve
     (:class:`~zero_cache.runtime.nonmodel.NonModelMeter`).
     """
