@@ -157,10 +157,11 @@ class BF16Section(Section):
     immediate_grad_update: bool = True
     check_grad_overflow: bool = False
     bf16_master_weights_and_grads: bool = False
-    """DeepSpeed 0.19.8's bf16 master weights and gradients: false only (what the engine does: fp32 masters and
-    gradients); true is refused, naming what to do instead."""
+    """DeepSpeed 0.19.8's bf16 master weights and gradients (ZeRO stage 1-3; without bf16_optimizer_states only with
+    offload_optimizer): the optimizer steps the bf16 parameters with bf16 gradients
+    (:mod:`angelptm.config.precision_modes`)."""
     bf16_optimizer_states: bool = False
-    """DeepSpeed 0.19.8's bf16 Adam moments: false only (the engine's moments are fp32); true is refused."""
+    """DeepSpeed 0.19.8's bf16 Adam moments; requires bf16_master_weights_and_grads."""
 
 
 class OffloadSection(Section):
@@ -263,9 +264,8 @@ class ZeroSection(Section):
 
 
 class TorchAutocastSection(Section):
-    """DeepSpeed's ``torch_autocast``: the forward under ``torch.autocast`` with fp32 parameters. The engine has no
-    such path (it casts the module to the compute dtype and keeps fp32 masters), so ``enabled: true`` is refused
-    with the section to write instead; ``enabled: false`` is DeepSpeed's default and changes nothing."""
+    """DeepSpeed's ``torch_autocast``: the forward under ``torch.autocast(device, dtype)`` with fp32 parameters
+    (:mod:`angelptm.config.precision_modes`); ``enabled: false`` is DeepSpeed's default and changes nothing."""
 
     enabled: bool = False
     dtype: str | None = None

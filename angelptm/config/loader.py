@@ -19,7 +19,7 @@ from typing import Any
 import pydantic
 import torch
 
-from angelptm.config import edge, precision, typed
+from angelptm.config import edge, precision, precision_modes, typed
 from angelptm.errors import ArgumentTypeError, ConfigError
 from zero_cache import ZeroCacheConfig
 
@@ -76,23 +76,11 @@ def load_config(config: str | os.PathLike | dict | None, *, world_size: int = 1,
 def _unsupported_values(parsed: edge.EdgeConfig, ignored: dict[str, Any]) -> list[str]:
     """DeepSpeed keys this engine reads but whose value asks for what it does not do, each with what to do instead
     (``ignored``: the raw sections accepted without acting on them, some of which ask for more ranks)."""
-    problems = []
-    masters = "; remove the key (or set it false): the engine keeps fp32 {what}, the numerics of DeepSpeed's default " \
-              "bf16, and ZeRO-Cache holds them in host memory or on NVMe where they do not fit (zero_optimization." \
-              "stage 3 with offload_optimizer)"
-    if parsed.bf16.bf16_master_weights_and_grads:
-        problems.append("bf16.bf16_master_weights_and_grads: true (bf16 master weights and gradients) is not "
-                        "implemented" + masters.format(what="master weights and gradients"))
-    if parsed.bf16.bf16_optimizer_states:
-        problems.append("bf16.bf16_optimizer_states: true (bf16 Adam moments) is not implemented"
-                        + masters.format(what="Adam moments"))
-    if parsed.optimizer is not None and not parsed.optimizer.params.fp32_optimizer_states:
-        problems.append("optimizer.params.fp32_optimizer_states: false (bf16 Adam moments) is not implemented; "
-                        "remove the key: the engine's Adam moments are fp32")
-    if parsed.torch_autocast.enabled:
-        problems.append("torch_autocast.enabled: true is not supported: the engine has no torch.autocast path (it "
-                        "casts the module to the compute dtype and keeps fp32 master weights); remove torch_autocast "
-                        "and write \"bf16\": {\"enabled\": true} (or fp16), bf16 compute with fp32 masters")
+    problems = precision_modes.low_precision_problems(parsed, _zero_cache_on(parsed))
+    problems += precision_modes.autocast_problems(parsed)
+    fp32_states = precision_modes.fp32_optimizer_states_problem(parsed)
+    if fp32_states:
+        problems.append(fp32_states)
     if not parsed.managed_gradient_accumulation:
         problems.append("managed_gradient_accumulation: false (every step() applies an update, the script owning the "
                         "accumulation boundary) is not supported: the engine steps at gradient_accumulation_steps "
@@ -400,7 +388,6 @@ def _not_acted_sections(raw: dict) -> tuple[str, ...]:
     # Keys inside acted-on sections that still change nothing here.
     quiet = {"fp16": ("fp16_master_weights_and_grads",), "bf16": ("immediate_grad_update", "check_grad_overflow"),
              "bfloat16": ("immediate_grad_update", "check_grad_overflow"),
-             "torch_autocast": ("enabled", "dtype", "lower_precision_safe_modules"),
              "optimizer": ("legacy_fusion",)}
     for section, names in quiet.items():
         keys += tuple(f"{section}.{name}" for name in names if name in (raw.get(section) or {}))
@@ -410,7 +397,20 @@ def _not_acted_sections(raw: dict) -> tuple[str, ...]:
     return keys
 
 
+def _zero_cache_on(parsed: edge.EdgeConfig) -> bool:
+    """Whether ZeRO-Cache will hold the optimizer states (:func:`_zero_cache_section`'s rule)."""
+    zero = parsed.zero_optimization
+    offloaded = any(o is not None and o.device != "none" for o in (zero.offload_param, zero.offload_optimizer))
+    return bool(parsed.zero_cache.enabled) or (zero.stage == 3 and offloaded)
+
+
 def _precision(parsed: edge.EdgeConfig, device_type: str) -> typed.PrecisionConfig:
+    """The compute dtype (:mod:`angelptm.config.precision`), then the master, moment and autocast dtypes
+    (:mod:`angelptm.config.precision_modes`)."""
+    return precision_modes.apply_modes(_compute_precision(parsed, device_type), parsed, device_type)
+
+
+def _compute_precision(parsed: edge.EdgeConfig, device_type: str) -> typed.PrecisionConfig:
     if parsed.fp16.enabled and parsed.bf16.enabled is True:
         raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one")
     # A bf16 or fp16 section with enabled false is fp32 as written; only a config naming neither is left open.

@@ -166,11 +166,17 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
         cast = self.compute_dtype if self.config.precision.cast_inputs else None
         args = _to_device(args, self.device, cast)
         kwargs = _to_device(kwargs, self.device, cast)
-        with self._tracer.phase("forward"), explained_oom(self, "forward"):
+        with self._tracer.phase("forward"), explained_oom(self, "forward"), self._autocast():
             output = self.module(*args, **kwargs)
         self._tracer.forward_ended()
         self._timings["forward"] += self._clock() - start
         return output
+
+    def _autocast(self) -> Any:
+        """``torch_autocast``: the forward under ``torch.autocast`` in its dtype, over fp32 parameters (DeepSpeed's
+        ``autocast_if_enabled``, which replaces an autocast the script entered around the call); else nothing."""
+        dtype = self.config.precision.autocast_dtype
+        return nullcontext() if dtype is None else torch.autocast(device_type=self.device.type, dtype=dtype)
 
     def trace_next_step(self, directory: str | Path) -> None:
         """Record the next step (its forward, backward and optimizer step, until the next forward has run) and
