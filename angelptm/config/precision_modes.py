@@ -31,10 +31,10 @@ What this engine does with them:
   config's optimizer (DeepSpeed requires its DeepSpeedCPUAdam; a client optimizer is refused, as there).
 * ZeRO-Cache (stage 3 with ``offload_optimizer``, or ``zero_cache.enabled``): its chunked optimizer states are fp32
   in every home (device, host, NVMe, checkpoints), so either key is refused with what to do instead.
-* ``torch_autocast``: exclusive with ``bf16.enabled: true`` and ``fp16.enabled: true`` here. DeepSpeed 0.19.8 has no
-  assert for it: it runs a bf16 module under autocast, where autocast's fp32 ops upcast again and masters are the
-  bf16 optimizer's; its documented use is fp32 parameters, which is what is implemented. ``bf16.enabled: "auto"``
-  yields to it (the parameters stay fp32).
+* ``torch_autocast`` with ``bf16.enabled: true`` (or ``fp16.enabled: true``): as DeepSpeed 0.19.8, which has no
+  assert against it, the module is cast and trained as that section says (fp32 masters and all), and its forward runs
+  under autocast besides, whose fp32 ops (softmax, norms, losses) upcast again. Its documented use is fp32
+  parameters: ``bf16.enabled: "auto"`` yields to it.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def fp32_optimizer_states_problem(parsed: edge.EdgeConfig) -> str | None:
 
 
 def autocast_problems(parsed: edge.EdgeConfig) -> list[str]:
-    """``torch_autocast``'s checks: a dtype DeepSpeed takes, importable safe-module names, no bf16/fp16 module."""
+    """``torch_autocast``'s checks: a dtype DeepSpeed takes, importable safe-module names."""
     section = parsed.torch_autocast
     if not section.enabled:
         return []
@@ -125,11 +125,6 @@ def autocast_problems(parsed: edge.EdgeConfig) -> list[str]:
         problems.append(f"torch_autocast.dtype: {section.dtype!r} is not a dtype autocast runs in; use one of "
                         f"{', '.join(repr(name) for name in AUTOCAST_DTYPES)}, or leave it out for the device's "
                         "default (bfloat16 on a CPU, float16 on CUDA)")
-    for key, on in (("bf16.enabled", parsed.bf16.enabled is True), ("fp16.enabled", parsed.fp16.enabled)):
-        if on:
-            problems.append(f"torch_autocast.enabled: true with {key}: true: torch_autocast keeps fp32 parameters and "
-                            f"runs the forward under torch.autocast, {key} casts the module itself; use one: remove "
-                            f"the {key.split('.')[0]} section (or set {key} false) for autocast")
     for name in section.lower_precision_safe_modules or ():
         try:
             module_class(name)
@@ -164,12 +159,14 @@ def apply_modes(config: typed.PrecisionConfig, parsed: edge.EdgeConfig, device_t
         default = torch.bfloat16 if device_type == "cpu" else torch.float16
         dtype = AUTOCAST_DTYPES[section.dtype] if section.dtype is not None else default
         modules = section.lower_precision_safe_modules
-        changes.update(dtype=torch.float32, autocast_dtype=dtype,
-                       autocast_safe_modules=tuple(DEFAULT_SAFE_MODULES if modules is None else modules),
-                       loss_scale=GRAD_SCALER if dtype == torch.float16 and parsed.zero_optimization.stage == 0
-                       else None,
-                       reason=f"torch_autocast.enabled is true: fp32 parameters, the forward under torch.autocast "
-                              f"in {str(dtype).removeprefix('torch.')}")
+        changes.update(autocast_dtype=dtype,
+                       autocast_safe_modules=tuple(DEFAULT_SAFE_MODULES if modules is None else modules))
+        if not (bf16.enabled is True or parsed.fp16.enabled):  # else the module is cast as that section says
+            changes.update(dtype=torch.float32,
+                           loss_scale=GRAD_SCALER if dtype == torch.float16 and parsed.zero_optimization.stage == 0
+                           else None,
+                           reason=f"torch_autocast.enabled is true: fp32 parameters, the forward under "
+                                  f"torch.autocast in {str(dtype).removeprefix('torch.')}")
     if not changes:
         return config
     if config.dtype != torch.float32 and "autocast_dtype" in changes:

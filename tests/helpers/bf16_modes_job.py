@@ -31,6 +31,8 @@ MODES = {
     "default_bf16_stage1": {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}},
     "autocast_bf16_stage0": {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
     "autocast_default_stage1": {"torch_autocast": {"enabled": True}, "zero_optimization": {"stage": 1}},
+    "autocast_over_bf16_stage1": {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}, "bf16": {"enabled": True},
+                                  "zero_optimization": {"stage": 1}},
 }
 STEPS = 6
 

@@ -96,9 +96,10 @@ def test_deepspeeds_other_asserts_are_config_errors_naming_the_key():
     assert "set bf16.enabled to true" in _problems(bf16={**both, "enabled": False}, zero_optimization={"stage": 1})
 
 
-def test_torch_autocast_is_exclusive_with_bf16_and_checks_its_module_names():
-    message = _problems(torch_autocast={"enabled": True}, bf16={"enabled": True})
-    assert "torch_autocast.enabled" in message and "bf16.enabled" in message
+def test_torch_autocast_over_a_bf16_module_is_taken_and_its_module_names_are_checked():
+    both = load_config({**BASE, "torch_autocast": {"enabled": True}, "bf16": {"enabled": True}},
+                       device_type="cpu").precision
+    assert (both.dtype, both.autocast_dtype) == (torch.bfloat16, torch.bfloat16)  # as DeepSpeed: no refusal
     message = _problems(torch_autocast={"enabled": True, "lower_precision_safe_modules": ["torch.nn.NoSuchLayer"]})
     assert "torch_autocast.lower_precision_safe_modules" in message and "NoSuchLayer" in message
     assert "torch_autocast.dtype" in _problems(torch_autocast={"enabled": True, "dtype": "int8"})
