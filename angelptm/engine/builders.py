@@ -18,6 +18,7 @@ from angelptm.engine.cpu_bf16 import slow_bf16_warning
 from angelptm.engine.expert_parallel import ExpertParallel
 from angelptm.engine.loss_scaler import LossScaler
 from angelptm.engine.mixed_precision import MixedPrecisionOptimizer
+from angelptm.engine.optimizer_contract import EngineOptimizer
 from angelptm.engine.schedulers import build_scheduler
 from angelptm.errors import ArgumentTypeError, ConfigError
 from angelptm.integrations import deepspeed_alias
@@ -267,7 +268,7 @@ def place_module(model: nn.Module, device: torch.device, dtype: torch.dtype, *, 
 
 
 def build_optimizer(model: nn.Module, client: Any, model_parameters: Iterable | None, cfg: EngineConfig,
-                    ctx: DistContext, experts: ExpertParallel | None = None) -> MixedPrecisionOptimizer | None:
+                    ctx: DistContext, experts: ExpertParallel | None = None) -> EngineOptimizer | None:
     """The engine's optimizer: the client's (an optimizer, or a callable given the parameters) or the config's,
     wrapped in fp32 masters (:class:`MixedPrecisionOptimizer`) or, with ``zero_cache`` on, ZeRO-Cache's hybrid Adam.
 
@@ -397,7 +398,7 @@ def _sharding(cfg: EngineConfig, ctx: DistContext) -> zero_cache.Sharding:
                                side_stream=stream)
 
 
-def resolve_scheduler(client: Any, optimizer: MixedPrecisionOptimizer | None, cfg: EngineConfig) -> Any:
+def resolve_scheduler(client: Any, optimizer: EngineOptimizer | None, cfg: EngineConfig) -> Any:
     """The LR scheduler: the client's (an object, or a callable given the inner torch optimizer), else the
     config's ``scheduler`` over ``optimizer``, else None.
 

@@ -39,13 +39,16 @@ import contextlib
 import logging
 import math
 import weakref
-from typing import Any, Collection, Iterator
+from typing import TYPE_CHECKING, Any, Collection, Iterator
 
 import torch
 import torch.distributed as dist
 
 from angelptm.engine.expert_parallel import ExpertParallel
 from angelptm.engine.loss_scaler import LossScaler
+
+if TYPE_CHECKING:
+    from zero_cache import Sharding, Timeline
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +129,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """Whether :meth:`destroy` released the masters and states (then it cannot step)."""
         self.overflow = False
         self.last_grad_norm: float | None = None
+        self.sharding: Sharding | None = None
+        """None: every rank holds every state (the data-parallel ranks all-reduce gradients, not shard states)."""
+        self.timeline: Timeline | None = None
+        """Nothing of its own to record: the step runs on the compute stream, which the engine's tracer records."""
 
     def _make_hook(self, index: int):
         view = self.grad_views[index]
@@ -193,6 +200,24 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         raise NotImplementedError("the engine's fp32 masters and flat gradient buffer cover the parameters given at "
                                   "initialize(); a param group cannot be added later. Pass every parameter you will "
                                   "train to angelptm.initialize")
+
+    @property
+    def gradients_pending(self) -> bool:
+        """Never: gradients accumulate in the flat fp32 buffer, apart from the weights, which may be rewritten
+        between backward and step (``GatheredParameters``)."""
+        return False
+
+    @property
+    def params_sharded(self) -> bool:
+        """False: every rank holds its whole params (only gradients are reduced over ranks)."""
+        return False
+
+    def sync_params(self) -> None:
+        """Nothing to bring up to date: every rank's params are whole and current after each step."""
+
+    def tier_usage(self) -> dict[str, tuple[int, int]]:
+        """No memory tiers: every state of this rank is on the device (ZeRO-Cache's optimizer plans tiers)."""
+        return {}
 
     def prepare_backward(self, boundary: bool) -> None:
         """Nothing to prepare: gradients accumulate into the flat fp32 buffer (see :meth:`accumulating`)."""
