@@ -333,7 +333,7 @@ def record_health(engine: angelptm.Engine, ctx: DistContext, run_health: health.
     # Every rank reaches the same verdict (a rank's loss alone may be non-finite), or one would stop alone.
     finite = not ctx.any_rank(not all(math.isfinite(value) for value in step_losses))
     applied = engine.was_step_applied()
-    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    scaler = engine.optimizer.loss_scaler if engine.optimizer is not None else None
     # A skip by fp16's dynamic scaler is its search for a scale that fits, not divergence.
     run_health.record(engine.global_steps, applied=applied, finite=finite,
                       scale_search=not applied and scaler is not None and scaler.dynamic)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The 4-GPU benchmarks of the MoE, AutoPipe and ZeRO-Cache issues (device kind nvidia-h200-x4, .devdeps
-# carried). Each run is cut at its limit and the others still run; name the runs to do, at most 600 s of
-# limits per device call. All made on 4x H200 (issue 41, 2026-11-27; BENCHMARKS.md "4x H200"):
+# The 4-GPU benchmarks of the MoE, AutoPipe and ZeRO-Cache issues (one host of 4x H200, .devdeps carried).
+# Each run is cut at its limit and the others still run; name the runs to do, at most 600 s of limits in all
+# per invocation. All made on 4x H200 (issue 41, 2026-11-27; BENCHMARKS.md "Several GPUs" and "MoE all-to-all",
+# the full tables in bench/results/HISTORY.md):
 #
 #   source .devdeps/gpu-setup.sh && bash bench/four_gpu.sh "$OUT" moe_alltoall_2x2 moe_layer_4gpu autopipe_4stage
 #   source .devdeps/gpu-setup.sh && bash bench/four_gpu.sh "$OUT" moe_layer_auto_1host moe_alltoall_2x2_gloo    # 150 + 240 s

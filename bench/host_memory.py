@@ -20,9 +20,9 @@ Prints one JSON line (GB are 1e9 bytes): ``probe_gbs``, ``adam_alone`` and ``ada
 ``copies_alone_gbs`` and ``copies_mixed_gbs`` (both ways together), ``mixed_total_gbs`` (the Adam's bytes and the
 copies' during the same seconds), ``mixed_over_probe``, and ``copies_ran_out`` (true where the queued copies ended
 before the Adam did: the mixed figures of the copies are then left out; run again with a larger ``--copy-margin``).
-In session 46's reading of the matrix the H100's steps moved 105-114 GB/s at their fastest device-step counts. On an
-H200's host (session 47) the first probe, one host buffer copied onto another, read 53 GB/s against a mixed 133: the
-reason the probe is now the Adam beside copies.
+In the matrix's reading of 2026-11-28 (`59a6305`) the H100's steps moved 105-114 GB/s at their fastest device-step
+counts. On an H200's host (2026-11-29) the first probe, one host buffer copied onto another, read 53 GB/s against
+a mixed 133: the reason the probe is now the Adam beside copies.
 """
 
 from __future__ import annotations

@@ -7,13 +7,14 @@
 #   H200:                     source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200_13b_user h200_13b_user_clip
 #                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200_13b h200_13b_no_device_steps
 #                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200_2p7b_capped h200_2p7b_capped_clip
+#                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200_2p7b_capped_ds_newest
 #                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200_2p7b_checkpoint_save
-#   H100 (nvidia-h100-x1):    source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h100_10b h100_2p7b_capped
+#   H100:                     source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h100_10b h100_2p7b_capped
 #                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h100_2p7b_whole h100_llama_capped
 #                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h100_nvme_2p7b
-#   2x H200 (nvidia-h200-x2): source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200x2_6p9b_scaling
+#   2x H200 (one host):       source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200x2_6p9b_scaling
 #
-# One device call runs at most 600 s. A 13B run of ours takes about 3 minutes (2 to build and initialize, 32 steps);
+# Each line fits in 600 s. A 13B run of ours takes about 3 minutes (2 to build and initialize, 32 steps);
 # a 2.7B capped run about 2 (1.5 to initialize), DeepSpeed's about 1.5.
 #
 # Every row is a DeepSpeed script of a user's model (bench/user_models.py: the GPT written from torch.nn modules,
@@ -41,6 +42,11 @@ capped=("${bench[@]}" "${cap[@]}" "${user[@]}" --engines deepspeed angelptm --mo
         --configs $c/zero_infinity.json)
 run h200_2p7b_capped 290 "${capped[@]}" "${noclip[@]}"
 run h200_2p7b_capped_clip 290 "${capped[@]}" "${clip[@]}"
+# DeepSpeed's newest offloads beside ZeRO-Infinity at the same size and cap, unclipped (DeepSpeed only: compare with
+# h200_2p7b_capped). ZenFlow runs ZeRO-2: under ZeRO-3, DeepSpeed 0.19.8's ZenFlow transposes every 2-D parameter,
+# the embedding's too, and the first forward fails (bench/results/*-deepspeed-zenflow-stage3-fails-*.out).
+run h200_2p7b_capped_ds_newest 400 "${bench[@]}" "${cap[@]}" "${user[@]}" --engines deepspeed --anchor deepspeed \
+    --models nngpt --sizes 2.7b --configs $c/zero_zenflow.json $c/zero_superoffload.json "${noclip[@]}"
 # Checkpoints beside training (issue 52), the same 2.7B capped workload: the disk's bandwidth, a run saving in the
 # background every 10 steps (the stall per 100 steps, GB/s against the disk's, host RSS), a fresh process loading its
 # last checkpoint, and that resume against the spread of two uninterrupted runs: three processes of about 2 minutes

@@ -11,7 +11,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-16}
 step=(python3 bench/engine_step.py --steps 10)
 
 run gpu_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_zero_cache_cuda.py
-# 13.7B, whole GPU (BENCHMARKS.md: 410 TFLOPS without clipping, 292 with clipping 1.0 before this change).
+# 13.7B, whole GPU (bench/results/HISTORY.md: 410 TFLOPS without clipping, 292 with clipping 1.0 before this change).
 run clip_13p7b 300 "${step[@]}" --sizes 13.7b --modes zero_cache zero_cache_clip --anchor zero_cache
 # Accumulating, 4 micro-batches of 2. (At 13.7B the fp32 accumulators, 4 B/param more, do not fit this host's
 # 125 GiB: "host tier needs 125.44 GiB but its budget is 111.48 GiB"; 6.9B with a 60 GB device budget puts

@@ -20,14 +20,14 @@ run infinity_4p4b 480 "${step[@]}" "${cap[@]}" --sizes 4.4b --modes zero_cache z
     deepspeed_infinity --anchor deepspeed_infinity
 run streamed_6p9b 300 "${step[@]}" "${cap[@]}" --sizes 6.9b --modes zero_cache --anchor zero_cache
 run largest_8p5b 540 "${step[@]}" "${cap[@]}" --sizes 8.5b --modes zero_cache --anchor zero_cache
-mkdir -p /tmp/zero_cache_swap  # the NVMe tier's swap directory (the disk behind /tmp on the lent machines)
+mkdir -p /tmp/zero_cache_swap  # the NVMe tier's swap directory (on the H200 machines measured, /tmp is on the local disk)
 # Expandable segments: without them the re-plan's placement failed at step 1 on fragmentation (1.42 GiB reserved
-# but unallocated under the cap; h200-streamed-10b-nvme-22gb-first-oom.log).
+# but unallocated under the cap; 2026-11-25-h200-streamed-10b-nvme-22gb-first-oom-c34a7be.log).
 run largest_nvme_10b 420 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "${step[@]}" "${cap[@]}" --sizes 10b --modes zero_cache --anchor zero_cache \
     --nvme-path /tmp/zero_cache_swap
 # A picture of one 6.9B step under a 22 GB device budget (built on the GPU to save time; OUT/trace_6p9b/).
 run trace_6p9b 300 "${step[@]}" --steps 6 --device-budget 22GB --sizes 6.9b --modes zero_cache --anchor zero_cache \
     --trace "$out/trace_6p9b"
-# No regression: the whole GPU, params resident (BENCHMARKS.md: 6.9B 463, 13.7B 410 model TFLOPS).
+# No regression: the whole GPU, params resident (bench/results/HISTORY.md: 6.9B 463, 13.7B 410 model TFLOPS).
 run full_6p9b 150 "${step[@]}" --sizes 6.9b --modes zero_cache --anchor zero_cache
 run full_13p7b 260 "${step[@]}" --sizes 13.7b --modes zero_cache --anchor zero_cache

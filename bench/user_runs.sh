@@ -38,7 +38,8 @@ run nvme_params_1p3b 560 python3 bench/user_workloads.py --steps 3 --tuning-step
     --engines angelptm deepspeed --models nngpt --sizes 1.3b "${nvme_json[@]}" "${homes_on_disk[@]}"
 run nvme_params_2p7b 560 python3 bench/user_workloads.py --steps 8 --tuning-steps 0 "${cap[@]}" --engines angelptm \
     --anchor angelptm --models nngpt --sizes 2.7b "${nvme_json[@]}" "${homes_on_disk[@]}"
-# The whole host and the disk under the cap: the largest the plan fits on the lent H100 machine (11.7B).
+# The whole host and the disk under the cap: the largest the plan fits on the 1x H200 machine measured
+# (125 GiB of host, 64 GiB of free disk: 11.7B).
 run nvme_whole_host_12b 560 python3 bench/user_workloads.py --steps 3 --tuning-steps 0 "${cap[@]}" \
     --engines angelptm --anchor angelptm --models nngpt --sizes 12b --configs $c/zero_infinity_nvme.json
 # The newest DeepSpeed offloads at the same size and cap (DeepSpeed only; compare with nngpt_2p7b's zero_offload).

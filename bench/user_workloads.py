@@ -47,12 +47,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import user_models  # noqa: E402  (bench/ is not a package)
 
-from zero_cache.tuning import MAX_TRIALS, MEASURED_STEPS, RESTARTS, SETTLE_STEPS  # noqa: E402
+from zero_cache.plan.tuning import MAX_TRIALS, MEASURED_STEPS, RESTARTS, SETTLE_STEPS  # noqa: E402
 
 TUNING_STEPS = 1 + (1 + RESTARTS) * MAX_TRIALS * (SETTLE_STEPS + MEASURED_STEPS)
-"""The warm-up and the device-step tuner's trials (:mod:`zero_cache.tuning`: at most MAX_TRIALS counts, started over
-at most RESTARTS times where the norm falls under the clip threshold during them, as random tokens' does at 13B). Not
-a bound: a norm that falls after the tuning settled starts it over RETUNE_STEPS steps later, which may be inside the
+"""The warm-up and the device-step tuner's trials (:mod:`zero_cache.plan.tuning`: at most MAX_TRIALS counts, started
+over at most RESTARTS times where the norm falls under the clip threshold during them, as random tokens' does at 13B).
+Not a bound: a norm that falls after the tuning settled starts it over RETUNE_STEPS steps later, which may be inside the
 measured steps; the engine's log then says "the device-step tuning starts over", and the JSON line's grad norms say
 where the norm fell."""
 
@@ -451,7 +451,7 @@ def main() -> None:
         os.environ.setdefault(key, value)
     results, failed = [], 0
     for kind, size, config_path, engine_name in itertools.product(args.models, args.sizes, args.configs, args.engines):
-        # This engine settles its device-step count by measuring (zero_cache.tuning): time it after that.
+        # This engine settles its device-step count by measuring (zero_cache.plan.tuning): time it after that.
         unmeasured = args.warmup_steps + (args.tuning_steps if engine_name == "angelptm" else 0)
         command = [sys.executable, __file__, "--child", kind, size, config_path, engine_name, "--steps",
                    str(args.steps), "--unmeasured", str(unmeasured), "--data", args.data, "--init", args.init,

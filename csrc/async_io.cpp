@@ -2,7 +2,7 @@
 // io_getevents), called through the kernel ABI in <linux/aio_abi.h>.
 //
 // Why the raw syscalls rather than libaio: libaio is a thin wrapper over these same five calls,
-// but its header and shared library are often missing (they are on the lent GPU image and on CI),
+// but its header and shared library are often missing (on the GPU machines measured and on CI),
 // while the kernel headers are always there. Going to the ABI directly means this extension
 // builds wherever a C++ compiler does, with the same queueing behaviour as libaio.
 //

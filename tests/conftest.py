@@ -16,7 +16,7 @@ os.environ.setdefault("ANGELPTM_CPU_BF16", "0")
 
 class _TerminalLines(logging.Handler):
     """Writes a record on the terminal as it happens: pytest holds logs back until a test fails, and a native
-    op's first build (zero_cache.runtime.native) is a minute or two with nothing else to show."""
+    op's first build (zero_cache.base.native) is a minute or two with nothing else to show."""
 
     def __init__(self, config: pytest.Config) -> None:
         super().__init__(logging.INFO)
@@ -32,7 +32,7 @@ class _TerminalLines(logging.Handler):
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    native = logging.getLogger("zero_cache.runtime.native")
+    native = logging.getLogger("zero_cache.base.native")
     native.setLevel(logging.INFO)
     native.addHandler(_TerminalLines(config))
 
@@ -49,7 +49,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def native_adam():
     """``csrc/fused_host_adam.cpp`` built for this machine; the test skips where no toolchain can build it."""
-    from zero_cache.runtime.native import load_csrc
+    from zero_cache.base.native import load_csrc
 
     module = load_csrc("fused_host_adam")
     if module is None:

@@ -3,10 +3,11 @@
 This package never imports ``angelptm``; it owns its typed config and takes runtime objects
 (device, process group, streams) as arguments.
 
-Its modules are in sub-packages by concern, lowest first: ``plan/`` (deciding: the planner and what it prices
-with, pure, no torch), ``storage/`` (tiers, homes, chunks), ``runtime/`` (streams, exchange, gathering, the host
-worker), ``optim/`` (the hybrid Adam); ``attach``, ``warmup``, ``resolve``, ``tuning``, ``nonmodel`` and ``config``
-sit on top (``docs/design.md``).
+Its modules are in sub-packages by concern, in floors that import only below them: ``plan/`` (deciding: the
+planner and what it prices with, pure, no torch) and ``base/`` (the step's timeline, ranks, the native loader) at the
+bottom, ``config`` (the typed config, over ``plan/``), ``storage/`` (tiers, homes, chunks), ``runtime/`` (streams,
+exchange, gathering, the host worker, measuring), ``optim/`` (the hybrid Adam); ``attach``, ``warmup`` and
+``resolve`` compose them on top (``docs/design.md``).
 
 Its public names load on first use (PEP 562), so that importing a pure module of it (``zero_cache.plan.planner``,
 ``zero_cache.plan.home_costs``, ...) runs no torch, and ``import zero_cache.plan.planner`` works where torch is
@@ -22,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from zero_cache.attach import attach, dry_run
+    from zero_cache.base.sharding import Sharding, hierarchical_groups
+    from zero_cache.base.timeline import TRACKS, Interval, Timeline, overlap_shares
     from zero_cache.config import AioConfig, ZeroCacheConfig
     from zero_cache.optim.optimizer import ZeroCacheOptimizer
     from zero_cache.optim.optimizer_state import OptimizerCheckpoint
@@ -30,8 +33,6 @@ if TYPE_CHECKING:
     from zero_cache.plan.planner import make_plan
     from zero_cache.plan.tier_names import DEVICE, HOST, NVME
     from zero_cache.plan.units import AUTO, format_bytes, parse_budget, parse_bytes
-    from zero_cache.runtime.sharding import Sharding, hierarchical_groups
-    from zero_cache.runtime.timeline import TRACKS, Interval, Timeline, overlap_shares
     from zero_cache.storage.hardware import Hardware, TierBudgets, check_explicit_budgets, tier_budgets
     from zero_cache.storage.nvme import NvmeSetupError, SwapCorruptionError
     from zero_cache.storage.tiers import TierFullError
@@ -49,9 +50,9 @@ _EXPORTS = {
     "home_costs": "zero_cache.plan.home_costs",
     "AUTO": "zero_cache.plan.units", "format_bytes": "zero_cache.plan.units", "parse_budget": "zero_cache.plan.units",
     "parse_bytes": "zero_cache.plan.units",
-    "Sharding": "zero_cache.runtime.sharding", "hierarchical_groups": "zero_cache.runtime.sharding",
-    "TRACKS": "zero_cache.runtime.timeline", "Interval": "zero_cache.runtime.timeline",
-    "Timeline": "zero_cache.runtime.timeline", "overlap_shares": "zero_cache.runtime.timeline",
+    "Sharding": "zero_cache.base.sharding", "hierarchical_groups": "zero_cache.base.sharding",
+    "TRACKS": "zero_cache.base.timeline", "Interval": "zero_cache.base.timeline",
+    "Timeline": "zero_cache.base.timeline", "overlap_shares": "zero_cache.base.timeline",
     "Hardware": "zero_cache.storage.hardware", "TierBudgets": "zero_cache.storage.hardware",
     "check_explicit_budgets": "zero_cache.storage.hardware", "tier_budgets": "zero_cache.storage.hardware",
     "NvmeSetupError": "zero_cache.storage.nvme", "SwapCorruptionError": "zero_cache.storage.nvme",

@@ -16,8 +16,8 @@ from typing import Any, Callable, ContextManager
 import torch
 from torch import nn
 
+from zero_cache.base.sharding import Sharding
 from zero_cache.config import ZeroCacheConfig
-from zero_cache.nonmodel import AllocatorStats, CudaAllocatorStats, NonModelMeter
 from zero_cache.optim.optimizer import ZeroCacheOptimizer
 from zero_cache.plan.layout import ChunkLayout
 from zero_cache.plan.planner import Plan, PlanError, PlanInputs, make_plan
@@ -25,6 +25,7 @@ from zero_cache.plan.tier_names import DEVICE, HOST, NVME
 from zero_cache.plan.units import AUTO, format_bytes
 from zero_cache.plan.working_set import WorkingSet, capped
 from zero_cache.resolve import Resolved, activation_room_bytes, least_footprint_inputs, least_footprint_plan, resolve
+from zero_cache.runtime.nonmodel import AllocatorStats, CudaAllocatorStats, NonModelMeter
 from zero_cache.runtime.shard_params import (
     agree_working_set,
     candidate_plans,
@@ -37,7 +38,6 @@ from zero_cache.runtime.shard_params import (
     register_saving_hooks,
     wanted_placement,
 )
-from zero_cache.runtime.sharding import Sharding
 from zero_cache.storage.chunks import ChunkStore
 from zero_cache.storage.hardware import Hardware
 from zero_cache.storage.nvme import NvmeTier

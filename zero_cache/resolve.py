@@ -11,18 +11,17 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from zero_cache.base.sharding import Sharding
 from zero_cache.config import ZeroCacheConfig
-from zero_cache.optim.host_update import STAGING_BUFFERS
 from zero_cache.plan.layout import ChunkLayout, pack, search_chunk_size
 from zero_cache.plan.planner import DEVICE_MARGIN_FRACTION, Plan, PlanError, PlanInputs, make_plan
+from zero_cache.plan.state_costs import SWAP_BUFFERS, planned_staging_buffers
 from zero_cache.plan.step_cost import NOMINAL_RATES, Rates
 from zero_cache.plan.tier_names import HOST, NVME
 from zero_cache.plan.units import AUTO, parse_budget
 from zero_cache.plan.working_set import GRADIENT_BUCKETS, GROUPS_IN_USE, WorkingSet
 from zero_cache.runtime.shard_params import gather_ahead_groups, max_live_groups
-from zero_cache.runtime.sharding import Sharding
 from zero_cache.storage.hardware import Hardware, TierBudgets, tier_budgets
-from zero_cache.storage.nvme_states import SWAP_BUFFERS
 
 WARMUP_ACTIVATION_RESERVE = 0.1
 """Share of the device budget held back for activations until the warm-up has measured them..."""
@@ -163,8 +162,7 @@ def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: tor
                       grad_bytes_per_element=grad_bytes_per_element(accumulation_steps),
                       device_budget_bytes=device_budget, host_budget_bytes=host_budget, trace=trace,
                       nonmodel_peak_bytes=nonmodel_peak_bytes,
-                      # (accumulating: a second pool stages the micro-batch gradients, see HostUpdater.gradient_pool)
-                      staging_buffers=STAGING_BUFFERS * (2 if accumulation_steps > 1 else 1),
+                      staging_buffers=planned_staging_buffers(accumulation_steps),
                       nvme_budget_bytes=nvme_budget, nvme_path_set=config.nvme_path is not None,
                       swap_buffers=SWAP_BUFFERS,
                       kept_bytes_per_element=param_bytes if in_backward and accumulation_steps == 1 else 0,

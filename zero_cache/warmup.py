@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from zero_cache.config import ZeroCacheConfig
-from zero_cache.nonmodel import NonModelMeter
 from zero_cache.optim.optimizer import ZeroCacheOptimizer
 from zero_cache.plan.eviction import gathers_per_group
 from zero_cache.plan.home_costs import home_costs
@@ -35,11 +34,12 @@ from zero_cache.plan.planner import (
 )
 from zero_cache.plan.step_cost import NOMINAL_RATES, agreed_rates
 from zero_cache.plan.tier_names import DEVICE, HOST, NVME
+from zero_cache.plan.tuning import CHECK_STEPS, RESTARTS, DeviceStepTuner, SettledSteps
 from zero_cache.plan.units import AUTO, format_bytes
 from zero_cache.resolve import plan_inputs
+from zero_cache.runtime.nonmodel import NonModelMeter
 from zero_cache.runtime.rates import measured_copies, measured_disk, measured_host_memory, with_timed_work
 from zero_cache.runtime.shard_params import agree_working_set, gather_objects
-from zero_cache.tuning import CHECK_STEPS, RESTARTS, DeviceStepTuner, SettledSteps
 
 logger = logging.getLogger(__name__)
 

@@ -23,6 +23,7 @@ import torch
 from angelptm.checkpoints import deepspeed_format, optimizer_format
 from angelptm.checkpoints.deepspeed_format import DeepSpeedCheckpoint
 from angelptm.checkpoints.deepspeed_partitions import IMPLEMENTATION_KEYS, MOMENTS
+from angelptm.engine.optimizer_contract import EngineOptimizer
 from zero_cache import OptimizerCheckpoint
 
 logger = logging.getLogger("angelptm.engine.engine")
@@ -78,7 +79,7 @@ def _masters(saved: DeepSpeedCheckpoint, names: list[str], path: Path) -> dict[s
     return {name: saved.module[name] for name in names}
 
 
-def _names_by_group(optimizer: Any) -> list[list[str]]:
+def _names_by_group(optimizer: EngineOptimizer) -> list[list[str]]:
     """The resuming optimizer's parameter names, group by group, in its (torch index) order."""
     if isinstance(optimizer, OptimizerCheckpoint):  # ZeRO-Cache: a (group index, slot) per parameter
         groups: list[list[str]] = [[] for _ in optimizer.param_groups]
@@ -89,7 +90,7 @@ def _names_by_group(optimizer: Any) -> list[list[str]]:
     return [[next(names) for _ in group["params"]] for group in optimizer.optimizer.param_groups]
 
 
-def _optimizer_state(saved: DeepSpeedCheckpoint, optimizer: Any, masters: dict[str, torch.Tensor],
+def _optimizer_state(saved: DeepSpeedCheckpoint, optimizer: EngineOptimizer, masters: dict[str, torch.Tensor],
                      path: Path) -> dict[str, Any]:
     """The replicated engine's optimizer ``state_dict()`` from DeepSpeed's states (converted for ZeRO-Cache)."""
     moments = saved.optimizer.moments or {}
@@ -108,7 +109,7 @@ def _optimizer_state(saved: DeepSpeedCheckpoint, optimizer: Any, masters: dict[s
         groups.append({**hypers, "params": list(range(first, first + len(names)))})
         first += len(names)
     plain = {"optimizer": {"state": state, "param_groups": groups}, "masters": masters,
-             "loss_scaler": _loss_scale(saved, getattr(optimizer, "loss_scaler", None))}
+             "loss_scaler": _loss_scale(saved, optimizer.loss_scaler)}
     return optimizer_format.adapt(plain, optimizer, path)
 
 

@@ -39,7 +39,7 @@ class EngineCheckpoints:
     @property
     def zero_cache_shards(self) -> int:
         """Ranks over which ZeRO-Cache shards the optimizer states (1: not sharded)."""
-        sharding = getattr(self.optimizer, "sharding", None)
+        sharding = self.optimizer.sharding if self.optimizer is not None else None
         return sharding.world_size if sharding is not None else 1
 
     def _named_master_weights(self) -> dict[str, torch.Tensor]:
@@ -357,7 +357,7 @@ class EngineCheckpoints:
 
     def _sharded_weight_keys(self, aliases: dict[str, str]) -> set[str]:
         """State-dict keys of the weights this run keeps only as ZeRO-Cache shards (none when params are replicated)."""
-        if not getattr(self.optimizer, "params_sharded", False):
+        if self.optimizer is None or not self.optimizer.params_sharded:
             return set()
         held = set(self.optimizer.names)
         return {key for key, name in aliases.items() if name in held}

@@ -139,7 +139,8 @@ class FP16Section(Section):
     loss_scale_window: int = 1000
     hysteresis: int = 2
     consecutive_hysteresis: bool = False
-    min_loss_scale: float = 1.0
+    min_loss_scale: int = 1
+    """DeepSpeed's key, an integer as DeepSpeed's model types it (a fraction is refused there and here)."""
     fp16_master_weights_and_grads: bool = False
 
 
@@ -154,29 +155,43 @@ class BF16Section(Section):
             return handler(value)
         except ValidationError:  # one message, not one per member of the union
             raise ValueError(f"bf16.enabled: expected true, false or \"auto\" (got {value!r})") from None
-    immediate_grad_update: bool = True
-    check_grad_overflow: bool = False
+    immediate_grad_update: bool = False
+    check_grad_overflow: bool = True
     bf16_master_weights_and_grads: bool = False
-    """DeepSpeed 0.19.8's bf16 master weights and gradients: false only (what the engine does: fp32 masters and
-    gradients); true is refused, naming what to do instead."""
+    """DeepSpeed 0.19.8's bf16 master weights and gradients (ZeRO stage 1-3; without bf16_optimizer_states only with
+    offload_optimizer): the optimizer steps the bf16 parameters with bf16 gradients
+    (:mod:`angelptm.config.precision_modes`)."""
     bf16_optimizer_states: bool = False
-    """DeepSpeed 0.19.8's bf16 Adam moments: false only (the engine's moments are fp32); true is refused."""
+    """DeepSpeed 0.19.8's bf16 Adam moments; requires bf16_master_weights_and_grads."""
 
 
-class OffloadSection(Section):
+class OffloadParamSection(Section):
+    """DeepSpeed's ``zero_optimization.offload_param``: the keys, defaults and bounds of its
+    ``DeepSpeedZeroOffloadParamConfig``."""
+
     device: Literal["none", "cpu", "nvme"] = "none"
     nvme_path: str | None = None
-    buffer_count: int = 5
-    buffer_size: int = 100_000_000
-    max_in_cpu: int = 1_000_000_000
-    pin_memory: bool = False
+    buffer_count: int = Field(5, ge=0)
+    buffer_size: int = Field(100_000_000, ge=0)
+    max_in_cpu: int = Field(1_000_000_000, ge=0)
+    pin_memory: bool = True
+
+
+class OffloadOptimizerSection(Section):
+    """DeepSpeed's ``zero_optimization.offload_optimizer``: the keys, defaults and bounds of its
+    ``DeepSpeedZeroOffloadOptimizerConfig``."""
+
+    device: Literal["none", "cpu", "nvme"] = "none"
+    nvme_path: str | None = None
+    buffer_count: int = Field(4, ge=0)
+    pin_memory: bool = True
     pipeline_read: bool = False
     pipeline_write: bool = False
     fast_init: bool = False
-    ratio: float = 1.0
+    ratio: float = Field(1.0, ge=0.0, le=1.0)
     super_offload: bool = False
-    """DeepSpeed 0.19.8's SuperOffload (``offload_optimizer`` only): accepted as permission to overlap the host
-    optimizer step with compute, which ZeRO-Cache does exactly (``zero_cache.update_in_backward``); logged once."""
+    """DeepSpeed 0.19.8's SuperOffload: accepted as permission to overlap the host optimizer step with compute, which
+    ZeRO-Cache does exactly (``zero_cache.update_in_backward``); logged once."""
     cpuadam_cores_perc: float = Field(0.8, ge=0.0, le=1.0)
     """SuperOffload's share of CPU cores for CPU Adam: no effect here (ZeRO-Cache sizes its own host threads)."""
 
@@ -218,24 +233,24 @@ class ZeroSection(Section):
 
     contiguous_gradients: bool = True
     reduce_scatter: bool = True
-    reduce_bucket_size: int = 500_000_000
+    reduce_bucket_size: int = Field(500_000_000, gt=0)
     allgather_partitions: bool = True
-    allgather_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = Field(500_000_000, ge=0)
     overlap_comm: bool | None = None
     round_robin_gradients: bool = False
-    offload_param: OffloadSection | None = None
-    offload_optimizer: OffloadSection | None = None
-    sub_group_size: int = 1_000_000_000
-    stage3_max_live_parameters: int = 1_000_000_000
-    stage3_max_reuse_distance: int = 1_000_000_000
-    stage3_prefetch_bucket_size: int = 50_000_000
-    stage3_param_persistence_threshold: int = 100_000
+    offload_param: OffloadParamSection | None = None
+    offload_optimizer: OffloadOptimizerSection | None = None
+    sub_group_size: int = Field(1_000_000_000, ge=0)
+    stage3_max_live_parameters: int = Field(1_000_000_000, ge=0)
+    stage3_max_reuse_distance: int = Field(1_000_000_000, ge=0)
+    stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0)
+    stage3_param_persistence_threshold: int = Field(100_000, ge=0)
     stage3_gather_16bit_weights_on_model_save: bool = False
     elastic_checkpoint: bool = False
     ignore_unused_parameters: bool = True
     load_from_fp32_weights: bool = True
     memory_efficient_linear: bool = True
-    zero_hpz_partition_size: int = 1
+    zero_hpz_partition_size: int = Field(1, ge=0)
     zero_quantized_weights: bool = False
     zero_quantized_gradients: bool = False
     mics_shard_size: int = -1
@@ -249,7 +264,7 @@ class ZeroSection(Section):
     # DeepSpeed 0.19.8's keys beside those (docs/deepspeed-compatibility.md says what each does here).
     compute_grad_norm: bool = True
     zenflow: ZenFlowSection | None = None
-    stage3_model_persistence_threshold: int = 2**63 - 1
+    stage3_model_persistence_threshold: int = Field(2**63 - 1, ge=0)
     stage3_use_all_reduce_for_fetch_params: bool = False
     stage3_allgather_sequential: bool = False
     legacy_stage1: bool = False
@@ -263,9 +278,8 @@ class ZeroSection(Section):
 
 
 class TorchAutocastSection(Section):
-    """DeepSpeed's ``torch_autocast``: the forward under ``torch.autocast`` with fp32 parameters. The engine has no
-    such path (it casts the module to the compute dtype and keeps fp32 masters), so ``enabled: true`` is refused
-    with the section to write instead; ``enabled: false`` is DeepSpeed's default and changes nothing."""
+    """DeepSpeed's ``torch_autocast``: the forward under ``torch.autocast(device, dtype)`` with fp32 parameters
+    (:mod:`angelptm.config.precision_modes`); ``enabled: false`` is DeepSpeed's default and changes nothing."""
 
     enabled: bool = False
     dtype: str | None = None

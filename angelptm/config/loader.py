@@ -19,7 +19,7 @@ from typing import Any
 import pydantic
 import torch
 
-from angelptm.config import edge, precision, typed
+from angelptm.config import edge, precision, precision_modes, typed
 from angelptm.errors import ArgumentTypeError, ConfigError
 from zero_cache import ZeroCacheConfig
 
@@ -63,7 +63,7 @@ def load_config(config: str | os.PathLike | dict | None, *, world_size: int = 1,
         scheduler = _scheduler(parsed.scheduler)
         if device_type is None:
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        return _to_typed(parsed, scheduler, tuple(sorted(ignored)) + _not_acted_sections(raw), world_size,
+        return _to_typed(parsed, scheduler, tuple(sorted(ignored)) + _not_acted_sections(parsed, raw), world_size,
                          device_type)
     except pydantic.ValidationError as err:
         raise ConfigError("invalid config:\n  " + "\n  ".join(_describe(err, raw))) from None
@@ -76,23 +76,11 @@ def load_config(config: str | os.PathLike | dict | None, *, world_size: int = 1,
 def _unsupported_values(parsed: edge.EdgeConfig, ignored: dict[str, Any]) -> list[str]:
     """DeepSpeed keys this engine reads but whose value asks for what it does not do, each with what to do instead
     (``ignored``: the raw sections accepted without acting on them, some of which ask for more ranks)."""
-    problems = []
-    masters = "; remove the key (or set it false): the engine keeps fp32 {what}, the numerics of DeepSpeed's default " \
-              "bf16, and ZeRO-Cache holds them in host memory or on NVMe where they do not fit (zero_optimization." \
-              "stage 3 with offload_optimizer)"
-    if parsed.bf16.bf16_master_weights_and_grads:
-        problems.append("bf16.bf16_master_weights_and_grads: true (bf16 master weights and gradients) is not "
-                        "implemented" + masters.format(what="master weights and gradients"))
-    if parsed.bf16.bf16_optimizer_states:
-        problems.append("bf16.bf16_optimizer_states: true (bf16 Adam moments) is not implemented"
-                        + masters.format(what="Adam moments"))
-    if parsed.optimizer is not None and not parsed.optimizer.params.fp32_optimizer_states:
-        problems.append("optimizer.params.fp32_optimizer_states: false (bf16 Adam moments) is not implemented; "
-                        "remove the key: the engine's Adam moments are fp32")
-    if parsed.torch_autocast.enabled:
-        problems.append("torch_autocast.enabled: true is not supported: the engine has no torch.autocast path (it "
-                        "casts the module to the compute dtype and keeps fp32 master weights); remove torch_autocast "
-                        "and write \"bf16\": {\"enabled\": true} (or fp16), bf16 compute with fp32 masters")
+    problems = precision_modes.low_precision_problems(parsed, _zero_cache_on(parsed))
+    problems += precision_modes.autocast_problems(parsed)
+    fp32_states = precision_modes.fp32_optimizer_states_problem(parsed)
+    if fp32_states:
+        problems.append(fp32_states)
     if not parsed.managed_gradient_accumulation:
         problems.append("managed_gradient_accumulation: false (every step() applies an update, the script owning the "
                         "accumulation boundary) is not supported: the engine steps at gradient_accumulation_steps "
@@ -370,37 +358,37 @@ def _exact_div(numerator: int, denominator: int, arithmetic: str, derived: str) 
     return numerator // denominator
 
 
-def _uses_nvme(raw: dict) -> bool:
+def _uses_nvme(parsed: edge.EdgeConfig) -> bool:
     """Whether the config puts ZeRO-Cache states on NVMe (our nvme_path, or a DeepSpeed nvme offload)."""
-    zero = raw.get("zero_optimization") or {}
-    offloads = [zero.get(key) or {} for key in ("offload_param", "offload_optimizer")]
-    return bool((raw.get("zero_cache") or {}).get("nvme_path")) or any(o.get("device") == "nvme" for o in offloads)
+    zero = parsed.zero_optimization
+    offloads = [offload for offload in (zero.offload_param, zero.offload_optimizer) if offload is not None]
+    return bool(parsed.zero_cache.nvme_path) or any(offload.device == "nvme" for offload in offloads)
 
 
-def _not_acted_sections(raw: dict) -> tuple[str, ...]:
-    """Validated keys that are stored but change nothing here."""
+def _not_acted_sections(parsed: edge.EdgeConfig, raw: dict) -> tuple[str, ...]:
+    """Validated keys that are stored but change nothing here: the keys written (``model_fields_set``; ``raw`` for
+    the sections read by name below), judged by their validated values (``"stage": "3"`` is stage 3)."""
     # (zenflow, a permission, and the 16-bit gather, done at either value, are reported on their own by
     # angelptm.engine.builders.report_config)
     acted = {"stage", "reduce_bucket_size", "offload_param", "offload_optimizer", "zenflow",
              "stage3_gather_16bit_weights_on_model_save"}
-    zero = raw.get("zero_optimization") or {}
-    offloaded = any((zero.get(key) or {}).get("device", "none") != "none"
-                    for key in ("offload_param", "offload_optimizer"))
-    if (raw.get("zero_cache") or {}).get("enabled") or (zero.get("stage") == 3 and offloaded):
+    zero = parsed.zero_optimization
+    offloads = {name: getattr(zero, name) for name in ("offload_param", "offload_optimizer")
+                if getattr(zero, name) is not None}
+    offloaded = any(offload.device != "none" for offload in offloads.values())
+    if parsed.zero_cache.enabled or (zero.stage == 3 and offloaded):
         acted |= {"overlap_comm", "stage3_prefetch_bucket_size", "stage3_max_live_parameters"}  # sharded ZeRO-Cache
-    keys = tuple(f"zero_optimization.{key}" for key in sorted(zero) if key not in acted)
-    for section in ("offload_param", "offload_optimizer"):  # ZeRO-Cache sizes its own buffers and pins its tiers
-        offload = zero.get(section) or {}
-        keys += tuple(f"zero_optimization.{section}.{key}" for key in sorted(offload)
-                      if key not in ("device", "nvme_path") and not (key == "super_offload" and offload[key] is True))
-    if "aio" in raw and not _uses_nvme(raw):
+    keys = tuple(f"zero_optimization.{key}" for key in sorted(zero.model_fields_set) if key not in acted)
+    for section, offload in offloads.items():  # ZeRO-Cache sizes its own buffers and pins its tiers
+        keys += tuple(f"zero_optimization.{section}.{key}" for key in sorted(offload.model_fields_set)
+                      if key not in ("device", "nvme_path") and not (key == "super_offload" and offload.super_offload))
+    if "aio" in parsed.model_fields_set and not _uses_nvme(parsed):
         keys += ("aio",)  # it drives only the NVMe tier
-    elif (raw.get("aio") or {}).get("use_gds"):
+    elif parsed.aio.use_gds:
         keys += ("aio.use_gds",)
     # Keys inside acted-on sections that still change nothing here.
     quiet = {"fp16": ("fp16_master_weights_and_grads",), "bf16": ("immediate_grad_update", "check_grad_overflow"),
              "bfloat16": ("immediate_grad_update", "check_grad_overflow"),
-             "torch_autocast": ("enabled", "dtype", "lower_precision_safe_modules"),
              "optimizer": ("legacy_fusion",)}
     for section, names in quiet.items():
         keys += tuple(f"{section}.{name}" for name in names if name in (raw.get(section) or {}))
@@ -410,7 +398,20 @@ def _not_acted_sections(raw: dict) -> tuple[str, ...]:
     return keys
 
 
+def _zero_cache_on(parsed: edge.EdgeConfig) -> bool:
+    """Whether ZeRO-Cache will hold the optimizer states (:func:`_zero_cache_section`'s rule)."""
+    zero = parsed.zero_optimization
+    offloaded = any(o is not None and o.device != "none" for o in (zero.offload_param, zero.offload_optimizer))
+    return bool(parsed.zero_cache.enabled) or (zero.stage == 3 and offloaded)
+
+
 def _precision(parsed: edge.EdgeConfig, device_type: str) -> typed.PrecisionConfig:
+    """The compute dtype (:mod:`angelptm.config.precision`), then the master, moment and autocast dtypes
+    (:mod:`angelptm.config.precision_modes`)."""
+    return precision_modes.apply_modes(_compute_precision(parsed, device_type), parsed, device_type)
+
+
+def _compute_precision(parsed: edge.EdgeConfig, device_type: str) -> typed.PrecisionConfig:
     if parsed.fp16.enabled and parsed.bf16.enabled is True:
         raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one")
     # A bf16 or fp16 section with enabled false is fp32 as written; only a config naming neither is left open.
@@ -423,7 +424,7 @@ def _precision(parsed: edge.EdgeConfig, device_type: str) -> typed.PrecisionConf
     scale = typed.LossScaleConfig(
         static_scale=fp16.loss_scale or None, initial_scale_power=fp16.initial_scale_power,
         window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
-        consecutive_hysteresis=fp16.consecutive_hysteresis, min_scale=fp16.min_loss_scale,
+        consecutive_hysteresis=fp16.consecutive_hysteresis, min_scale=float(fp16.min_loss_scale),
     )
     return typed.PrecisionConfig(dtype=torch.float16, loss_scale=scale, cast_inputs=fp16.auto_cast,
                                  reason=choice.reason)

@@ -131,12 +131,21 @@ class LossScaleConfig:
 
 @dataclass(kw_only=True, slots=True)
 class PrecisionConfig:
-    """Compute dtype of the module; optimizer states and master weights are always fp32."""
+    """Compute dtype of the module, the dtypes of master weights and Adam moments, and torch.autocast's dtype."""
 
     dtype: torch.dtype = torch.float32
-    """torch.float32, torch.bfloat16 or torch.float16."""
+    """torch.float32, torch.bfloat16 or torch.float16: the dtype of the module's parameters."""
+    master_dtype: torch.dtype = torch.float32
+    """Master weights and gradient accumulation: fp32, or bf16 under ``bf16.bf16_master_weights_and_grads``."""
+    optimizer_state_dtype: torch.dtype = torch.float32
+    """Adam's exp_avg and exp_avg_sq: fp32, or bf16 under ``bf16.bf16_optimizer_states``."""
+    autocast_dtype: torch.dtype | None = None
+    """``torch_autocast``: the forward runs under ``torch.autocast`` in this dtype over fp32 parameters; None: off."""
+    autocast_safe_modules: tuple[str, ...] = ()
+    """``torch_autocast.lower_precision_safe_modules`` (qualified class names): with ZeRO (stage >= 1) and more than
+    one rank, their parameters' gradients are all-reduced in ``autocast_dtype``, as DeepSpeed's ZeRO does."""
     loss_scale: LossScaleConfig | None = None
-    """Set only for fp16."""
+    """Set only for fp16 (and fp16 ``torch_autocast`` without ZeRO, as DeepSpeed's GradScaler there)."""
     cast_inputs: bool = False
     """Cast floating-point forward inputs to the compute dtype (DeepSpeed's fp16.auto_cast)."""
     reason: str = ""

@@ -12,12 +12,13 @@ import torch
 from torch import nn
 
 import zero_cache
-from angelptm.config import EngineConfig
+from angelptm.config import EngineConfig, precision_modes
 from angelptm.engine import deepspeed_cpu_adam
 from angelptm.engine.cpu_bf16 import slow_bf16_warning
 from angelptm.engine.expert_parallel import ExpertParallel
 from angelptm.engine.loss_scaler import LossScaler
 from angelptm.engine.mixed_precision import MixedPrecisionOptimizer
+from angelptm.engine.optimizer_contract import EngineOptimizer
 from angelptm.engine.schedulers import build_scheduler
 from angelptm.errors import ArgumentTypeError, ConfigError
 from angelptm.integrations import deepspeed_alias
@@ -267,7 +268,7 @@ def place_module(model: nn.Module, device: torch.device, dtype: torch.dtype, *, 
 
 
 def build_optimizer(model: nn.Module, client: Any, model_parameters: Iterable | None, cfg: EngineConfig,
-                    ctx: DistContext, experts: ExpertParallel | None = None) -> MixedPrecisionOptimizer | None:
+                    ctx: DistContext, experts: ExpertParallel | None = None) -> EngineOptimizer | None:
     """The engine's optimizer: the client's (an optimizer, or a callable given the parameters) or the config's,
     wrapped in fp32 masters (:class:`MixedPrecisionOptimizer`) or, with ``zero_cache`` on, ZeRO-Cache's hybrid Adam.
 
@@ -289,6 +290,7 @@ def build_optimizer(model: nn.Module, client: Any, model_parameters: Iterable | 
     else:
         return None
     names = {id(p): name for name, p in model.named_parameters()}
+    _check_bf16_master_optimizer(client, cfg)
     scaler = LossScaler(cfg.precision.loss_scale) if cfg.precision.loss_scale is not None else None
     if cfg.zero_cache.enabled:
         if experts is not None:
@@ -297,7 +299,43 @@ def build_optimizer(model: nn.Module, client: Any, model_parameters: Iterable | 
         return _attach_zero_cache(model, inner, names, cfg, ctx, scaler)
     return MixedPrecisionOptimizer(inner, names, cfg.precision.dtype, loss_scaler=scaler,
                                    gradient_clipping=cfg.gradient_clipping, group=ctx.group,
-                                   reduce_bucket_numel=cfg.zero.reduce_bucket_size, experts=experts)
+                                   reduce_bucket_numel=cfg.zero.reduce_bucket_size, experts=experts,
+                                   master_dtype=cfg.precision.master_dtype, comm_dtypes=_comm_dtypes(model, cfg))
+
+
+def _check_bf16_master_optimizer(client: Any, cfg: EngineConfig) -> None:
+    """bf16 masters with fp32 moments are DeepSpeedCPUAdam's mode (DeepSpeed asserts its type): the config's optimizer
+    runs it here; a client optimizer would keep its moments in the masters' bf16.
+
+    Raises:
+        ConfigError: a client optimizer, ``torch_adam`` or ``amsgrad`` with bf16_master_weights_and_grads but not
+            bf16_optimizer_states.
+    """
+    precision = cfg.precision
+    if precision.master_dtype == torch.float32 or precision.optimizer_state_dtype != torch.float32:
+        return
+    if client is None:
+        asked = [key for key in ("torch_adam", "amsgrad") if cfg.optimizer and getattr(cfg.optimizer, key)]
+        if asked:
+            raise ConfigError(f"optimizer.params.{asked[0]}: true with bf16.bf16_master_weights_and_grads (without "
+                              "bf16_optimizer_states) is not supported: that mode is DeepSpeedCPUAdam's (bf16 masters, "
+                              f"fp32 moments), as DeepSpeed asserts; remove {asked[0]} or set bf16_optimizer_states")
+        return
+    raise ConfigError("bf16.bf16_master_weights_and_grads: true without bf16_optimizer_states steps bf16 masters with "
+                      "fp32 Adam moments, which only the config's optimizer does here (DeepSpeed requires its "
+                      "DeepSpeedCPUAdam): pass no optimizer to initialize() and give the config an \"optimizer\" "
+                      "section, or set bf16.bf16_optimizer_states true")
+
+
+def _comm_dtypes(model: nn.Module, cfg: EngineConfig) -> dict[int, torch.dtype]:
+    """``torch_autocast`` under ZeRO (stage >= 1): the parameters of the lower-precision-safe modules (exact class, as
+    DeepSpeed matches them) have their gradients all-reduced in the autocast dtype, as DeepSpeed's ``comm_dtype``."""
+    precision = cfg.precision
+    if precision.autocast_dtype is None or cfg.zero.stage == 0:
+        return {}
+    classes = tuple(precision_modes.module_class(name) for name in precision.autocast_safe_modules)
+    return {id(p): precision.autocast_dtype for module in model.modules() if type(module) in classes
+            for p in module.parameters(recurse=False)}
 
 
 def _config_optimizer(params: list, cfg: EngineConfig, ctx: DistContext) -> torch.optim.Optimizer:
@@ -305,12 +343,17 @@ def _config_optimizer(params: list, cfg: EngineConfig, ctx: DistContext) -> torc
     FusedAdam does there (see :mod:`angelptm.engine.deepspeed_cpu_adam`); ZeRO-Cache, which only reads the
     hyperparameters and runs its own Adam, and AMSGrad, which FusedAdam lacks, get torch's."""
     opt = cfg.optimizer
-    if ctx.device.type == "cpu" and not (opt.torch_adam or opt.amsgrad or cfg.zero_cache.enabled):
-        kernel = deepspeed_cpu_adam.load_kernel(opt.decoupled_weight_decay, opt.betas)
-        if kernel is not None:
+    # bf16 masters with fp32 moments (DeepSpeedCPUAdam's mode): those moments on any device, the C++ update on a CPU.
+    state_dtype = cfg.precision.optimizer_state_dtype if cfg.precision.master_dtype != torch.float32 else None
+    fp32_moments = state_dtype == torch.float32
+    if (ctx.device.type == "cpu" or fp32_moments) and not (opt.torch_adam or opt.amsgrad or cfg.zero_cache.enabled):
+        kernel = deepspeed_cpu_adam.load_kernel(opt.decoupled_weight_decay, opt.betas) if ctx.device.type == "cpu" \
+            else None
+        if kernel is not None or fp32_moments:
             return deepspeed_cpu_adam.DeepSpeedCpuAdam(params, kernel, lr=opt.lr, betas=opt.betas, eps=opt.eps,
                                                        weight_decay=opt.weight_decay,
-                                                       decoupled_weight_decay=opt.decoupled_weight_decay)
+                                                       decoupled_weight_decay=opt.decoupled_weight_decay,
+                                                       state_dtype=state_dtype)
     cls = torch.optim.AdamW if opt.decoupled_weight_decay else torch.optim.Adam
     # On CUDA the fused kernel is torch's fastest Adam; on CPU the default foreach path.
     fused = True if ctx.device.type == "cuda" else None
@@ -355,7 +398,7 @@ def _sharding(cfg: EngineConfig, ctx: DistContext) -> zero_cache.Sharding:
                                side_stream=stream)
 
 
-def resolve_scheduler(client: Any, optimizer: MixedPrecisionOptimizer | None, cfg: EngineConfig) -> Any:
+def resolve_scheduler(client: Any, optimizer: EngineOptimizer | None, cfg: EngineConfig) -> Any:
     """The LR scheduler: the client's (an object, or a callable given the inner torch optimizer), else the
     config's ``scheduler`` over ``optimizer``, else None.
 

@@ -54,7 +54,8 @@ class CpuAdamKernel:
 
     def update(self, step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-        """One Adam step of contiguous fp32 CPU tensors, in place (``step`` counts from 1)."""
+        """One Adam step of contiguous CPU tensors, in place (``step`` counts from 1): fp32 parameter, gradient and
+        moments, or bf16 parameter and gradient with bf16 or fp32 moments (the op's dtype pairs)."""
         betas = tuple(betas)
         if betas == self.betas and step < self.last_step:  # an earlier checkpoint loaded: start the powers over
             self.op.destroy_adam(self.optimizer_id)
@@ -112,32 +113,53 @@ def load_kernel(decoupled: bool, betas: tuple[float, float]) -> CpuAdamKernel | 
 class DeepSpeedCpuAdam(torch.optim.Adam):
     """torch's ``Adam`` (state, param groups, ``decoupled_weight_decay``) whose update is DeepSpeed's C++ one.
 
-    Parameters that are not contiguous fp32 CPU tensors, or a kernel of None, take torch's update instead.
+    The op takes fp32 parameters, and bf16 ones (DeepSpeed's ``bf16_master_weights_and_grads``) with bf16 gradients
+    and moments of ``state_dtype``. Parameters it does not take (not contiguous CPU tensors of those dtypes), or a
+    kernel of None, take torch's update instead, or :func:`adam_step_with_state_dtype` where ``state_dtype`` is not
+    the parameters' (torch's Adam keeps moments in the parameter's dtype).
 
     Args:
         params: parameters or param-group dicts.
         kernel: from :func:`load_kernel`.
         lr, betas, eps, weight_decay, decoupled_weight_decay: Adam's hyperparameters (``decoupled_weight_decay``
             must be the kernel's).
+        state_dtype: dtype of exp_avg and exp_avg_sq; None: the parameter's (torch's rule). fp32 with bf16
+            parameters is DeepSpeedCPUAdam's ``fp32_optimizer_states`` under bf16 masters.
     """
 
     def __init__(self, params: Iterable[Any], kernel: CpuAdamKernel | None, *, lr: float, betas: tuple[float, float],
-                 eps: float, weight_decay: float, decoupled_weight_decay: bool) -> None:
+                 eps: float, weight_decay: float, decoupled_weight_decay: bool,
+                 state_dtype: torch.dtype | None = None) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          decoupled_weight_decay=decoupled_weight_decay, foreach=False)
         assert kernel is None or kernel.decoupled == decoupled_weight_decay, "the kernel's mode is fixed at creation"
         self.kernel = kernel
+        self.state_dtype = state_dtype
 
     def _on_kernel(self) -> bool:
         return self.kernel is not None and all(
-            param.device.type == "cpu" and param.dtype == torch.float32 and param.is_contiguous()
-            and param.grad.is_contiguous() and param.grad.dtype == torch.float32
+            param.device.type == "cpu" and (param.dtype, self.state_dtype or param.dtype) in _KERNEL_DTYPES
+            and param.is_contiguous() and param.grad.is_contiguous() and param.grad.dtype == param.dtype
             for group in self.param_groups for param in group["params"] if param.grad is not None)
+
+    def _state_of(self, param: torch.Tensor) -> dict[str, Any]:
+        """The parameter's state, created in torch Adam's layout (so either optimizer loads the other's state dict)
+        with moments in ``state_dtype``."""
+        state = self.state[param]
+        if not state:
+            dtype = self.state_dtype or param.dtype
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+        return state
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         if not self._on_kernel():
-            return super().step(closure)
+            if self.state_dtype is None or all(p.dtype == self.state_dtype for group in self.param_groups
+                                               for p in group["params"]):
+                return super().step(closure)
+            return self._step_with_state_dtype(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -145,11 +167,7 @@ class DeepSpeedCpuAdam(torch.optim.Adam):
         for group in self.param_groups:
             stepped = [param for param in group["params"] if param.grad is not None]
             for param in stepped:
-                state = self.state[param]
-                if not state:  # torch Adam's layout, so either optimizer loads the other's state dict
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state = self._state_of(param)
                 state["step"] += 1
                 for key in ("exp_avg", "exp_avg_sq"):  # (the op would step a contiguous copy of a strided one)
                     state[key] = state[key].contiguous()
@@ -163,6 +181,49 @@ class DeepSpeedCpuAdam(torch.optim.Adam):
                 self.kernel.update(step, float(group["lr"]), group["betas"], group["eps"], group["weight_decay"],
                                    param, param.grad, state["exp_avg"], state["exp_avg_sq"])
         return loss
+
+    def _step_with_state_dtype(self, closure: Any) -> Any:
+        """torch's update where the moments' dtype is not the parameters' (bf16 parameters, fp32 moments off the C++
+        op: on a GPU, or without it)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self._state_of(param)
+                state["step"] += 1
+                adam_step_with_state_dtype(param, param.grad, state["exp_avg"], state["exp_avg_sq"],
+                                           int(state["step"]), lr=float(group["lr"]), betas=group["betas"],
+                                           eps=group["eps"], weight_decay=group["weight_decay"],
+                                           decoupled=group["decoupled_weight_decay"])
+        return loss
+
+
+_KERNEL_DTYPES = ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32))
+"""(parameter and gradient, moments) dtype pairs of the op's invokers used here (``cpu_adam_impl.cpp``)."""
+
+
+def adam_step_with_state_dtype(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                               exp_avg_sq: torch.Tensor, step: int, *, lr: float, betas: tuple[float, float],
+                               eps: float, weight_decay: float, decoupled: bool) -> None:
+    """One Adam step of ``param`` (any float dtype) in the moments' dtype, with torch's single-tensor Adam
+    arithmetic; the parameter is rounded back to its dtype once at the end, as DeepSpeed's CPU Adam stores it."""
+    compute = exp_avg.dtype
+    weight, grad = param.to(compute), grad.to(compute)
+    if weight_decay:
+        if decoupled:
+            weight.mul_(1 - lr * weight_decay)
+        else:
+            grad = grad.add(weight, alpha=weight_decay)
+    exp_avg.lerp_(grad, 1 - betas[0])
+    exp_avg_sq.mul_(betas[1]).addcmul_(grad, grad, value=1 - betas[1])
+    bias_correction1, bias_correction2 = 1 - betas[0] ** step, 1 - betas[1] ** step
+    denominator = (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(eps)
+    weight.addcdiv_(exp_avg, denominator, value=-lr / bias_correction1)
+    param.copy_(weight)
 
 
 def _built(extension: str) -> bool:

@@ -1,9 +1,9 @@
 """The training engine: DeepSpeed's engine API over a module, its mixed-precision optimizer and its data.
 
-The engine orchestrates; the work lives in the pieces it holds: :class:`MixedPrecisionOptimizer`
-(master weights, accumulation, all-reduce, clipping), the schedule, the loader, and
-``angelptm.checkpoints.files`` (atomic files). ZeRO-Cache will plug in as another model-states manager
-behind the same calls.
+The engine orchestrates; the work lives in the pieces it holds: the optimizer (master weights, accumulation,
+all-reduce, clipping), the schedule, the loader, and ``angelptm.checkpoints.files`` (atomic files). The optimizer is
+:class:`~angelptm.engine.mixed_precision.MixedPrecisionOptimizer` or ZeRO-Cache's, behind the same calls:
+:class:`~angelptm.engine.optimizer_contract.EngineOptimizer` lists them.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from angelptm.config.typed import EngineConfig
 from angelptm.engine.deepspeed_methods import DeepSpeedEngineMethods
 from angelptm.engine.expert_parallel import ExpertParallel
 from angelptm.engine.gathered_params import unregister
-from angelptm.engine.mixed_precision import MixedPrecisionOptimizer
+from angelptm.engine.optimizer_contract import EngineOptimizer
 from angelptm.launch.distributed import DistContext
 from angelptm.memory.oom import explained_oom
 from angelptm.pretraining.data.loader import ResumableDataLoader
@@ -55,20 +55,20 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
         module: the model, already on ``ctx.device`` in the compute dtype.
         config: the typed config.
         ctx: this rank's distributed context.
-        optimizer: the mixed-precision optimizer, or None for forward/backward only.
+        optimizer: the mixed-precision optimizer (replicated, or ZeRO-Cache's), or None for forward/backward only.
         lr_scheduler: an object with ``step()`` and ``state_dict()``, or None.
         training_dataloader: the loader built from ``training_data``, or None.
     """
 
     def __init__(self, module: nn.Module, config: EngineConfig, ctx: DistContext,
-                 optimizer: MixedPrecisionOptimizer | None, lr_scheduler: Any,
+                 optimizer: EngineOptimizer | None, lr_scheduler: Any,
                  training_dataloader: ResumableDataLoader | None, experts: ExpertParallel | None = None) -> None:
         super().__init__()
         self.experts = experts  # expert-parallel layout (moe.ep_size > 1), with or without an optimizer
         self.module = module
         self.config = config
         self.ctx = ctx
-        self.optimizer = optimizer
+        self.optimizer: EngineOptimizer | None = optimizer
         self.lr_scheduler = lr_scheduler
         self.training_dataloader = training_dataloader
         self.compute_dtype = config.precision.dtype
@@ -87,7 +87,8 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
         self._save_dirs: set[str] = set()  # where save_checkpoint took the writer lock: destroy() gives it back
         self._pending_save = None  # a checkpoint being written beside training (save_checkpoint(background=True))
         # ZeRO-Cache's timeline also records its copies, host jobs and disk requests; otherwise compute only.
-        self._tracer = StepTracer(getattr(optimizer, "timeline", None) or Timeline(ctx.device))
+        own_timeline = optimizer.timeline if optimizer is not None else None
+        self._tracer = StepTracer(own_timeline or Timeline(ctx.device))
 
     # ----------------------------------------------------------------- DeepSpeed's accessors
     @property
@@ -166,11 +167,17 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
         cast = self.compute_dtype if self.config.precision.cast_inputs else None
         args = _to_device(args, self.device, cast)
         kwargs = _to_device(kwargs, self.device, cast)
-        with self._tracer.phase("forward"), explained_oom(self, "forward"):
+        with self._tracer.phase("forward"), explained_oom(self, "forward"), self._autocast():
             output = self.module(*args, **kwargs)
         self._tracer.forward_ended()
         self._timings["forward"] += self._clock() - start
         return output
+
+    def _autocast(self) -> Any:
+        """``torch_autocast``: the forward under ``torch.autocast`` in its dtype, over fp32 parameters (DeepSpeed's
+        ``autocast_if_enabled``, which replaces an autocast the script entered around the call); else nothing."""
+        dtype = self.config.precision.autocast_dtype
+        return nullcontext() if dtype is None else torch.autocast(device_type=self.device.type, dtype=dtype)
 
     def trace_next_step(self, directory: str | Path) -> None:
         """Record the next step (its forward, backward and optimizer step, until the next forward has run) and

@@ -103,7 +103,7 @@ class EngineEdit:
                 gradients where rewritten weights would go, and may have begun the update from them (host
                 chunks update during backward), so neither the weights before the step nor after it are whole.
         """
-        if getattr(self.engine.optimizer, "gradients_pending", False):
+        if self.engine.optimizer is not None and self.engine.optimizer.gradients_pending:
             raise ValueError("GatheredParameters between backward() and step() under zero_cache: this window's "
                              "gradients are held where the weights would be rewritten, and host chunks may already be "
                              "updating from them; enter the context after engine.step() or before the backward")

@@ -1,4 +1,4 @@
-"""fp32 master weights and fp32 gradient accumulation under a bf16 / fp16 / fp32 module.
+"""Master weights and gradient accumulation (fp32, or bf16 on request) under a bf16 / fp16 / fp32 module.
 
 The non-ZeRO-Cache path keeps one full replica of the model states per rank:
 
@@ -7,11 +7,16 @@ The non-ZeRO-Cache path keeps one full replica of the model states per rank:
 * one flat fp32 gradient buffer, so accumulation over micro-batches happens in fp32 and the
   data-parallel all-reduce is a few large bucketed calls on one contiguous tensor.
 
+Under DeepSpeed's ``bf16.bf16_master_weights_and_grads`` (``master_dtype`` bf16) the bf16 parameters are their own
+masters and the buffer is bf16: the optimizer steps the parameters with bf16 gradients, its moments in the dtype the
+optimizer gives them (bf16 with ``bf16_optimizer_states``; see :mod:`angelptm.config.precision_modes`).
+
 What the script does to ``.grad`` counts, as under DeepSpeed (stage 0), where ``step()`` applies what
 autograd left in ``.grad`` (issue 28: a GAN's generator loss runs backward through its discriminator,
 then ``netD.zero_grad()`` must drop it):
 
-* fp32 parameters (the parameter is its own master): ``.grad`` *is* the parameter's slice of the buffer.
+* parameters in the masters' dtype (fp32, or bf16 with bf16 masters: the parameter is its own master): ``.grad``
+  *is* the parameter's slice of the buffer.
   A post-accumulate-grad hook adopts a fresh gradient into the slice; later backwards add in place. A
   script's ``zero_grad()`` (to None or to zeros, on the module or on any optimizer) clears the slice:
   :meth:`collect_gradients` treats a ``.grad`` of None as cleared.
@@ -34,13 +39,16 @@ import contextlib
 import logging
 import math
 import weakref
-from typing import Any, Collection, Iterator
+from typing import TYPE_CHECKING, Any, Collection, Iterator
 
 import torch
 import torch.distributed as dist
 
 from angelptm.engine.expert_parallel import ExpertParallel
 from angelptm.engine.loss_scaler import LossScaler
+
+if TYPE_CHECKING:
+    from zero_cache import Sharding, Timeline
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +70,16 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         group: data-parallel process group, or None for a single process.
         reduce_bucket_numel: elements per all-reduce call.
         experts: expert-parallel layout when MoE experts are spread over ranks (ep_size > 1).
+        master_dtype: dtype of the masters and the gradient buffer (fp32, or bf16: bf16_master_weights_and_grads).
+        comm_dtypes: id(parameter) -> the dtype its gradient is all-reduced in, where not the buffer's
+            (``torch_autocast``'s lower-precision-safe modules under ZeRO, as DeepSpeed's ``comm_dtype``).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, names: dict[int, str],
                  compute_dtype: torch.dtype, loss_scaler: LossScaler | None = None, gradient_clipping: float = 0.0,
                  group: dist.ProcessGroup | None = None, reduce_bucket_numel: int = 500_000_000,
-                 experts: ExpertParallel | None = None) -> None:
+                 experts: ExpertParallel | None = None, master_dtype: torch.dtype = torch.float32,
+                 comm_dtypes: dict[int, torch.dtype] | None = None) -> None:
         if optimizer.state:
             raise ValueError("the optimizer already has state; pass a freshly constructed optimizer to initialize()")
         self.optimizer = optimizer
@@ -89,7 +101,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                     continue
                 if id(param) not in names:
                     raise ValueError("the optimizer holds a tensor that is not a parameter of the model")
-                master = param if param.dtype == torch.float32 else param.detach().float().clone()
+                master = param if param.dtype == master_dtype else param.detach().to(master_dtype).clone()
                 self.params.append(param)
                 self.masters.append(master)
                 self.names.append(names[id(param)])
@@ -97,7 +109,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             param_group["params"] = masters
         total_numel = sum(p.numel() for p in self.params)
         device = self.params[0].device if self.params else torch.device("cpu")
-        self.flat_grad = torch.zeros(total_numel, dtype=torch.float32, device=device)
+        self.flat_grad = torch.zeros(total_numel, dtype=master_dtype, device=device)
         expert_ids = experts.expert_ids if experts is not None else frozenset()
         self.dense_numel = sum(p.numel() for p in self.params if id(p) not in expert_ids)
         self.grad_views: list[torch.Tensor] = []
@@ -107,12 +119,20 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             start = offsets[is_expert]
             self.grad_views.append(self.flat_grad[start:start + param.numel()].view_as(param))
             offsets[is_expert] += param.numel()
+        comm_dtypes = comm_dtypes or {}
+        self.low_comm = [(view, comm_dtypes[id(p)]) for p, view in zip(self.params, self.grad_views)
+                         if comm_dtypes.get(id(p), master_dtype) != master_dtype and id(p) not in expert_ids]
+        """Dense gradients reduced in their own (lower) dtype: views of the buffer with that dtype."""
         self._engine_backward = False
         self.hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
         self.destroyed = False
         """Whether :meth:`destroy` released the masters and states (then it cannot step)."""
         self.overflow = False
         self.last_grad_norm: float | None = None
+        self.sharding: Sharding | None = None
+        """None: every rank holds every state (the data-parallel ranks all-reduce gradients, not shard states)."""
+        self.timeline: Timeline | None = None
+        """Nothing of its own to record: the step runs on the compute stream, which the engine's tracer records."""
 
     def _make_hook(self, index: int):
         view = self.grad_views[index]
@@ -180,6 +200,24 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         raise NotImplementedError("the engine's fp32 masters and flat gradient buffer cover the parameters given at "
                                   "initialize(); a param group cannot be added later. Pass every parameter you will "
                                   "train to angelptm.initialize")
+
+    @property
+    def gradients_pending(self) -> bool:
+        """Never: gradients accumulate in the flat fp32 buffer, apart from the weights, which may be rewritten
+        between backward and step (``GatheredParameters``)."""
+        return False
+
+    @property
+    def params_sharded(self) -> bool:
+        """False: every rank holds its whole params (only gradients are reduced over ranks)."""
+        return False
+
+    def sync_params(self) -> None:
+        """Nothing to bring up to date: every rank's params are whole and current after each step."""
+
+    def tier_usage(self) -> dict[str, tuple[int, int]]:
+        """No memory tiers: every state of this rank is on the device (ZeRO-Cache's optimizer plans tiers)."""
+        return {}
 
     def prepare_backward(self, boundary: bool) -> None:
         """Nothing to prepare: gradients accumulate into the flat fp32 buffer (see :meth:`accumulating`)."""
@@ -254,7 +292,16 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if self.group is None or dist.get_world_size(self.group) == 1:
             return
         self.flat_grad.mul_(1.0 / dist.get_world_size(self.group))
+        low = {dtype: torch.cat([view.flatten() for view, d in self.low_comm if d == dtype]).to(dtype)
+               for dtype in {d for _, d in self.low_comm}}  # rounded before the sum, as DeepSpeed's buckets are
         self._all_reduce(self.flat_grad[:self.dense_numel], self.group)
+        for dtype, packed in low.items():
+            self._all_reduce(packed, self.group)
+            start = 0
+            for view, d in self.low_comm:
+                if d == dtype:
+                    view.copy_(packed[start:start + view.numel()].view_as(view))
+                    start += view.numel()
         if self.experts is not None and self.experts.edp_group is not None:
             self._all_reduce(self.flat_grad[self.dense_numel:], self.experts.edp_group)
 
@@ -266,14 +313,14 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """The norm of the whole model's gradient: with expert parallelism each rank holds the dense part
         and one slice of the experts, so the expert squares are summed over the expert-parallel group."""
         if self.experts is None:
-            return torch.linalg.vector_norm(self.flat_grad).item()
-        squares = torch.stack([torch.linalg.vector_norm(self.flat_grad[:self.dense_numel]).square(),
-                               torch.linalg.vector_norm(self.flat_grad[self.dense_numel:]).square()])
+            return torch.linalg.vector_norm(self.flat_grad, dtype=torch.float32).item()  # (fp32 over a bf16 buffer)
+        parts = (self.flat_grad[:self.dense_numel], self.flat_grad[self.dense_numel:])
+        squares = torch.stack([torch.linalg.vector_norm(part, dtype=torch.float32).square() for part in parts])
         dist.all_reduce(squares[1:], group=self.experts.ep_group)
         return squares.sum().sqrt().item()
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
-        """fp32 master weights by parameter name, on CPU."""
+        """Master weights (fp32, or bf16 under bf16_master_weights_and_grads) by parameter name, on CPU."""
         return {name: master.detach().cpu().clone() for name, master in zip(self.names, self.masters)}
 
     def load_master_state_dict(self, state: dict[str, torch.Tensor]) -> None:

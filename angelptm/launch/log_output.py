@@ -16,7 +16,7 @@ import sys
 
 PACKAGE_LOGGER = "angelptm"
 COMPOSED_LOGGERS = ("zero_cache", "moe", "autopipe")
-"""The packages angelptm composes log under their own names (``zero_cache.runtime.native``'s "compiling ..." line): they
+"""The packages angelptm composes log under their own names (``zero_cache.base.native``'s "compiling ..." line): they
 get the same handler, or their INFO lines would not show in a plain script."""
 FORMAT = "[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:%(funcName)s] %(message)s"
 """DeepSpeed's log format (deepspeed/utils/logging.py), so the lines read as a DeepSpeed user expects."""

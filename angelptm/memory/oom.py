@@ -40,8 +40,7 @@ def oom_message(engine: Any, phase: str, err: BaseException) -> str:
     head = (f"the {engine.device.type} device ran out of memory in the {phase} of step {engine.global_steps + 1} "
             f"(micro-batch {cfg.batch.micro_batch_size} x {cfg.batch.gradient_accumulation_steps} accumulation, "
             f"{str(cfg.precision.dtype).removeprefix('torch.')}; torch: {torch_line}).")
-    tier_usage = getattr(engine.optimizer, "tier_usage", None)  # (ZeRO-Cache's optimizer)
-    tiers = tier_usage() if tier_usage is not None else None
+    tiers = engine.optimizer.tier_usage() if engine.optimizer is not None else None  # (empty without ZeRO-Cache)
     if tiers:
         budgets = ", ".join(f"{name} {format_bytes(used)} of {format_bytes(budget)}"
                             for name, (used, budget) in tiers.items())

@@ -363,6 +363,9 @@ def initialize_pipeline(args: Any, model: PipelineModule, optimizer: Any, model_
     cfg = config if isinstance(config, EngineConfig) else load_config(config, world_size=replicas)
     if cfg.precision.loss_scale is not None:
         raise ConfigError("a PipelineModule with fp16: the pipeline path has no loss scaling; use bf16")
+    if cfg.precision.autocast_dtype is not None:
+        raise ConfigError("a PipelineModule with torch_autocast: the pipeline's stages do not run under torch.autocast "
+                          "here; remove the torch_autocast section and write \"bf16\": {\"enabled\": true}")
     if cfg.zero.stage >= 2 or cfg.zero_cache.enabled:
         raise ConfigError("a PipelineModule with ZeRO stage 2/3 or zero_cache: pipeline parallelism keeps gradients "
                           "whole (DeepSpeed refuses ZeRO-2/3 with pipelines too); use stage 0 or 1")

@@ -3,7 +3,7 @@
 ``engine.trace_next_step(directory)`` (or ``pretrain.py --trace DIR``) records the next step from
 the start of its forward to the end of the following forward: host updates queued in the step's
 backward may still run while the next forward starts, and that overlap is what the picture is for.
-The tracks and how they are timed are :mod:`zero_cache.runtime.timeline`'s.
+The tracks and how they are timed are :mod:`zero_cache.base.timeline`'s.
 
 Writes ``DIR/step<N>.trace.json`` (open it in https://ui.perfetto.dev or chrome://tracing: one row
 per track) and ``DIR/step<N>.png`` (needs matplotlib: ``pip install -e ".[plot]"``), and logs the

@@ -123,12 +123,19 @@ def test_fp16_dynamic_loss_scale_fields():
     rng = random.Random(21)
     fp16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": rng.randint(8, 24),
             "loss_scale_window": rng.randint(10, 2000), "hysteresis": rng.randint(1, 5),
-            "consecutive_hysteresis": True, "min_loss_scale": rng.choice([0.25, 0.5, 2.0])}
+            "consecutive_hysteresis": True, "min_loss_scale": rng.choice([1, 2, 4])}
     cfg = load({"fp16": fp16})
     assert cfg.precision.dtype == torch.float16
     assert cfg.precision.loss_scale == LossScaleConfig(
         static_scale=None, initial_scale_power=fp16["initial_scale_power"], window=fp16["loss_scale_window"],
         hysteresis=fp16["hysteresis"], consecutive_hysteresis=True, min_scale=fp16["min_loss_scale"])
+
+
+def test_a_fractional_min_loss_scale_is_refused_as_deepspeed_refuses_it():
+    """DeepSpeed 0.19.8's ``min_loss_scale`` is an integer (its model refuses 0.5 too); a whole float is read."""
+    with pytest.raises(ConfigError, match=r"fp16.min_loss_scale: .*integer.*\(got 0.5\)"):
+        load({"fp16": {"enabled": True, "min_loss_scale": 0.5}})
+    assert load({"fp16": {"enabled": True, "min_loss_scale": 8.0}}).precision.loss_scale.min_scale == 8.0
 
 
 def test_fp16_defaults_match_deepspeed():
@@ -708,6 +715,11 @@ def test_deepspeed_overlap_and_prefetch_keys_steer_sharded_zero_cache(caplog):
     plain = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"overlap_comm": False}})
     assert "zero_optimization.overlap_comm" in plain.accepted_not_acted
     assert load_config(base).zero_cache.overlap_comm is True
+    # Judged by the validated values: stage "3" (read as 3) with an offload device is sharded ZeRO-Cache too.
+    offloaded = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": "3", "overlap_comm": False, "offload_optimizer": {"device": "cpu"}}})
+    assert offloaded.zero_cache.enabled and offloaded.zero_cache.overlap_comm is False
+    assert "zero_optimization.overlap_comm" not in offloaded.accepted_not_acted
     live = random.randint(defaults.max_live_elements, 10**11)
     carried = load_config({**base, "zero_optimization": {"stage3_max_live_parameters": live}}).zero_cache
     assert carried.max_live_elements == live and carried.shard_params == "auto"

@@ -2,8 +2,9 @@
 
 ``zero_optimization.zenflow`` and ``offload_optimizer.super_offload`` are accepted as permissions to overlap the
 optimizer step, answered by ZeRO-Cache's own exact overlapped update and logged once; the bf16 master-weight and
-optimizer-state keys, ``torch_autocast``, and the keys asking for more ranks (tensor, sequence, expert
-parallelism) are accepted at DeepSpeed's default and refused otherwise, naming the key and what to do instead.
+optimizer-state keys and ``torch_autocast`` are implemented (their own tests: ``test_bf16_precision_modes.py``); the
+keys asking for more ranks (tensor, sequence, expert parallelism) are accepted at DeepSpeed's default and refused
+otherwise, naming the key and what to do instead.
 """
 
 from __future__ import annotations
@@ -84,26 +85,29 @@ def test_initialize_logs_the_permission_once(caplog):
 
 
 @pytest.mark.parametrize("key", ["bf16_master_weights_and_grads", "bf16_optimizer_states"])
-def test_bf16_master_and_state_keys_are_refused_when_true_and_load_when_false(key):
+def test_bf16_master_and_state_keys_follow_deepspeeds_asserts_when_true_and_load_when_false(key):
+    """Implemented (test_bf16_precision_modes.py); without ZeRO DeepSpeed refuses them, as the loader does."""
     message = refused({"bf16": {"enabled": True, key: True}})
-    assert f"bf16.{key}: true" in message and "not implemented" in message and "remove the key" in message
-    assert "offload_optimizer" in message, message
+    assert f"bf16.{key}: true is only supported with zero_optimization.stage 1, 2 or 3" in message, message
     cfg = load_config({**BATCH, "bf16": {"enabled": True, key: False}})
     assert cfg.precision.dtype == torch.bfloat16
+    assert (cfg.precision.master_dtype, cfg.precision.optimizer_state_dtype) == (torch.float32, torch.float32)
     assert f"bf16.{key}" not in cfg.accepted_not_acted  # false is what the engine does
 
 
 def test_the_old_bfloat16_spelling_takes_the_new_keys_too():
-    assert "bf16.bf16_optimizer_states: true" in refused({"bfloat16": {"enabled": True,
-                                                                       "bf16_optimizer_states": True}})
+    assert "bf16.bf16_optimizer_states: true requires" in refused({"bfloat16": {"enabled": True,
+                                                                              "bf16_optimizer_states": True}})
+    cfg = load_config({**BATCH, "zero_optimization": {"stage": 1}, "bfloat16": {
+        "enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}})
+    assert (cfg.precision.master_dtype, cfg.precision.optimizer_state_dtype) == (torch.bfloat16, torch.bfloat16)
 
 
-def test_torch_autocast_is_refused_when_enabled_naming_the_section_to_write():
-    message = refused({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}})
-    assert "torch_autocast.enabled: true" in message and "no torch.autocast path" in message
-    assert '"bf16": {"enabled": true}' in message, message
+def test_torch_autocast_enabled_keeps_fp32_parameters_and_false_changes_nothing():
+    cfg = load_config({**BATCH, "torch_autocast": {"enabled": True, "dtype": "bfloat16"}})
+    assert (cfg.precision.dtype, cfg.precision.autocast_dtype) == (torch.float32, torch.bfloat16)
     cfg = load_config({**BATCH, "torch_autocast": {"enabled": False}})
-    assert cfg.precision.dtype == torch.float32
+    assert (cfg.precision.dtype, cfg.precision.autocast_dtype) == (torch.float32, None)
     assert "torch_autocast.enable: unknown key" in refused({"torch_autocast": {"enable": True}})
 
 

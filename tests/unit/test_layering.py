@@ -3,10 +3,12 @@
 ``zero_cache``, ``moe`` and ``autopipe`` never import ``angelptm`` or each other, at any depth (a function-level
 import counts: it runs the same code); no library's modules import each other in a circle (``angelptm``'s, and
 each of the three others'), not even through a function-level import (which only hides the circle: ``api`` <->
-``pipe.engine`` was one, ``zero_cache.homes`` <-> ``zero_cache.nvme_home`` another); ``zero_cache``'s layers hold:
-every module of ``zero_cache/plan/`` imports without torch (it is pure: deciding is separate from doing) and
-imports nothing of ``storage/``, ``runtime/`` or ``optim/``, ``storage/`` and ``runtime/`` import nothing of
-``optim/``; and ``angelptm`` and ``bench`` use only ``zero_cache``'s public names.
+``pipe.engine`` was one, ``zero_cache.homes`` <-> ``zero_cache.nvme_home`` another); ``zero_cache``'s floors hold,
+each importing only those below it: every module of ``zero_cache/plan/`` imports without torch (it is pure: deciding
+is separate from doing) and imports nothing of the other floors; ``base/`` imports nothing of ``zero_cache``;
+``config`` nothing of ``storage/`` and above; ``storage/`` nothing of ``runtime/`` or ``optim/``; ``runtime/``
+nothing of ``optim/``; and no floor imports the composition on top (``attach``, ``warmup``, ``resolve``, the
+package's ``__init__``). And ``angelptm`` and ``bench`` use only ``zero_cache``'s public names.
 """
 
 from __future__ import annotations
@@ -21,18 +23,29 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 LIBRARIES = ("zero_cache", "moe", "autopipe")
-ZERO_CACHE_LAYERS = ("plan", "storage", "runtime", "optim")
-"""zero_cache's sub-packages, lowest first (``attach``, ``warmup`` and the rest sit on top)."""
-LAYERS_NOT_IMPORTED = {"plan": ("storage", "runtime", "optim"), "storage": ("optim",), "runtime": ("optim",)}
-"""Layer -> the layers above it that its modules never import (function-level imports included). ``storage``
-imports three ``runtime`` modules it builds on (``sharding``: which chunks a rank owns; ``timeline``: the disk
-track; ``native``: the AIO extension's loader), so that pair is not in the rule."""
+ZERO_CACHE_LAYERS = ("plan", "base", "storage", "runtime", "optim")
+"""zero_cache's sub-packages, lowest first: ``plan`` (pure deciding) and ``base`` (the timeline, ranks, the native
+loader) are the two bottom floors, neither importing the other; ``config`` (one module, over them) sits under
+``storage``; :data:`COMPOSITION` sits on top."""
+COMPOSITION = ("attach", "warmup", "resolve")
+"""The modules on top that compose the floors (with the package's ``__init__``, which loads the public names)."""
+LAYERS_NOT_IMPORTED = {
+    "plan": ("base", "config", "storage", "runtime", "optim", *COMPOSITION),
+    "base": ("plan", "config", "storage", "runtime", "optim", *COMPOSITION),
+    "config": ("storage", "runtime", "optim", *COMPOSITION),
+    "storage": ("runtime", "optim", *COMPOSITION),
+    "runtime": ("optim", *COMPOSITION),
+    "optim": COMPOSITION,
+}
+"""Floor (a sub-package of ``zero_cache``, or the module ``config``) -> what its modules never import (function-level
+imports included): every floor not below it. None imports the package ``zero_cache`` itself either (its ``__init__``
+reaches every floor's public names)."""
 ZERO_CACHE_MODULES_IN_USE = {
     "zero_cache.storage.nvme": {"ALIGN_BYTES", "NvmeTier"},  # (bench/nvme_tier.py times the tier)
     "zero_cache.optim.host_adam": {"HostAdam", "torch_fused_adam"},  # (bench/host_adam.py times it)
     "zero_cache.optim.chunk_adam": {"fp32_gradient"},  # (bench/device_adam.py times the device's Adam
     "zero_cache.optim.device_adam": {"adam_in_one_pass"},  # in four passes and in one)
-    "zero_cache.tuning": {"MAX_TRIALS", "MEASURED_STEPS", "RESTARTS", "SETTLE_STEPS"},
+    "zero_cache.plan.tuning": {"MAX_TRIALS", "MEASURED_STEPS", "RESTARTS", "SETTLE_STEPS"},
     # (bench/host_memory.py sets the re-plan's probe against the host's Adam and copies, alone and at once, through a
     # host tier as the engine's)
     "zero_cache.runtime.rates": {"copy_load", "host_memory_rate", "measured_copies", "measured_host_memory"},
@@ -207,8 +220,8 @@ def test_what_the_plan_prices_is_what_the_homes_are() -> None:
     """One registry of home classes, one of their costs, with the same tier names; each class reads its answers from
     its costs (no second copy to drift)."""
     from zero_cache.plan.home_costs import DISK_BLOCK_BYTES, HOME_COSTS, OFF_DEVICE_FILL_ORDER
-    from zero_cache.storage.homes import HOME_CLASSES
     from zero_cache.storage.nvme import ALIGN_BYTES
+    from zero_cache.storage.param_homes.registry import HOME_CLASSES
 
     assert set(HOME_CLASSES) == set(HOME_COSTS) and set(OFF_DEVICE_FILL_ORDER) <= set(HOME_COSTS)
     assert ALIGN_BYTES == DISK_BLOCK_BYTES
@@ -225,7 +238,7 @@ def test_what_the_plan_prices_is_what_the_state_homes_are() -> None:
     """The optimizer-state homes: one registry of classes, one of costs, the same tier names; each class reads its
     flags from its costs, and the planner's fill order names registered homes."""
     from zero_cache.plan.state_costs import STATE_COSTS, STATE_FILL_ORDER
-    from zero_cache.storage.state_homes import STATE_HOME_CLASSES
+    from zero_cache.storage.state_homes.registry import STATE_HOME_CLASSES
 
     assert set(STATE_HOME_CLASSES) == set(STATE_COSTS) and set(STATE_FILL_ORDER) <= set(STATE_COSTS)
     for name, cls in STATE_HOME_CLASSES.items():
@@ -235,38 +248,62 @@ def test_what_the_plan_prices_is_what_the_state_homes_are() -> None:
             costs.route, costs.resident, costs.device_steppable, costs.owned)
 
 
+def floor_paths(floor: str, root: Path = REPO) -> list[Path]:
+    """The files of a floor: a sub-package's, or the one module's (``config``)."""
+    package = root / "zero_cache" / floor
+    return sorted(package.rglob("*.py")) if package.is_dir() else [root / "zero_cache" / f"{floor}.py"]
+
+
 def layer_violations(root: Path = REPO) -> list[str]:
-    """``file: imports X`` for each import (function-level ones included) of a zero_cache layer by one below it that
-    :data:`LAYERS_NOT_IMPORTED` rules out."""
+    """``file: imports X`` for each import (function-level ones included) of a zero_cache floor by one below it that
+    :data:`LAYERS_NOT_IMPORTED` rules out, and of the package ``zero_cache`` itself by any floor."""
     violations = []
     for layer, above in LAYERS_NOT_IMPORTED.items():
         banned = tuple(f"zero_cache.{name}" for name in above)
-        for path in sorted((root / "zero_cache" / layer).rglob("*.py")):
+        for path in floor_paths(layer, root):
             imports = imported_modules(path.read_text(), module_name(path, root), path.name == "__init__.py",
                                        top_level_only=False)
             violations += [f"{path.relative_to(root)}: imports {name}" for name in sorted(imports)
-                           if name in banned or name.startswith(tuple(f"{b}." for b in banned))]
+                           if name in (*banned, "zero_cache") or name.startswith(tuple(f"{b}." for b in banned))]
     return violations
 
 
 def test_zero_caches_layers_import_only_downwards() -> None:
-    """``plan/`` imports nothing of ``storage/``, ``runtime/`` or ``optim/``; ``storage/`` and ``runtime/`` nothing
-    of ``optim/``."""
+    """Each floor imports only those below it: ``plan/`` and ``base/`` nothing of the others, ``config`` nothing of
+    ``storage/`` and above, ``storage/`` nothing of ``runtime/`` or ``optim/``, ``runtime/`` nothing of ``optim/``,
+    none the composition on top."""
     for layer in ZERO_CACHE_LAYERS:
         assert (REPO / "zero_cache" / layer / "__init__.py").is_file(), layer
-    assert layer_violations() == []
+    assert set(LAYERS_NOT_IMPORTED) == {*ZERO_CACHE_LAYERS, "config"}
+    assert all((REPO / "zero_cache" / f"{name}.py").is_file() for name in (*COMPOSITION, "config"))
+    assert len(floor_paths("storage")) > 10 and layer_violations() == []
 
 
 def test_the_layer_check_sees_an_upward_import(tmp_path) -> None:
+    """Upward imports from each kind of floor are caught (storage -> runtime included); downward ones are not."""
     for layer in ZERO_CACHE_LAYERS:
         (tmp_path / "zero_cache" / layer).mkdir(parents=True)
         (tmp_path / "zero_cache" / layer / "__init__.py").write_text("")
+    (tmp_path / "zero_cache" / "config.py").write_text("from zero_cache.plan.units import AUTO\n"
+                                                        "from zero_cache.storage import tiers\n")
     (tmp_path / "zero_cache" / "plan" / "a.py").write_text("def f():\n"
                                                             "    from zero_cache.runtime.jobs import JobQueue\n")
+    (tmp_path / "zero_cache" / "base" / "c.py").write_text("from zero_cache.plan.tier_names import HOST\n")
     (tmp_path / "zero_cache" / "storage" / "b.py").write_text("from zero_cache.optim import optimizer\n"
-                                                               "from zero_cache.runtime import sharding\n")
+                                                               "from zero_cache.base import timeline\n"
+                                                               "from zero_cache.config import AioConfig\n"
+                                                               "def f():\n"
+                                                               "    from zero_cache.runtime import transfers\n")
+    (tmp_path / "zero_cache" / "runtime" / "d.py").write_text("from zero_cache.storage import chunks\n"
+                                                               "from zero_cache import attach\n")
+    (tmp_path / "zero_cache" / "optim" / "e.py").write_text("import zero_cache.resolve\n")
     assert layer_violations(tmp_path) == ["zero_cache/plan/a.py: imports zero_cache.runtime.jobs",
-                                          "zero_cache/storage/b.py: imports zero_cache.optim"]
+                                          "zero_cache/base/c.py: imports zero_cache.plan.tier_names",
+                                          "zero_cache/config.py: imports zero_cache.storage",
+                                          "zero_cache/storage/b.py: imports zero_cache.optim",
+                                          "zero_cache/storage/b.py: imports zero_cache.runtime",
+                                          "zero_cache/runtime/d.py: imports zero_cache",
+                                          "zero_cache/optim/e.py: imports zero_cache.resolve"]
 
 
 @pytest.mark.parametrize("library", LIBRARIES)

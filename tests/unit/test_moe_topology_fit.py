@@ -96,7 +96,8 @@ def test_fit_link_recovers_random_links_from_two_fanouts_and_one():
         assert one.latency_s == pytest.approx(link.latency_s + link.call_s, rel=1e-6)
 
 
-# ---- issue 41: bench/results/h200x4-moe-alltoall-2x2-gloo.log (4x H200, 2 nodes x 2, inter link gloo/TCP) ----
+# ---- issue 41: bench/results/2026-11-27-4xh200-moe-alltoall-2x2-gloo-f29c9cf.log ----
+# (4x H200, 2 nodes x 2, inter link gloo/TCP)
 # Probe sizes (MiB per rank) and times (us) of the log's two fits; each probe is an all-to-all over 2 ranks
 # (1 peer), moving half its bytes off-rank.
 PROBE_MIB = [0.0625, 0.25, 1, 4, 16, 64, 256]

@@ -13,15 +13,15 @@ import time
 
 import torch.utils.cpp_extension
 
-from zero_cache.runtime import native
+from zero_cache.base import native
 
 
 def test_a_build_is_announced_and_a_cached_one_is_not(monkeypatch, caplog, tmp_path):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # torch's extension cache, empty
-    monkeypatch.setattr(logging.getLogger("zero_cache.runtime.native"), "handlers", [])  # conftest's would print it too
+    monkeypatch.setattr(logging.getLogger("zero_cache.base.native"), "handlers", [])  # conftest's would print it too
     built = []
     monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda name, **_: built.append(name) or name)
-    with caplog.at_level(logging.INFO, logger="zero_cache.runtime.native"):
+    with caplog.at_level(logging.INFO, logger="zero_cache.base.native"):
         assert native.load_csrc.__wrapped__("fused_host_adam") == "angelptm_fused_host_adam"
     assert any("compiling fused_host_adam.cpp" in record.message for record in caplog.records)
 
@@ -29,7 +29,7 @@ def test_a_build_is_announced_and_a_cached_one_is_not(monkeypatch, caplog, tmp_p
     cache.mkdir(exist_ok=True)  # torch made it when asked where the build goes
     (cache / "angelptm_fused_host_adam.so").write_bytes(b"")
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="zero_cache.runtime.native"):
+    with caplog.at_level(logging.INFO, logger="zero_cache.base.native"):
         native.load_csrc.__wrapped__("fused_host_adam")
     assert not caplog.records and built == ["angelptm_fused_host_adam"] * 2
 
@@ -38,7 +38,7 @@ def _extension_cache(tmp_path, monkeypatch, *, fake_load: list):
     """An empty extension cache, torch's build directory for fused_host_adam in it, and a ``load`` that records
     whether torch's lock was there when it was called."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.setattr(logging.getLogger("zero_cache.runtime.native"), "handlers", [])  # conftest's would print it
+    monkeypatch.setattr(logging.getLogger("zero_cache.base.native"), "handlers", [])  # conftest's would print it
     directory = tmp_path / "angelptm_fused_host_adam"
     directory.mkdir()
     monkeypatch.setattr(torch.utils.cpp_extension, "load",
@@ -62,7 +62,7 @@ def test_a_lock_a_killed_build_left_is_removed_and_the_build_goes_on(monkeypatch
     builder.send_signal(signal.SIGKILL)
     builder.wait()
     assert (directory / "lock").exists()
-    with caplog.at_level(logging.INFO, logger="zero_cache.runtime.native"):
+    with caplog.at_level(logging.INFO, logger="zero_cache.base.native"):
         assert native.load_csrc.__wrapped__("fused_host_adam") == "angelptm_fused_host_adam"
     assert loads == [False]
     assert any(record.levelno == logging.WARNING and str(directory / "lock") in record.message
@@ -75,7 +75,7 @@ def test_a_live_builds_lock_is_waited_for_and_left_to_it(monkeypatch, caplog, tm
     owner = open(directory / native.OWNER_FILE, "a+")  # (another open file: flock sets it against this process too)
     fcntl.flock(owner, fcntl.LOCK_EX)
     (directory / "lock").write_bytes(b"")
-    caplog.set_level(logging.INFO, logger="zero_cache.runtime.native")
+    caplog.set_level(logging.INFO, logger="zero_cache.base.native")
     waiting = threading.Thread(target=native.load_csrc.__wrapped__, args=("fused_host_adam",))
     waiting.start()
     time.sleep(0.5)

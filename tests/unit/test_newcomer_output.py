@@ -43,7 +43,7 @@ def test_zero_one_or_two_on_one_process_says_it_holds_everything() -> None:
 def test_a_plain_script_shows_zero_caches_info_lines() -> None:
     script = ("import logging; from angelptm.launch.log_output import show_logs_in_plain_script\n"
               "show_logs_in_plain_script()\n"
-              "logging.getLogger('zero_cache.runtime.native').info('compiling fused_host_adam.cpp for this machine')\n")
+              "logging.getLogger('zero_cache.base.native').info('compiling fused_host_adam.cpp for this machine')\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr[-2000:]

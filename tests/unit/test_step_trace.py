@@ -9,7 +9,7 @@ import torch
 import angelptm
 from angelptm.pretraining.models import ModelConfig, build_model
 from angelptm.telemetry.trace_png import main as draw_png
-from zero_cache.runtime.timeline import COMPUTE, D2H, H2D, HOST_ADAM, WAITS, Interval, covered, overlap_shares, union
+from zero_cache.base.timeline import COMPUTE, D2H, H2D, HOST_ADAM, WAITS, Interval, covered, overlap_shares, union
 
 
 def grid_measure(spans, cover, step=0.25):

@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch import nn
 
+from zero_cache.base.sharding import Sharding
 from zero_cache.plan.layout import pack
 from zero_cache.plan.planner import DEVICE, HOST, PlanInputs, make_plan
 from zero_cache.runtime.gathered import RECENT, AcquisitionTrace, GatheredGroups
-from zero_cache.runtime.sharding import Sharding
 from zero_cache.runtime.transfers import Transfers
 from zero_cache.storage.chunks import ChunkStore
 from zero_cache.storage.tiers import build_tiers

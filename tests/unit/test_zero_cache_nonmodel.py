@@ -1,4 +1,4 @@
-"""The warm-up's non-model memory (``zero_cache.nonmodel``): the model's activations, never the engine's buffers
+"""The warm-up's non-model memory (``zero_cache.runtime.nonmodel``): the model's activations, never the engine's buffers
 nor the blocks the allocator still caches from the model as it was before attach."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from test_zero_cache_device_steps import tiny_llama
 from test_zero_cache_streamed import config
 
 import angelptm
-from zero_cache.nonmodel import NonModelMeter
+from zero_cache.runtime.nonmodel import NonModelMeter
 from zero_cache.storage.tiers import Tier
 
 attach_module = importlib.import_module("zero_cache.attach")  # (the package exports a function of that name)

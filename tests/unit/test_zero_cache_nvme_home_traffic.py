@@ -1,9 +1,10 @@
 """What params homed on NVMe move on disk per step is what the plan says, gradients waiting on disk included.
 
 A chunk at home on NVMe whose update waits until after backward keeps its gradient in one of the home's staging
-buffers, :data:`~zero_cache.storage.nvme_home.NVME_HELD_GRADIENTS` of them; the older ones wait in its slot on disk (a
-write and a read of a shard each). The plan counts exactly those: the host-updated chunks that neither keep their
-gradient (updated during backward, :mod:`zero_cache.optim.revision`) nor are stepped on the device. One rank, fp32, CPU.
+buffers, :data:`~zero_cache.storage.param_homes.nvme.NVME_HELD_GRADIENTS` of them; the older ones wait in its slot on
+disk (a write and a read of a shard each). The plan counts exactly those: the host-updated chunks that neither keep
+their gradient (updated during backward, :mod:`zero_cache.optim.revision`) nor are stepped on the device. One rank,
+fp32, CPU.
 
 The count does not depend on thread timing: a gradient whose update runs during backward is never sent to disk (the
 training thread waits for a buffer instead, which the worker gives back as it takes those gradients), reads started
@@ -24,7 +25,7 @@ import zero_cache
 from angelptm.config import load_config
 from angelptm.pretraining.models import ModelConfig, build_model
 from zero_cache.plan.tier_names import HOST, NVME
-from zero_cache.storage.nvme_home import NVME_HELD_GRADIENTS, NvmeHome
+from zero_cache.storage.param_homes.nvme import NVME_HELD_GRADIENTS, NvmeHome
 
 CHUNK_NUMEL = 8192
 """9 chunks for the model below: the re-plan's gathers per step (the eviction rule over the warm-up's trace) are then

@@ -1,4 +1,4 @@
-"""Params homed on NVMe (zero_cache.storage.nvme_home.NvmeHome), one rank on CPU, fp32.
+"""Params homed on NVMe (zero_cache.storage.param_homes.nvme.NvmeHome), one rank on CPU, fp32.
 
 A shard at home on NVMe takes the path of one at home on the host (copied in on use, its reduced gradient
 taken home over it, updated by the host's Adam) through a swap file and a few pinned buffers instead of a
@@ -26,7 +26,7 @@ from zero_cache.plan.planner import PlanError, PlanInputs, make_plan
 from zero_cache.plan.tier_names import HOST, NVME
 from zero_cache.plan.units import format_bytes
 from zero_cache.storage.nvme import NvmeTier
-from zero_cache.storage.nvme_home import NVME_HELD_GRADIENTS, NVME_STAGING_BUFFERS, NvmeHome
+from zero_cache.storage.param_homes.nvme import NVME_HELD_GRADIENTS, NVME_STAGING_BUFFERS, NvmeHome
 from zero_cache.storage.tiers import Tier, TierFullError
 
 CHUNK_NUMEL = 8192

@@ -26,6 +26,7 @@ from zero_cache.config import AioConfig
 from zero_cache.optim.host_adam import torch_fused_adam
 from zero_cache.plan.planner import DEVICE, HOST, make_plan
 from zero_cache.plan.step_cost import NOMINAL_RATES, Rates, agreed_rates, host_adam_bytes_per_element
+from zero_cache.plan.tuning import CHECK_STEPS, MEASURED_STEPS, SETTLE_STEPS
 from zero_cache.runtime.rates import (
     COPY_MARGIN,
     HOST_MEMORY_PASSES,
@@ -43,7 +44,6 @@ from zero_cache.runtime.rates import (
 )
 from zero_cache.storage.nvme import ALIGN_BYTES, NvmeTier, check_directory
 from zero_cache.storage.tiers import Tier, TierFullError
-from zero_cache.tuning import CHECK_STEPS, MEASURED_STEPS, SETTLE_STEPS
 
 
 def random_rates(rng: random.Random) -> Rates:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import zero_cache.storage.tiers as tiers
-from zero_cache.runtime.sharding import Sharding
+from zero_cache.base.sharding import Sharding
 
 
 def layouts(rng: random.Random, count: int) -> list[tuple[int, int, bool]]:

@@ -1,10 +1,10 @@
 """A new kind of optimizer-state home is one class and one registry entry (DESIGN.md: "A new home is one new class").
 
 The toy home below keeps each group's states in a plain dict of ordinary (unpinned, unbudgeted) CPU tensors and is
-registered for the host tier in place of :class:`~zero_cache.storage.state_home.HostStates`: every group the plan puts
-on the host lives there, and the host's Adam reaches it only through the home (fetch, write back, open). The exactness
-tests of the host's update paths and of resuming are imported below and run again with it; they must hold bit for bit,
-as with the pinned host home.
+registered for the host tier in place of :class:`~zero_cache.storage.state_homes.home.HostStates`: every group the plan
+puts on the host lives there, and the host's Adam reaches it only through the home (fetch, write back, open). The
+exactness tests of the host's update paths and of resuming are imported below and run again with it; they must hold bit
+for bit, as with the pinned host home.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from test_zero_cache_update_paths import (  # noqa: F401  (the tests: run again 
 
 from zero_cache.plan.state_costs import STATE_COSTS
 from zero_cache.plan.tier_names import HOST
-from zero_cache.storage import state_homes
-from zero_cache.storage.state_home import STATE_FIELDS, FetchedStates, HostStates, OptimizerGroup, StateHome
+from zero_cache.storage.state_homes import registry as state_homes
+from zero_cache.storage.state_homes.home import STATE_FIELDS, FetchedStates, HostStates, OptimizerGroup, StateHome
 
 
 class DictStates(StateHome):

@@ -1,4 +1,4 @@
-"""The device-step count chosen by measured step times (zero_cache.tuning), and the plan it applies."""
+"""The device-step count chosen by measured step times (zero_cache.plan.tuning), and the plan it applies."""
 
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ from test_zero_cache_streamed import assert_close_to, config, resident_budget
 import angelptm
 from zero_cache.optim.host_update import HostUpdater
 from zero_cache.plan.planner import DEVICE, HOST, PlanInputs, make_plan, with_device_step_count
-from zero_cache.storage.chunks import ChunkStore
-from zero_cache.tuning import (
+from zero_cache.plan.tuning import (
     CHECK_STEPS,
     MAX_TRIALS,
     MEASURED_STEPS,
@@ -31,6 +30,7 @@ from zero_cache.tuning import (
     SettledSteps,
     next_count,
 )
+from zero_cache.storage.chunks import ChunkStore
 
 
 def drive(tuner: DeviceStepTuner, cost: dict[int, float], noise: float = 0.05) -> tuple[list[int], list[float]]:
@@ -75,8 +75,8 @@ def test_the_tuning_tries_the_counts_measured_fastest_on_the_gpu_rows():
     own 7 or 11, whose steps leave work to the next."""
     rows = {"13B, H200": (7, {7: 2.032, 4: 1.781, 2: 1.425}), "10B, H100": (11, {11: 1.683, 6: 1.518, 3: 1.551}),
             "2.7B capped, H100": (7, {7: 0.659, 4: 0.582, 2: 0.620}), "Llama capped, H100": (7, {7: 0.962, 4: 0.889}),
-            "13B, H200 (session 45)": (7, {4: 2.080, 2: 1.751, 1: 1.564}),
-            "10B, H100 (session 44)": (11, {6: 1.569, 3: 1.537, 2: 1.676})}
+            "13B, H200 (72e71da)": (7, {4: 2.080, 2: 1.751, 1: 1.564}),
+            "10B, H100 (949bc3f)": (11, {6: 1.569, 3: 1.537, 2: 1.676})}
     for row, (planned, measured) in rows.items():
         fastest = min(measured, key=measured.__getitem__)
         tried: dict[int, float] = {}

@@ -19,8 +19,8 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
+from zero_cache.base.native import load_csrc
 from zero_cache.plan.step_cost import STATE_BYTES_PER_ELEMENT, host_adam_bytes_per_element
-from zero_cache.runtime.native import load_csrc
 
 logger = logging.getLogger(__name__)
 

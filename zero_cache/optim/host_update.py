@@ -34,21 +34,19 @@ from typing import Any, Callable
 
 import torch
 
+from zero_cache.base.timeline import HOST_ADAM
 from zero_cache.optim.chunk_adam import adam_step, fp32_gradient
 from zero_cache.optim.host_adam import HostAdam
 from zero_cache.optim.revision import APPLIED, DEFERRED, SpeculationWindow, revision_scales
 from zero_cache.plan.layout import TensorSlot
+from zero_cache.plan.state_costs import STAGING_BUFFERS
 from zero_cache.plan.tier_names import HOST
 from zero_cache.runtime.jobs import GRADIENTS, JobQueue, serve, stop
 from zero_cache.runtime.rates import Throughput
-from zero_cache.runtime.timeline import HOST_ADAM
 from zero_cache.runtime.transfers import Transfers
 from zero_cache.storage.chunks import STATE_FIELDS, ChunkStore, state_field
-from zero_cache.storage.state_home import FetchedStates
+from zero_cache.storage.state_homes.home import FetchedStates
 from zero_cache.storage.tiers import BufferPool, wait
-
-STAGING_BUFFERS = 4
-"""Pinned chunk-sized buffers: one being fetched ahead, one under CPU Adam, the rest in H2D flight."""
 
 
 @dataclass(slots=True)

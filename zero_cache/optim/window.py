@@ -24,7 +24,7 @@ class AccumulationWindow:
         members_of_chunk: chunk -> its (param-group index, slot) members (chunks of trainable parameters only).
         num_chunks: chunks in the layout (padding chunks included).
         group_of: chunk -> its collective group (:meth:`Sharding.group_of
-            <zero_cache.runtime.sharding.Sharding.group_of>`).
+            <zero_cache.base.sharding.Sharding.group_of>`).
         num_groups: collective groups.
         device: where the per-chunk squared norms are summed (pinned staging beside them on CUDA).
     """

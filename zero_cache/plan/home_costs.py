@@ -1,15 +1,15 @@
 """What a param home costs, for the planner: one frozen dataclass per kind of home (pure: no tensors).
 
-The planner asks a kind of home (:mod:`zero_cache.storage.homes`: the device, pinned host memory, NVMe) the same few
-questions: does a shard there stream onto the device on use, is it pinned host memory the host's Adam updates in
-place, do its updates go through the staging buffers, may its optimizer groups be stepped on the device, and how
-many host bytes, disk bytes and disk bytes per step ``shards`` of them take (PCIe bytes are the same for every home
+The planner asks a kind of home (:mod:`zero_cache.storage.param_homes.registry`: the device, pinned host memory, NVMe)
+the same few questions: does a shard there stream onto the device on use, is it pinned host memory the host's Adam
+updates in place, do its updates go through the staging buffers, may its optimizer groups be stepped on the device, and
+how many host bytes, disk bytes and disk bytes per step ``shards`` of them take (PCIe bytes are the same for every home
 off the device: :mod:`zero_cache.plan.step_cost`). The answers live here and only here: the runtime home classes take
 theirs from :data:`HOME_COSTS` (``ParamHome.costs``), so what the plan priced is what the runtime does, and the
 planner never imports a runtime module (``tests/unit/test_layering.py`` imports it with torch hidden).
 
 A new kind of home is one entry here and one runtime class in the registry
-(:data:`zero_cache.storage.homes.HOME_CLASSES`).
+(:data:`zero_cache.storage.param_homes.registry.HOME_CLASSES`).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zero_cache.plan.home_costs import DISK_BLOCK_BYTES, align_up, home_costs
+from zero_cache.plan.state_costs import STAGING_BUFFERS, SWAP_BUFFERS
 from zero_cache.plan.step_cost import NOMINAL_RATES, STATE_BYTES_PER_ELEMENT, Rates, StepTraffic
 from zero_cache.plan.tier_names import DEVICE, HOST, NVME, REMOTE
 from zero_cache.plan.units import format_bytes
@@ -44,13 +45,13 @@ class PlanInputs:
     """Device budget kept free for allocator fragmentation and transients."""
     grad_bytes_per_element: int = 4
     """4 for an fp32 gradient accumulator, 0 when single-micro-batch gradients are written into the param chunk."""
-    staging_buffers: int = 4
+    staging_buffers: int = STAGING_BUFFERS
     """Pinned param-chunk-sized transfer buffers on the host (when any optimizer group is there)."""
     nvme_budget_bytes: int = 0
     """Bytes the NVMe tier may take; 0 = no NVMe tier."""
     nvme_path_set: bool = False
     """``zero_cache.nvme_path`` is set (its budget may still be 0: a disk too small for "auto"'s margin)."""
-    swap_buffers: int = 3
+    swap_buffers: int = SWAP_BUFFERS
     """Pinned bounce buffers of one swap slot each (when any optimizer group is on NVMe)."""
     owned: tuple[int, ...] | None = None
     """Chunks whose optimizer groups this rank holds (data-parallel sharding); None = all of them."""
@@ -158,7 +159,7 @@ class Plan:
     """This rank holds one param chunk per collective group (its shard); whole groups are gathered on use."""
     param_home: tuple[str, ...] = ()
     """Gathered params: per collective group, the home of this rank's shard (a tier name;
-    :mod:`zero_cache.storage.homes`, priced by :mod:`zero_cache.plan.home_costs`)."""
+    :mod:`zero_cache.storage.param_homes.registry`, priced by :mod:`zero_cache.plan.home_costs`)."""
     group_size: int = 1
     """Chunks per collective group (data-parallel ranks)."""
     traffic: StepTraffic = StepTraffic()

@@ -385,7 +385,7 @@ def device_steppable_groups(inputs: PlanInputs, plan: Plan) -> list[int]:
 def with_device_step_count(inputs: PlanInputs, plan: Plan, count: int) -> Plan:
     """``plan``'s placement with ``count`` of its host groups (those the next forward needs first) stepped on the
     device, and the kept gradients that leaves room for: what the runtime's measured choice of the count applies
-    (:mod:`zero_cache.tuning`) without moving a shard or an optimizer group.
+    (:mod:`zero_cache.plan.tuning`) without moving a shard or an optimizer group.
 
     Args:
         inputs: the inputs ``plan`` was made from.

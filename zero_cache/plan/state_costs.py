@@ -2,9 +2,9 @@
 
 A chunk's optimizer group (fp32 master, exp_avg, exp_avg_sq, and an fp32 gradient accumulator when micro-batches
 accumulate) lives in a **state home**: the device, pinned host memory, a slot of the NVMe swap file, or another
-rank. The runtime classes (:mod:`zero_cache.storage.state_homes`) take their answers from :data:`STATE_COSTS` here, as
-the param homes take theirs from :mod:`zero_cache.plan.home_costs`, so the plan prices what the runtime does and the
-planner never imports a runtime module (``tests/unit/test_layering.py`` imports it with torch hidden).
+rank. The runtime classes (:mod:`zero_cache.storage.state_homes.registry`) take their answers from :data:`STATE_COSTS`
+here, as the param homes take theirs from :mod:`zero_cache.plan.home_costs`, so the plan prices what the runtime does
+and the planner never imports a runtime module (``tests/unit/test_layering.py`` imports it with torch hidden).
 
 Where the planner puts a rank's groups is data too (:data:`STATE_FILL_ORDER`): as many on the device as fit, then
 the host, the rest on the last home of the order.
@@ -32,6 +32,19 @@ class Route(StrEnum):
 
 UPDATED_HERE: tuple[Route, ...] = (Route.DEVICE_ADAM, Route.HOST_ADAM)
 """The routes of the groups this rank updates (every one but another rank's)."""
+
+STAGING_BUFFERS = 4
+"""Pinned chunk-sized buffers of the host's Adam (:mod:`zero_cache.optim.host_update`): one being fetched ahead, one
+under CPU Adam, the rest in H2D flight."""
+SWAP_BUFFERS = 3
+"""Pinned bounce buffers of the NVMe state home (:mod:`zero_cache.storage.state_homes.nvme`): one being read (chunk
+i+1), one under CPU Adam (chunk i), one being written (chunk i-1)."""
+
+
+def planned_staging_buffers(accumulation_steps: int) -> int:
+    """The host's staging buffers the plan counts (``PlanInputs.staging_buffers``): accumulating micro-batches, a
+    second pool of :data:`STAGING_BUFFERS` stages their gradients (``HostUpdater.gradient_pool``)."""
+    return STAGING_BUFFERS * (2 if accumulation_steps > 1 else 1)
 
 
 @dataclass(frozen=True, slots=True)

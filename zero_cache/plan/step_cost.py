@@ -124,8 +124,8 @@ class StepTraffic:
     rates: Rates = NOMINAL_RATES
     """What the floors are worked out at."""
     disk_bytes: int = 0
-    """Disk bytes read and written: param shards at home on NVMe (``zero_cache.storage.nvme_home.NvmeHome``: a read per
-    gather, a write per update, and a write and a read per gradient that waits for its update on disk,
+    """Disk bytes read and written: param shards at home on NVMe (``zero_cache.storage.param_homes.nvme.NvmeHome``: a
+    read per gather, a write per update, and a write and a read per gradient that waits for its update on disk,
     :attr:`gradients_to_disk`) and the states of the optimizer groups on NVMe, read and written back once each: a
     floor. Gathers are Belady's rule's estimate over the warm-up's trace (``gathers_per_step``), which the runtime
     can miss by a few (CPU, 82 chunks: 145 gathers where the plan counts 146). Not counted: on a step after a clipped

@@ -1,8 +1,8 @@
 """The names of the memory tiers, and the interface every tier object shares (pure: no tensors).
 
 Every module that says where a state lives spells it with these names: the planner's plan, the
-chunk store's tier table, the param homes (:mod:`zero_cache.storage.homes`), the optimizer-state homes
-(:mod:`zero_cache.storage.state_homes`) and the reports. Only those registries and the reports compare them
+chunk store's tier table, the param homes (:mod:`zero_cache.storage.param_homes.registry`), the optimizer-state homes
+(:mod:`zero_cache.storage.state_homes.registry`) and the reports. Only those registries and the reports compare them
 (``tests/unit/test_zero_cache_tier_branches.py``): the rest of the runtime asks a home. A name is a
 ``str`` (:class:`TierName` is a ``StrEnum``), so plans compare and serialise as plain strings.
 """
@@ -23,7 +23,7 @@ class TierName(StrEnum):
     NVME = "nvme"
     """Slots of a swap file on a local disk, read and written through pinned bounce buffers."""
     REMOTE = "remote"
-    """Another data-parallel rank's (see ``zero_cache.runtime.sharding``): this rank holds none of it."""
+    """Another data-parallel rank's (see ``zero_cache.base.sharding``): this rank holds none of it."""
 
 
 DEVICE, HOST, NVME, REMOTE = TierName.DEVICE, TierName.HOST, TierName.NVME, TierName.REMOTE

@@ -1,7 +1,7 @@
 """The collectives of sharded chunks, issued from the training thread in one order on every rank.
 
 :class:`ChunkExchange` keeps the state of one optimizer's reduce-scatters and all-gathers (see
-:mod:`zero_cache.runtime.sharding` for the ownership and the group layout):
+:mod:`zero_cache.base.sharding` for the ownership and the group layout):
 
 * **gradients**: a group is reduced once its gradients are complete on this rank, either in place
   in the param chunks (one micro-batch per step: gradients are written over the parameters) or
@@ -27,10 +27,10 @@ from typing import Any, Callable
 
 import torch
 
+from zero_cache.base.sharding import Sharding
 from zero_cache.plan.tier_names import DEVICE
 from zero_cache.plan.working_set import GRADIENT_BUCKETS, reduction_lag
 from zero_cache.runtime.gathered import GatheredGroups
-from zero_cache.runtime.sharding import Sharding
 from zero_cache.storage.chunks import ChunkStore
 from zero_cache.storage.tiers import wait
 

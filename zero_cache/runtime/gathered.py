@@ -1,7 +1,7 @@
 """Gathered params: a chunk group's full params exist on the device only while they are in use.
 
 Each rank keeps its own slot of every group (``ChunkStore.shards``) at its **home**: the device, pinned
-host memory or NVMe (:mod:`zero_cache.storage.homes`, which carries out each kind's gather). A group is
+host memory or NVMe (:mod:`zero_cache.storage.param_homes.registry`, which carries out each kind's gather). A group is
 **live** while its gathered buffer exists: its parameters are views into it. Otherwise each parameter
 is a placeholder of the right shape holding no memory (one element, expanded with zero strides), so
 module code that reads ``weight.shape`` keeps working.

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from zero_cache.base.sharding import Sharding
 from zero_cache.config import ZeroCacheConfig
 from zero_cache.plan.home_costs import home_costs
 from zero_cache.plan.layout import ChunkLayout
@@ -21,7 +22,6 @@ from zero_cache.plan.tier_names import DEVICE
 from zero_cache.plan.units import AUTO
 from zero_cache.plan.working_set import agreed
 from zero_cache.runtime.gathered import GatheredGroups
-from zero_cache.runtime.sharding import Sharding
 
 
 def gather_ahead_groups(config: ZeroCacheConfig, layout: ChunkLayout, sharding: Sharding) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from zero_cache.runtime.timeline import D2H, H2D, Timeline
+from zero_cache.base.timeline import D2H, H2D, Timeline
 from zero_cache.storage.tiers import TrafficCounter
 
 

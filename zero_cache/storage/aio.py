@@ -27,8 +27,8 @@ from typing import Callable, Protocol
 
 import torch
 
+from zero_cache.base.native import load_csrc
 from zero_cache.config import AioConfig
-from zero_cache.runtime.native import load_csrc
 
 logger = logging.getLogger(__name__)
 

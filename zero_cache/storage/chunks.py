@@ -3,13 +3,13 @@
 Every parameter becomes a view into its chunk (``param.data`` is rebound), so a model state exists
 exactly once. With gathered params (``shard_params``) a rank stores only its own chunk of each
 collective group (its shard; on one rank, each chunk) and the parameters are placeholders except
-while their group is gathered. Each shard has a **home** (:mod:`zero_cache.storage.homes`): the device, or
-pinned host memory or NVMe, from which it is copied in on use and into which its gradients are
+while their group is gathered. Each shard has a **home** (:mod:`zero_cache.storage.param_homes.registry`): the device,
+or pinned host memory or NVMe, from which it is copied in on use and into which its gradients are
 written back (the plan's ``param_home``), so the model's weights need not fit on the device.
 
 The optimizer group of a chunk (fp32 master, exp_avg, exp_avg_sq, and an fp32 gradient accumulator
-when micro-batches accumulate) lives in a **state home** (:mod:`zero_cache.storage.state_homes`) of the tier the
-plan names, which allocates it, makes it usable and says which Adam updates it; moving it (re-planning)
+when micro-batches accumulate) lives in a **state home** (:mod:`zero_cache.storage.state_homes.registry`) of the tier
+the plan names, which allocates it, makes it usable and says which Adam updates it; moving it (re-planning)
 copies it to the new home and frees the old one.
 
 When every step is one micro-batch there is no gradient buffer at all: as PatrickStar does, a
@@ -26,15 +26,20 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
+from zero_cache.base.sharding import Sharding
 from zero_cache.plan.layout import ChunkLayout, TensorSlot
 from zero_cache.plan.moves import Move, fits, next_move
 from zero_cache.plan.planner import Plan
 from zero_cache.plan.state_costs import STATE_FILL_ORDER
 from zero_cache.plan.tier_names import DEVICE, HOST, BudgetedTier
-from zero_cache.runtime.sharding import Sharding
-from zero_cache.storage.homes import ParamHome, home_class
-from zero_cache.storage.state_home import STATE_FIELDS, OptimizerGroup, StateHome, state_field  # noqa: F401  (re-exported)
-from zero_cache.storage.state_homes import state_homes
+from zero_cache.storage.param_homes.registry import ParamHome, home_class
+from zero_cache.storage.state_homes.home import (  # noqa: F401  (re-exported)
+    STATE_FIELDS,
+    OptimizerGroup,
+    StateHome,
+    state_field,
+)
+from zero_cache.storage.state_homes.registry import state_homes
 
 
 class ChunkStore:
@@ -81,8 +86,8 @@ class ChunkStore:
         self.param_home: list[str] = list(plan.param_home)
         """Gathered params: the tier name of each group's home (this rank's shard)."""
         self.homes: dict[str, ParamHome] = {}
-        """The homes in use by tier name (:mod:`zero_cache.storage.homes`); replicated params are at home on the
-        device."""
+        """The homes in use by tier name (:mod:`zero_cache.storage.param_homes.registry`); replicated params are at home
+        on the device."""
         self._home_named(DEVICE)
         self.param_chunks: list[torch.Tensor | None] = []
         if shard_params:
@@ -111,8 +116,8 @@ class ChunkStore:
         # Optimizer groups only now, so the device never holds the original params and the groups at once.
         self.grads_in_accumulators = accumulate
         self.state_homes: dict[str, StateHome] = state_homes(tiers, layout.chunk_numel, accumulate)
-        """The optimizer groups' homes by tier name (:mod:`zero_cache.storage.state_homes`), those the tiers can
-        hold."""
+        """The optimizer groups' homes by tier name (:mod:`zero_cache.storage.state_homes.registry`), those the tiers
+        can hold."""
         self.groups: list[OptimizerGroup] = []
         for chunk, tier in enumerate(plan.optimizer_tier):
             self.groups.append(self.state_homes[tier].allocate())
@@ -134,7 +139,7 @@ class ChunkStore:
         return self.param_home[self.sharding.group_of(chunk)] if self.shard_params else DEVICE
 
     def home(self, chunk: int) -> ParamHome:
-        """The home of ``chunk``'s params (:mod:`zero_cache.storage.homes`)."""
+        """The home of ``chunk``'s params (:mod:`zero_cache.storage.param_homes.registry`)."""
         return self.homes[self.home_of(chunk)]
 
     def group_home(self, group: int) -> ParamHome:
@@ -251,8 +256,8 @@ class ChunkStore:
         return whole[slot.offset:slot.offset + slot.numel]
 
     def state_home(self, chunk: int) -> StateHome:
-        """The home of ``chunk``'s optimizer group (:mod:`zero_cache.storage.state_homes`): which Adam updates it, and
-        how its states are reached."""
+        """The home of ``chunk``'s optimizer group (:mod:`zero_cache.storage.state_homes.registry`): which Adam updates
+        it, and how its states are reached."""
         return self.groups[chunk].home
 
     @contextlib.contextmanager
@@ -272,9 +277,9 @@ class ChunkStore:
     @contextlib.contextmanager
     def open_states(self, chunk: int, *, write_back: bool = False, fresh: bool = False) -> Iterator[torch.Tensor]:
         """The chunk's fp32 states, readable (and writable) in memory for the duration of the block
-        (:meth:`StateHome.open <zero_cache.storage.state_home.StateHome.open>`): resident groups as they are, an NVMe
-        group through a bounce buffer (zeroed instead when ``fresh``: a new group has no states yet), written back with
-        ``write_back``. Synchronous: for checkpoints, initialisation and re-planning, never on the training path.
+        (:meth:`StateHome.open <zero_cache.storage.state_homes.home.StateHome.open>`): resident groups as they are, an
+        NVMe group through a bounce buffer (zeroed instead when ``fresh``: a new group has no states yet), written back
+        with ``write_back``. Synchronous: for checkpoints, initialisation and re-planning, never on the training path.
         """
         group = self.groups[chunk]
         with group.home.open(group, write_back=write_back, fresh=fresh) as states:
@@ -310,7 +315,7 @@ class ChunkStore:
         Kept gradients the plan drops are freed before anything moves. Where nothing can go, the first move raises
         with the tier that is short.
 
-        ``keep_spare_gradients``: a trial of the device-step count (:mod:`zero_cache.tuning`), which moves nothing:
+        ``keep_spare_gradients``: a trial of the device-step count (:mod:`zero_cache.plan.tuning`), which moves nothing:
         the kept gradients it drops stay allocated for the next trial to take, so a switch registers no pinned
         memory (at 10B on the H100 each switch's step took 2-3 times the settled one). The next plan applied
         without it frees what is left over.

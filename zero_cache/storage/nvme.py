@@ -42,11 +42,11 @@ from pathlib import Path
 
 import torch
 
+from zero_cache.base.timeline import Timeline
 from zero_cache.config import AioConfig, ZeroCacheConfig
 from zero_cache.plan.home_costs import DISK_BLOCK_BYTES, HOME_COSTS, align_up
 from zero_cache.plan.tier_names import NVME
 from zero_cache.plan.units import format_bytes
-from zero_cache.runtime.timeline import Timeline
 from zero_cache.storage.aio import FileIO, IORequest, open_file_io
 from zero_cache.storage.tiers import TierFullError, TrafficCounter
 

@@ -84,7 +84,7 @@ class Tier:
 
     def take_interval_low(self) -> int:
         """The least bytes held since the last call (or since the tier was made), and a new interval from now
-        (:mod:`zero_cache.nonmodel` reads the engine's own bytes beside the allocator's peak this way)."""
+        (:mod:`zero_cache.runtime.nonmodel` reads the engine's own bytes beside the allocator's peak this way)."""
         low = min(self._interval_low_bytes, self.used_bytes)
         self._interval_low_bytes = self.used_bytes
         return low
@@ -245,10 +245,10 @@ def use_expandable_segments(device: torch.device) -> str:
 
     Under a tight device budget the caching allocator's fixed-size segments fragment: a 22 GB cap lost 1.39-1.42
     GiB to memory "reserved by PyTorch but unallocated" and an allocation the plan had room for failed
-    (BENCHMARKS.md, the 10B and 6.9B runs). Expandable segments map one growing segment per stream instead, so
-    what is freed can be reused whatever its size. Segments made before this call stay as they were, and the
+    (bench/results/HISTORY.md, the 10B and 6.9B runs). Expandable segments map one growing segment per stream
+    instead, so what is freed can be reused whatever its size. Segments made before this call stay as they were, and the
     warm-up's re-plan adds what the allocator still holds unallocated at its peak to the non-model reserve
-    (:class:`~zero_cache.nonmodel.NonModelMeter`).
+    (:class:`~zero_cache.runtime.nonmodel.NonModelMeter`).
     """
     if device.type != "cuda":
         return "not a CUDA device"

@@ -49,13 +49,13 @@ class DeepSpeedZeroOffloadParamConfig(DeepSpeedConfigModel):
 
 
 class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
-    """``zero_optimization.offload_optimizer``; ``pipeline`` is true when either pipelined direction is."""
+    """``zero_optimization.offload_optimizer``; its attribute ``pipeline`` (not a key, as in DeepSpeed) is true
+    when either pipelined direction is."""
 
     device: OffloadDeviceEnum = "none"
     nvme_path: Optional[Path] = None
     buffer_count: int = Field(4, ge=0)
     pin_memory: bool = True
-    pipeline: bool = False
     pipeline_read: bool = False
     pipeline_write: bool = False
     fast_init: bool = False
@@ -65,8 +65,7 @@ class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
 
     @model_validator(mode="after")
     def _pipeline_from_directions(self) -> "DeepSpeedZeroOffloadOptimizerConfig":
-        if self.pipeline_read or self.pipeline_write:
-            object.__setattr__(self, "pipeline", True)
+        self.__dict__["pipeline"] = self.pipeline_read or self.pipeline_write
         return self
 
 
@@ -129,6 +128,9 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     save_muon_momentum_buffer_in_memory: bool = False
     mics_shard_size: int = -1
     mics_hierarchical_params_gather: bool = False
+    zeropp_loco_param: Optional[dict] = None
+    """(These three were removed in DeepSpeed 0.19.8, which refuses them; accepted, with no effect, as the JSON edge
+    accepts them, so that configs of earlier DeepSpeed versions load.)"""
     zenflow: Optional[dict] = None
     leaf_module: Optional[dict] = None
 
