@@ -110,7 +110,7 @@ def run_step(engine, optimizer, catcher, batches, factor: float) -> tuple[bool, 
         engine.backward(engine(**batch) * factor)
         if batch is batches[-1]:
             optimizer.host.drain()  # (lets the test read which speculative updates were applied or deferred)
-            outcomes = [update.outcome for update in optimizer.window.queued.values()]
+            outcomes = [update.outcome for update in optimizer.chunk_steps.speculated().values()]
         engine.step()
     return not optimizer.overflow, outcomes
 
@@ -217,7 +217,7 @@ def test_zero_grad_after_updates_made_during_backward_takes_them_back(host_kerne
     run_step(engine, optimizer, catcher, batches[:1], 1.0)
     before = states(optimizer)
     engine.backward(engine(**batches[1]))
-    assert optimizer.window.queued, "host chunks were updated during that backward"
+    assert optimizer.chunk_steps.speculated(), "host chunks were updated during that backward"
     engine.zero_grad()
     catcher.take()
     assert_states_close(states(optimizer), before, "after zero_grad")
@@ -447,7 +447,7 @@ def test_waited_updates_folded_later_equal_eager_ones_bit_for_bit(native_adam, r
         runs[fold_waited] = per_step
         if fold_waited:  # steps 2-4 waited: each host chunk with a kept gradient ran lazy, then folded
             assert optimizer.host.folded_later == 3 * len(host_chunks_kept(optimizer)) > 0
-            assert not optimizer.host.unfolded
+            assert not optimizer.chunk_steps.owing_folds()
         else:
             assert optimizer.host.folded_later == 0
     for step, ((folded, weights), (eager, eager_weights)) in enumerate(zip(runs[True], runs[False])):

@@ -488,7 +488,8 @@ def test_a_count_switch_waits_for_no_queued_host_update_and_training_stays_exact
         watchdog.start()
         losses += train_steps(engine, [batches[len(losses)]])
         assert not gate.is_set(), f"a training step waited for the host's updates ({plan.device_stepped})"
-        assert any(not update.issued.is_set() for update in optimizer._pending.values()), "no update left queued"
+        in_flight = [optimizer.chunk_steps[chunk].host_update for chunk in optimizer.chunk_steps.in_flight()]
+        assert any(not update.issued.is_set() for update in in_flight), "no update left queued"
         optimizer.apply_plan(plan, count_switch=True, trial=trial)
         returned_held = not gate.is_set()
         held[0] = False

@@ -37,6 +37,7 @@ import torch
 from zero_cache.optim.chunk_adam import adam_step, fp32_gradient
 from zero_cache.optim.host_adam import HostAdam
 from zero_cache.optim.revision import APPLIED, DEFERRED, SpeculationWindow, revision_scales
+from zero_cache.optim.step_record import ChunkSteps
 from zero_cache.plan.layout import TensorSlot
 from zero_cache.plan.tier_names import HOST
 from zero_cache.runtime.jobs import GRADIENTS, JobQueue, serve, stop
@@ -101,10 +102,13 @@ class HostUpdater:
         store: the chunk storage.
         transfers: device<->host copies.
         host_adam: the CPU Adam kernel.
+        steps: the chunks' step records (:mod:`zero_cache.optim.step_record`), shared with the optimizer: the worker
+            writes the params it sent back and the folds owed there.
     """
 
-    def __init__(self, store: ChunkStore, transfers: Transfers, host_adam: HostAdam) -> None:
+    def __init__(self, store: ChunkStore, transfers: Transfers, host_adam: HostAdam, steps: ChunkSteps) -> None:
         self.store = store
+        self.steps = steps
         self.transfers = transfers
         self.host_adam = host_adam
         host, numel = store.tiers[HOST], store.layout.chunk_numel
@@ -114,10 +118,6 @@ class HostUpdater:
         """Micro-batch gradients staged by the training thread for the accumulators (allocated only when used).
         Apart from ``pool``: an update during backward that needs a buffer must not wait for gradient jobs that
         hold them and run only after it (a deadlock once the training thread has staged them all)."""
-        self.unfolded: dict[int, ChunkUpdate] = {}
-        """Chunk -> the lazy update whose moments are still to be folded in from its kept gradient (the worker's)."""
-        self.param_ready: dict[int, torch.cuda.Event | None] = {}
-        """Chunk -> completion event of its latest host->device param copy (popped by the waiter)."""
         self.busy_s = 0.0
         self.folded_later = 0
         """Waited updates made lazy (``ChunkUpdate.fold_later``), their moments folded by a job of their own."""
@@ -138,7 +138,7 @@ class HostUpdater:
         run again (:mod:`zero_cache.optim.release`)."""
         self._stop_worker()
         self.pool = self.gradient_pool = None
-        self.unfolded.clear()
+        self.steps.forget_folds()
 
     # ------------------------------------------------------------------ queueing
     def submit_update(self, update: ChunkUpdate) -> None:
@@ -159,13 +159,13 @@ class HostUpdater:
         self._jobs.put(self._settle_all)
 
     def _settle_all(self) -> None:
-        for chunk in list(self.unfolded):
+        for chunk in self.steps.owing_folds():
             self.settle(chunk)
 
     def settle(self, chunk: int) -> None:
         """On the worker: fold the moments of ``chunk``'s lazy update, if one is waiting, from its kept gradient
         (before anything overwrites that gradient or reads the moments)."""
-        lazy = self.unfolded.pop(chunk, None)
+        lazy = self.steps.take_fold(chunk)
         if lazy is None:
             return
         kept = self._kept(chunk)
@@ -270,14 +270,14 @@ class HostUpdater:
         if update.window is not None:
             update.outcome = APPLIED
         elif update.lazy:  # a waited update: settle_all's job folds its moments in (queued behind the step's updates)
-            self.unfolded[chunk] = update
+            self.steps.owe_fold(update)
             self.folded_later += 1
         group.home.write_back(group, fetched.states, changed=buffer is not None and not update.restore_only)
         if buffer is not None:
             ready = fetched.home.store_params(self.store.sharding.group_of(chunk), self.store.param_chunks[chunk],
                                               buffer, self.pool, self.transfers)
             if ready is not None:
-                self.param_ready[chunk] = ready
+                self.steps[chunk].params_sent = ready
         update.issued.set()
 
     def _folds_later(self, update: ChunkUpdate, buffer: torch.Tensor | None) -> bool:
@@ -316,7 +316,7 @@ class HostUpdater:
         if not (undo_scale or redo_scale):
             if original.outcome == APPLIED:
                 if original.lazy:  # its moments are folded in before the kept gradient changes
-                    self.unfolded[update.chunk] = original
+                    self.steps.owe_fold(original)
                 return None
             return self._round_masters(update.chunk, None, states)  # deferred, step skipped: weights unchanged
         return self._step_slots(update.chunk, original.members, original.hypers, original.step,
@@ -360,7 +360,7 @@ class HostUpdater:
         before (which that gradient held) when it stepped the same slots. Slots without a gradient are rewritten
         from their masters (a reduction from a bucket left zeros there); padding is zero."""
         kept = self._kept(update.chunk) if update.window is not None or update.lazy else None
-        fold = self.unfolded.pop(update.chunk, None) if kept is not None and self._folds_into(update) else None
+        fold = self.steps.take_fold(update.chunk) if kept is not None and self._folds_into(update) else None
         self.settle(update.chunk)  # (one that cannot be folded in this pass)
         stepped = set()
         for index, slots in update.members.items():
@@ -379,7 +379,7 @@ class HostUpdater:
     def _folds_into(self, update: ChunkUpdate) -> bool:
         """Whether the chunk's lazy update from the step before can be folded in ``update``'s pass: the same slots
         with the same betas (the kernel folds with the step's own)."""
-        lazy = self.unfolded.get(update.chunk)
+        lazy = self.steps.owed_fold(update.chunk)
         return (lazy is not None and lazy.members == update.members
                 and all(lazy.hypers[i]["betas"] == update.hypers[i]["betas"] for i in update.members))
 

@@ -73,6 +73,7 @@ from zero_cache.optim.optimizer_state import NamedStates, OptimizerCheckpoint
 from zero_cache.optim.release import release
 from zero_cache.optim.revision import SpeculationWindow
 from zero_cache.optim.step_clock import StepClock, TimedSpans
+from zero_cache.optim.step_record import ChunkSteps
 from zero_cache.optim.window import AccumulationWindow
 from zero_cache.plan.layout import TensorSlot
 from zero_cache.plan.placement import Plan
@@ -136,12 +137,13 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         self._one_pass_compiled = False  # (compiled by apply_plan once a plan holds groups on the device)
         self.host_adam = HostAdam(decoupled_weight_decay, try_deepspeed=self.device.type == "cuda",
                                   try_native=native_host_adam, deepspeed_import=deepspeed_import)
-        self.host = HostUpdater(store, self.transfers, self.host_adam)
+        self.chunk_steps = ChunkSteps(store.layout.num_chunks)
+        """Where each chunk's update stands (:mod:`zero_cache.optim.step_record`), shared with the host worker."""
+        self.host = HostUpdater(store, self.transfers, self.host_adam, self.chunk_steps)
         self.device_steps = DeviceSteps(store, self.transfers, self._device_adam)
         self.device_stepped = frozenset(device_stepped)
         """Host-tier chunks updated by :attr:`device_steps` after backward instead of by the host worker
         (the plan's)."""
-        self._stepped_ready: dict[int, torch.cuda.Event | None] = {}  # chunk -> its device step's params in place
         self.timeline = self.transfers.timeline
         """The step's timeline (copies, host jobs, disk requests, waits); recording only while a step is traced."""
         for home in store.all_homes():
@@ -166,9 +168,6 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
                                          device=self.device)
         """This accumulation window's bookkeeping, shared by the gradient intake, the sharded side and the step."""
         self._speculating = update_in_backward  # whether this window updates during backward (the prediction)
-        self._pending: dict[int, ChunkUpdate] = {}  # host chunk -> its latest queued update, until waited for
-        self._retired: frozenset[int] = frozenset()  # chunks holding a kept gradient a count switch dropped
-        self._retired_spare = False  # (whether it goes to the spares, a trial's, or is freed)
         self._boundary = True
         self._replanned = False
         self.counters = OptimizerCounters(store, self.transfers, self.host, self.device)
@@ -285,7 +284,7 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
 
     def _take_back(self, written: frozenset, *, restore_unreached: bool) -> None:
         """End the window without a step: revise the speculative updates away, restore overwritten params."""
-        for chunk in sorted(self.window.queued):
+        for chunk in self.chunk_steps.speculated():
             self._queue_revision(chunk, skip=True)
         if written and not self.store.grads_in_accumulators:
             self._restore_params(written)  # the dropped gradients overwrote parameters
@@ -295,10 +294,10 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
 
     def _queue_revision(self, chunk: int, *, grad_factor: float = 0.0, skip: bool = False) -> None:
         self.named_states.before_update(chunk)  # (a checkpoint being written stages the chunk first)
-        original = self.window.queued[chunk]
+        original = self.chunk_steps[chunk].speculative
         revision = ChunkUpdate(chunk=chunk, members=original.members, hypers=original.hypers, step=original.step,
                                grad_factor=grad_factor, revises=original, skip=skip)
-        self._pending[chunk] = revision
+        self.chunk_steps.revise(revision)
         self.host.submit_update(revision)
         if skip or grad_factor != original.grad_factor:
             self.counts["revised_chunks"] += 1
@@ -349,7 +348,7 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         # (a window that updated in backward revised its host chunks; the others' kept gradients are idle)
         fold_later = self.fold_waited and not self._speculating and not self.store.grads_in_accumulators
         for chunk in self._chunks_in((Route.HOST_ADAM,), written):
-            if chunk in self.window.queued:
+            if self.chunk_steps[chunk].speculative is not None:
                 self._queue_revision(chunk, grad_factor=grad_factor)
             elif self._steps_on_device(chunk):
                 self._step_on_device(chunk, written, hypers, grad_factor)
@@ -374,15 +373,15 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         """Whether ``chunk`` is stepped on the device now: the plan's choice, for a group whose home lets the device
         step it (its states all in host memory, none left to fold in from a lazy update of the host's)."""
         return (chunk in self.device_stepped and self.store.state_home(chunk).device_steppable
-                and chunk not in self.host.unfolded)
+                and self.chunk_steps.owed_fold(chunk) is None)
 
     def _step_on_device(self, chunk: int, written: frozenset, hypers: list[dict[str, Any]], grad_factor: float) -> None:
         """Queue ``chunk``'s update on :attr:`device_steps`; the next forward waits for its params alone."""
         self.named_states.before_update(chunk)
         self.wait_for_chunk(chunk)  # a host job still on it (a restore) has run
         # None unless written home by a copy: on the device it is ordered by begin(), an accumulator is filled
-        self._stepped_ready[chunk] = self.device_steps.step(chunk, self._step_members(chunk, written), hypers,
-                                                            self.step_count, grad_factor, self._landed(chunk))
+        self.chunk_steps.on_device(chunk, self.device_steps.step(chunk, self._step_members(chunk, written), hypers,
+                                                                 self.step_count, grad_factor, self._landed(chunk)))
         self.counts["device_stepped_chunks"] += 1
 
     def _grad_norm(self) -> float:
@@ -432,7 +431,11 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
                              squares=squares, restore_only=restore_only, window=window, fold_later=fold_later)
         if window is not None:
             update.position = window.join(update)
-        self._pending[chunk] = update
+            self.chunk_steps.speculate(update)
+        elif restore_only:
+            self.chunk_steps.restore(update)
+        else:
+            self.chunk_steps.queue(update)
         self.host.submit_update(update)
         return update
 
@@ -475,7 +478,7 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
     def _restore_params(self, written: frozenset) -> None:
         """Rewrite param chunks that hold this window's gradients from their masters (no step taken; the
         speculatively updated ones are revised instead)."""
-        chunks = [c for c in self._chunks_in(UPDATED_HERE, written) if c not in self.window.queued]
+        chunks = [c for c in self._chunks_in(UPDATED_HERE, written) if self.chunk_steps[c].speculative is None]
         self._rewrite_from_masters(chunks, written)
         self._mark_stale()  # the non-owned chunks come back from their owners
 
@@ -490,10 +493,9 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
     # ------------------------------------------------------------------ waiting
     def wait_for_chunk(self, chunk: int) -> None:
         """Order the compute stream after ``chunk``'s latest host update (forward pre-hook, gradient hook)."""
-        stepped = self._stepped_ready.pop(chunk, None)
+        stepped, update = self.chunk_steps.take_waits(chunk)
         if stepped is not None:
             torch.cuda.current_stream(self.device).wait_event(stepped)
-        update = self._pending.pop(chunk, None)
         if update is None:
             return
         if not update.issued.is_set():
@@ -503,7 +505,7 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
                     self.host.raise_if_failed()
             self.timings["chunk_wait"] += time.perf_counter() - start
         self.host.raise_if_failed()
-        ready = self.host.param_ready.pop(chunk, None)
+        ready = self.chunk_steps.take_params_sent(chunk)
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
 
@@ -527,7 +529,7 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
             self.finish_pending()
             retain = frozenset()
         moved = self.store.apply_plan(plan, keep_spare_gradients=trial, retain=retain)
-        self._retired, self._retired_spare = retain, trial
+        self.chunk_steps.retire(retain, spare=trial)
         if self.exchange is not None:
             self.exchange.apply_working_set(plan)
         self.device_stepped = frozenset(plan.device_stepped)
@@ -567,10 +569,10 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
 
     def _release_retired(self) -> None:
         """Let go of the kept gradients the last count switch retained, once their chunks' host work is done."""
-        if self._retired:
-            self.finish_chunks(sorted(self._retired))
-            self.store.release_kept(self._retired, spare=self._retired_spare)
-            self._retired = frozenset()
+        retired, spare = self.chunk_steps.take_retired()
+        if retired:
+            self.finish_chunks(retired)
+            self.store.release_kept(frozenset(retired), spare=spare)
 
     def finish_chunks(self, chunks: Iterable[int]) -> None:
         """Block until the host work and device-step copies of ``chunks`` have landed, and their lazy updates are
@@ -589,7 +591,7 @@ class ZeroCacheOptimizer(GradientIntake, ShardedGradients, OptimizerCheckpoint, 
         self.host.settle_all()
         self.host.drain()
         self.store.flush()
-        for chunk in list(self._pending):
+        for chunk in self.chunk_steps.in_flight():
             self.wait_for_chunk(chunk)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()

@@ -138,9 +138,8 @@ class GradientIntake:
         factor = self._unscale_factor()
         if self.window.speculation is None:
             self.window.speculation = SpeculationWindow(self.gradient_clipping, factor)
-        self.window.queued[chunk] = self._queue_host_update(chunk, frozenset(self.window.written), self._hypers(),
-                                                            step=self.step_count + 1, grad_factor=factor,
-                                                            squares=squares, window=self.window.speculation)
+        self._queue_host_update(chunk, frozenset(self.window.written), self._hypers(), step=self.step_count + 1,
+                                grad_factor=factor, squares=squares, window=self.window.speculation)
         self.counts["speculated_chunks"] += 1
 
     def _add_square(self, chunk: int, grad: torch.Tensor) -> None:
@@ -184,6 +183,7 @@ class GradientIntake:
 
     def _reset_window(self) -> None:
         self.window.reset()
+        self.chunk_steps.new_window()
         self._reset_group_counts()
 
     def _reset_group_counts(self) -> None:

@@ -104,7 +104,8 @@ class ShardedGradients:
             self.exchange.reduce_rest()
             self.exchange.completed()
             for chunk in owned:
-                if chunk not in self.window.queued:  # a queued chunk's squares are in; its update may be overwriting it
+                if self.chunk_steps[chunk].speculative is None:  # (a speculated chunk's squares are in; its update
+                    # may be overwriting it)
                     self.window.chunk_squares[chunk] = self._owned_square(chunk)
         self.sharding.all_reduce_sum(self.window.chunk_squares)
 
