@@ -36,10 +36,10 @@ from __future__ import annotations
 import enum
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
-if TYPE_CHECKING:
-    from zero_cache.optim.host_update import ChunkUpdate
+ChunkUpdate = Any
+"""A :class:`zero_cache.optim.host_update.ChunkUpdate` (not imported: the host worker imports this module)."""
 
 
 class Phase(enum.Enum):
