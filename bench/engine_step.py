@@ -170,7 +170,7 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
         logging.basicConfig(level=logging.WARNING, format="zero_cache: %(name)s %(message)s")
         logging.getLogger("zero_cache").setLevel(logging.INFO)  # the plan, the IO backend, the re-plan
         engine, optimizer, *_ = angelptm.initialize(model=model, config=zero_cache_config)
-        tiers = optimizer.tier_counts()
+        tiers = optimizer.reports.tier_counts()
         # (at attach: the warm-up step's placement, which with activation_memory "auto" on a GPU is the plan's least
         # device footprint; the re-plan after step 1 moves groups, and the result's groups_device_host_nvme is after it)
         print(f"zero_cache: warm-up optimizer groups {tiers.get('device', 0)} device / {tiers.get('host', 0)} host / "
@@ -244,7 +244,8 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
               f"h2d {report['zero_cache_h2d_bytes'] / steps / 2**30:.2f} GiB, "
               f"nvme read {report.get('zero_cache_nvme_read_bytes', 0) / steps / 2**30:.2f} GiB, "
               f"nvme write {report.get('zero_cache_nvme_write_bytes', 0) / steps / 2**30:.2f} GiB", file=sys.stderr)
-        tiers, usage, homes = optimizer.tier_counts(), optimizer.tier_usage(), optimizer.param_home_counts()
+        reports = optimizer.reports
+        tiers, usage, homes = reports.tier_counts(), optimizer.tier_usage(), reports.param_home_counts()
         extra = {"groups_device_host_nvme": [tiers.get(t, 0) for t in ("device", "host", "nvme")],
                  "nvme_gib": usage["nvme"][0] / 2**30 if "nvme" in usage else 0,
                  "overlap": report.get("zero_cache_overlap"), "in_backward": optimizer.update_in_backward,
@@ -252,8 +253,8 @@ def run_one(size: str, mode: str, steps: int, micro: int, checkpointing: bool, d
                  "param_homes_device_host": [homes.get(t, 0) for t in ("device", "host")],
                  "planned_device_gib": usage["device"][1] / 2**30,
                  "device_stepped_groups": len(optimizer.device_stepped),
-                 **{name: report[f"zero_cache_{name}"] for name in optimizer.counts}}
-        print("zero_cache: " + ", ".join(f"{name} {extra[name]}" for name in optimizer.counts)
+                 **{name: report[f"zero_cache_{name}"] for name in optimizer.reports.counts}}
+        print("zero_cache: " + ", ".join(f"{name} {extra[name]}" for name in optimizer.reports.counts)
               + f" in {steps} steps", file=sys.stderr)
         gathered = optimizer.exchange.gathered if optimizer.exchange is not None else None
         if gathered is not None:  # all-gathers per step of each group (forward, recompute, backward)

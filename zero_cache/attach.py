@@ -199,18 +199,18 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
               if warms_up_at_least_footprint(config, device) else plan)
     store = ChunkStore(layout, [p for _, p in params], warmup, tiers, compute_dtype,
                        accumulate=accumulation_steps > 1, sharding=sharding, shard_params=shard_params)
-    hybrid = ZeroCacheOptimizer(store, optimizer, names, decoupled_weight_decay=decoupled_weight_decay,
+    hybrid = ZeroCacheOptimizer(store, optimizer, names, warmup, decoupled_weight_decay=decoupled_weight_decay,
                                 loss_scaler=loss_scaler, gradient_clipping=gradient_clipping,
                                 update_in_backward=in_backward,
                                 native_host_adam=(device.type == "cuda" if config.native_host_adam == "auto"
                                                   else config.native_host_adam),
                                 overlap_comm=config.overlap_comm,
-                                gather_ahead=plan.gather_ahead or gather_ahead_groups(config, layout, sharding),
-                                max_live_groups=plan.cache_slots, gradient_buckets=plan.gradient_buckets,
-                                device_stepped=plan.device_stepped, deepspeed_import=deepspeed_import)
-    tracer = WarmupTracer(layout, config, compute_dtype, accumulation_steps, in_backward, device)
+                                gather_ahead=gather_ahead_groups(config, layout, sharding),
+                                deepspeed_import=deepspeed_import)
+    tracer = WarmupTracer(layout, config, compute_dtype, accumulation_steps, in_backward, tiers, sharding=sharding,
+                          shard_params=shard_params)
     if warmup is not plan:
-        tracer.warm_up_under(hybrid, plan, warmup)
+        tracer.warm_up_under(hybrid, plan)
     stats = allocator_stats_for(device)
     if stats is not None:  # the warm-up measures the non-model peak from here
         tracer.measure(module, [p for _, p in params], NonModelMeter(device_tier, stats))
@@ -218,7 +218,7 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     if shard_params:
         hybrid.hooks += register_saving_hooks(module, hybrid.exchange.gathered)
     hybrid.hooks += _register_forward_hooks(module, store, hybrid, tracer)
-    hybrid.after_first_step = lambda: tracer.replan(hybrid)
+    hybrid.observe(tracer)
     return hybrid
 
 
@@ -228,19 +228,19 @@ def allocator_stats_for(device: torch.device) -> AllocatorStats | None:
     return CudaAllocatorStats(device) if device.type == "cuda" else None
 
 
-def _warmup_plan(inputs: PlanInputs, plan: Plan, guess_bytes: int, sharding: Sharding) -> Plan:
+def _warmup_plan(inputs: PlanInputs, plan: Plan, activation_reserve_bytes: int, sharding: Sharding) -> Plan:
     """The placement the warm-up step runs under: ``plan``'s mode and layout at its least device footprint, so
     the activations it has not measured yet get all the room there is (the re-plan after it places by them).
     Several ranks take the least of their reserves (each fits it): they gather groups together, and plan their
     working sets alike only from the same reserve, as the first plan does."""
     warm = least_footprint_inputs(inputs)
     if sharding.world_size > 1:
-        warm = replace(warm, nonmodel_peak_bytes=min(gather_objects(sharding)(warm.nonmodel_peak_bytes)))
+        warm = replace(warm, activation_reserve_bytes=min(gather_objects(sharding)(warm.activation_reserve_bytes)))
     warmup = agree_working_set(make_plan(warm), gather_objects(sharding))  # (it fits every rank: none is None)
     logger.info("ZeRO-Cache warm-up: the first step runs at the plan's least device footprint, leaving %s of the "
                 "device for activations (the first plan, made with activation_memory \"auto\"'s fixed guess of %s, "
                 "leaves %s); the re-plan after it places by the measured peak. Warm-up placement: %s",
-                format_bytes(activation_room_bytes(inputs, warmup)), format_bytes(guess_bytes),
+                format_bytes(activation_room_bytes(inputs, warmup)), format_bytes(activation_reserve_bytes),
                 format_bytes(activation_room_bytes(inputs, plan)), warmup.summary())
     return warmup
 

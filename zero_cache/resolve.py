@@ -23,21 +23,21 @@ from zero_cache.plan.working_set import GRADIENT_BUCKETS, GROUPS_IN_USE, Working
 from zero_cache.runtime.shard_params import gather_ahead_groups, max_live_groups
 from zero_cache.storage.hardware import Hardware, TierBudgets, tier_budgets
 
-WARMUP_ACTIVATION_RESERVE = 0.1
+ACTIVATION_RESERVE_FRACTION = 0.1
 """Share of the device budget held back for activations until the warm-up has measured them..."""
-WARMUP_ACTIVATION_FLOOR_BYTES = 12 * 2**30
+ACTIVATION_RESERVE_FLOOR_BYTES = 12 * 2**30
 """...and at least this much (or half the budget, if less): a 13B model's activations at micro-batch 8, sequence
 1024, with checkpointing. A small GPU must not run out of memory in the first step."""
 
 
-def warmup_reserve(config: ZeroCacheConfig, device: torch.device, device_budget: int) -> int:
+def first_activation_reserve_bytes(config: ZeroCacheConfig, device: torch.device, device_budget: int) -> int:
     """Device bytes for activations in the first plan (``zero_cache.activation_memory``; none on CPU)."""
     configured = parse_budget(config.activation_memory, name="zero_cache.activation_memory")
     if configured is not None:
         return configured
     if device.type != "cuda":
         return 0
-    return int(max(WARMUP_ACTIVATION_RESERVE * device_budget, min(device_budget / 2, WARMUP_ACTIVATION_FLOOR_BYTES)))
+    return int(max(ACTIVATION_RESERVE_FRACTION * device_budget, min(device_budget / 2, ACTIVATION_RESERVE_FLOOR_BYTES)))
 
 
 
@@ -62,7 +62,7 @@ def least_footprint_plan(inputs: PlanInputs) -> Plan:
 
 
 def least_footprint_inputs(inputs: PlanInputs) -> PlanInputs:
-    """``inputs`` with the largest ``nonmodel_peak_bytes`` (at least their own) that ``make_plan`` still fits,
+    """``inputs`` with the largest ``activation_reserve_bytes`` (at least their own) that ``make_plan`` still fits,
     found by bisection to the byte.
 
     What the device gives up goes to the host, and to the disk no more than the plan made with ``inputs`` puts
@@ -79,15 +79,15 @@ def least_footprint_inputs(inputs: PlanInputs) -> PlanInputs:
     # Feasibility only falls as the reserve grows: every placement's device room shrinks, and what leaves the
     # device adds to the host and disk. A budget's worth cannot fit (the room is negative), so bisection holds
     # "fits" <= the largest that fits < "too_much".
-    fits, too_much = inputs.nonmodel_peak_bytes, inputs.device_budget_bytes + 1
+    fits, too_much = inputs.activation_reserve_bytes, inputs.device_budget_bytes + 1
     while too_much - fits > 1:
         middle = (fits + too_much) // 2
         try:
-            make_plan(replace(inputs, nonmodel_peak_bytes=middle))
+            make_plan(replace(inputs, activation_reserve_bytes=middle))
             fits = middle
         except PlanError:
             too_much = middle
-    return replace(inputs, nonmodel_peak_bytes=fits)
+    return replace(inputs, activation_reserve_bytes=fits)
 
 
 def build_layout(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig,
@@ -99,8 +99,8 @@ def build_layout(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheCon
     return pack(shapes, search_chunk_size(shapes, max_numel=max_chunk_numel))
 
 
-def chunk_numel_cap(config: ZeroCacheConfig, device_budget: int, reserve: int, compute_dtype: torch.dtype,
-                    sharding: Sharding) -> int:
+def chunk_numel_cap(config: ZeroCacheConfig, device_budget: int, activation_reserve_bytes: int,
+                    compute_dtype: torch.dtype, sharding: Sharding) -> int:
     """The largest chunk whose fixed device share still fits the budget with streamed params: the fp32 scratch
     chunk and the wanted working set's gradient buckets and fewest live groups, each ``world_size`` chunks wide.
 
@@ -111,7 +111,7 @@ def chunk_numel_cap(config: ZeroCacheConfig, device_budget: int, reserve: int, c
     ahead = max(1, config.prefetch_depth) if not sharding.sharded else 1
     wanted = WorkingSet(ahead=ahead, live_groups=0, buckets=GRADIENT_BUCKETS)
     per_element = 4 + (wanted.buckets + wanted.fewest_live) * sharding.world_size * param_bytes
-    room = int(device_budget * (1 - DEVICE_MARGIN_FRACTION)) - reserve
+    room = int(device_budget * (1 - DEVICE_MARGIN_FRACTION)) - activation_reserve_bytes
     return max(1, room // per_element)
 
 
@@ -134,9 +134,28 @@ def resolve_update_in_backward(config: ZeroCacheConfig, *, accumulation_steps: i
     return config.update_in_backward in (True, AUTO)
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceStepCount:
+    """``zero_cache.device_steps`` resolved (:func:`resolve_device_steps`)."""
+
+    planned: int | None
+    """The planner's count of host groups stepped on the device: at most that many, or None for the count with the
+    cheapest step (:attr:`PlanInputs.device_steps <zero_cache.plan.placement.PlanInputs.device_steps>`)."""
+    tuned: bool
+    """Whether the steps after the warm-up choose the count by measured step time (:mod:`zero_cache.plan.tuning`)."""
+
+
+def resolve_device_steps(config: ZeroCacheConfig, *, gpu: bool) -> DeviceStepCount:
+    """The one place ``device_steps: "auto"`` is read: on a GPU the planner's cheapest count, then tuned by measured
+    step time; without one, none (there is no device to step host groups on). A number is the count, not tuned."""
+    if config.device_steps != AUTO:
+        return DeviceStepCount(planned=config.device_steps, tuned=False)
+    return DeviceStepCount(planned=None, tuned=True) if gpu else DeviceStepCount(planned=0, tuned=False)
+
+
 def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: torch.dtype, device_budget: int,
                 host_budget: int, accumulation_steps: int, trace: tuple[int, ...] = (),
-                nonmodel_peak_bytes: int = 0, nvme_budget: int = 0, sharding: Sharding = Sharding(),
+                activation_reserve_bytes: int = 0, nvme_budget: int = 0, sharding: Sharding = Sharding(),
                 shard_params: bool = False, in_backward: bool = False, gpu: bool = False,
                 rates: Rates = NOMINAL_RATES) -> PlanInputs:
     """What the planner needs; ``shard_params``: params are gathered on use (sharded over the ranks, or, on one
@@ -161,12 +180,12 @@ def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: tor
                       param_bytes_per_element=param_bytes,
                       grad_bytes_per_element=grad_bytes_per_element(accumulation_steps),
                       device_budget_bytes=device_budget, host_budget_bytes=host_budget, trace=trace,
-                      nonmodel_peak_bytes=nonmodel_peak_bytes,
+                      activation_reserve_bytes=activation_reserve_bytes,
                       staging_buffers=planned_staging_buffers(accumulation_steps),
                       nvme_budget_bytes=nvme_budget, nvme_path_set=config.nvme_path is not None,
                       swap_buffers=SWAP_BUFFERS,
                       kept_bytes_per_element=param_bytes if in_backward and accumulation_steps == 1 else 0,
-                      device_steps=(None if gpu else 0) if config.device_steps == AUTO else config.device_steps,
+                      device_steps=resolve_device_steps(config, gpu=gpu).planned,
                       rates=rates)
 
 
@@ -178,7 +197,8 @@ class Resolved:
     budgets: TierBudgets
     """The tiers' byte budgets ("auto": measured here, or from a described machine)."""
     activation_reserve_bytes: int
-    """Device bytes held back for activations until the warm-up measures them (:func:`warmup_reserve`)."""
+    """Device bytes held back for activations until the warm-up measures them
+    (:func:`first_activation_reserve_bytes`)."""
     layout: ChunkLayout
     """The chunks, of the configured size or the one searched under the device's cap (:func:`chunk_numel_cap`)."""
     update_in_backward: bool
@@ -188,7 +208,7 @@ class Resolved:
                     sharding: Sharding, shard_params: bool, gpu: bool) -> PlanInputs:
         """The first plan's inputs for ``sharding``'s rank, params gathered on use or not."""
         return plan_inputs(self.layout, config, compute_dtype, self.budgets.device_bytes, self.budgets.host_bytes,
-                           accumulation_steps, nonmodel_peak_bytes=self.activation_reserve_bytes,
+                           accumulation_steps, activation_reserve_bytes=self.activation_reserve_bytes,
                            nvme_budget=self.budgets.nvme_bytes, sharding=sharding, shard_params=shard_params,
                            in_backward=self.update_in_backward, gpu=gpu)
 
@@ -211,9 +231,9 @@ def resolve(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, 
                            moving_host_bytes=moving_host_bytes)
     # Before the warm-up has measured activations, keep part of the device for them; the re-plan
     # after the first step replaces this guess with the measured peak (and moves groups back).
-    reserve = warmup_reserve(config, device, budgets.device_bytes)
-    layout = build_layout(shapes, config, chunk_numel_cap(config, budgets.device_bytes, reserve, compute_dtype,
-                                                          sharding))
+    activation_reserve_bytes = first_activation_reserve_bytes(config, device, budgets.device_bytes)
+    layout = build_layout(shapes, config, chunk_numel_cap(config, budgets.device_bytes, activation_reserve_bytes,
+                                                          compute_dtype, sharding))
     in_backward = resolve_update_in_backward(config, accumulation_steps=accumulation_steps,
                                              world_size=sharding.world_size)
-    return Resolved(budgets, reserve, layout, in_backward)
+    return Resolved(budgets, activation_reserve_bytes, layout, in_backward)

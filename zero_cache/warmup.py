@@ -2,16 +2,15 @@
 device-step tuning.
 
 The first iteration is the warm-up: forward pre-hooks record the order chunks are used in, and on CUDA the
-model's non-model memory is measured (:mod:`zero_cache.nonmodel`); after the first step the plan is made again
+model's non-model memory is measured (:mod:`zero_cache.runtime.nonmodel`); after the first step the plan is made again
 from those measurements and this machine's rates, and shards and optimizer groups move where it changed. With
 ``device_steps: "auto"`` on a GPU the steps after it choose the device-step count by measured step time
-(:mod:`zero_cache.tuning`), and the settled step is logged against the plan's prediction.
+(:mod:`zero_cache.plan.tuning`), and the settled step is logged against the plan's prediction.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from dataclasses import replace
 from typing import Any
@@ -19,10 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from zero_cache.base.sharding import Sharding
 from zero_cache.config import ZeroCacheConfig
 from zero_cache.optim.optimizer import ZeroCacheOptimizer
 from zero_cache.plan.eviction import gathers_per_group
-from zero_cache.plan.home_costs import home_costs
 from zero_cache.plan.layout import ChunkLayout
 from zero_cache.plan.planner import (
     Plan,
@@ -35,8 +34,9 @@ from zero_cache.plan.planner import (
 from zero_cache.plan.step_cost import NOMINAL_RATES, agreed_rates
 from zero_cache.plan.tier_names import DEVICE, HOST, NVME
 from zero_cache.plan.tuning import CHECK_STEPS, RESTARTS, DeviceStepTuner, SettledSteps
-from zero_cache.plan.units import AUTO, format_bytes
-from zero_cache.resolve import plan_inputs
+from zero_cache.plan.units import format_bytes
+from zero_cache.resolve import plan_inputs, resolve_device_steps
+from zero_cache.runtime.gathered import RecordedGathers
 from zero_cache.runtime.nonmodel import NonModelMeter
 from zero_cache.runtime.rates import measured_copies, measured_disk, measured_host_memory, with_timed_work
 from zero_cache.runtime.shard_params import agree_working_set, gather_objects
@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 
 def with_measured_gathers(inputs: PlanInputs, optimizer: ZeroCacheOptimizer,
-                          as_planned: tuple[int, frozenset[int]] | None = None) -> PlanInputs:
+                          as_planned: RecordedGathers | None = None) -> PlanInputs:
     """``inputs`` with how often a group is gathered per step, from the warm-up's recorded acquisitions (forward,
     recomputed blocks, backward) under Belady's rule, the one gathering runs (one rank: only groups that stream take a
     slot).
@@ -53,16 +53,14 @@ def with_measured_gathers(inputs: PlanInputs, optimizer: ZeroCacheOptimizer,
     for reuse: with that capacity the rule's count is the runtime's (``tests/unit/test_zero_cache_eviction.py``).
     ``as_planned``: that capacity and the streamed groups of the first plan, where the warm-up ran under another
     placement (:meth:`WarmupTracer.warm_up_under`). Unchanged when nothing streams or nothing was recorded."""
-    gathered = optimizer.exchange.gathered if optimizer.exchange is not None else None
-    if gathered is None:
+    recorded = optimizer.recorded_gathers()
+    if recorded is None:
         return inputs
-    store = optimizer.store
-    reuse_slots, streams = ((gathered.max_live - gathered.ahead, lambda g: store.group_home(g).streams)
-                            if as_planned is None else (as_planned[0], as_planned[1].__contains__))
-    slotted = [g for g in gathered.trace.groups if store.sharding.sharded or streams(g)]
+    planned = as_planned or recorded
+    slotted = [g for g in recorded.groups if recorded.sharded or g in planned.streamed]
     if not slotted:
         return inputs
-    return dataclasses.replace(inputs, gathers_per_step=gathers_per_group(slotted, reuse_slots))
+    return dataclasses.replace(inputs, gathers_per_step=gathers_per_group(slotted, planned.reuse_slots))
 
 
 PREDICTION_TOLERANCE = 0.10
@@ -77,23 +75,34 @@ def tunes_on(device: torch.device) -> bool:
 def _drop_timed_work(optimizer: ZeroCacheOptimizer) -> None:
     """Forget the host's Adam, device steps and device Adam timed so far: the rates the tuning's end takes come from
     the steps after this."""
-    optimizer.host.adam_work.take()
-    optimizer.device_steps.timing.restart()
-    optimizer.device_adam_timing.restart()
+    optimizer.restart_step_timings()
 
 
 class WarmupTracer:
-    """Records chunk order in the first forward and re-plans after the first step."""
+    """Records chunk order in the first forward and re-plans after the first step; then, on a GPU, tunes the
+    device-step count and checks the settled step against the plan. The optimizer's :class:`~zero_cache.optim.
+    step_observer.StepObserver`, it reads the optimizer through its named surface only.
+
+    Args:
+        layout, config, compute_dtype, accumulation_steps: what the run's plans are made from.
+        in_backward: host chunks update during backward.
+        tiers: the tiers the store was built on (tier name -> tier): the re-plan's budgets and rate probes.
+        sharding, shard_params: the data-parallel ranks, and whether params are gathered on use.
+    """
 
     def __init__(self, layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: torch.dtype,
-                 accumulation_steps: int, in_backward: bool, device: torch.device) -> None:
+                 accumulation_steps: int, in_backward: bool, tiers: dict[str, Any], *, sharding: Sharding,
+                 shard_params: bool) -> None:
         self.layout, self.config, self.compute_dtype = layout, config, compute_dtype
         self.accumulation_steps = accumulation_steps
         self.in_backward = in_backward
+        self.tiers, self.sharding, self.shard_params = tiers, sharding, shard_params
         self.trace: list[int] = []
         self.recording = True
-        self.tune_device_steps = config.device_steps == AUTO and tunes_on(device)
-        """Choose the device-step count by measured step time after the re-plan (:mod:`zero_cache.tuning`)."""
+        self.tune_device_steps = resolve_device_steps(config, gpu=tunes_on(tiers[DEVICE].device)).tuned
+        """Choose the device-step count by measured step time after the re-plan (:mod:`zero_cache.plan.tuning`)."""
+        self.watching = False
+        """Whether the steps after the re-plan are told to the tuner (until its restarts are spent)."""
         self.tuner: DeviceStepTuner | None = None
         """The device-step count's tuning, or on a GPU without one a fixed tuner that measures the plan's count."""
         self.settled_steps: SettledSteps | None = None
@@ -103,21 +112,30 @@ class WarmupTracer:
         self.rates = NOMINAL_RATES
         """The rates plans are made at: measured on this machine from the warm-up step on
         (:mod:`zero_cache.runtime.rates`)."""
-        self.gathers_as_planned: tuple[int, frozenset[int]] | None = None
+        self.gathers_as_planned: RecordedGathers | None = None
         """Gathered params, where the warm-up ran under another placement than the first plan's: that plan's slots
         that keep groups for reuse, and its streamed groups (the re-plan estimates gathers as it would have)."""
+        self.activation_reserve_bytes: int | None = None
+        """Device bytes the re-plan held back for activations: the non-model peak the warm-up measured (activations,
+        library workspaces, fragmentation)."""
         self.meter: NonModelMeter | None = None
         """The warm-up's measure of non-model device memory (on CUDA), sampled by :attr:`sampling_hooks`."""
         self.sampling_hooks: list[Any] = []
 
-    def warm_up_under(self, optimizer: ZeroCacheOptimizer, first: Plan, warmup: Plan) -> None:
-        """Run the warm-up step with ``warmup``'s working set and device steps (its placement is the store's),
-        where ``optimizer`` was built for the ``first`` plan: the re-plan estimates gathers as under that plan."""
-        gathered = optimizer.exchange.gathered if optimizer.exchange is not None else None
-        if gathered is not None:
-            self.gathers_as_planned = (gathered.max_live - gathered.ahead, frozenset(
-                g for g, home in enumerate(first.param_home) if home_costs(home).streams))
-        optimizer.apply_plan(warmup)
+    def warm_up_under(self, optimizer: ZeroCacheOptimizer, first: Plan) -> None:
+        """The warm-up step runs under another placement than the ``first`` plan's (``optimizer`` was built with the
+        warm-up's): the re-plan estimates gathers as under the first plan."""
+        self.gathers_as_planned = optimizer.recorded_gathers(under=first)
+
+    # ------------------------------------------------------------------ the optimizer's StepObserver
+    def after_first_step(self, optimizer: ZeroCacheOptimizer) -> None:
+        """The warm-up step is done: re-plan."""
+        self.replan(optimizer)
+
+    def after_step(self, optimizer: ZeroCacheOptimizer, step_seconds: float) -> None:
+        """A later step: the tuning's, or the check's (nothing once they are done, or where there is neither)."""
+        if self.watching:
+            self._tune_step(optimizer, step_seconds)
 
     def record(self, chunks: list[int]) -> None:
         if self.recording:
@@ -154,27 +172,26 @@ class WarmupTracer:
     def replan(self, optimizer: ZeroCacheOptimizer) -> Plan | None:
         """Plan again from the recorded trace and measured peak; move groups whose tier changed."""
         self.recording = False
-        store = optimizer.store
-        device_tier, host_tier = store.tiers[DEVICE], store.tiers[HOST]
-        nvme_tier = store.tiers.get(NVME)
+        device_tier, host_tier, nvme_tier = self.tiers[DEVICE], self.tiers[HOST], self.tiers.get(NVME)
         optimizer.finish_pending()  # the warm-up's host updates are done, and timed
-        nonmodel = optimizer.nonmodel_peak_bytes = self._measured_nonmodel_bytes()
+        self.activation_reserve_bytes = self._measured_nonmodel_bytes()
         # The bus now (after the peak was read). Not the host's Adam: in the warm-up it ran at 1.0 G elements/s where
         # the next steps ran at 3.9 (2.7B on an H100: first touches of its states), so its rate is taken
         # from the steps after it.
         _drop_timed_work(optimizer)  # (the warm-up's ran beside its streaming, as the later steps' do not)
         self.rates = measured_copies(device_tier.device, host_tier, self.rates)
         self.rates = measured_host_memory(device_tier.device, host_tier,
-                                          optimizer.host_adam.probe_work(self.compute_dtype), self.rates)
+                                          optimizer.host_adam_probe(self.compute_dtype), self.rates)
         # The disk through a bounce buffer of the state homes where groups pass through one (their buffers are in
         # the host's plan), else from the host tier's room.
-        with store.lent_bounce_buffer() as bounce:
+        with optimizer.lent_bounce_buffer() as bounce:
             self.rates = measured_disk(nvme_tier, host_tier, self.rates, bounce)
-        self.rates = agreed_rates(gather_objects(store.sharding)(self.rates))  # (one rank's probe may read low)
+        self.rates = agreed_rates(gather_objects(self.sharding)(self.rates))  # (one rank's probe may read low)
         inputs = plan_inputs(self.layout, self.config, self.compute_dtype, device_tier.budget_bytes,
-                             host_tier.budget_bytes, self.accumulation_steps, tuple(self.trace), nonmodel,
+                             host_tier.budget_bytes, self.accumulation_steps, tuple(self.trace),
+                             self.activation_reserve_bytes,
                              nvme_budget=nvme_tier.budget_bytes + nvme_tier.split_bytes if nvme_tier is not None else 0,
-                             sharding=store.sharding, shard_params=store.shard_params, in_backward=self.in_backward,
+                             sharding=self.sharding, shard_params=self.shard_params, in_backward=self.in_backward,
                              gpu=device_tier.device.type == "cuda", rates=self.rates)
         inputs = with_measured_gathers(inputs, optimizer, self.gathers_as_planned)
         plan, failure = None, "it failed on another data-parallel rank"
@@ -185,7 +202,7 @@ class WarmupTracer:
             # this frame's optimizer (and its pinned memory and swap file) alive for as long as the record.
             failure = str(err)
         # Each rank measured its own peak: the ranks agree on one working set, or all keep the current one.
-        plan = agree_working_set(plan, gather_objects(store.sharding))
+        plan = agree_working_set(plan, gather_objects(self.sharding))
         if plan is None:
             logger.warning("ZeRO-Cache re-plan after warm-up failed, keeping the current placement: %s", failure)
             return None
@@ -198,21 +215,21 @@ class WarmupTracer:
                 plan = with_device_step_count(inputs, plan, self.tuner.current)
                 tuning = (f"; the plan's floor steps {planned} host groups on the device, the tuning starts at "
                           f"{len(plan.device_stepped)}")
-            optimizer.after_step = functools.partial(self._tune_step, optimizer)
+            self.watching = True
         elif tunes_on(device_tier.device):  # (no tuning: the step is still checked against the plan's prediction)
             self.tuner = DeviceStepTuner(len(plan.device_stepped), len(plan.device_stepped), fixed=True)
-            optimizer.after_step = functools.partial(self._tune_step, optimizer)
+            self.watching = True
         moved = optimizer.apply_plan(plan)
         logger.info("ZeRO-Cache re-plan after warm-up (non-model peak %d MiB; %s): %s; %d groups moved%s",
-                    nonmodel // 2**20, self.rates.describe(), plan.summary(), moved, tuning)
+                    self.activation_reserve_bytes // 2**20, self.rates.describe(), plan.summary(), moved, tuning)
         self.inputs = inputs
         return plan
 
     def _tune_step(self, optimizer: ZeroCacheOptimizer, step_seconds: float) -> None:
         """A step measured under the tuner's count: switch to the next count to try, or settle on the fastest (and,
         settled, watch for a change of the update timing that starts the tuning over). A fixed tuner's (a plan not
-        tuned) only measures. Once settled, the next :data:`~zero_cache.tuning.CHECK_STEPS` steps are checked
-        against the plan's prediction (:class:`~zero_cache.tuning.SettledSteps`)."""
+        tuned) only measures. Once settled, the next :data:`~zero_cache.plan.tuning.CHECK_STEPS` steps are checked
+        against the plan's prediction (:class:`~zero_cache.plan.tuning.SettledSteps`)."""
         settled, restarts = self.tuner.done, self.tuner.restarts
         waited = optimizer.last_updates_after_backward
         count = self.tuner.observe(step_seconds, waited_for_norm=waited)
@@ -226,7 +243,7 @@ class WarmupTracer:
                         f"the device-step tuning starts over at {self.tuner.current} groups")
         if not self.tuner.done:
             if count is not None:
-                optimizer.apply_plan(with_device_step_count(self.inputs, optimizer.store.plan, count),
+                optimizer.apply_plan(with_device_step_count(self.inputs, optimizer.plan, count),
                                      count_switch=True, trial=True)
             return
         if not settled:
@@ -247,7 +264,7 @@ class WarmupTracer:
         # steps' own rate and the device's Adam, timed over the same steps, go into the step's prediction only.
         self._measure_rates(optimizer)
         if not self.tuner.fixed:
-            optimizer.apply_plan(with_device_step_count(self.inputs, optimizer.store.plan, self.tuner.best),
+            optimizer.apply_plan(with_device_step_count(self.inputs, optimizer.plan, self.tuner.best),
                                  count_switch=True)
         self.settled_steps = SettledSteps()
 
@@ -256,19 +273,19 @@ class WarmupTracer:
         steps, the device's Adam); then nothing is left to watch for once the tuning's restarts are spent."""
         steps, self.settled_steps = self.settled_steps, None
         self._measure_rates(optimizer)
-        plan = optimizer.store.plan
+        plan = optimizer.plan
         plan = replace(plan, traffic=replace(plan.traffic, rates=self.rates))
         self._log_prediction(steps.step, steps.backward, plan, updates_after_backward=bool(steps.waited_for_norm),
                              tuned=self.tuner.measured[self.tuner.best])
         if self.tuner.restarts >= RESTARTS:
-            optimizer.after_step = None
+            self.watching = False
 
     def _measure_rates(self, optimizer: ZeroCacheOptimizer) -> None:
         """The rates with what the steps since the re-plan timed: the host's Adam (the warm-up timed it over one
         step), and for the step's prediction only, the device steps and the device's Adam."""
-        self.rates = with_timed_work(self.rates, host_adam=optimizer.host.adam_work.take(),
-                                     device_steps=optimizer.device_steps.timing.work.take(),
-                                     device_adam=optimizer.device_adam_timing.work.take())
+        timed = optimizer.step_timings()
+        self.rates = with_timed_work(self.rates, host_adam=timed.host_adam, device_steps=timed.device_steps,
+                                     device_adam=timed.device_adam)
         self.inputs = replace(self.inputs, rates=self.rates)
 
     def _log_prediction(self, measured: float, backward: float | None, plan: Plan, *,

@@ -84,7 +84,7 @@ def plan_report(cfg: EngineConfig, request: PlanRequest) -> tuple[str, bool]:
     except zero_cache.NvmeSetupError as err:
         return "\n".join(head + [f"cannot use the NVMe tier: {err}"]), False
     layout, plan, budgets = run.layout, run.plan, run.resolved.budgets
-    reserve = run.resolved.activation_reserve_bytes
+    activation_reserve_bytes = run.resolved.activation_reserve_bytes
     seq_len = cfg.data.seq_len or cfg.model.max_seq_len
     tokens = cfg.batch.micro_batch_size * cfg.batch.gradient_accumulation_steps * seq_len
     # A GPU's model TFLOPS is a known figure; a CPU run's compute is not estimated.
@@ -95,7 +95,7 @@ def plan_report(cfg: EngineConfig, request: PlanRequest) -> tuple[str, bool]:
         f"({100 * layout.waste_fraction:.1f}% padding){groups}",
         "",
         *_tier_table(plan, budgets, device),
-        *_reserve_lines(reserve, run.warmup_room_bytes),
+        *_reserve_lines(activation_reserve_bytes, run.warmup_room_bytes),
         "",
         *_step_floors(plan, compute_s, tokens, request.tflops),
         f"summary   {plan.summary()}",
@@ -114,16 +114,16 @@ def _describe_machine(hardware: zero_cache.Hardware | None, ranks: int, per_host
             f"host RAM {zero_cache.format_bytes(hardware.host_bytes)}{disk}; {layout}")
 
 
-def _reserve_lines(reserve_bytes: int, warmup_room_bytes: int | None) -> list[str]:
+def _reserve_lines(activation_reserve_bytes: int, warmup_room_bytes: int | None) -> list[str]:
     """What the plan holds back for activations, and what the warm-up step leaves them where it runs at the
     plan's least device footprint (activation_memory "auto" on a GPU: the reserve is a guess)."""
     if warmup_room_bytes is not None:
-        return [f"{zero_cache.format_bytes(reserve_bytes)} of the device budget is held back for activations in this "
-                "plan (zero_cache.activation_memory \"auto\", a guess); the warm-up step runs at its least device "
-                f"footprint, leaving {zero_cache.format_bytes(warmup_room_bytes)} for them, and the re-plan after it "
-                "uses the measured peak"]
-    return [f"{zero_cache.format_bytes(reserve_bytes)} of the device budget is held back for activations until the "
-            "warm-up measures them (zero_cache.activation_memory)"] if reserve_bytes else []
+        return [f"{zero_cache.format_bytes(activation_reserve_bytes)} of the device budget is held back for "
+                "activations in this plan (zero_cache.activation_memory \"auto\", a guess); the warm-up step runs at "
+                f"its least device footprint, leaving {zero_cache.format_bytes(warmup_room_bytes)} for them, and the "
+                "re-plan after it uses the measured peak"]
+    return [f"{zero_cache.format_bytes(activation_reserve_bytes)} of the device budget is held back for activations "
+            "until the warm-up measures them (zero_cache.activation_memory)"] if activation_reserve_bytes else []
 
 
 def _tier_table(plan: Plan, budgets: zero_cache.TierBudgets, device: torch.device) -> list[str]:

@@ -65,7 +65,7 @@ def split_engine(seed: int, config_for: Callable[[int], dict], model_bytes: int,
         found = {group.tier for group in optimizer.store.groups}
         if found == tiers:
             return engine, optimizer, losses
-        measured = optimizer.nonmodel_peak_bytes
+        measured = optimizer.observer.activation_reserve_bytes
         assert measured is not None, "the warm-up step re-plans"
         budget = int((measured + device_share * model_bytes) / (1 - DEVICE_MARGIN_FRACTION))
         optimizer.finish_pending()  # (the host worker's last update holds the store until it ends)

@@ -20,7 +20,7 @@ from test_zero_cache_streamed import assert_close_to
 from zero_cache_setup import resident_engine, six_layer_llama
 
 from zero_cache.optim import device_adam
-from zero_cache.optim import optimizer as optimizer_module
+from zero_cache.optim import device_groups as groups_module
 from zero_cache.optim.host_adam import torch_fused_adam
 from zero_cache.plan.layout import TensorSlot
 from zero_cache.plan.planner import DEVICE
@@ -115,19 +115,19 @@ def test_one_pass_refuses_tensors_of_other_lengths():
 def test_device_chunks_updated_in_one_pass_train_like_the_four_passes(one_pass, monkeypatch):
     seed = torch.randint(0, 10_000, ()).item()
     batches = random_batches(seed, count=4, batch=4)
-    monkeypatch.setattr(optimizer_module, "one_pass_available", lambda device: False)
+    monkeypatch.setattr(groups_module, "one_pass_available", lambda device: False)
     four, four_opt = resident_engine(seed)
-    monkeypatch.setattr(optimizer_module, "one_pass_available", lambda device: True)
-    monkeypatch.setattr(optimizer_module, "adam_in_one_pass", one_pass.adam_in_one_pass)
+    monkeypatch.setattr(groups_module, "one_pass_available", lambda device: True)
+    monkeypatch.setattr(groups_module, "adam_in_one_pass", one_pass.adam_in_one_pass)
     warmed = []
-    monkeypatch.setattr(optimizer_module, "warm_one_pass", lambda *args: (warmed.append(args), one_pass.warm(*args)))
+    monkeypatch.setattr(groups_module, "warm_one_pass", lambda *args: (warmed.append(args), one_pass.warm(*args)))
     once, once_opt = resident_engine(seed)
-    assert once_opt._one_pass
+    assert once_opt.device_adam.one_pass
     device_chunks = [c for c, group in enumerate(once_opt.store.groups) if group.tier == DEVICE]
     assert device_chunks, "the budgets must leave some optimizer groups on the device"
 
     calls = []
-    monkeypatch.setattr(optimizer_module, "adam_in_one_pass",
+    monkeypatch.setattr(groups_module, "adam_in_one_pass",
                         lambda *args, **kwargs: (calls.append(1), one_pass.adam_in_one_pass(*args, **kwargs)))
     four_losses, once_losses = train_steps(four, batches), train_steps(once, batches)
     assert calls, "the device chunks were not updated in one pass"

@@ -94,7 +94,7 @@ def test_every_host_group_stepped_on_the_device_leaves_the_host_worker_idle(monk
     chunks = optimizer.store.layout.num_chunks
     assert sorted(optimizer.device_stepped) == list(range(chunks))
     assert sorted(stepped) == sorted(list(range(chunks)) * 3)
-    assert optimizer.counts["speculated_chunks"] == 0, "a chunk stepped on the device is not updated in backward"
+    assert optimizer.reports.counts["speculated_chunks"] == 0, "a chunk stepped on the device is not updated then"
     # Each step's device steps are timed when the next step begins (on CPU by the host's clock): the re-plan drops
     # the warm-up's, the second step's are timed by the third, the third's by none yet.
     elements, seconds = optimizer.device_steps.timing.work.take()

@@ -129,7 +129,7 @@ def test_belady_evicts_the_furthest_next_use():
 def inputs(**overrides) -> PlanInputs:
     values = dict(num_chunks=10, chunk_numel=1000, param_bytes_per_element=2, device_budget_bytes=10**6,
                   host_budget_bytes=10**6, trace=tuple(range(10)) + tuple(reversed(range(10))),
-                  nonmodel_peak_bytes=0, margin_fraction=0.0)
+                  activation_reserve_bytes=0, margin_fraction=0.0)
     values.update(overrides)
     return PlanInputs(**values)
 
@@ -143,7 +143,7 @@ def test_everything_on_the_device_when_it_fits():
 @pytest.mark.parametrize("extra_chunks", [0, 1, 3, 7])
 def test_device_takes_resident_params_then_optimizer_groups_of_the_first_chunks(extra_chunks):
     budget = 4_000 + 20_000 + extra_chunks * 16_000 + 15_999  # scratch, params, then whole groups only
-    plan = make_plan(inputs(device_budget_bytes=budget, nonmodel_peak_bytes=0))
+    plan = make_plan(inputs(device_budget_bytes=budget, activation_reserve_bytes=0))
     assert plan.params_resident
     assert plan.optimizer_tier.count(DEVICE) == extra_chunks
     assert all(t == DEVICE for t in plan.optimizer_tier[:extra_chunks])  # the next forward needs these first
@@ -153,7 +153,7 @@ def test_device_takes_resident_params_then_optimizer_groups_of_the_first_chunks(
 
 def test_nonmodel_peak_and_margin_reduce_device_room():
     roomy = make_plan(inputs(device_budget_bytes=100_000))
-    tight = make_plan(inputs(device_budget_bytes=100_000, nonmodel_peak_bytes=30_000, margin_fraction=0.1))
+    tight = make_plan(inputs(device_budget_bytes=100_000, activation_reserve_bytes=30_000, margin_fraction=0.1))
     assert roomy.optimizer_tier.count(DEVICE) == (100_000 - 4_000 - 20_000) // 16_000
     assert tight.optimizer_tier.count(DEVICE) == (90_000 - 30_000 - 4_000 - 20_000) // 16_000
 
@@ -200,7 +200,7 @@ def test_too_small_a_device_for_the_live_groups_is_refused_with_the_shortfall():
 def brute_force_cost(inp: PlanInputs) -> float:
     """The least step cost over every (resident shards, device optimizer groups) that fits, written out
     independently of the planner: shards and device groups go to the chunks used first."""
-    room = (int(inp.device_budget_bytes * (1 - inp.margin_fraction)) - inp.nonmodel_peak_bytes - inp.scratch_bytes
+    room = (int(inp.device_budget_bytes * (1 - inp.margin_fraction)) - inp.activation_reserve_bytes - inp.scratch_bytes
             - inp.exchange_buffer_bytes)
     best = None
     for resident in range(inp.num_chunks + 1):
@@ -249,7 +249,7 @@ def test_a_device_that_holds_every_shard_and_some_groups_keeps_the_params_reside
 
 def test_device_shortfall_is_explained():
     with pytest.raises(PlanError, match=r"device tier needs .*short by"):
-        make_plan(inputs(device_budget_bytes=5_000, nonmodel_peak_bytes=1_000))
+        make_plan(inputs(device_budget_bytes=5_000, activation_reserve_bytes=1_000))
 
 
 def test_host_shortfall_is_explained():

@@ -288,7 +288,7 @@ def test_the_devices_adam_is_timed_where_it_runs_each_step_after_the_warm_up():
     train_steps(engine, random_batches(seed, count=4, batch=2))
     device = [c for c, group in enumerate(optimizer.store.groups) if group.tier == DEVICE]
     assert device, "the budgets must leave some optimizer groups on the device"
-    elements, seconds = optimizer.device_adam_timing.work.take()
+    elements, seconds = optimizer.device_adam.timing.work.take()
     assert elements == 2 * len(device) * optimizer.store.layout.chunk_numel and seconds > 0  # (steps 1 and 2)
 
 
@@ -313,7 +313,7 @@ def test_a_plan_not_tuned_is_checked_against_its_prediction_with_the_devices_ada
     monkeypatch.setattr(optimizer, "apply_plan", recorded)
     steps = 1 + SETTLE_STEPS + MEASURED_STEPS + CHECK_STEPS  # (the warm-up, the measured count, the check's steps)
     train_steps(engine, random_batches(seed, count=steps, batch=2))
-    tuner = optimizer.after_step.func.__self__.tuner  # (settled, it watches the update timing)
+    tuner = optimizer.observer.tuner  # (settled, it watches the update timing)
     assert tuner.fixed and tuner.done and tuner.measured.keys() == {len(optimizer.device_stepped)}
     assert applied == [{}], "the re-plan's placement, then no count switch: the check only measures"
     line = next(r.getMessage() for r in caplog.records if "the step runs at" in r.getMessage())

@@ -110,7 +110,7 @@ def run_step(engine, optimizer, catcher, batches, factor: float) -> tuple[bool, 
         engine.backward(engine(**batch) * factor)
         if batch is batches[-1]:
             optimizer.host.drain()  # (lets the test read which speculative updates were applied or deferred)
-            outcomes = [update.outcome for update in optimizer.window.queued.values()]
+            outcomes = [update.outcome for update in optimizer.chunk_steps.speculated().values()]
         engine.step()
     return not optimizer.overflow, outcomes
 
@@ -217,7 +217,7 @@ def test_zero_grad_after_updates_made_during_backward_takes_them_back(host_kerne
     run_step(engine, optimizer, catcher, batches[:1], 1.0)
     before = states(optimizer)
     engine.backward(engine(**batches[1]))
-    assert optimizer.window.queued, "host chunks were updated during that backward"
+    assert optimizer.chunk_steps.speculated(), "host chunks were updated during that backward"
     engine.zero_grad()
     catcher.take()
     assert_states_close(states(optimizer), before, "after zero_grad")
@@ -239,8 +239,9 @@ def test_unclipped_steps_in_backward_equal_steps_after_it_bit_for_bit(native_ada
                                   update_in_backward=in_backward)
         for step in range(4):
             run_step(engine, optimizer, None, batches[step * accumulation:(step + 1) * accumulation], 1.0)
-        assert optimizer.counts["speculated_chunks"] == (4 * len(host_chunks_kept(optimizer)) if in_backward else 0)
-        assert optimizer.counts["clipped_steps"] == 0
+        speculated = 4 * len(host_chunks_kept(optimizer)) if in_backward else 0
+        assert optimizer.reports.counts["speculated_chunks"] == speculated
+        assert optimizer.reports.counts["clipped_steps"] == 0
         runs[in_backward] = states(optimizer)
     for name, (master, exp_avg, exp_avg_sq) in runs[True].items():
         assert torch.equal(master, runs[False][name][0]), name
@@ -415,7 +416,7 @@ def test_a_slow_update_during_the_last_micro_batch_does_not_wait_on_gradients_st
 
     threading.Thread(target=train, daemon=True).start()
     assert done.wait(timeout=120), "training hung: an update waited for a buffer held by gradients queued behind it"
-    assert optimizer.counts["speculated_chunks"] > 0
+    assert optimizer.reports.counts["speculated_chunks"] > 0
 
 
 @pytest.mark.parametrize("read_between", [True, False])
@@ -443,11 +444,11 @@ def test_waited_updates_folded_later_equal_eager_ones_bit_for_bit(native_adam, r
             if before is not None and index:  # (step 1 speculated: the prediction starts unclipped)
                 want = reference_step(before, grads, step=optimizer.step_count, clip=1e-3, unscale=1.0)
                 assert_states_close(per_step[-1][0], want, f"waited step {index + 1}", before)
-        assert optimizer.counts["clipped_steps"] == len(batches)
+        assert optimizer.reports.counts["clipped_steps"] == len(batches)
         runs[fold_waited] = per_step
         if fold_waited:  # steps 2-4 waited: each host chunk with a kept gradient ran lazy, then folded
             assert optimizer.host.folded_later == 3 * len(host_chunks_kept(optimizer)) > 0
-            assert not optimizer.host.unfolded
+            assert not optimizer.chunk_steps.owing_folds()
         else:
             assert optimizer.host.folded_later == 0
     for step, ((folded, weights), (eager, eager_weights)) in enumerate(zip(runs[True], runs[False])):

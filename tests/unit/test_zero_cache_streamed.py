@@ -184,7 +184,7 @@ def train_with_late_worker(seed: int, batches: list[dict], *, late: bool) -> tup
         if not late:
             host.drain()
         engine.step()
-    return optimizer.master_state_dict(), dict(optimizer.counts)
+    return optimizer.master_state_dict(), dict(optimizer.reports.counts)
 
 
 def test_how_far_the_worker_got_when_the_step_sorts_its_queue_changes_no_bit():

@@ -333,9 +333,10 @@ def test_a_device_step_count_keeps_the_placement_and_matches_the_plan_made_for_i
 
 
 def tuning_settled(optimizer) -> bool:
-    """The tuning has settled: its step hook is gone, or its tuner is done and only watches the update timing."""
-    hook = optimizer.after_step
-    return hook is None or hook.func.__self__.tuner.done
+    """The tuning has settled: the warm-up no longer watches the steps, or its tuner is done and only watches the
+    update timing."""
+    tracer = optimizer.observer
+    return not tracer.watching or tracer.tuner.done
 
 
 def test_training_tunes_the_count_by_step_time_and_stays_exact(monkeypatch, caplog):
@@ -361,7 +362,7 @@ def test_training_tunes_the_count_by_step_time_and_stays_exact(monkeypatch, capl
     batches = random_batches(seed, count=steps, batch=2)
     seen, losses, tuned = [], [], None
     for batch in batches:
-        tuner = optimizer.after_step.func.__self__.tuner if optimizer.after_step is not None else None
+        tuner = optimizer.observer.tuner if optimizer.observer.watching else None
         if tuned is None and tuner is not None and tuner.done:  # (the settled steps: half what the tuning measured)
             tuned = tuner.measured[tuner.best]
             cost = {count: seconds / 2 for count, seconds in cost.items()}
@@ -439,7 +440,7 @@ def test_host_chunks_update_in_backward_after_every_unclipped_step_under_clippin
         if index:  # (the first step speculates: nothing is known yet)
             assert optimizer.last_updates_after_backward == clipped[index - 1], index
     optimizer.finish_pending()
-    assert optimizer.counts["speculated_chunks"] > 0
+    assert optimizer.reports.counts["speculated_chunks"] > 0
 
 
 def hold_host_updates(monkeypatch) -> tuple[threading.Event, list[bool]]:
@@ -488,7 +489,8 @@ def test_a_count_switch_waits_for_no_queued_host_update_and_training_stays_exact
         watchdog.start()
         losses += train_steps(engine, [batches[len(losses)]])
         assert not gate.is_set(), f"a training step waited for the host's updates ({plan.device_stepped})"
-        assert any(not update.issued.is_set() for update in optimizer._pending.values()), "no update left queued"
+        in_flight = [optimizer.chunk_steps[chunk].host_update for chunk in optimizer.chunk_steps.in_flight()]
+        assert any(not update.issued.is_set() for update in in_flight), "no update left queued"
         optimizer.apply_plan(plan, count_switch=True, trial=trial)
         returned_held = not gate.is_set()
         held[0] = False

@@ -37,7 +37,7 @@ def test_update_in_backward_is_the_same_arithmetic_as_after_backward():
         # Before step(): the gradient hook queued the update of every host chunk with a kept gradient
         # (the host budget holds some of them: the chunks used last in the forward).
         kept = {c for c in host_chunks(during_opt) if during_opt.store.groups[c].kept is not None}
-        assert set(during_opt.window.queued) == kept and 0 < len(kept) < len(host_chunks(during_opt))
+        assert set(during_opt.chunk_steps.speculated()) == kept and 0 < len(kept) < len(host_chunks(during_opt))
         during.step()
         losses.append(loss.item())
     assert losses == train_steps(after, batches)

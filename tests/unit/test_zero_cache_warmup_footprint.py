@@ -47,7 +47,7 @@ def random_plan_inputs(rng: random.Random) -> PlanInputs:
                       live_groups=rng.randint(0, 6) if gathered else 0, gather_ahead=rng.randint(1, 3),
                       gradient_buckets=3 if gathered or grad_bytes else 0,
                       kept_bytes_per_element=rng.choice([0, param_bytes]), device_steps=rng.choice([0, None]),
-                      nonmodel_peak_bytes=0)
+                      activation_reserve_bytes=0)
 
 
 def fitting_draws(count: int) -> list[PlanInputs]:
@@ -56,7 +56,8 @@ def fitting_draws(count: int) -> list[PlanInputs]:
     found = []
     while len(found) < count:
         inputs = random_plan_inputs(rng)
-        inputs = dataclasses.replace(inputs, nonmodel_peak_bytes=int(rng.uniform(0, 0.5) * inputs.device_budget_bytes))
+        reserve = int(rng.uniform(0, 0.5) * inputs.device_budget_bytes)
+        inputs = dataclasses.replace(inputs, activation_reserve_bytes=reserve)
         try:
             make_plan(inputs)
         except PlanError:
@@ -72,7 +73,7 @@ def test_the_warmup_placement_fits_leaves_the_most_room_and_keeps_the_mode():
         room = activation_room_bytes(inputs, warmup)
         assert warmup.device_bytes + room <= inputs.device_budget_bytes
         assert warmup.host_bytes <= inputs.host_budget_bytes and warmup.nvme_bytes <= inputs.nvme_budget_bytes
-        assert room >= activation_room_bytes(inputs, guess) and room >= inputs.nonmodel_peak_bytes
+        assert room >= activation_room_bytes(inputs, guess) and room >= inputs.activation_reserve_bytes
         assert (warmup.params_sharded, warmup.group_size) == (guess.params_sharded, guess.group_size)
         assert warmup.optimizer_tier.count("remote") == guess.optimizer_tier.count("remote")
         if inputs.param_home in (DEVICE, HOST):  # a named home is every shard's, at the warm-up too
@@ -82,9 +83,9 @@ def test_the_warmup_placement_fits_leaves_the_most_room_and_keeps_the_mode():
         assert warmup.optimizer_tier.count(NVME) <= guess.optimizer_tier.count(NVME)
         # Maximal: the room it leaves is exactly the largest reserve the planner still fits (within that disk).
         within = dataclasses.replace(inputs, nvme_budget_bytes=guess.nvme_bytes)
-        assert make_plan(dataclasses.replace(within, nonmodel_peak_bytes=room)).device_bytes == warmup.device_bytes
+        assert make_plan(dataclasses.replace(within, activation_reserve_bytes=room)).device_bytes == warmup.device_bytes
         with pytest.raises(PlanError):
-            make_plan(dataclasses.replace(within, nonmodel_peak_bytes=room + 1))
+            make_plan(dataclasses.replace(within, activation_reserve_bytes=room + 1))
 
 
 def test_with_an_ample_host_nothing_movable_stays_on_the_device():

@@ -6,6 +6,8 @@ reads them with the tiers and the copy streams' traffic, then starts them again 
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
 from zero_cache.optim.host_update import HostUpdater
@@ -39,6 +41,18 @@ class OptimizerCounters:
         self.timings = dict.fromkeys(WAITS, 0.0)
         """See :data:`WAITS`."""
 
+    def tier_usage(self) -> dict[str, tuple[int, int]]:
+        """Tier name -> (bytes in use, budget bytes), now."""
+        return {name: (tier.used_bytes, tier.budget_bytes) for name, tier in self.store.tiers.items()}
+
+    def tier_counts(self) -> dict[str, int]:
+        """Tier name -> optimizer groups there now (after any re-plan; REMOTE: another rank's)."""
+        return dict(collections.Counter(group.tier for group in self.store.groups))
+
+    def param_home_counts(self) -> dict[str, int]:
+        """Tier name -> this rank's param shards at home there now (gathered params; empty when resident)."""
+        return dict(collections.Counter(self.store.param_home))
+
     def report(self) -> dict[str, float]:
         """Per-tier bytes and the traffic and waiting since the previous report (then resets those).
 
@@ -57,8 +71,8 @@ class OptimizerCounters:
         report.update({f"zero_cache_{name}_s": seconds for name, seconds in self.timings.items()})
         report["zero_cache_host_update_s"] = host_work
         report.update({f"zero_cache_{name}": count for name, count in self.counts.items()})
-        self.counts = dict.fromkeys(self.counts, 0)
+        self.counts.update(dict.fromkeys(self.counts, 0))
         if host_work > 0 and self.device.type == "cuda":  # on CPU the "device" competes for the same cores
             report["zero_cache_overlap"] = max(0.0, 1.0 - waited / host_work)
-        self.timings = dict.fromkeys(self.timings, 0.0)
+        self.timings.update(dict.fromkeys(self.timings, 0.0))
         return report

@@ -17,7 +17,7 @@ copies the new weights in).
 
 The chunk's optimizer states come from its state home (:mod:`zero_cache.storage.state_homes`), fetched alongside step 1
 and written back after step 2: host memory is updated in place, an NVMe group is read into a pinned bounce buffer
-and written behind (:mod:`zero_cache.storage.nvme_states`).
+and written behind (:mod:`zero_cache.storage.state_homes.nvme`).
 
 While it updates chunk i the worker has already issued the fetch of chunk i + 1 (its gradient copy
 and its disk read), so the transfers of one chunk overlap CPU Adam of the next. A few buffers serve every
@@ -38,6 +38,7 @@ from zero_cache.base.timeline import HOST_ADAM
 from zero_cache.optim.chunk_adam import adam_step, fp32_gradient
 from zero_cache.optim.host_adam import HostAdam
 from zero_cache.optim.revision import APPLIED, DEFERRED, SpeculationWindow, revision_scales
+from zero_cache.optim.step_record import ChunkSteps
 from zero_cache.plan.layout import TensorSlot
 from zero_cache.plan.state_costs import STAGING_BUFFERS
 from zero_cache.plan.tier_names import HOST
@@ -99,10 +100,13 @@ class HostUpdater:
         store: the chunk storage.
         transfers: device<->host copies.
         host_adam: the CPU Adam kernel.
+        steps: the chunks' step records (:mod:`zero_cache.optim.step_record`), shared with the optimizer: the worker
+            writes the params it sent back and the folds owed there.
     """
 
-    def __init__(self, store: ChunkStore, transfers: Transfers, host_adam: HostAdam) -> None:
+    def __init__(self, store: ChunkStore, transfers: Transfers, host_adam: HostAdam, steps: ChunkSteps) -> None:
         self.store = store
+        self.steps = steps
         self.transfers = transfers
         self.host_adam = host_adam
         host, numel = store.tiers[HOST], store.layout.chunk_numel
@@ -112,10 +116,6 @@ class HostUpdater:
         """Micro-batch gradients staged by the training thread for the accumulators (allocated only when used).
         Apart from ``pool``: an update during backward that needs a buffer must not wait for gradient jobs that
         hold them and run only after it (a deadlock once the training thread has staged them all)."""
-        self.unfolded: dict[int, ChunkUpdate] = {}
-        """Chunk -> the lazy update whose moments are still to be folded in from its kept gradient (the worker's)."""
-        self.param_ready: dict[int, torch.cuda.Event | None] = {}
-        """Chunk -> completion event of its latest host->device param copy (popped by the waiter)."""
         self.busy_s = 0.0
         self.folded_later = 0
         """Waited updates made lazy (``ChunkUpdate.fold_later``), their moments folded by a job of their own."""
@@ -136,7 +136,7 @@ class HostUpdater:
         run again (:mod:`zero_cache.optim.release`)."""
         self._stop_worker()
         self.pool = self.gradient_pool = None
-        self.unfolded.clear()
+        self.steps.forget_folds()
 
     # ------------------------------------------------------------------ queueing
     def submit_update(self, update: ChunkUpdate) -> None:
@@ -157,13 +157,13 @@ class HostUpdater:
         self._jobs.put(self._settle_all)
 
     def _settle_all(self) -> None:
-        for chunk in list(self.unfolded):
+        for chunk in self.steps.owing_folds():
             self.settle(chunk)
 
     def settle(self, chunk: int) -> None:
         """On the worker: fold the moments of ``chunk``'s lazy update, if one is waiting, from its kept gradient
         (before anything overwrites that gradient or reads the moments)."""
-        lazy = self.unfolded.pop(chunk, None)
+        lazy = self.steps.take_fold(chunk)
         if lazy is None:
             return
         kept = self._kept(chunk)
@@ -268,14 +268,14 @@ class HostUpdater:
         if update.window is not None:
             update.outcome = APPLIED
         elif update.lazy:  # a waited update: settle_all's job folds its moments in (queued behind the step's updates)
-            self.unfolded[chunk] = update
+            self.steps.owe_fold(update)
             self.folded_later += 1
         group.home.write_back(group, fetched.states, changed=buffer is not None and not update.restore_only)
         if buffer is not None:
             ready = fetched.home.store_params(self.store.sharding.group_of(chunk), self.store.param_chunks[chunk],
                                               buffer, self.pool, self.transfers)
             if ready is not None:
-                self.param_ready[chunk] = ready
+                self.steps[chunk].params_sent = ready
         update.issued.set()
 
     def _folds_later(self, update: ChunkUpdate, buffer: torch.Tensor | None) -> bool:
@@ -314,7 +314,7 @@ class HostUpdater:
         if not (undo_scale or redo_scale):
             if original.outcome == APPLIED:
                 if original.lazy:  # its moments are folded in before the kept gradient changes
-                    self.unfolded[update.chunk] = original
+                    self.steps.owe_fold(original)
                 return None
             return self._round_masters(update.chunk, None, states)  # deferred, step skipped: weights unchanged
         return self._step_slots(update.chunk, original.members, original.hypers, original.step,
@@ -358,7 +358,7 @@ class HostUpdater:
         before (which that gradient held) when it stepped the same slots. Slots without a gradient are rewritten
         from their masters (a reduction from a bucket left zeros there); padding is zero."""
         kept = self._kept(update.chunk) if update.window is not None or update.lazy else None
-        fold = self.unfolded.pop(update.chunk, None) if kept is not None and self._folds_into(update) else None
+        fold = self.steps.take_fold(update.chunk) if kept is not None and self._folds_into(update) else None
         self.settle(update.chunk)  # (one that cannot be folded in this pass)
         stepped = set()
         for index, slots in update.members.items():
@@ -377,7 +377,7 @@ class HostUpdater:
     def _folds_into(self, update: ChunkUpdate) -> bool:
         """Whether the chunk's lazy update from the step before can be folded in ``update``'s pass: the same slots
         with the same betas (the kernel folds with the step's own)."""
-        lazy = self.unfolded.get(update.chunk)
+        lazy = self.steps.owed_fold(update.chunk)
         return (lazy is not None and lazy.members == update.members
                 and all(lazy.hypers[i]["betas"] == update.hypers[i]["betas"] for i in update.members))
 
@@ -410,10 +410,10 @@ class Fetched:
     """Staging buffer receiving the in-param gradient."""
     grads_copied: torch.cuda.Event | None = None
     home: Any = None
-    """The chunk's param home (:mod:`zero_cache.storage.homes`), which ``grads`` came from."""
+    """The chunk's param home (:mod:`zero_cache.storage.param_homes.registry`), which ``grads`` came from."""
     states: FetchedStates | None = None
     """The chunk's optimizer states as its state home fetched them (:meth:`StateHome.fetch
-    <zero_cache.storage.state_home.StateHome.fetch>`)."""
+    <zero_cache.storage.state_homes.home.StateHome.fetch>`)."""
 
     def release(self, pool: BufferPool) -> None:
         """Give the buffers back without using them (a failed update); pending transfers finish first."""

@@ -22,6 +22,19 @@ from zero_cache.plan.layout import TensorSlot
 from zero_cache.storage.chunks import STATE_FIELDS, ChunkStore
 
 
+def trained_members(param_groups: list[dict[str, Any]], slots: list[TensorSlot], names: dict[int, str]
+                    ) -> tuple[list[tuple[int, TensorSlot]], dict[int, list[tuple[int, TensorSlot]]]]:
+    """(param-group index, slot) of every parameter that requires a gradient, in the optimizer's group order (the
+    order a state dict lists them in); and the same by chunk. ``names``: id(parameter) -> its slot's name."""
+    slot_of = {slot.name: slot for slot in slots}
+    members = [(index, slot_of[names[id(param)]]) for index, group in enumerate(param_groups)
+               for param in group["params"] if param.requires_grad]
+    by_chunk: dict[int, list[tuple[int, TensorSlot]]] = {}
+    for index, slot in members:
+        by_chunk.setdefault(slot.chunk, []).append((index, slot))
+    return members, by_chunk
+
+
 class NamedStates:
     """An optimizer's chunked states (masters, Adam moments) read and written by parameter name.
 
@@ -208,7 +221,7 @@ class OptimizerCheckpoint:
 
     Kept a base class rather than folded into the optimizer because ``angelptm`` tells the two checkpoint formats
     apart by it (``isinstance(optimizer, OptimizerCheckpoint)``). Beside ``named_states`` it reads and writes only
-    the optimizer's step state: ``step_count``, ``update_in_backward`` and ``_speculating``.
+    the optimizer's step state: ``step_count``, ``update_in_backward`` and ``speculating``.
     """
 
     named_states: NamedStates
@@ -243,7 +256,7 @@ class OptimizerCheckpoint:
     def state_refs(self) -> dict[str, Any]:
         """:meth:`state_dict` with :class:`~zero_cache.optim.state_snapshot.StateRef` in place of the state tensors,
         for a checkpoint streamed from :meth:`begin_snapshot`'s snapshot."""
-        return self.named_states.state_refs(step=self.step_count, speculate_next=self._speculating)
+        return self.named_states.state_refs(step=self.step_count, speculate_next=self.speculating)
 
     def begin_snapshot(self, *, max_staged: int, allocate: Callable[[int], torch.Tensor] | None = None
                        ) -> StateSnapshot:
@@ -259,10 +272,10 @@ class OptimizerCheckpoint:
     def state_dict(self) -> dict[str, Any]:
         # speculate_next: whether the next step updates during backward (a clipped step predicts another; kept so
         # a resumed run takes the same path, bit for bit).
-        return self.named_states.state_dict(step=self.step_count, speculate_next=self._speculating)
+        return self.named_states.state_dict(step=self.step_count, speculate_next=self.speculating)
 
     def load_state_dict(self, state: dict[str, Any], *, load_optimizer_states: bool = True) -> None:
         resumed = self.named_states.load_state_dict(state, load_optimizer_states=load_optimizer_states)
         if resumed is not None:
             self.step_count, speculate_next = resumed
-            self._speculating = self.update_in_backward and speculate_next
+            self.speculating = self.update_in_backward and speculate_next

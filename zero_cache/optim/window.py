@@ -12,7 +12,6 @@ from typing import Callable
 
 import torch
 
-from zero_cache.optim.host_update import ChunkUpdate
 from zero_cache.optim.revision import SpeculationWindow
 from zero_cache.plan.layout import TensorSlot
 
@@ -44,13 +43,11 @@ class AccumulationWindow:
         self.accumulated: set[int] = set()  # sharded, accumulating: owned chunks that received a reduced slice
         self.micro_step_open = False  # sharded, accumulating: this micro-step wrote a gradient bucket
         self.missing: dict[int, int] = {}  # gradients still to come per chunk, this window
-        self.queued: dict[int, ChunkUpdate] = {}  # host chunk -> its speculative update from this window's backward
         self.speculation: SpeculationWindow | None = None  # this window's speculation (zero_cache.optim.revision)
 
     def reset(self) -> None:
         """Start a new window, but for the group counts (:meth:`reset_group_counts`, which a micro-step resets too)."""
         self.written.clear()
-        self.queued.clear()
         self.speculation = None
         self.accumulated.clear()
         self.host_squares.clear()

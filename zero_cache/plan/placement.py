@@ -39,8 +39,9 @@ class PlanInputs:
     """Host bytes ZeRO-Cache may use (pinned)."""
     trace: tuple[int, ...] = ()
     """Chunk accesses of one iteration in order (forward, then backward); empty before warm-up."""
-    nonmodel_peak_bytes: int = 0
-    """Peak device bytes not owned by ZeRO-Cache (activations, workspace), from the warm-up."""
+    activation_reserve_bytes: int = 0
+    """Device bytes held back for what ZeRO-Cache does not own (activations, workspace): the config's
+    ``activation_memory`` (or its "auto" guess) before the warm-up, the peak it measured after."""
     margin_fraction: float = DEVICE_MARGIN_FRACTION
     """Device budget kept free for allocator fragmentation and transients."""
     grad_bytes_per_element: int = 4

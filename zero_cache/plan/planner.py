@@ -100,7 +100,7 @@ def _working_sets(inputs: PlanInputs) -> list[WorkingSet]:
 
 def _fixed_device_bytes(inputs: PlanInputs, working: WorkingSet) -> int:
     """Device bytes besides params and optimizer groups: activations, the update scratch and the buckets."""
-    return inputs.nonmodel_peak_bytes + inputs.scratch_bytes + working.buckets * inputs.live_group_bytes
+    return inputs.activation_reserve_bytes + inputs.scratch_bytes + working.buckets * inputs.live_group_bytes
 
 
 def _plan_with(inputs: PlanInputs, working: WorkingSet) -> Plan:
@@ -117,7 +117,7 @@ def _plan_with(inputs: PlanInputs, working: WorkingSet) -> Plan:
                   "shards from the host where they do not fit either)")
         raise PlanError(_shortfall_message(DEVICE, need, inputs.device_budget_bytes, inputs, detail=(
             f"it holds every param chunk ({format_bytes(all_params)}) besides "
-            f"{format_bytes(inputs.nonmodel_peak_bytes)} of activations; {remedy}"), disk_relieves=False))
+            f"{format_bytes(inputs.activation_reserve_bytes)} of activations; {remedy}"), disk_relieves=False))
     owned = _owned_in_use_order(inputs)
     device_optim = min(len(owned), (room - all_params) // inputs.optimizer_chunk_bytes)
     return _finish(inputs, working, resident_bytes=all_params, live=0, device_optim=owned[:device_optim], home=(),
@@ -248,7 +248,7 @@ def _working_set_shortfall(inputs: PlanInputs, working: WorkingSet) -> str:
         f"{live} gathered groups of {format_bytes(group_bytes)} ({in_use} in use, {live - in_use} fetched ahead), "
         f"{working.buckets} gradient buckets of {format_bytes(group_bytes)} "
         f"({format_bytes(working.buckets * group_bytes)}), the fp32 update scratch of "
-        f"{format_bytes(inputs.scratch_bytes)} and {format_bytes(inputs.nonmodel_peak_bytes)} of activations, "
+        f"{format_bytes(inputs.scratch_bytes)} and {format_bytes(inputs.activation_reserve_bytes)} of activations, "
         f"with {inputs.margin_fraction:.0%} kept free"), disk_relieves=False)
 
 

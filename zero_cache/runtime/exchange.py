@@ -28,9 +28,10 @@ from typing import Any, Callable
 import torch
 
 from zero_cache.base.sharding import Sharding
+from zero_cache.plan.home_costs import home_costs
 from zero_cache.plan.tier_names import DEVICE
 from zero_cache.plan.working_set import GRADIENT_BUCKETS, reduction_lag
-from zero_cache.runtime.gathered import GatheredGroups
+from zero_cache.runtime.gathered import GatheredGroups, RecordedGathers, live_slots
 from zero_cache.storage.chunks import ChunkStore
 from zero_cache.storage.tiers import wait
 
@@ -230,6 +231,21 @@ class ChunkExchange:
         for chunk in self.sharding.group_chunks(group, self.store.layout.num_chunks):
             if self.sharding.owns(chunk):
                 self.wait_owner(chunk)
+
+    def recorded_gathers(self, under: Any = None) -> RecordedGathers | None:
+        """Gathered params: the group acquisitions recorded so far, and the slots kept for reuse and the streamed
+        groups under the plan ``under`` (default: the gathering in force); None where nothing is gathered."""
+        gathered = self.gathered
+        if gathered is None:
+            return None
+        if under is None:
+            reuse = gathered.max_live - gathered.ahead
+            streamed = frozenset(g for g in range(self.num_groups) if self.store.group_home(g).streams)
+        else:  # (as GatheredGroups.resize takes a plan)
+            ahead = under.gather_ahead or self.gather_ahead
+            reuse = live_slots(under.cache_slots, ahead) - ahead
+            streamed = frozenset(g for g, home in enumerate(under.param_home) if home_costs(home).streams)
+        return RecordedGathers(tuple(gathered.trace.groups), reuse, streamed, self.sharding.sharded)
 
     def sync(self) -> None:
         """Gather every stale group now (every rank calls it, e.g. before a checkpoint)."""

@@ -127,6 +127,26 @@ class _Live:
     """The buffer is the shard itself (one rank, home on the device): never evicted nor freed."""
 
 
+@dataclass(frozen=True, slots=True)
+class RecordedGathers:
+    """Gathered params: the group acquisitions the warm-up recorded, and the gathering in force."""
+
+    groups: tuple[int, ...]
+    """Groups in the order they were acquired (forward, recomputed blocks, backward; repeats collapsed)."""
+    reuse_slots: int
+    """Live slots that keep groups for reuse (the live groups less those gathered ahead)."""
+    streamed: frozenset[int]
+    """Groups whose shards stream from a home off the device."""
+    sharded: bool
+    """Params are sharded over ranks (every group is gathered), not streamed on one rank."""
+
+
+def live_slots(max_live: int, ahead: int) -> int:
+    """Groups live at once under a plan's ``max_live`` with ``ahead`` gathered ahead of use: at least ``ahead`` +
+    :data:`RECENT`, the fewest that work."""
+    return max(max_live, ahead + RECENT)
+
+
 class GatheredGroups:
     """The live groups of one :class:`~zero_cache.storage.chunks.ChunkStore` with gathered params, and their gathers.
 
@@ -162,7 +182,7 @@ class GatheredGroups:
         next acquisition on."""
         if ahead:
             self.ahead = ahead
-        self.max_live = max(max_live, self.ahead + RECENT)
+        self.max_live = live_slots(max_live, self.ahead)
 
     @property
     def live_groups(self) -> list[int]:

@@ -327,7 +327,7 @@ def with_timed_work(rates: Rates, *, host_adam: tuple[int, float] = NO_WORK, dev
     - ``device_steps``: host groups stepped on the device, each step's from when they may start to their last copy
       out (``DeviceSteps.timing``); only the step's prediction uses it;
     - ``device_adam``: the device's Adam over the groups it holds, timed where it runs
-      (``ZeroCacheOptimizer.device_adam_timing``); only the step's prediction uses it.
+      (``DeviceGroups.timing``, :mod:`zero_cache.optim.device_groups`); only the step's prediction uses it.
     """
     timed: dict[str, float | bool] = {}
     if (rate := _timed_rate(host_adam)) is not None:
