@@ -51,10 +51,13 @@ class _File:
         with open(path, "rb") as handle:
             reader = torch._C.PyTorchFileReader(handle)
             self.pickle = reader.get_record("data.pkl")
-            self._offsets = {name: (reader.get_record_offset(name), reader.get_record_size(name))
+            # (PyTorchFileReader.get_record_size is newer than some torch builds users run, the GPU images'
+            # among them: there the record's size is the one its pickle gives, see LazyTensor.read)
+            size_of = getattr(reader, "get_record_size", None)
+            self._offsets = {name: (reader.get_record_offset(name), size_of(name) if size_of else None)
                              for name in reader.get_all_records() if name.startswith("data/")}
 
-    def record(self, key: str) -> tuple[int, int]:
+    def record(self, key: str) -> tuple[int, int | None]:
         try:
             return self._offsets[f"data/{key}"]
         except KeyError:
@@ -76,6 +79,8 @@ class LazyTensor:
         itemsize = self.record.dtype.itemsize
         extent = 1 + sum((size - 1) * step for size, step in zip(self.shape, self.stride)) if all(self.shape) else 0
         start, size_bytes = self.file.record(self.record.key)
+        if size_bytes is None:  # (a torch without get_record_size: the storage's size as the pickle records it)
+            size_bytes = self.record.numel * itemsize
         first, num_bytes = self.storage_offset * itemsize, extent * itemsize
         if first + num_bytes > size_bytes:
             raise CheckpointError(f"{self.file.path}: record data/{self.record.key} holds {size_bytes} bytes, a "
