@@ -131,3 +131,36 @@ def test_bf16_states_update_after_backward_and_refuse_speculation_when_asked():
                             "chunk_size": CHUNK_NUMEL, "param_home": "device", "update_in_backward": True}
     with pytest.raises(ValueError, match="update_in_backward"):
         angelptm.initialize(model=six_layer_llama(0), config=config)
+
+
+def test_a_bf16_checkpoint_resumes_exactly_and_is_written_as_fp32(tmp_path):
+    """The checkpoint holds the bf16 states upcast to fp32 (exact, and what DeepSpeed's readers and zero_to_fp32 read);
+    a load rounds them back to the very bf16 values, so the resumed run is the uninterrupted one bit for bit."""
+    batches = random_batches(7, 2 * STEPS, 4)
+    device_budget, host_budget = budgets(six_layer_llama(2))
+    engine, optimizer = zero_cache_engine(2, device_budget, 4 * host_budget)
+    assert {"device", "host"} <= tiers_of(optimizer)
+    train_steps(engine, batches[:STEPS])
+    engine.save_checkpoint(str(tmp_path), tag="bf16")
+    expected = train_steps(engine, batches[STEPS:])
+    saved = torch.load(next(tmp_path.rglob("*optim_states.pt")), weights_only=False)
+    tensors = [value for value in _tensors(saved) if value.is_floating_point() and value.numel() > 1]
+    assert tensors and all(value.dtype == torch.float32 for value in tensors)
+    assert all(torch.equal(value, value.bfloat16().float()) for value in tensors)  # (bf16 values, upcast)
+
+    resumed, resumed_optimizer = zero_cache_engine(2, device_budget, 4 * host_budget)
+    resumed.load_checkpoint(str(tmp_path), tag="bf16")
+    assert train_steps(resumed, batches[STEPS:]) == expected
+    for name, value in optimizer.master_state_dict().items():
+        assert torch.equal(resumed_optimizer.master_state_dict()[name], value), name
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)

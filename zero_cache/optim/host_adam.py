@@ -70,6 +70,7 @@ class HostAdam:
         try_deepspeed = try_deepspeed or low_precision
         self._native = load_csrc("fused_host_adam") if try_native and not low_precision else None
         self._buffers: list[torch.Tensor] = []  # (see _scratch)
+        self._ds_sequence: tuple[int, tuple[float, float] | None] = (0, None)  # (see _powers_as_in_sequence)
         # Every core but one: the training thread must keep launching GPU kernels meanwhile.
         self.threads = max(1, len(os.sched_getaffinity(0)) - 1)
         if try_deepspeed:
@@ -189,12 +190,31 @@ class HostAdam:
         """Apply one step to every (master, grad, exp_avg, exp_avg_sq) quadruple."""
         if self._ds is not None:
             module, opt_id = self._ds
+            self._powers_as_in_sequence(step, tuple(betas), eps)
             for master, grad, exp_avg, exp_avg_sq in zip(masters, grads, exp_avgs, exp_avg_sqs):
                 module.adam_update(opt_id, step, lr, betas[0], betas[1], eps, weight_decay, True, master, grad,
                                    exp_avg, exp_avg_sq)
             return
         torch_fused_adam(masters, grads, exp_avgs, exp_avg_sqs, decoupled=self.decoupled, step=step, lr=lr,
                          betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+    def _powers_as_in_sequence(self, step: int, betas: tuple[float, float], eps: float) -> None:
+        """Bring cpu_adam's beta powers to ``step`` as an uninterrupted run has them. The op multiplies its beta^t by
+        beta once a step while steps come one after another, and recomputes it with ``pow`` (which rounds otherwise)
+        at any other step: the first one of a process resumed from a checkpoint, or after a change of betas. Where
+        the step does not follow the last one, the op is reset (a call with other betas) and steps 1 .. step - 1
+        replayed on a one-element scratch with lr 0, so a resumed run is the uninterrupted one bit for bit."""
+        last, last_betas = self._ds_sequence
+        if betas == last_betas and step in (last, last + 1):
+            self._ds_sequence = (step, betas)
+            return
+        module, opt_id = self._ds
+        scratch = [torch.zeros(1) for _ in range(4)]
+        module.adam_update(opt_id, 1, 0.0, 0.0, 0.0, eps, 0.0, True, *scratch)  # (other betas: the powers restart)
+        for earlier in range(1, step):
+            module.adam_update(opt_id, earlier, 0.0, betas[0], betas[1], eps, 0.0, True, *scratch)
+        self._ds_sequence = (step, betas)
 
 
 def step_moments_(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
