@@ -155,9 +155,10 @@ class ZeroCacheConfig:
 
     state_dtype: str = "fp32"
     """The dtype of every chunk's master weights, Adam moments and gradient accumulator, in every home (device, host,
-    NVMe; checkpoints hold them upcast to fp32, exactly): "fp32", or "bf16", which DeepSpeed's ``bf16.bf16_master_weights_and_grads`` with
-    ``bf16.bf16_optimizer_states`` sets (6 bytes an element of states instead of 12; the step's arithmetic stays fp32,
-    its results are rounded to bf16). Set it through those keys; the loader refuses a value they disagree with."""
+    NVMe; checkpoints hold them upcast to fp32, exactly): "fp32", or "bf16", which DeepSpeed's
+    ``bf16.bf16_master_weights_and_grads`` with ``bf16.bf16_optimizer_states`` sets (6 bytes an element of states
+    instead of 12; the step's arithmetic stays fp32, its results are rounded to bf16). Set it through those keys; the
+    loader refuses a value they disagree with."""
 
     aio: AioConfig = field(default_factory=AioConfig)
     """How the NVMe tier does its IO (filled from DeepSpeed's top-level ``aio`` block)."""
