@@ -41,6 +41,7 @@ from zero_cache.runtime.shard_params import (
 from zero_cache.storage.chunks import ChunkStore
 from zero_cache.storage.hardware import Hardware
 from zero_cache.storage.nvme import NvmeTier
+from zero_cache.storage.state_homes.home import STATE_DTYPES
 from zero_cache.storage.tiers import build_tiers, use_expandable_segments
 from zero_cache.warmup import WarmupTracer
 
@@ -198,7 +199,8 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     warmup = (_warmup_plan(inputs, plan, resolved.activation_reserve_bytes, sharding)
               if warms_up_at_least_footprint(config, device) else plan)
     store = ChunkStore(layout, [p for _, p in params], warmup, tiers, compute_dtype,
-                       accumulate=accumulation_steps > 1, sharding=sharding, shard_params=shard_params)
+                       accumulate=accumulation_steps > 1, sharding=sharding, shard_params=shard_params,
+                       state_dtype=STATE_DTYPES[config.state_dtype])
     hybrid = ZeroCacheOptimizer(store, optimizer, names, warmup, decoupled_weight_decay=decoupled_weight_decay,
                                 loss_scaler=loss_scaler, gradient_clipping=gradient_clipping,
                                 update_in_backward=in_backward,

@@ -10,6 +10,10 @@ from zero_cache.plan.units import AUTO, parse_budget
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 PARAM_HOMES = (AUTO, DEVICE.value, HOST.value, NVME.value)
 AIO_BACKENDS = ("auto", "native", "deepspeed", "libaio", "threads")
+STATE_DTYPES = ("fp32", "bf16")
+"""``zero_cache.state_dtype`` values: the optimizer states' dtype (its itemsize is in
+:data:`STATE_ITEMSIZE`)."""
+STATE_ITEMSIZE = {"fp32": 4, "bf16": 2}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -149,6 +153,13 @@ class ZeroCacheConfig:
     nvme_memory_budget: int | str = AUTO
     """Bytes the swap files may take ("auto" = the free space under nvme_path, less a margin)."""
 
+    state_dtype: str = "fp32"
+    """The dtype of every chunk's master weights, Adam moments and gradient accumulator, in every home (device, host,
+    NVMe; checkpoints hold them upcast to fp32, exactly): "fp32", or "bf16", which DeepSpeed's
+    ``bf16.bf16_master_weights_and_grads`` with ``bf16.bf16_optimizer_states`` sets (6 bytes an element of states
+    instead of 12; the step's arithmetic stays fp32, its results are rounded to bf16). Set it through those keys; the
+    loader refuses a value they disagree with."""
+
     aio: AioConfig = field(default_factory=AioConfig)
     """How the NVMe tier does its IO (filled from DeepSpeed's top-level ``aio`` block)."""
 
@@ -194,8 +205,16 @@ class ZeroCacheConfig:
                 self.device_steps, bool) and self.device_steps >= 0)):
             raise ValueError(f"zero_cache.device_steps: expected a number of optimizer groups >= 0 or 'auto', "
                              f"got {self.device_steps!r}")
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"zero_cache.state_dtype: must be one of {STATE_DTYPES}, got {self.state_dtype!r} (set "
+                             "it through bf16.bf16_master_weights_and_grads and bf16.bf16_optimizer_states)")
         if self.prefetch_depth < 0:
             raise ValueError(f"zero_cache.prefetch_depth: must be >= 0, got {self.prefetch_depth}")
+
+    @property
+    def state_itemsize(self) -> int:
+        """Bytes of one element of one state (master, exp_avg, exp_avg_sq, accumulator)."""
+        return STATE_ITEMSIZE[self.state_dtype]
 
     @property
     def device_budget_bytes(self) -> int | None:

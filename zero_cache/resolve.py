@@ -16,7 +16,7 @@ from zero_cache.config import ZeroCacheConfig
 from zero_cache.plan.layout import ChunkLayout, pack, search_chunk_size
 from zero_cache.plan.planner import DEVICE_MARGIN_FRACTION, Plan, PlanError, PlanInputs, make_plan
 from zero_cache.plan.state_costs import SWAP_BUFFERS, planned_staging_buffers
-from zero_cache.plan.step_cost import NOMINAL_RATES, Rates
+from zero_cache.plan.step_cost import NOMINAL_RATES, Rates, state_bytes_per_element
 from zero_cache.plan.tier_names import HOST, NVME
 from zero_cache.plan.units import AUTO, parse_budget
 from zero_cache.plan.working_set import GRADIENT_BUCKETS, GROUPS_IN_USE, WorkingSet
@@ -101,8 +101,8 @@ def build_layout(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheCon
 
 def chunk_numel_cap(config: ZeroCacheConfig, device_budget: int, activation_reserve_bytes: int,
                     compute_dtype: torch.dtype, sharding: Sharding) -> int:
-    """The largest chunk whose fixed device share still fits the budget with streamed params: the fp32 scratch
-    chunk and the wanted working set's gradient buckets and fewest live groups, each ``world_size`` chunks wide.
+    """The largest chunk whose fixed device share still fits the budget with streamed params: the scratch chunk
+    (state dtype) and the wanted working set's gradient buckets and fewest live groups, each ``world_size`` chunks wide.
 
     A small device must get small chunks, or the few slots a streamed model needs do not fit at all (and where
     they still do not, at the floor the largest tensor sets, the planner shrinks the working set).
@@ -110,20 +110,30 @@ def chunk_numel_cap(config: ZeroCacheConfig, device_budget: int, activation_rese
     param_bytes = torch.empty((), dtype=compute_dtype).element_size()
     ahead = max(1, config.prefetch_depth) if not sharding.sharded else 1
     wanted = WorkingSet(ahead=ahead, live_groups=0, buckets=GRADIENT_BUCKETS)
-    per_element = 4 + (wanted.buckets + wanted.fewest_live) * sharding.world_size * param_bytes
+    per_element = config.state_itemsize + (wanted.buckets + wanted.fewest_live) * sharding.world_size * param_bytes
     room = int(device_budget * (1 - DEVICE_MARGIN_FRACTION)) - activation_reserve_bytes
     return max(1, room // per_element)
 
 
-def grad_bytes_per_element(accumulation_steps: int) -> int:
-    """fp32 accumulators when micro-batches accumulate; none when gradients are written over the params."""
-    return 4 if accumulation_steps > 1 else 0
+def grad_bytes_per_element(accumulation_steps: int, state_itemsize: int = 4) -> int:
+    """Accumulators in the state dtype when micro-batches accumulate; none when gradients are written over the
+    params."""
+    return state_itemsize if accumulation_steps > 1 else 0
 
 
 def resolve_update_in_backward(config: ZeroCacheConfig, *, accumulation_steps: int, world_size: int) -> bool:
     """Whether host chunks update during backward ("auto": wherever it is built). The update stays exact
     under clipping, loss scaling and skipped steps by keeping each such chunk's gradient
-    (:mod:`zero_cache.optim.revision`); data-parallel ranks that accumulate micro-batches update after backward."""
+    (:mod:`zero_cache.optim.revision`); data-parallel ranks that accumulate micro-batches update after backward, and so
+    do bf16 states: a bf16 step cannot be taken back exactly (its rounded master and moments do not invert), and the
+    revision's exactness is the point of it."""
+    if config.state_dtype != "fp32":
+        if config.update_in_backward is True:
+            raise ValueError(f"zero_cache.update_in_backward is true, but the optimizer states are "
+                             f"{config.state_dtype} (bf16.bf16_master_weights_and_grads with bf16_optimizer_states): "
+                             "host chunks update after backward there, since a bf16 step cannot be taken back "
+                             "exactly when the step clips. Set it to \"auto\" or false")
+        return False
     if accumulation_steps > 1 and world_size > 1:
         if config.update_in_backward is True:
             raise ValueError(f"zero_cache.update_in_backward is true, but with {world_size} data-parallel ranks and "
@@ -147,7 +157,14 @@ class DeviceStepCount:
 
 def resolve_device_steps(config: ZeroCacheConfig, *, gpu: bool) -> DeviceStepCount:
     """The one place ``device_steps: "auto"`` is read: on a GPU the planner's cheapest count, then tuned by measured
-    step time; without one, none (there is no device to step host groups on). A number is the count, not tuned."""
+    step time; without one, none (there is no device to step host groups on). A number is the count, not tuned.
+    Not with bf16 states: the device steps' copies go through the update scratch as fp32 pieces."""
+    if config.state_dtype != "fp32":
+        if config.device_steps not in (AUTO, 0):
+            raise ValueError(f"zero_cache.device_steps: {config.device_steps} host groups stepped on the device is "
+                             f"not built for {config.state_dtype} optimizer states (bf16.bf16_master_weights_and_grads "
+                             "with bf16_optimizer_states): set it to \"auto\" or 0 (the host's Adam steps them)")
+        return DeviceStepCount(planned=0, tuned=False)
     if config.device_steps != AUTO:
         return DeviceStepCount(planned=config.device_steps, tuned=False)
     return DeviceStepCount(planned=None, tuned=True) if gpu else DeviceStepCount(planned=0, tuned=False)
@@ -178,7 +195,8 @@ def plan_inputs(layout: ChunkLayout, config: ZeroCacheConfig, compute_dtype: tor
                       gather_ahead=ahead,
                       padding_chunks=sharding.padded_chunks(layout.num_chunks) - layout.num_chunks,
                       param_bytes_per_element=param_bytes,
-                      grad_bytes_per_element=grad_bytes_per_element(accumulation_steps),
+                      grad_bytes_per_element=grad_bytes_per_element(accumulation_steps, config.state_itemsize),
+                      state_bytes_per_element=state_bytes_per_element(config.state_itemsize),
                       device_budget_bytes=device_budget, host_budget_bytes=host_budget, trace=trace,
                       activation_reserve_bytes=activation_reserve_bytes,
                       staging_buffers=planned_staging_buffers(accumulation_steps),

@@ -78,9 +78,9 @@ def _unsupported_values(parsed: edge.EdgeConfig, ignored: dict[str, Any]) -> lis
     (``ignored``: the raw sections accepted without acting on them, some of which ask for more ranks)."""
     problems = precision_modes.low_precision_problems(parsed, _zero_cache_on(parsed))
     problems += precision_modes.autocast_problems(parsed)
-    fp32_states = precision_modes.fp32_optimizer_states_problem(parsed)
-    if fp32_states:
-        problems.append(fp32_states)
+    for problem in (precision_modes.fp32_optimizer_states_problem(parsed), precision_modes.state_dtype_problem(parsed)):
+        if problem:
+            problems.append(problem)
     if not parsed.managed_gradient_accumulation:
         problems.append("managed_gradient_accumulation: false (every step() applies an update, the script owning the "
                         "accumulation boundary) is not supported: the engine steps at gradient_accumulation_steps "
@@ -519,7 +519,8 @@ def _zero_cache_section(parsed: edge.EdgeConfig) -> ZeroCacheConfig:
         section = dataclasses.replace(section, aio=dataclasses.replace(
             section.aio, block_size=aio.block_size, queue_depth=aio.queue_depth, thread_count=aio.intra_op_parallelism,
             single_submit=aio.single_submit, overlap_events=aio.overlap_events))
-    section = dataclasses.replace(section, **_carried_tuning(zero, section))
+    section = dataclasses.replace(section, **_carried_tuning(zero, section),
+                                  state_dtype=precision_modes.zero_cache_state_dtype(parsed))
     offloads = [o for o in (zero.offload_param, zero.offload_optimizer) if o is not None and o.device != "none"]
     if zero.offload_param is not None and zero.offload_param.device != "none" and section.param_home == "auto":
         # A permission, not a placement: the plan may stream params from the host (and the disk, for nvme), and

@@ -29,8 +29,10 @@ What this engine does with them:
   DeepSpeed's own C++ Adam steps them, as its FusedAdam does there).
 * bf16 masters alone, with ``offload_optimizer`` at stage 1 or 2 (no ZeRO-Cache): the same with fp32 moments and the
   config's optimizer (DeepSpeed requires its DeepSpeedCPUAdam; a client optimizer is refused, as there).
-* ZeRO-Cache (stage 3 with ``offload_optimizer``, or ``zero_cache.enabled``): its chunked optimizer states are fp32
-  in every home (device, host, NVMe, checkpoints), so either key is refused with what to do instead.
+* ZeRO-Cache (stage 3 with ``offload_optimizer``, or ``zero_cache.enabled``) with both keys: its chunks' masters,
+  moments and gradient accumulators are bf16 in every home (``zero_cache.state_dtype`` "bf16", 6 bytes an element
+  instead of 12); the host's Adam is DeepSpeed's cpu_adam on them, the device's torch's fused Adam. Masters alone
+  (fp32 moments) are refused there: a chunk's states hold one dtype.
 * ``torch_autocast`` with ``bf16.enabled: true`` (or ``fp16.enabled: true``): as DeepSpeed 0.19.8, which has no
   assert against it, the module is cast and trained as that section says (fp32 masters and all), and its forward runs
   under autocast besides, whose fp32 ops (softmax, norms, losses) upcast again. Its documented use is fp32
@@ -88,14 +90,16 @@ def low_precision_problems(parsed: edge.EdgeConfig, zero_cache_on: bool) -> list
     if parsed.fp16.enabled or parsed.bf16.enabled is False:
         problems.append("bf16.bf16_master_weights_and_grads: true keeps bf16 copies of bf16 parameters, but the "
                         f"config computes in {'fp16' if parsed.fp16.enabled else 'fp32'}: set bf16.enabled to true")
-    if zero_cache_on:
-        problems.append("bf16.bf16_master_weights_and_grads: true with ZeRO-Cache (zero_optimization.stage 3 with "
-                        "offload_optimizer, or zero_cache.enabled) is not implemented: ZeRO-Cache's chunked master "
-                        "weights, gradient accumulators and Adam moments are fp32 in every home (device, host, NVMe, "
-                        "checkpoints). Remove the bf16_master_weights_and_grads / bf16_optimizer_states keys to keep "
-                        "ZeRO-Cache with fp32 states, or train without offload_optimizer (stage 1, 2 or 3) with both "
-                        "keys true: bf16 masters and moments on the device")
+    if zero_cache_on and not states:
+        problems.append("bf16.bf16_master_weights_and_grads: true without bf16.bf16_optimizer_states (bf16 masters, "
+                        "fp32 Adam moments) is not implemented under ZeRO-Cache (zero_optimization.stage 3 with "
+                        "offload_optimizer, or zero_cache.enabled): its chunks hold one dtype for masters and moments. "
+                        "Add bf16.bf16_optimizer_states: true (bf16 masters and moments: 6 bytes an element instead of "
+                        "12), or remove bf16_master_weights_and_grads (fp32 states), or train at stage 1 or 2 with "
+                        "offload_optimizer for bf16 masters with fp32 moments")
         return problems
+    if zero_cache_on:
+        return problems  # (bf16 masters and moments in ZeRO-Cache's chunks: zero_cache_state_dtype)
     offloaded = parsed.zero_optimization.offload_optimizer
     if not states and (offloaded is None or offloaded.device == "none"):
         problems.append("bf16.bf16_master_weights_and_grads: true without bf16.bf16_optimizer_states needs "
@@ -103,6 +107,22 @@ def low_precision_problems(parsed: edge.EdgeConfig, zero_cache_on: bool) -> list
                         "Offload with DeepSpeedCPUAdam\"): add bf16_optimizer_states: true as well (bf16 masters and "
                         "Adam moments, no offload needed), or offload the optimizer")
     return problems
+
+
+def zero_cache_state_dtype(parsed: edge.EdgeConfig) -> str:
+    """ZeRO-Cache's ``state_dtype`` for the config: "bf16" under both bf16 keys (its chunks then hold bf16 masters,
+    moments and gradient accumulators), else "fp32"."""
+    bf16 = parsed.bf16
+    return "bf16" if bf16.bf16_master_weights_and_grads and bf16.bf16_optimizer_states else "fp32"
+
+
+def state_dtype_problem(parsed: edge.EdgeConfig) -> str | None:
+    """``zero_cache.state_dtype`` written against what the bf16 keys say (they set it: one door)."""
+    written, wanted = parsed.zero_cache.state_dtype, zero_cache_state_dtype(parsed)
+    if written == wanted or written == "fp32":
+        return None
+    return (f"zero_cache.state_dtype: {written!r} is set by bf16.bf16_master_weights_and_grads: true with "
+            "bf16.bf16_optimizer_states: true (and bf16.enabled: true); write those keys and leave state_dtype out")
 
 
 def fp32_optimizer_states_problem(parsed: edge.EdgeConfig) -> str | None:

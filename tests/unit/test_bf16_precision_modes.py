@@ -91,8 +91,11 @@ def test_deepspeeds_other_asserts_are_config_errors_naming_the_key():
     assert "zero_optimization.stage 1, 2 or 3 (got stage 0)" in _problems(bf16=both)
     message = _problems(bf16={"enabled": True, "bf16_master_weights_and_grads": True}, zero_optimization={"stage": 2})
     assert "bf16.bf16_master_weights_and_grads" in message and "offload_optimizer" in message
-    message = _problems(bf16=both, zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu"}})
-    assert "ZeRO-Cache" in message and "fp32" in message
+    zero_cache = {"stage": 3, "offload_optimizer": {"device": "cpu"}}
+    taken = load_config({**BASE, "bf16": both, "zero_optimization": zero_cache}, device_type="cpu")
+    assert (taken.zero_cache.enabled, taken.zero_cache.state_dtype) == (True, "bf16")  # bf16 chunk states
+    message = _problems(bf16={"enabled": True, "bf16_master_weights_and_grads": True}, zero_optimization=zero_cache)
+    assert "ZeRO-Cache" in message and "bf16_optimizer_states: true" in message
     assert "set bf16.enabled to true" in _problems(bf16={**both, "enabled": False}, zero_optimization={"stage": 1})
 
 

@@ -39,8 +39,9 @@ class DictStates(StateHome):
     used: dict[str, int] = {}
     """What the runs asked of the toy homes (to check the tests ran through one)."""
 
-    def __init__(self, tiers: dict[str, Any], numel: int, accumulate: bool) -> None:
-        super().__init__(tiers, numel, accumulate)
+    def __init__(self, tiers: dict[str, Any], numel: int, accumulate: bool,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(tiers, numel, accumulate, dtype)
         self.values: dict[int, torch.Tensor] = {}
 
     def _count(self, what: str) -> None:
@@ -48,7 +49,7 @@ class DictStates(StateHome):
 
     def allocate(self) -> OptimizerGroup:
         group = OptimizerGroup(home=self, states=None, grad=self._allocate_grad())
-        self.values[id(group)] = torch.zeros(len(STATE_FIELDS) * self.numel, dtype=torch.float32)
+        self.values[id(group)] = torch.zeros(len(STATE_FIELDS) * self.numel, dtype=self.dtype)
         self._count("allocate")
         return group
 

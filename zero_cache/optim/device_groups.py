@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from zero_cache.optim.chunk_adam import adam_step, fp32_gradient
+from zero_cache.optim.chunk_adam import adam_step, state_gradient
 from zero_cache.optim.device_adam import adam_in_one_pass, contiguous_runs, one_pass_available
 from zero_cache.optim.device_adam import warm as warm_one_pass
 from zero_cache.optim.host_adam import torch_fused_adam
@@ -40,12 +40,13 @@ class DeviceGroups:
         self.store = store
         self.decoupled = decoupled_weight_decay
         self.adam = functools.partial(torch_fused_adam, decoupled=decoupled_weight_decay)
-        """torch's fused Adam over lists of fp32 tensors (the four passes, and the device steps' kernel)."""
+        """torch's fused Adam over lists of fp32 (or bf16) tensors (the four passes, and the device steps' kernel)."""
         self.step_clock = step_clock
         self.before_update = before_update
         self.fence = fence
-        self.one_pass = one_pass_available(store.tiers[DEVICE].device)
-        """Whether device chunks update in one pass over device memory (:mod:`zero_cache.optim.device_adam`)."""
+        self.one_pass = one_pass_available(store.tiers[DEVICE].device) and store.state_dtype == torch.float32
+        """Whether device chunks update in one pass over device memory (:mod:`zero_cache.optim.device_adam`, whose
+        kernel reads fp32 states; bf16 states take torch's fused Adam, which steps them in fp32 and rounds)."""
         self._compiled = False
         self.timing = TimedSpans()
         """The device's Adam over the groups it holds, timed on the compute stream each step (the step's prediction
@@ -58,7 +59,7 @@ class DeviceGroups:
         if self.one_pass and not self._compiled and any(
                 store.state_home(chunk).route is Route.DEVICE_ADAM for chunk in range(store.layout.num_chunks)):
             warm_one_pass(store.tiers[DEVICE].device,
-                          torch.float32 if store.grads_in_accumulators else store.compute_dtype,
+                          store.state_dtype if store.grads_in_accumulators else store.compute_dtype,
                           store.compute_dtype, self.decoupled)
             self._compiled = True
 
@@ -93,7 +94,7 @@ class DeviceGroups:
                 if sum(map(len, members.values())) == all_members(chunk):
                     continue  # (else the params of those without a gradient come from their masters below)
             else:
-                grads = fp32_gradient(source, store.scratch[DEVICE], grad_factor)
+                grads = state_gradient(source, store.scratch[DEVICE], grad_factor)
                 for index, slots in members.items():
                     adam_step(store, slots, grads, hypers[index], step, self.adam)
             params.copy_(group.field("master"))

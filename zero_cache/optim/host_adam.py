@@ -1,6 +1,9 @@
 """Adam on the host: our csrc kernel, DeepSpeed's ``cpu_adam`` op (AVX, OpenMP), or torch's fused CPU kernel.
 
-All update flat fp32 views in place, so the optimizer state stays inside the chunks. Which
+All update flat views in place, so the optimizer state stays inside the chunks: fp32 ones, or bf16 ones under
+DeepSpeed's ``bf16_master_weights_and_grads`` + ``bf16_optimizer_states`` (``state_dtype`` bf16), which only the
+library kernels take (DeepSpeed's cpu_adam with a bf16 gradient, as DeepSpeed's own offloaded step runs them; torch's
+fused Adam without it); the csrc kernel is fp32-only. Which
 backend runs is logged once. DeepSpeed measured 4.3 G params/s on 16 cores against 1.0 G/s for
 torch's foreach AdamW (see DESIGN.md), which is why it is preferred over torch where it builds.
 Both library kernels need the gradient in fp32 and leave the rounding of the new weights to
@@ -45,7 +48,7 @@ def torch_fused_adam(masters: list[torch.Tensor], grads: list[torch.Tensor], exp
 
 
 class HostAdam:
-    """One Adam/AdamW update over lists of flat fp32 CPU tensors.
+    """One Adam/AdamW update over lists of flat CPU tensors (fp32, or bf16 states).
 
     Args:
         decoupled: AdamW (True) or Adam with L2 weight decay (False).
@@ -53,19 +56,28 @@ class HostAdam:
         try_native: build and use ``csrc/fused_host_adam.cpp``.
         deepspeed_import: the context in which ``import deepspeed`` gives the installed DeepSpeed (the caller's to
             know: ``angelptm.integrations`` may have made ``deepspeed`` another name of its engine).
+        state_dtype: the masters' and moments' dtype. bf16 always tries DeepSpeed's cpu_adam (DeepSpeed's arithmetic
+            on bf16 masters, moments and gradient) and never the csrc kernel, which is fp32-only.
     """
 
     def __init__(self, decoupled: bool, *, try_deepspeed: bool, try_native: bool = False,
-                 deepspeed_import: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
+                 deepspeed_import: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+                 state_dtype: torch.dtype = torch.float32) -> None:
         self.decoupled = decoupled
+        self.state_dtype = state_dtype
         self._ds = None
-        self._native = load_csrc("fused_host_adam") if try_native else None
+        low_precision = state_dtype != torch.float32
+        try_deepspeed = try_deepspeed or low_precision
+        self._native = load_csrc("fused_host_adam") if try_native and not low_precision else None
         self._buffers: list[torch.Tensor] = []  # (see _scratch)
+        self._ds_sequence: tuple[int, tuple[float, float] | None] = (0, None)  # (see _powers_as_in_sequence)
         # Every core but one: the training thread must keep launching GPU kernels meanwhile.
         self.threads = max(1, len(os.sched_getaffinity(0)) - 1)
         if try_deepspeed:
             self._ds = _load_deepspeed_cpu_adam(decoupled, deepspeed_import)
         self.name = "deepspeed cpu_adam" if self._ds is not None else "torch fused CPU Adam"
+        if low_precision:
+            self.name += f" on {str(state_dtype).removeprefix('torch.')} masters and moments"
         if self._native is not None:
             self.name = f"csrc fused_host_adam (bf16/fp32 gradients; {self.name} otherwise)"
         logger.info("ZeRO-Cache host optimizer: %s", self.name)
@@ -107,8 +119,8 @@ class HostAdam:
         (:mod:`zero_cache.optim.revision`). Not with Adam's L2 decay, whose gradient reads the old weight, so its step
         cannot be taken back alone. Not on DeepSpeed's cpu_adam either (fp16 gradients on a GPU machine): stepping
         copies of the moments there cost more than the step (6.9B in fp16 on the H200: 3.8 s a step, 2.2 s eager)."""
-        if self._ds is not None and not self.fuses(dtype):
-            return False
+        if self.state_dtype != torch.float32 or self._ds is not None and not self.fuses(dtype):
+            return False  # (bf16 states: their steps are not taken back, see zero_cache.resolve)
         return self.decoupled or all(hyper["weight_decay"] == 0 for hyper in hypers)
 
     def update_in_place(self, master: torch.Tensor, grad_and_param: torch.Tensor, exp_avg: torch.Tensor,
@@ -157,6 +169,13 @@ class HostAdam:
                                       hyper["betas"][1], hyper["eps"], hyper["weight_decay"], undo_scale, redo_scale,
                                       self.decoupled, self.threads, undo_lazy, redo_lazy)
             return
+        if master.dtype != torch.float32:  # bf16 states: never taken back (zero_cache.resolve), the gradient in bf16
+            assert undo_scale == 0 and not redo_lazy, "a bf16 step is not taken back"
+            if redo_scale > 0:
+                self.update([master], [grad.to(master.dtype) * redo_scale], [exp_avg], [exp_avg_sq], step=step,
+                            **hyper)
+            out.copy_(master)
+            return
         if undo_scale > 0:
             undo = undo_lazy_adam_ if undo_lazy else undo_adam_
             undo(master, grad.float() * undo_scale, exp_avg, exp_avg_sq, decoupled=self.decoupled, step=step, **hyper)
@@ -171,12 +190,31 @@ class HostAdam:
         """Apply one step to every (master, grad, exp_avg, exp_avg_sq) quadruple."""
         if self._ds is not None:
             module, opt_id = self._ds
+            self._powers_as_in_sequence(step, tuple(betas), eps)
             for master, grad, exp_avg, exp_avg_sq in zip(masters, grads, exp_avgs, exp_avg_sqs):
                 module.adam_update(opt_id, step, lr, betas[0], betas[1], eps, weight_decay, True, master, grad,
                                    exp_avg, exp_avg_sq)
             return
         torch_fused_adam(masters, grads, exp_avgs, exp_avg_sqs, decoupled=self.decoupled, step=step, lr=lr,
                          betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+    def _powers_as_in_sequence(self, step: int, betas: tuple[float, float], eps: float) -> None:
+        """Bring cpu_adam's beta powers to ``step`` as an uninterrupted run has them. The op multiplies its beta^t by
+        beta once a step while steps come one after another, and recomputes it with ``pow`` (which rounds otherwise)
+        at any other step: the first one of a process resumed from a checkpoint, or after a change of betas. Where
+        the step does not follow the last one, the op is reset (a call with other betas) and steps 1 .. step - 1
+        replayed on a one-element scratch with lr 0, so a resumed run is the uninterrupted one bit for bit."""
+        last, last_betas = self._ds_sequence
+        if betas == last_betas and step in (last, last + 1):
+            self._ds_sequence = (step, betas)
+            return
+        module, opt_id = self._ds
+        scratch = [torch.zeros(1) for _ in range(4)]
+        module.adam_update(opt_id, 1, 0.0, 0.0, 0.0, eps, 0.0, True, *scratch)  # (other betas: the powers restart)
+        for earlier in range(1, step):
+            module.adam_update(opt_id, earlier, 0.0, betas[0], betas[1], eps, 0.0, True, *scratch)
+        self._ds_sequence = (step, betas)
 
 
 def step_moments_(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,

@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 
 from zero_cache.base.timeline import HOST_ADAM
-from zero_cache.optim.chunk_adam import adam_step, fp32_gradient
+from zero_cache.optim.chunk_adam import adam_step, state_gradient
 from zero_cache.optim.host_adam import HostAdam
 from zero_cache.optim.revision import APPLIED, DEFERRED, SpeculationWindow, revision_scales
 from zero_cache.optim.step_record import ChunkSteps
@@ -385,7 +385,7 @@ class HostUpdater:
         """Library kernel on a staged gradient of another dtype (fp16) made fp32, then the masters rounded into
         the buffer (returned). A speculative update's gradient is kept first; a lazy one steps copies of the
         moments."""
-        grads = fp32_gradient(buffer, self.store.scratch[HOST], update.grad_factor, in_place=update.window is None)
+        grads = state_gradient(buffer, self.store.scratch[HOST], update.grad_factor, in_place=update.window is None)
         if update.window is not None:
             self._kept(update.chunk).copy_(buffer)
         kernel = self.host_adam.lazy_update if update.lazy else self.host_adam.update

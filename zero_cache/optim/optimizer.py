@@ -120,7 +120,8 @@ class ZeroCacheOptimizer(OptimizerCheckpoint, torch.optim.Optimizer):
         self.step_clock = StepClock(self.device)
         """Times each step and its backward (its ``clock``, faked by tests; :attr:`last_backward_seconds`)."""
         self.host_adam = HostAdam(decoupled_weight_decay, try_deepspeed=self.device.type == "cuda",
-                                  try_native=native_host_adam, deepspeed_import=deepspeed_import)
+                                  try_native=native_host_adam, deepspeed_import=deepspeed_import,
+                                  state_dtype=store.state_dtype)
         self.chunk_steps = ChunkSteps(store.layout.num_chunks)
         """Where each chunk's update stands (:mod:`zero_cache.optim.step_record`), shared with the host worker."""
         self.host = HostUpdater(store, self.transfers, self.host_adam, self.chunk_steps)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from zero_cache.plan.home_costs import DISK_BLOCK_BYTES, align_up, home_costs
 from zero_cache.plan.state_costs import STAGING_BUFFERS, SWAP_BUFFERS
-from zero_cache.plan.step_cost import NOMINAL_RATES, STATE_BYTES_PER_ELEMENT, Rates, StepTraffic
+from zero_cache.plan.step_cost import NOMINAL_RATES, NUM_STATE_FIELDS, STATE_BYTES_PER_ELEMENT, Rates, StepTraffic
 from zero_cache.plan.tier_names import DEVICE, HOST, NVME, REMOTE
 from zero_cache.plan.units import format_bytes
 from zero_cache.plan.working_set import WorkingSet
@@ -45,7 +45,11 @@ class PlanInputs:
     margin_fraction: float = DEVICE_MARGIN_FRACTION
     """Device budget kept free for allocator fragmentation and transients."""
     grad_bytes_per_element: int = 4
-    """4 for an fp32 gradient accumulator, 0 when single-micro-batch gradients are written into the param chunk."""
+    """The gradient accumulator's bytes per element, in the state dtype (4 in fp32, 2 in bf16); 0 when
+    single-micro-batch gradients are written into the param chunk."""
+    state_bytes_per_element: int = STATE_BYTES_PER_ELEMENT
+    """An optimizer group's master and moments per element: 12 in fp32, 6 in bf16
+    (:func:`~zero_cache.plan.step_cost.state_bytes_per_element`)."""
     staging_buffers: int = STAGING_BUFFERS
     """Pinned param-chunk-sized transfer buffers on the host (when any optimizer group is there)."""
     nvme_budget_bytes: int = 0
@@ -106,7 +110,7 @@ class PlanInputs:
 
     @property
     def optimizer_bytes_per_element(self) -> int:
-        return STATE_BYTES_PER_ELEMENT + self.grad_bytes_per_element
+        return self.state_bytes_per_element + self.grad_bytes_per_element
 
     @property
     def optimizer_chunk_bytes(self) -> int:
@@ -114,8 +118,8 @@ class PlanInputs:
 
     @property
     def swap_slot_bytes(self) -> int:
-        """Disk bytes of one optimizer group: its fp32 states, padded to whole 4 KiB blocks."""
-        return align_up(self.chunk_numel * STATE_BYTES_PER_ELEMENT)
+        """Disk bytes of one optimizer group: its states, padded to whole 4 KiB blocks."""
+        return align_up(self.chunk_numel * self.state_bytes_per_element)
 
     @property
     def swap_buffer_bytes(self) -> int:
@@ -134,8 +138,8 @@ class PlanInputs:
 
     @property
     def scratch_bytes(self) -> int:
-        """One fp32 chunk per tier through which the update reads low-precision gradients."""
-        return self.chunk_numel * 4
+        """One chunk per tier, in the state dtype, through which the update reads gradients of another dtype."""
+        return self.chunk_numel * self.state_bytes_per_element // NUM_STATE_FIELDS
 
 
 @dataclass(frozen=True, slots=True)

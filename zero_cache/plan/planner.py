@@ -263,7 +263,7 @@ def _traffic(inputs: PlanInputs, home: tuple[str, ...], owned: list[int], device
                            streamed_shards=len(streamed), owned_streamed=owned_streamed,
                            host_updated_resident=len(host_updated) - owned_streamed, host_updated=len(host_updated),
                            gathers_per_step=inputs.gathers_per_step, rates=inputs.rates,
-                           device_updated=len(owned) - len(host_updated))
+                           device_updated=len(owned) - len(host_updated), state_bytes=inputs.state_bytes_per_element)
     disk = _home_disk_bytes(inputs, home, owned, {})
     return replace(traffic, disk_bytes=disk) if disk else traffic
 
@@ -360,7 +360,8 @@ def _device_steps_and_kept(inputs: PlanInputs, traffic: StepTraffic, off_device:
     steppable = next((i for i, kind in enumerate(homes) if kind is not None and not kind.device_steppable), len(homes))
     candidates = [HostChunk(params_home_on_host=kind is not None and kind.in_host_memory,
                             accumulating=inputs.grad_bytes_per_element > 0) for kind in homes[:steppable]]
-    sizes = dict(chunk_numel=inputs.chunk_numel, param_bytes_per_element=inputs.param_bytes_per_element)
+    sizes = dict(chunk_numel=inputs.chunk_numel, param_bytes_per_element=inputs.param_bytes_per_element,
+                 state_bytes=inputs.state_bytes_per_element)
     stepping = cheapest_device_steps(traffic, candidates, most=count, **sizes)
     traffic = with_device_steps(traffic, candidates[:stepping], **sizes)
     keepers = off_device[stepping:]  # a chunk stepped on the device after backward keeps no gradient

@@ -25,16 +25,26 @@ from typing import Sequence
 
 from zero_cache.plan.units import format_bytes
 
-STATE_BYTES_PER_ELEMENT = 12
-"""fp32 master + exp_avg + exp_avg_sq (a gradient's bytes come on top, by its dtype): what an optimizer group
-holds per element, and what one stepped on the device moves each way."""
+NUM_STATE_FIELDS = 3
+"""An optimizer group's states per element: the master, exp_avg and exp_avg_sq, all in the group's state dtype."""
 
 
-def host_adam_bytes_per_element(param_bytes_per_element: int) -> int:
-    """Host memory the host's Adam reads and writes per element: the fp32 master and moments both ways, the gradient
-    in and the param out in the compute dtype (28 bytes in bf16). Left out, as a floor: an fp32 accumulator's 2 more,
-    a lazy step's fold and kept gradient (4 more)."""
-    return 2 * STATE_BYTES_PER_ELEMENT + 2 * param_bytes_per_element
+def state_bytes_per_element(state_itemsize: int) -> int:
+    """What an optimizer group holds per element (a gradient's bytes come on top, by its dtype), and what one stepped
+    on the device moves each way: 12 bytes in fp32, 6 in bf16 (``bf16_master_weights_and_grads`` with
+    ``bf16_optimizer_states``)."""
+    return NUM_STATE_FIELDS * state_itemsize
+
+
+STATE_BYTES_PER_ELEMENT = state_bytes_per_element(4)
+"""The fp32 states' bytes per element (the default state dtype)."""
+
+
+def host_adam_bytes_per_element(param_bytes_per_element: int, state_bytes: int = STATE_BYTES_PER_ELEMENT) -> int:
+    """Host memory the host's Adam reads and writes per element: the master and moments (``state_bytes``) both ways,
+    the gradient in and the param out in the compute dtype (28 bytes in bf16 with fp32 states, 16 with bf16 states).
+    Left out, as a floor: an fp32 accumulator's 2 more, a lazy step's fold and kept gradient (4 more)."""
+    return 2 * state_bytes + 2 * param_bytes_per_element
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,7 +268,8 @@ def _count(elements: int) -> str:
 
 def step_traffic(*, chunk_numel: int, param_bytes_per_element: int, streamed_shards: int, owned_streamed: int,
                  host_updated_resident: int, host_updated: int, gathers_per_step: float,
-                 rates: Rates = NOMINAL_RATES, device_updated: int = 0) -> StepTraffic:
+                 rates: Rates = NOMINAL_RATES, device_updated: int = 0,
+                 state_bytes: int = STATE_BYTES_PER_ELEMENT) -> StepTraffic:
     """The traffic of one placement.
 
     Args:
@@ -271,6 +282,7 @@ def step_traffic(*, chunk_numel: int, param_bytes_per_element: int, streamed_sha
         gathers_per_step: times a streamed group is brought onto the device per step.
         rates: what its floors are worked out at.
         device_updated: chunks this rank updates on the device from groups held there.
+        state_bytes: an optimizer group's bytes per element (:func:`state_bytes_per_element`).
     """
     chunk_bytes = chunk_numel * param_bytes_per_element
     gathers = int(streamed_shards * gathers_per_step * chunk_bytes)
@@ -278,7 +290,7 @@ def step_traffic(*, chunk_numel: int, param_bytes_per_element: int, streamed_sha
         h2d_bytes=gathers + host_updated_resident * chunk_bytes, gather_bytes=gathers,
         d2h_bytes=(owned_streamed + host_updated_resident) * chunk_bytes,
         host_adam_elements=host_updated * chunk_numel, rates=rates, device_adam_elements=device_updated * chunk_numel,
-        host_adam_bytes=host_adam_bytes_per_element(param_bytes_per_element))
+        host_adam_bytes=host_adam_bytes_per_element(param_bytes_per_element, state_bytes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,25 +304,26 @@ class HostChunk:
 
 
 def with_device_steps(traffic: StepTraffic, stepped: Sequence[HostChunk], *, chunk_numel: int,
-                      param_bytes_per_element: int) -> StepTraffic:
+                      param_bytes_per_element: int, state_bytes: int = STATE_BYTES_PER_ELEMENT) -> StepTraffic:
     """``traffic`` with the chunks ``stepped`` updated on the device instead of by the host's Adam.
 
-    Such a chunk's states cross PCIe both ways (12 bytes per element each way), and its gradient comes in
-    when it is on the host (the fp32 accumulator, or the shard's home); its new params go out to a home on
+    Such a chunk's states cross PCIe both ways (``state_bytes`` per element each way: 12 in fp32), and its gradient
+    comes in when it is on the host (the accumulator, or the shard's home); its new params go out to a home on
     the host, or are written on the device, where the host path would have sent its gradient out and its
     params back in.
     """
     h2d = d2h = out = 0
     for chunk in stepped:
-        grad_in = 4 if chunk.accumulating else (param_bytes_per_element if chunk.params_home_on_host else 0)
+        grad_in = (state_bytes // NUM_STATE_FIELDS if chunk.accumulating
+                   else param_bytes_per_element if chunk.params_home_on_host else 0)
         if chunk.params_home_on_host:  # the host would update it in place; from the device its params go home
-            h2d += STATE_BYTES_PER_ELEMENT + grad_in
-            d2h += STATE_BYTES_PER_ELEMENT + param_bytes_per_element
-            out += STATE_BYTES_PER_ELEMENT + param_bytes_per_element
+            h2d += state_bytes + grad_in
+            d2h += state_bytes + param_bytes_per_element
+            out += state_bytes + param_bytes_per_element
         else:  # the host would take its gradient out and send its params back; the device writes them in place
-            h2d += STATE_BYTES_PER_ELEMENT + grad_in - param_bytes_per_element
-            d2h += STATE_BYTES_PER_ELEMENT - param_bytes_per_element
-            out += STATE_BYTES_PER_ELEMENT
+            h2d += state_bytes + grad_in - param_bytes_per_element
+            d2h += state_bytes - param_bytes_per_element
+            out += state_bytes
     return replace(traffic, h2d_bytes=traffic.h2d_bytes + h2d * chunk_numel,
                    d2h_bytes=traffic.d2h_bytes + d2h * chunk_numel,
                    device_step_d2h_bytes=traffic.device_step_d2h_bytes + out * chunk_numel,
@@ -320,13 +333,14 @@ def with_device_steps(traffic: StepTraffic, stepped: Sequence[HostChunk], *, chu
 
 
 def cheapest_device_steps(traffic: StepTraffic, candidates: Sequence[HostChunk], *, chunk_numel: int,
-                          param_bytes_per_element: int, most: int | None = None) -> int:
+                          param_bytes_per_element: int, state_bytes: int = STATE_BYTES_PER_ELEMENT,
+                          most: int | None = None) -> int:
     """How many of ``candidates`` (host-updated chunks, the next forward's first first) to step on the device:
     the count with the lowest floor, the fewest among equals; a configured count ``most`` is taken as it is
     (within the candidates)."""
     if most is not None:
         return min(most, len(candidates))
     floors = [with_device_steps(traffic, candidates[:count], chunk_numel=chunk_numel,
-                                param_bytes_per_element=param_bytes_per_element).seconds
+                                param_bytes_per_element=param_bytes_per_element, state_bytes=state_bytes).seconds
               for count in range(len(candidates) + 1)]
     return min(range(len(floors)), key=lambda count: (floors[count], count))

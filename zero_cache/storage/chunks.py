@@ -7,8 +7,9 @@ while their group is gathered. Each shard has a **home** (:mod:`zero_cache.stora
 or pinned host memory or NVMe, from which it is copied in on use and into which its gradients are
 written back (the plan's ``param_home``), so the model's weights need not fit on the device.
 
-The optimizer group of a chunk (fp32 master, exp_avg, exp_avg_sq, and an fp32 gradient accumulator
-when micro-batches accumulate) lives in a **state home** (:mod:`zero_cache.storage.state_homes.registry`) of the tier
+The optimizer group of a chunk (master, exp_avg, exp_avg_sq, and a gradient accumulator when micro-batches
+accumulate, all fp32, or all bf16 under DeepSpeed's ``bf16_master_weights_and_grads`` + ``bf16_optimizer_states``)
+lives in a **state home** (:mod:`zero_cache.storage.state_homes.registry`) of the tier
 the plan names, which allocates it, makes it usable and says which Adam updates it; moving it (re-planning)
 copies it to the new home and frees the old one.
 
@@ -51,8 +52,9 @@ class ChunkStore:
         plan: where each chunk's optimizer group lives, and (gathered params) each shard's home.
         tiers: {"device": Tier, "host": Tier} and, when the plan uses disk, "nvme": NvmeTier.
         compute_dtype: dtype of the param chunks.
-        accumulate: keep an fp32 gradient accumulator per chunk (micro-batches accumulate); without
+        accumulate: keep a gradient accumulator per chunk (micro-batches accumulate); without
             it, gradients are written into the param chunks.
+        state_dtype: the optimizer groups' dtype (fp32, or bf16), of their states, accumulators and the scratch.
         sharding: which chunks' optimizer groups this rank owns; param chunks are allocated a
             collective group (one chunk per rank) at a time, in one buffer each.
         shard_params: keep only this rank's chunk of each group (its *shard*) in its planned home; groups
@@ -62,7 +64,7 @@ class ChunkStore:
 
     def __init__(self, layout: ChunkLayout, params: list[nn.Parameter], plan: Plan, tiers: dict[str, BudgetedTier],
                  compute_dtype: torch.dtype, accumulate: bool = True, sharding: Sharding = Sharding(),
-                 shard_params: bool = False) -> None:
+                 shard_params: bool = False, state_dtype: torch.dtype = torch.float32) -> None:
         assert shard_params == plan.params_sharded, "gathered params and the plan disagree"
         self.layout = layout
         self.tiers = tiers
@@ -76,6 +78,7 @@ class ChunkStore:
             self._slots_of_chunk[slot.chunk].append(index)
         self.sharding = sharding
         self.compute_dtype = compute_dtype
+        self.state_dtype = state_dtype
         self.shard_params = shard_params
         num_groups = sharding.num_groups(layout.num_chunks)
         self.group_buffers: list[torch.Tensor] = []
@@ -111,11 +114,12 @@ class ChunkStore:
                         # The original storage is released: the chunk (or, sharded, the owner's shard) is the only
                         # copy.
                         param.data = self.placeholder(slot) if shard_params else self.param_view(slot)
-        # One fp32 chunk per memory tier through which the update reads compute-dtype gradients.
-        self.scratch = {name: tiers[name].allocate(layout.chunk_numel, torch.float32) for name in (DEVICE, HOST)}
+        # One chunk per memory tier, in the state dtype, through which the update reads gradients of another dtype.
+        self.scratch = {name: tiers[name].allocate(layout.chunk_numel, state_dtype) for name in (DEVICE, HOST)}
         # Optimizer groups only now, so the device never holds the original params and the groups at once.
         self.grads_in_accumulators = accumulate
-        self.state_homes: dict[str, StateHome] = state_homes(tiers, layout.chunk_numel, accumulate)
+        self.state_homes: dict[str, StateHome] = state_homes(tiers, layout.chunk_numel, accumulate,
+                                                                   state_dtype)
         """The optimizer groups' homes by tier name (:mod:`zero_cache.storage.state_homes.registry`), those the tiers
         can hold."""
         self.groups: list[OptimizerGroup] = []

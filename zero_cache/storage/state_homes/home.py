@@ -26,11 +26,13 @@ from zero_cache.plan.state_costs import STATE_COSTS, Route, StateCosts
 from zero_cache.plan.tier_names import DEVICE, HOST, REMOTE, TierName
 
 STATE_FIELDS = ("master", "exp_avg", "exp_avg_sq")
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""``ZeroCacheConfig.state_dtype`` -> the torch dtype of a group's states and gradient accumulator."""
 _COST_FLAGS = ("name", "route", "resident", "device_steppable", "owned")
 
 
 def state_field(states: torch.Tensor, field: str) -> torch.Tensor:
-    """One field (master, exp_avg or exp_avg_sq) of a group's flat fp32 states."""
+    """One field (master, exp_avg or exp_avg_sq) of a group's flat states (fp32, or bf16: the home's ``dtype``)."""
     numel = states.numel() // len(STATE_FIELDS)
     index = STATE_FIELDS.index(field)
     return states[index * numel:(index + 1) * numel]
@@ -38,15 +40,16 @@ def state_field(states: torch.Tensor, field: str) -> torch.Tensor:
 
 @dataclass(slots=True)
 class OptimizerGroup:
-    """One chunk's optimizer state: fp32 master, exp_avg, exp_avg_sq in one home (and a gradient accumulator)."""
+    """One chunk's optimizer state: master, exp_avg, exp_avg_sq in one home (and a gradient accumulator), all in the
+    home's state dtype (fp32, or bf16)."""
 
     home: StateHome
     """Where the states live (:mod:`zero_cache.storage.state_homes.registry`); the store and the step ask it."""
     states: torch.Tensor | None
-    """3 x chunk_numel fp32: master | exp_avg | exp_avg_sq; None where the home keeps them out of memory (a swap
-    slot) or another rank holds them."""
+    """3 x chunk_numel in the state dtype: master | exp_avg | exp_avg_sq; None where the home keeps them out of
+    memory (a swap slot) or another rank holds them."""
     grad: torch.Tensor | None
-    """chunk_numel fp32 gradient accumulator (on the host for NVMe groups), or None when gradients
+    """chunk_numel gradient accumulator in the state dtype (on the host for NVMe groups), or None when gradients
     are written into the param chunk."""
     swap_offset: int | None = None
     """Byte offset of the states' slot in the swap file (NVMe groups)."""
@@ -74,7 +77,7 @@ class FetchedStates:
     home: StateHome
     """The home that fetched them, which takes them back (:meth:`StateHome.write_back`, :meth:`StateHome.give_back`)."""
     states: torch.Tensor
-    """The fp32 states (master | exp_avg | exp_avg_sq), valid once ``ready`` is done."""
+    """The states (master | exp_avg | exp_avg_sq, in the state dtype), valid once ``ready`` is done."""
     ready: Any = None
     """What to wait for before reading them (a disk read), or None."""
     buffer: torch.Tensor | None = None
@@ -88,7 +91,8 @@ class StateHome:
     Args:
         tiers: the store's tiers by name.
         numel: elements of one chunk.
-        accumulate: groups carry an fp32 gradient accumulator (micro-batches accumulate).
+        accumulate: groups carry a gradient accumulator (micro-batches accumulate).
+        dtype: the states' and accumulator's dtype (fp32, or bf16: ``ZeroCacheConfig.state_dtype``).
     """
 
     costs: ClassVar[StateCosts]
@@ -122,17 +126,18 @@ class StateHome:
         """Whether the store's ``tiers`` can hold a home of this kind (its tier is there)."""
         return cls.name in tiers
 
-    def __init__(self, tiers: dict[str, Any], numel: int, accumulate: bool) -> None:
-        self.tiers, self.numel, self.accumulate = tiers, numel, accumulate
+    def __init__(self, tiers: dict[str, Any], numel: int, accumulate: bool,
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.tiers, self.numel, self.accumulate, self.dtype = tiers, numel, accumulate, dtype
 
     # ------------------------------------------------------------------ room
     def allocate(self) -> OptimizerGroup:
         """A new group here, its states and accumulator zeroed."""
-        states = self.tiers[self.name].allocate(len(STATE_FIELDS) * self.numel, torch.float32)
+        states = self.tiers[self.name].allocate(len(STATE_FIELDS) * self.numel, self.dtype)
         return OptimizerGroup(home=self, states=states, grad=self._allocate_grad())
 
     def _allocate_grad(self) -> torch.Tensor | None:
-        return self.tiers[self.grad_tier].allocate(self.numel, torch.float32) if self.accumulate else None
+        return self.tiers[self.grad_tier].allocate(self.numel, self.dtype) if self.accumulate else None
 
     def free(self, group: OptimizerGroup) -> None:
         """Give back what :meth:`allocate` took (its kept gradient is the store's)."""
@@ -142,20 +147,20 @@ class StateHome:
 
     def held_bytes(self) -> dict[str, int]:
         """Tier -> bytes a group here holds in the tiers' budgets (what :meth:`allocate` takes, :meth:`free` gives
-        back): its states, and its fp32 accumulator where micro-batches accumulate."""
-        held = {self.name: len(STATE_FIELDS) * self.numel * 4}
+        back): its states, and its accumulator where micro-batches accumulate."""
+        held = {self.name: len(STATE_FIELDS) * self.numel * self.dtype.itemsize}
         return self._with_grad_bytes(held)
 
     def _with_grad_bytes(self, held: dict[str, int]) -> dict[str, int]:
         if self.accumulate:
-            held[self.grad_tier] = held.get(self.grad_tier, 0) + self.numel * 4
+            held[self.grad_tier] = held.get(self.grad_tier, 0) + self.numel * self.dtype.itemsize
         return held
 
     # ------------------------------------------------------------------ the states
     @contextlib.contextmanager
     def open(self, group: OptimizerGroup, *, write_back: bool = False, fresh: bool = False
              ) -> Iterator[torch.Tensor]:
-        """The group's fp32 states in memory for the block; synchronous (setup, moves, checkpoints), never on the
+        """The group's states in memory for the block; synchronous (setup, moves, checkpoints), never on the
         training path. ``fresh``: a new group's (zeros); ``write_back``: changes go home at the end."""
         yield group.states
 

@@ -28,8 +28,9 @@ class NvmeStates(StateHome):
     costs = STATE_COSTS[NVME]
     grad_tier = HOST
 
-    def __init__(self, tiers: dict[str, Any], numel: int, accumulate: bool) -> None:
-        super().__init__(tiers, numel, accumulate)
+    def __init__(self, tiers: dict[str, Any], numel: int, accumulate: bool,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(tiers, numel, accumulate, dtype)
         self.disk: NvmeTier = tiers[self.name]
         host, slot_bytes = tiers[HOST], self.disk.slot_bytes
         self.bounce_buffers = BufferPool(SWAP_BUFFERS, lambda: host.allocate_aligned(slot_bytes, ALIGN_BYTES))
@@ -46,8 +47,8 @@ class NvmeStates(StateHome):
         return self._with_grad_bytes({self.name: self.disk.slot_bytes})
 
     def _states_in(self, buffer: torch.Tensor) -> torch.Tensor:
-        """The fp32 states inside a bounce buffer (the rest of it is block padding)."""
-        return buffer[:len(STATE_FIELDS) * self.numel * 4].view(torch.float32)
+        """The states inside a bounce buffer (the rest of it is block padding)."""
+        return buffer[:len(STATE_FIELDS) * self.numel * self.dtype.itemsize].view(self.dtype)
 
     @contextlib.contextmanager
     def open(self, group: OptimizerGroup, *, write_back: bool = False, fresh: bool = False

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from zero_cache.plan.tier_names import DEVICE, HOST, NVME, REMOTE
 from zero_cache.storage.state_homes.home import DeviceStates, HostStates, RemoteStates, StateHome
 from zero_cache.storage.state_homes.nvme import NvmeStates
@@ -20,12 +22,15 @@ STATE_HOME_CLASSES: dict[str, type[StateHome]] = {DEVICE: DeviceStates, HOST: Ho
 """Tier name -> the runtime class of a state home there (the plan's ``optimizer_tier`` entries)."""
 
 
-def state_homes(tiers: dict[str, Any], numel: int, accumulate: bool) -> dict[str, StateHome]:
+def state_homes(tiers: dict[str, Any], numel: int, accumulate: bool,
+                dtype: torch.dtype = torch.float32) -> dict[str, StateHome]:
     """One state home of each registered kind that the store's ``tiers`` can hold, by tier name.
 
     Args:
         tiers: the store's tiers by name.
         numel: elements of one chunk.
-        accumulate: groups carry an fp32 gradient accumulator.
+        accumulate: groups carry a gradient accumulator.
+        dtype: the states' dtype (fp32, or bf16).
     """
-    return {name: cls(tiers, numel, accumulate) for name, cls in STATE_HOME_CLASSES.items() if cls.present(tiers)}
+    return {name: cls(tiers, numel, accumulate, dtype) for name, cls in STATE_HOME_CLASSES.items()
+            if cls.present(tiers)}
