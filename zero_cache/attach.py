@@ -206,7 +206,7 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
                                 update_in_backward=in_backward,
                                 native_host_adam=(device.type == "cuda" if config.native_host_adam == "auto"
                                                   else config.native_host_adam),
-                                overlap_comm=config.overlap_comm,
+                                overlap_comm=config.overlap_comm, fold_waited=config.fold_waited_updates,
                                 gather_ahead=gather_ahead_groups(config, layout, sharding),
                                 deepspeed_import=deepspeed_import)
     tracer = WarmupTracer(layout, config, compute_dtype, accumulation_steps, in_backward, tiers, sharding=sharding,

@@ -85,6 +85,12 @@ class ZeroCacheConfig:
     takes the update back or redoes it with the true factor when needed (:mod:`zero_cache.optim.revision`).
     "auto" = on (data-parallel ranks that accumulate micro-batches update after backward)."""
 
+    fold_waited_updates: bool = True
+    """A host update that waits for the global norm (a step that clips, or no ``update_in_backward``) stores the
+    weight alone and keeps the gradient; a job behind the step's updates folds the moments in, off the path to the
+    next forward (:mod:`zero_cache.optim.revision`, "Waited steps"). Bit for bit the eager update; false stores
+    everything in the update's own pass (the A/B of the bench: ``--set zero_cache.fold_waited_updates=false``)."""
+
     native_host_adam: bool | str = AUTO
     """Update host chunks with ``csrc/fused_host_adam.cpp`` (built on first use; bf16 gradient in, bf16
     weight out in one pass) instead of the library CPU Adam. "auto": on when the compute device is a

@@ -430,8 +430,9 @@ def test_waited_updates_folded_later_equal_eager_ones_bit_for_bit(native_adam, r
     batches = random_batches(seed, count=4, batch=4)
     runs = {}
     for fold_waited in (True, False):
-        engine, optimizer = build(seed, clip=1e-3, native_host_adam=True)  # (every step's norm is far above it)
-        optimizer.fold_waited = fold_waited
+        # (every step's norm is far above the clip; the JSON's zero_cache.fold_waited_updates is the A/B's switch)
+        engine, optimizer = build(seed, clip=1e-3, native_host_adam=True, fold_waited_updates=fold_waited)
+        assert optimizer.fold_waited is fold_waited
         catcher, per_step = GradientCatcher(engine), []
         for index, batch in enumerate(batches):
             last = index == len(batches) - 1

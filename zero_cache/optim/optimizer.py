@@ -82,6 +82,7 @@ class ZeroCacheOptimizer(OptimizerCheckpoint, torch.optim.Optimizer):
         loss_scaler: fp16 loss scaler (``.scale``, ``.update(overflow)``), or None.
         gradient_clipping: max global gradient norm (0 = off).
         update_in_backward: queue host chunks from backward (see ``ZeroCacheConfig.update_in_backward``).
+        fold_waited: fold the moments of waited host updates in later (``ZeroCacheConfig.fold_waited_updates``).
         native_host_adam: build and use ``csrc/fused_host_adam.cpp`` for host chunks
             (``ZeroCacheConfig.native_host_adam``).
         overlap_comm: sharded: reduce each group from backward (``ZeroCacheConfig.overlap_comm``).
@@ -92,7 +93,7 @@ class ZeroCacheOptimizer(OptimizerCheckpoint, torch.optim.Optimizer):
     def __init__(self, store: ChunkStore, optimizer: torch.optim.Optimizer, names: dict[int, str], plan: Plan, *,
                  decoupled_weight_decay: bool = True, loss_scaler: Any = None, gradient_clipping: float = 0.0,
                  update_in_backward: bool = False, native_host_adam: bool = False, overlap_comm: bool = True,
-                 gather_ahead: int = 1,
+                 fold_waited: bool = True, gather_ahead: int = 1,
                  deepspeed_import: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
         self.store = store
         self.optimizer = optimizer
@@ -156,7 +157,7 @@ class ZeroCacheOptimizer(OptimizerCheckpoint, torch.optim.Optimizer):
         """Told of each applied step (the warm-up's re-plan and tuning), registered by :meth:`observe`."""
         self.last_updates_after_backward = False
         """Whether the last step's host updates waited for its backward to end (no speculation in backward)."""
-        self.fold_waited = True
+        self.fold_waited = fold_waited
         """Host updates that wait for the global norm store the weight and keep the gradient, their moments folded in
         by a job behind them, off the path to the next forward (:mod:`zero_cache.optim.revision`, "Waited steps");
         False: they store everything in their pass (the tests' reference)."""
