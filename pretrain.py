@@ -281,9 +281,7 @@ def run_loop(engine: angelptm.Engine, cfg: EngineConfig, ctx: DistContext, loade
             progress.close()  # the error line starts a line of its own
             raise stopped_unhealthy(err, engine, cfg, ctx, run_health) from None
         if prune_due and not engine.saving_in_background:  # (a save in the background: once it is published)
-            if ctx.is_main and not run_health.diverged:
-                prune_checkpoints(cfg.train.save_dir, cfg.train.keep_last)
-            prune_due = False
+            prune_due = prune(cfg, ctx, run_health)
         loss_sum, loss_count = loss_sum + sum(step_losses), loss_count + len(step_losses)
         meter.add_tokens(tokens_per_step)
         progress.update(1)
@@ -293,6 +291,9 @@ def run_loop(engine: angelptm.Engine, cfg: EngineConfig, ctx: DistContext, loade
             loss_sum, loss_count = 0.0, 0
             log_metrics(step, last_loss, engine, meter, ctx, cfg.train.steps)
         if step % cfg.train.save_interval == 0 and step < cfg.train.steps:
+            if prune_due:  # the last save still being written (a write longer than save_interval steps): finish
+                engine.wait_for_checkpoint()  # it and prune before the next begins, or checkpoints pile up
+                prune_due = prune(cfg, ctx, run_health)
             save(engine, cfg, run_health, background=background)
             prune_due = True
     progress.close()
@@ -370,6 +371,14 @@ def background_saves(cfg: EngineConfig, ctx: DistContext) -> bool:
         logger.info("train.background_save: with %d ranks each checkpoint is written before training goes on (the "
                     "end of a save is a collective)", ctx.world_size)
     return cfg.train.background_save and ctx.world_size == 1
+
+
+def prune(cfg: EngineConfig, ctx: DistContext, run_health: health.RunHealth) -> bool:
+    """Keep the newest ``train.keep_last`` checkpoints once the last save is published, unless the run diverged
+    since (the last good one is kept); returns False: no prune is due any more."""
+    if ctx.is_main and not run_health.diverged:
+        prune_checkpoints(cfg.train.save_dir, cfg.train.keep_last)
+    return False
 
 
 def save(engine: angelptm.Engine, cfg: EngineConfig, run_health: health.RunHealth, *,

@@ -184,3 +184,23 @@ def test_train_background_save_is_on_by_default_and_the_flag_turns_it_off():
 
     assert load_config(defaults).train.background_save is True
     assert load_config(off).train.background_save is False
+
+
+def test_writes_longer_than_the_save_interval_still_keep_the_last_checkpoints(tmp_path, saves, monkeypatch):
+    """A save every step, each write (slowed) longer than a step: the next save waits for it and prunes first, so
+    no more than ``keep_last`` checkpoints and the one being written are ever on disk (once, every save found the
+    previous one still writing, no prune ran until the end, and checkpoints piled up to the run's length)."""
+    root, on_disk = tmp_path / "run", []
+    real_save = angelptm.Engine.save_checkpoint
+
+    def counting_save(self, *args, **kwargs):
+        on_disk.append(sum(1 for p in root.glob("global_step*") if p.is_dir()) if root.exists() else 0)
+        return real_save(self, *args, **kwargs)
+
+    monkeypatch.setattr(angelptm.Engine, "save_checkpoint", counting_save)
+    config = zero_cache_job(tmp_path, "run", steps=7, save_interval=1, keep_last=2)
+    assert job.main(["--config", str(config)]) == 0
+    assert sum(bool(s["writing_after_a_step"]) for s in saves) >= 3, f"the writes must outlast a step: {saves}"
+    assert max(on_disk) <= 2 + 1, on_disk
+    kept = sorted(p.name for p in root.glob("global_step*"))
+    assert kept[-1] == "global_step7" and len(kept) <= 3, kept

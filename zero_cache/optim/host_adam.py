@@ -201,20 +201,21 @@ class HostAdam:
 
     def _powers_as_in_sequence(self, step: int, betas: tuple[float, float], eps: float) -> None:
         """Bring cpu_adam's beta powers to ``step`` as an uninterrupted run has them. The op multiplies its beta^t by
-        beta once a step while steps come one after another, and recomputes it with ``pow`` (which rounds otherwise)
-        at any other step: the first one of a process resumed from a checkpoint, or after a change of betas. Where
-        the step does not follow the last one, the op is reset (a call with other betas) and steps 1 .. step - 1
-        replayed on a one-element scratch with lr 0, so a resumed run is the uninterrupted one bit for bit."""
+        beta once a step while steps come one after another with the same betas, and recomputes it with ``pow``
+        (which rounds otherwise) at any other call. A change of betas (param groups with betas of their own, a
+        schedule cycling momentum) recomputes in an uninterrupted DeepSpeed run too, so it is left to the op. Where
+        the step jumps or goes back under the same betas (the first step of a process resumed from a checkpoint, an
+        earlier checkpoint loaded), the op is reset (a call with other betas) and steps 1 .. step - 1 replayed on a
+        one-element scratch with lr 0, once, so a resumed run is the uninterrupted one bit for bit."""
         last, last_betas = self._ds_sequence
-        if betas == last_betas and step in (last, last + 1):
-            self._ds_sequence = (step, betas)
+        self._ds_sequence = (step, betas)
+        if (last_betas is not None and betas != last_betas) or step in (last, last + 1):
             return
         module, opt_id = self._ds
         scratch = [torch.zeros(1) for _ in range(4)]
         module.adam_update(opt_id, 1, 0.0, 0.0, 0.0, eps, 0.0, True, *scratch)  # (other betas: the powers restart)
         for earlier in range(1, step):
             module.adam_update(opt_id, earlier, 0.0, betas[0], betas[1], eps, 0.0, True, *scratch)
-        self._ds_sequence = (step, betas)
 
 
 def step_moments_(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
