@@ -124,6 +124,8 @@ class PendingSave:
 
     def _finish_at_exit(self) -> None:
         """At the interpreter's exit: finish the save (a script that ends right after ``save_checkpoint``)."""
+        if not self._over:  # (it can take a while: say why the process has not ended yet)
+            logger.warning("finishing the checkpoint %s before the process exits: it was still being written", self.tag)
         try:
             self.wait()
         except BaseException as err:  # (nothing is left to raise it to)
