@@ -83,8 +83,7 @@ class ZeroCacheOptimizer(OptimizerCheckpoint, torch.optim.Optimizer):
         gradient_clipping: max global gradient norm (0 = off).
         update_in_backward: queue host chunks from backward (see ``ZeroCacheConfig.update_in_backward``).
         fold_waited: fold the moments of waited host updates in later (``ZeroCacheConfig.fold_waited_updates``).
-        native_host_adam: build and use ``csrc/fused_host_adam.cpp`` for host chunks
-            (``ZeroCacheConfig.native_host_adam``).
+        native_host_adam: host chunks by ``csrc/fused_host_adam.cpp`` (``ZeroCacheConfig.native_host_adam``).
         overlap_comm: sharded: reduce each group from backward (``ZeroCacheConfig.overlap_comm``).
         gather_ahead: sharded replicated params: groups gathered ahead (``ZeroCacheConfig.gather_ahead_elements``).
         deepspeed_import: where ``import deepspeed`` gives the installed DeepSpeed (:class:`HostAdam`).
@@ -158,9 +157,8 @@ class ZeroCacheOptimizer(OptimizerCheckpoint, torch.optim.Optimizer):
         self.last_updates_after_backward = False
         """Whether the last step's host updates waited for its backward to end (no speculation in backward)."""
         self.fold_waited = fold_waited
-        """Host updates that wait for the global norm store the weight and keep the gradient, their moments folded in
-        by a job behind them, off the path to the next forward (:mod:`zero_cache.optim.revision`, "Waited steps");
-        False: they store everything in their pass (the tests' reference)."""
+        """Waited host updates store the weight and keep the gradient, a job behind them folds the moments in
+        (:mod:`zero_cache.optim.revision`, "Waited steps"); False: they store everything in their pass."""
         self.hooks: list[Any] = [param.register_post_accumulate_grad_hook(self.intake.make_hook(slot))
                                  for param, (_, slot) in zip(params, self.members)]
         """Handles of the hooks on the parameters and (added by :func:`~zero_cache.attach.attach`) the modules, which
