@@ -120,9 +120,9 @@ def _host_line(host_bytes: int, warmup_host_bytes: int | None, num_params: int) 
     """Rank 0's host bytes per parameter of the model: in the plan, and at the warm-up step where it runs under
     another placement (its peak: :func:`zero_cache.plan.host_memory.warmup_host_cap` bounds it)."""
     if warmup_host_bytes is None:
-        return (f"host      {describe_host(host_bytes, num_params)} in the plan, the warm-up's too (it runs under "
+        return (f"host use  {describe_host(host_bytes, num_params)} in the plan, the warm-up's too (it runs under "
                 "this plan)")
-    return f"host      {describe_host(host_bytes, num_params, warmup_host_bytes)}"
+    return f"host use  {describe_host(host_bytes, num_params, warmup_host_bytes)}"
 
 
 def _reserve_lines(activation_reserve_bytes: int, warmup_room_bytes: int | None) -> list[str]:

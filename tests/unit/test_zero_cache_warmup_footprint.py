@@ -188,10 +188,13 @@ def test_dry_run_reports_the_warmup_room_on_a_gpu_with_an_auto_reserve(world_siz
     reserve = run.resolved.activation_reserve_bytes
     planned_room = int(run.resolved.budgets.device_bytes * (1 - DEVICE_MARGIN_FRACTION)) - run.plan.device_bytes
     assert run.warmup_room_bytes >= planned_room >= reserve > 0
+    first_host, group_bytes = run.plan.host_bytes, run.layout.chunk_numel * 12  # (fp32 states, no accumulators)
+    assert 0 < run.warmup_host_bytes <= max(int(WARMUP_HOST_FACTOR * first_host), first_host + group_bytes)
     configured = zero_cache.dry_run(shapes, dataclasses.replace(auto, activation_memory=reserve),
                                     compute_dtype=torch.bfloat16, device=torch.device("cpu"), world_size=world_size,
                                     hardware=machine)
-    assert configured.warmup_room_bytes is None and configured.plan == run.plan
+    assert configured.warmup_room_bytes is None and configured.warmup_host_bytes is None
+    assert configured.plan == run.plan
     on_cpu = zero_cache.dry_run(shapes, dataclasses.replace(auto, device_memory_budget=8 * 2**30,
                                                             host_memory_budget=16 * 2**30),
                                 compute_dtype=torch.float32, device=torch.device("cpu"), world_size=world_size,
