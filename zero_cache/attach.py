@@ -19,6 +19,7 @@ from torch import nn
 from zero_cache.base.sharding import Sharding
 from zero_cache.config import ZeroCacheConfig
 from zero_cache.optim.optimizer import ZeroCacheOptimizer
+from zero_cache.plan.host_memory import describe_host
 from zero_cache.plan.layout import ChunkLayout
 from zero_cache.plan.planner import Plan, PlanError, PlanInputs, make_plan
 from zero_cache.plan.tier_names import DEVICE, HOST, NVME
@@ -58,6 +59,9 @@ class DryRun:
     """Device bytes the warm-up step leaves for activations, where it runs at the plan's least device footprint
     (:func:`warms_up_at_least_footprint`): rank 0's own (several ranks run it at the least of theirs); None where
     it runs under ``plan``."""
+    warmup_host_bytes: int | None = None
+    """Host bytes of that warm-up placement (at most :func:`~zero_cache.plan.host_memory.warmup_host_cap` of
+    ``plan``'s); None where the warm-up runs under ``plan``."""
 
     @property
     def layout(self) -> ChunkLayout:
@@ -128,7 +132,8 @@ def dry_run(shapes: list[tuple[str, tuple[int, ...]]], config: ZeroCacheConfig, 
         if not warms_up_at_least_footprint(config, device):
             return DryRun(resolved, plan)
         inputs = resolved.plan_inputs(config, compute_dtype, accumulation_steps, sharding, shard_params, gpu=True)
-        return DryRun(resolved, plan, activation_room_bytes(inputs, least_footprint_plan(inputs)))
+        warmup = least_footprint_plan(inputs)
+        return DryRun(resolved, plan, activation_room_bytes(inputs, warmup), warmup.host_bytes)
 
     if world_size == 1:
         return found(*choose_streaming(config, functools.partial(plan_for, Sharding())), Sharding())
@@ -189,14 +194,15 @@ def attach(module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int,
     tiers = {DEVICE: device_tier, HOST: host_tier}
     if swap_directory is not None:  # even if this plan needs no disk: the re-plan after warm-up may
         tiers[NVME] = NvmeTier(swap_directory, inputs.swap_slot_bytes, disk_budget, config.aio, rank=_rank())
-    logger.info("ZeRO-Cache: %d chunks of %d elements (%.1f%% padding) over %d ranks; %s; host chunks update %s",
-                layout.num_chunks, layout.chunk_numel, 100 * layout.waste_fraction, sharding.world_size,
-                plan.summary(), "during backward" if in_backward else "after backward")
+    logger.info("ZeRO-Cache: %d chunks of %d elements (%.1f%% padding) over %d ranks; %s; host chunks update %s; "
+                "host: %s", layout.num_chunks, layout.chunk_numel, 100 * layout.waste_fraction, sharding.world_size,
+                plan.summary(), "during backward" if in_backward else "after backward",
+                describe_host(plan.host_bytes, layout.used_numel))
     given_up = working_set_given_up(inputs, plan)
     if given_up:
         logger.info("ZeRO-Cache: the device budget does not hold the config's working set; planned %s. A larger "
                     "zero_cache.device_memory_budget keeps it", given_up)
-    warmup = (_warmup_plan(inputs, plan, resolved.activation_reserve_bytes, sharding)
+    warmup = (_warmup_plan(inputs, plan, resolved.activation_reserve_bytes, sharding, layout.used_numel)
               if warms_up_at_least_footprint(config, device) else plan)
     store = ChunkStore(layout, [p for _, p in params], warmup, tiers, compute_dtype,
                        accumulate=accumulation_steps > 1, sharding=sharding, shard_params=shard_params,
@@ -230,20 +236,23 @@ def allocator_stats_for(device: torch.device) -> AllocatorStats | None:
     return CudaAllocatorStats(device) if device.type == "cuda" else None
 
 
-def _warmup_plan(inputs: PlanInputs, plan: Plan, activation_reserve_bytes: int, sharding: Sharding) -> Plan:
-    """The placement the warm-up step runs under: ``plan``'s mode and layout at its least device footprint, so
-    the activations it has not measured yet get all the room there is (the re-plan after it places by them).
-    Several ranks take the least of their reserves (each fits it): they gather groups together, and plan their
-    working sets alike only from the same reserve, as the first plan does."""
+def _warmup_plan(inputs: PlanInputs, plan: Plan, activation_reserve_bytes: int, sharding: Sharding,
+                 num_params: int) -> Plan:
+    """The placement the warm-up step runs under: ``plan``'s mode and layout at its least device footprint within
+    the warm-up's host cap (:func:`~zero_cache.resolve.least_footprint_inputs`), so the activations it has not
+    measured yet get the room there is (the re-plan after it places by them). Several ranks take the least of their
+    reserves (each fits it): they gather groups together, and plan their working sets alike only from the same
+    reserve, as the first plan does. ``num_params``: the parameters in the chunks (the log's bytes per param)."""
     warm = least_footprint_inputs(inputs)
     if sharding.world_size > 1:
         warm = replace(warm, activation_reserve_bytes=min(gather_objects(sharding)(warm.activation_reserve_bytes)))
     warmup = agree_working_set(make_plan(warm), gather_objects(sharding))  # (it fits every rank: none is None)
     logger.info("ZeRO-Cache warm-up: the first step runs at the plan's least device footprint, leaving %s of the "
                 "device for activations (the first plan, made with activation_memory \"auto\"'s fixed guess of %s, "
-                "leaves %s); the re-plan after it places by the measured peak. Warm-up placement: %s",
+                "leaves %s); the re-plan after it places by the measured peak. Host: %s. Warm-up placement: %s",
                 format_bytes(activation_room_bytes(inputs, warmup)), format_bytes(activation_reserve_bytes),
-                format_bytes(activation_room_bytes(inputs, plan)), warmup.summary())
+                format_bytes(activation_room_bytes(inputs, plan)),
+                describe_host(plan.host_bytes, num_params, warmup.host_bytes), warmup.summary())
     return warmup
 
 

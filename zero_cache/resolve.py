@@ -13,6 +13,7 @@ import torch
 
 from zero_cache.base.sharding import Sharding
 from zero_cache.config import ZeroCacheConfig
+from zero_cache.plan.host_memory import warmup_host_cap
 from zero_cache.plan.layout import ChunkLayout, pack, search_chunk_size
 from zero_cache.plan.planner import DEVICE_MARGIN_FRACTION, Plan, PlanError, PlanInputs, make_plan
 from zero_cache.plan.state_costs import SWAP_BUFFERS, planned_staging_buffers
@@ -65,17 +66,31 @@ def least_footprint_inputs(inputs: PlanInputs) -> PlanInputs:
     """``inputs`` with the largest ``activation_reserve_bytes`` (at least their own) that ``make_plan`` still fits,
     found by bisection to the byte.
 
-    What the device gives up goes to the host, and to the disk no more than the plan made with ``inputs`` puts
-    there (the disk budget is capped at that: moving groups onto the disk for one step costs it writes and reads,
-    and the host bounce buffers they take stay allocated while the re-plan moves groups back into host memory);
-    what they cannot hold stays on the device. Everything else (params gathered or not, homes allowed, the
-    chunks' order) is ``inputs``'. Any smaller reserve fits too, so ranks may agree on the least of theirs.
+    What the device gives up goes to the host, up to :func:`~zero_cache.plan.host_memory.warmup_host_cap` (the first
+    plan's host bytes, the plan made with ``inputs``, times :data:`~zero_cache.plan.host_memory.WARMUP_HOST_FACTOR`,
+    or with one optimizer group's bytes more where that is more: a model of few chunks), and to the disk no more than
+    the first plan puts there (moving groups onto the disk for one step costs it writes and reads, and the host bounce
+    buffers they take stay allocated while the re-plan moves groups back into host memory); what they cannot hold
+    stays on the device. Everything else (params gathered or not, homes allowed, the chunks' order) is ``inputs``'.
+    Any smaller reserve fits too, so ranks may agree on the least of theirs.
+
+    What is guaranteed (``tests/unit/test_zero_cache_host_memory.py`` checks both on random inputs): the first plan's
+    placement fits the capped budgets, so the reserve found is at least ``inputs``' and the warm-up leaves at least
+    the first plan's room for activations; and the warm-up's host bytes are at most the cap. Not guaranteed: that the
+    warm-up needs at most ~10% more host than the run's settled plan (the re-plan, by the measured activations). With
+    resident params and no disk tier the settled plan holds at least the first plan's host bytes where the measured
+    peak is at least the guess (what the device gives up goes to the host), and the test checks that there; gathered
+    params trade shards' homes against groups by the step's cost, and a disk tier bounce buffers against host
+    groups, so their host bytes need not grow with the reserve. Where the guess was too large, the settled plan gives
+    groups back to the device and holds less host than the first plan, and the warm-up may exceed it by more than
+    10% (the logs and ``--plan`` say both figures).
 
     Raises:
         PlanError: ``inputs`` itself does not fit (``make_plan``'s message).
     """
     plan = make_plan(inputs)
-    inputs = replace(inputs, nvme_budget_bytes=min(inputs.nvme_budget_bytes, plan.nvme_bytes))
+    inputs = replace(inputs, nvme_budget_bytes=min(inputs.nvme_budget_bytes, plan.nvme_bytes),
+                     host_budget_bytes=warmup_host_cap(plan, inputs))
     # Feasibility only falls as the reserve grows: every placement's device room shrinks, and what leaves the
     # device adds to the host and disk. A budget's worth cannot fit (the room is negative), so bisection holds
     # "fits" <= the largest that fits < "too_much".

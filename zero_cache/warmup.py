@@ -22,6 +22,7 @@ from zero_cache.base.sharding import Sharding
 from zero_cache.config import ZeroCacheConfig
 from zero_cache.optim.optimizer import ZeroCacheOptimizer
 from zero_cache.plan.eviction import gathers_per_group
+from zero_cache.plan.host_memory import describe_host
 from zero_cache.plan.layout import ChunkLayout
 from zero_cache.plan.planner import (
     Plan,
@@ -219,9 +220,13 @@ class WarmupTracer:
         elif tunes_on(device_tier.device):  # (no tuning: the step is still checked against the plan's prediction)
             self.tuner = DeviceStepTuner(len(plan.device_stepped), len(plan.device_stepped), fixed=True)
             self.watching = True
+        warmup_host_bytes = optimizer.plan.host_bytes  # (the placement the warm-up ran under, still in force)
         moved = optimizer.apply_plan(plan)
-        logger.info("ZeRO-Cache re-plan after warm-up (non-model peak %d MiB; %s): %s; %d groups moved%s",
-                    self.activation_reserve_bytes // 2**20, self.rates.describe(), plan.summary(), moved, tuning)
+        logger.info("ZeRO-Cache re-plan after warm-up (non-model peak %d MiB; %s): %s; %d groups moved%s; host: %s "
+                    "(the host tier's peak so far %s)", self.activation_reserve_bytes // 2**20, self.rates.describe(),
+                    plan.summary(), moved, tuning,
+                    describe_host(plan.host_bytes, self.layout.used_numel, warmup_host_bytes),
+                    format_bytes(host_tier.peak_bytes))
         self.inputs = inputs
         return plan
 

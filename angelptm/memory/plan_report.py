@@ -17,6 +17,7 @@ from angelptm.config import EngineConfig
 from angelptm.errors import ConfigError
 from angelptm.pretraining.models import build_model
 from zero_cache import DEVICE, HOST, NVME, Plan
+from zero_cache.plan.host_memory import describe_host
 
 DEFAULT_TFLOPS = 400.0
 """Model TFLOPS one GPU sustains, for the compute floor: an H200's bf16 GPT figures are 419-472
@@ -95,6 +96,7 @@ def plan_report(cfg: EngineConfig, request: PlanRequest) -> tuple[str, bool]:
         f"({100 * layout.waste_fraction:.1f}% padding){groups}",
         "",
         *_tier_table(plan, budgets, device),
+        _host_line(plan.host_bytes, run.warmup_host_bytes, layout.used_numel),
         *_reserve_lines(activation_reserve_bytes, run.warmup_room_bytes),
         "",
         *_step_floors(plan, compute_s, tokens, request.tflops),
@@ -112,6 +114,15 @@ def _describe_machine(hardware: zero_cache.Hardware | None, ranks: int, per_host
     disk = f", NVMe {zero_cache.format_bytes(hardware.nvme_bytes)}" if hardware.nvme_bytes else ", no NVMe"
     return (f"named: {hardware.gpus_per_host} x GPU {zero_cache.format_bytes(hardware.device_bytes)} per host, "
             f"host RAM {zero_cache.format_bytes(hardware.host_bytes)}{disk}; {layout}")
+
+
+def _host_line(host_bytes: int, warmup_host_bytes: int | None, num_params: int) -> str:
+    """Rank 0's host bytes per parameter of the model: in the plan, and at the warm-up step where it runs under
+    another placement (its peak: :func:`zero_cache.plan.host_memory.warmup_host_cap` bounds it)."""
+    if warmup_host_bytes is None:
+        return (f"host use  {describe_host(host_bytes, num_params)} in the plan, the warm-up's too (it runs under "
+                "this plan)")
+    return f"host use  {describe_host(host_bytes, num_params, warmup_host_bytes)}"
 
 
 def _reserve_lines(activation_reserve_bytes: int, warmup_room_bytes: int | None) -> list[str]:

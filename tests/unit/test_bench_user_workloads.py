@@ -48,6 +48,8 @@ def test_the_nvme_json_runs_and_reports_disk_bytes(tmp_path):
     norms = result["grad_norms"]  # each step's global norm, as the engine computed it (whether it clipped)
     assert len(norms) == 3 and all(norm > 0 for norm in norms)
     assert float(cells[6]) == pytest.approx(result["mean_step_s"], abs=1e-3)
+    # the settled plan's host bytes per parameter, and the host tier's peak (the warm-up's included) beside it
+    assert 0 < result["host_bytes_per_param_plan"] <= result["host_bytes_per_param_peak"]
     assert sorted(p.name for p in swap.iterdir()) == ["a_file_of_someone_else"]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -91,6 +92,17 @@ def test_plan_table_for_named_hardware(capsys):
     host = next(line for line in lines if line.startswith("host "))
     assert "(host Adam; " in host and " by GPU Adam after backward)" in host, host
     assert "bound: H2D" in out or "bound: D2H" in out or "bound: host Adam" in out
+    # the host bytes per parameter, in the plan and at the warm-up (capped at 1.1x the plan's)
+    use = next(line for line in lines if line.startswith("host use "))
+    found = re.fullmatch(r"host use  ([\d.]+) GiB \(([\d.]+) B/param\) in the plan, ([\d.]+) GiB \(([\d.]+) "
+                         r"B/param\) at the warm-up", use)
+    assert found is not None, use
+    planned, planned_per_param, warmup, warmup_per_param = map(float, found.groups())
+    assert f"{planned:.2f} GiB" in host, (use, host)
+    params = float(re.search(r"model     llama, ([\d.]+) G parameters", out).group(1)) * 1e9
+    assert planned_per_param == pytest.approx(planned * 2**30 / params, abs=0.06)
+    assert warmup_per_param == pytest.approx(warmup * 2**30 / params, abs=0.06)
+    assert planned < warmup <= 1.1 * planned + 0.01
 
 
 def test_named_hardware_needs_device_and_host_memory(capsys):

@@ -16,6 +16,8 @@ from test_zero_cache_streamed import CHUNK_NUMEL, assert_close_to, config, state
 import angelptm
 import zero_cache
 from zero_cache.config import ZeroCacheConfig
+from zero_cache.plan import host_memory
+from zero_cache.plan.host_memory import WARMUP_HOST_FACTOR, warmup_host_cap
 from zero_cache.plan.planner import DEVICE, DEVICE_MARGIN_FRACTION, HOST, NVME, PlanError, PlanInputs, make_plan
 from zero_cache.resolve import activation_room_bytes, least_footprint_plan
 
@@ -81,16 +83,20 @@ def test_the_warmup_placement_fits_leaves_the_most_room_and_keeps_the_mode():
         # No more on the disk than the first plan: what the device gives up goes to the host.
         assert warmup.nvme_bytes <= guess.nvme_bytes
         assert warmup.optimizer_tier.count(NVME) <= guess.optimizer_tier.count(NVME)
-        # Maximal: the room it leaves is exactly the largest reserve the planner still fits (within that disk).
-        within = dataclasses.replace(inputs, nvme_budget_bytes=guess.nvme_bytes)
+        # Maximal: the room it leaves is exactly the largest reserve the planner still fits (within that disk and
+        # the warm-up's host cap).
+        within = dataclasses.replace(inputs, nvme_budget_bytes=guess.nvme_bytes,
+                                     host_budget_bytes=warmup_host_cap(guess, inputs))
         assert make_plan(dataclasses.replace(within, activation_reserve_bytes=room)).device_bytes == warmup.device_bytes
         with pytest.raises(PlanError):
             make_plan(dataclasses.replace(within, activation_reserve_bytes=room + 1))
 
 
-def test_with_an_ample_host_nothing_movable_stays_on_the_device():
-    """Where the host takes everything, the warm-up keeps no optimizer group on the device, and with gathered
+def test_with_an_ample_host_nothing_movable_stays_on_the_device(monkeypatch):
+    """Where the host takes everything (and the warm-up's host cap is raised out of the way: it is the only thing
+    that keeps groups on the device then), the warm-up keeps no optimizer group on the device, and with gathered
     params on one rank only the fewest live groups and buckets (shards stream where that is smaller)."""
+    monkeypatch.setattr(host_memory, "WARMUP_HOST_FACTOR", 10.0**6)
     for inputs in fitting_draws(150):
         inputs = dataclasses.replace(inputs, host_budget_bytes=10**12)
         warmup = least_footprint_plan(inputs)
@@ -119,11 +125,12 @@ def on_device(optimizer) -> int:
                                                                  (4 * CHUNK_NUMEL * 4, False, True)])
 def test_the_first_step_runs_at_the_least_footprint_and_trains_as_the_normal_first_plan(
         monkeypatch, caplog, tmp_path, extra_elements, streams, tight_host):
-    """On a GPU with activation_memory "auto" (forced here on CPU), the warm-up step keeps no optimizer group on
-    the device that the host can take; the re-plan after it places what the normal first run places, and
-    training is the same: losses and fp32 masters within 1e-6. With params streamed (a device just short of them
-    all), the warm-up streams every shard, and the re-plan brings some home. With a host too small for every group
-    and an NVMe tier the first plan does not use, the warm-up keeps the rest on the device, not on the disk."""
+    """On a GPU with activation_memory "auto" (forced here on CPU), the warm-up step moves off the device the
+    optimizer groups its host cap allows (zero_cache.plan.host_memory.warmup_host_cap); the re-plan after it places
+    what the normal first run places, and training is the same: losses and fp32 masters within 1e-6. With params
+    streamed (a device just short of them all), the warm-up streams every shard, and the re-plan brings some home.
+    With a host too small for every group and an NVMe tier the first plan does not use, the warm-up keeps the rest
+    on the device, not on the disk."""
     seed = torch.randint(0, 10_000, ()).item()
     start = {n: p.detach().clone() for n, p in tiny_gpt(seed).named_parameters()}
     params = state_bytes(tiny_gpt(seed), 4)
@@ -149,7 +156,9 @@ def test_the_first_step_runs_at_the_least_footprint_and_trains_as_the_normal_fir
         assert 0 < on_device(optimizer) < on_device(reference_optimizer)
         assert NVME not in [group.tier for group in optimizer.store.groups + reference_optimizer.store.groups]
     else:
-        assert on_device(optimizer) == 0, "the warm-up keeps no optimizer group on the device"
+        assert on_device(optimizer) < on_device(reference_optimizer), "the warm-up moves groups off the device"
+        first_host = reference_optimizer.plan.host_bytes  # (fp32 states, no accumulators: 12 B/element a group)
+        assert optimizer.plan.host_bytes <= max(int(WARMUP_HOST_FACTOR * first_host), first_host + CHUNK_NUMEL * 12)
     if streams:
         assert DEVICE not in optimizer.store.param_home, "the warm-up streams every shard"
     losses = train_steps(engine, batches[:1])
@@ -179,10 +188,13 @@ def test_dry_run_reports_the_warmup_room_on_a_gpu_with_an_auto_reserve(world_siz
     reserve = run.resolved.activation_reserve_bytes
     planned_room = int(run.resolved.budgets.device_bytes * (1 - DEVICE_MARGIN_FRACTION)) - run.plan.device_bytes
     assert run.warmup_room_bytes >= planned_room >= reserve > 0
+    first_host, group_bytes = run.plan.host_bytes, run.layout.chunk_numel * 12  # (fp32 states, no accumulators)
+    assert 0 < run.warmup_host_bytes <= max(int(WARMUP_HOST_FACTOR * first_host), first_host + group_bytes)
     configured = zero_cache.dry_run(shapes, dataclasses.replace(auto, activation_memory=reserve),
                                     compute_dtype=torch.bfloat16, device=torch.device("cpu"), world_size=world_size,
                                     hardware=machine)
-    assert configured.warmup_room_bytes is None and configured.plan == run.plan
+    assert configured.warmup_room_bytes is None and configured.warmup_host_bytes is None
+    assert configured.plan == run.plan
     on_cpu = zero_cache.dry_run(shapes, dataclasses.replace(auto, device_memory_budget=8 * 2**30,
                                                             host_memory_budget=16 * 2**30),
                                 compute_dtype=torch.float32, device=torch.device("cpu"), world_size=world_size,
