@@ -177,7 +177,7 @@ def train(kind: str, size: str, config: dict, engine_name: str, workload: Worklo
         # beside host_rss_gib: the host bytes per parameter the settled plan holds, and the host tier's counted peak
         # (the warm-up's placement included: zero_cache.plan.host_memory)
         result["host_bytes_per_param_plan"] = round(plan.host_bytes / num_params, 2)
-        result["host_bytes_per_param_peak"] = round(optimizer.store.tiers["host"].peak_bytes / num_params, 2)
+        result["host_bytes_per_param_peak"] = round(optimizer.reports.tier_peaks()["host"] / num_params, 2)
         report = optimizer.report()
         result["per_step_ms"] = {k.removeprefix("zero_cache_").removesuffix("_s"): round(v / total * 1e3)
                                  for k, v in report.items() if k.endswith("_s")}

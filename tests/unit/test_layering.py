@@ -51,6 +51,7 @@ ZERO_CACHE_MODULES_IN_USE = {
     "zero_cache.runtime.rates": {"copy_load", "host_memory_rate", "measured_copies", "measured_host_memory"},
     "zero_cache.plan.step_cost": {"host_adam_bytes_per_element"},
     "zero_cache.storage.tiers": {"Tier"},
+    "zero_cache.plan.host_memory": {"describe_host"},  # (pretrain.py --plan's "host use" line, as the logs say it)
 }
 """Names ``angelptm`` and ``bench`` import from zero_cache's modules beside the package's ``__all__``: pinned, so
 that the surface they use does not grow unnoticed (a new one goes in ``__all__``, or here with its reason)."""

@@ -45,6 +45,10 @@ class OptimizerCounters:
         """Tier name -> (bytes in use, budget bytes), now."""
         return {name: (tier.used_bytes, tier.budget_bytes) for name, tier in self.store.tiers.items()}
 
+    def tier_peaks(self) -> dict[str, int]:
+        """Tier name -> the most bytes it has held at once (the warm-up's placement included)."""
+        return {name: tier.peak_bytes for name, tier in self.store.tiers.items()}
+
     def tier_counts(self) -> dict[str, int]:
         """Tier name -> optimizer groups there now (after any re-plan; REMOTE: another rank's)."""
         return dict(collections.Counter(group.tier for group in self.store.groups))
