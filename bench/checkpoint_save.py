@@ -18,8 +18,12 @@ b) run A: ``--steps`` steps with ``save_checkpoint(background=True)`` every ``--
    during, and after the saves. The previous checkpoint is deleted before each save (two 2.7B checkpoints, 2 x 39 GB,
    do not fit a 64 GiB disk); the last one stays for c);
 c) run C, a fresh process: ``load_checkpoint`` of A's last checkpoint (its files dropped from the page cache first):
-   seconds, GB/s against the disk's read bandwidth, RSS after the load against A's steady RSS; then the steps after
-   it, on the same data as A's;
+   seconds, GB/s against the disk's read bandwidth; host RSS before and after the load (what the load keeps), after
+   it against A's at the same point (built, before the first step) and A's steady RSS, and during the steps after it,
+   on the same data as A's, against A's steady RSS. A fresh process's RSS before its first step is not a steady
+   run's: on a GPU the warm-up step runs under the plan's least device footprint (``zero_cache.attach``), so the
+   optimizer states the re-plan after it moves to the device sit in host memory until then, loaded or not; the
+   target is therefore on what the load adds and on the RSS of the steps after it;
 d) run B, a fresh process: the same steps as A without saves. The spread of the GPU's nondeterminism is
    max |loss A - loss B| over the steps C ran; C is "bit-exact", "within noise" (max |loss C - loss A| <= spread)
    or "outside noise".
@@ -244,6 +248,7 @@ def background_save(engine: Any, save_dir: Path, step: int, max_staged_chunks: i
 def child_save(args: argparse.Namespace) -> dict:
     """Run A: train with background saves; the saves' timings and the RSS samples around them."""
     engine, _, config = build(args)
+    rss_built = rss_bytes()
     monitor = Monitor(engine)
     saves: list[dict] = []
     losses, steps = train_steps(engine, config, args, 1, args.steps, monitor=monitor, saves=saves)
@@ -259,7 +264,7 @@ def child_save(args: argparse.Namespace) -> dict:
     for save in saves:
         save["rss_peak"] = max(monitor.between(save["called"], save["done"]) or [rss_bytes()])
     last_checkpoint = Path(args.save_dir) / saves[-1]["tag"] if saves else None
-    return {"losses": losses, "steps": steps, "saves": saves, "pending_s": pending_s,
+    return {"losses": losses, "steps": steps, "saves": saves, "pending_s": pending_s, "rss_built": rss_built,
             "rss_steady": statistics.median(steady), "rss_after": monitor.samples[-1][1],
             "checkpoint": str(last_checkpoint) if last_checkpoint else None,
             "checkpoint_bytes": directory_bytes(last_checkpoint) if last_checkpoint else 0}
@@ -337,7 +342,12 @@ def load_line(run_a: dict, run_c: dict, disk: dict) -> dict:
             "rss_after_load_gib": run_c["rss_after_load"] / 2**30,
             "rss_steps_after_load_gib": run_c["rss_steps_after_load"] / 2**30,
             "rss_after_load_over_steady_gib": (max(run_c["rss_after_load"], run_c["rss_steps_after_load"])
-                                               - run_a["rss_steady"]) / 2**30}
+                                               - run_a["rss_steady"]) / 2**30,
+            "rss_before_load_gib": run_c["rss_before_load"] / 2**30,
+            "rss_load_growth_gib": (run_c["rss_after_load"] - run_c["rss_before_load"]) / 2**30,
+            "rss_built_run_gib": run_a["rss_built"] / 2**30,
+            "rss_after_load_over_built_gib": (run_c["rss_after_load"] - run_a["rss_built"]) / 2**30,
+            "rss_steps_after_load_over_steady_gib": (run_c["rss_steps_after_load"] - run_a["rss_steady"]) / 2**30}
 
 
 def summary(saves: list[dict], load: dict, resume: dict, run_a: dict) -> dict:
@@ -352,7 +362,9 @@ def summary(saves: list[dict], load: dict, resume: dict, run_a: dict) -> dict:
             "load_bandwidth_ok": load["fraction_of_disk_read"] >= BANDWIDTH_TARGET,
             "rss_save_growth_gib_max": worst_rss, "rss_save_ok": worst_rss <= RSS_TARGET_GIB,
             "rss_after_load_over_steady_gib": load["rss_after_load_over_steady_gib"],
-            "rss_load_ok": load["rss_after_load_over_steady_gib"] <= RSS_TARGET_GIB,
+            "rss_load_growth_gib": load["rss_load_growth_gib"],
+            "rss_load_ok": max(load["rss_load_growth_gib"], load["rss_after_load_over_built_gib"],
+                               load["rss_steps_after_load_over_steady_gib"]) <= RSS_TARGET_GIB,
             "rss_after_saves_gib": run_a["rss_after"] / 2**30, "pending_at_end_s": run_a["pending_s"],
             "resume": resume["verdict"], "resume_max_diff": resume["max_diff_ca"], "spread": resume["spread_ab"]}
 

@@ -302,8 +302,6 @@ class EngineCheckpoints:
                                   "with ep_size 1")
         self._check_architecture(path, model_states.get("architecture"), load_module_only=load_module_only)
         has_optimizer_file = (path / checkpoint.OPTIM_FILE).is_file()
-        module_weights = self._load_module_state(path, model_states, strict=load_module_strict,
-                                                 has_optimizer_file=has_optimizer_file)
         optim_states = None
         if self.optimizer is not None and has_optimizer_file:
             lazy = isinstance(self.optimizer, OptimizerCheckpoint)  # (it copies the states one by one, chunk by chunk)
@@ -312,6 +310,11 @@ class EngineCheckpoints:
             if shards > 1:  # any world size loads it: each rank takes the names it owns now
                 checkpoint.merge_zero_cache_shards(path, optim_states["optimizer"], shards, allow_unsafe_pickle=unsafe,
                                                    lazy=lazy)
+        module_weights = self._load_module_state(path, model_states, strict=load_module_strict,
+                                                 has_optimizer_file=has_optimizer_file,
+                                                 from_masters=self._weights_from_masters(optim_states))
+        del model_states["module"]  # (its tensors map the file: the pages they touched go with them)
+        if optim_states is not None:
             if load_optimizer_states and not load_module_only:  # (the masters alone load in either format)
                 # Saved with ZeRO-Cache on and resumed with it off, or the reverse: converted by name, or refused.
                 optim_states["optimizer"] = optimizer_format.adapt(optim_states["optimizer"], self.optimizer, path)
@@ -362,9 +365,23 @@ class EngineCheckpoints:
         held = set(self.optimizer.names)
         return {key for key, name in aliases.items() if name in held}
 
-    def _load_module_state(self, path: Path, model_states: dict, *, strict: bool,
-                           has_optimizer_file: bool) -> dict[str, torch.Tensor]:
-        """Load the module's state, except weights this run holds sharded, or a sharded run saved in its masters.
+    def _weights_from_masters(self, optim_states: dict | None) -> set[str]:
+        """State-dict keys of the weights the optimizer's load rewrites from the checkpoint's fp32 masters (ZeRO-Cache:
+        every trained parameter's compute copy is restored from its master), so reading them from the module's file
+        as well would only be overwritten: at 2.7B, 4.8 GB of bf16 weights read and copied for nothing. Empty when the
+        masters do not cover every trained parameter (the load then refuses, or another engine loads)."""
+        if not isinstance(self.optimizer, OptimizerCheckpoint) or optim_states is None:
+            return set()
+        masters = optim_states["optimizer"].get("masters") if isinstance(optim_states["optimizer"], dict) else None
+        names = set(self.optimizer.names)
+        if masters is None or not all(name in masters for name in names):
+            return set()
+        return {key for key, name in self._param_aliases().items() if name in names}
+
+    def _load_module_state(self, path: Path, model_states: dict, *, strict: bool, has_optimizer_file: bool,
+                           from_masters: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+        """Load the module's state, except weights this run holds sharded, or a sharded run saved in its masters,
+        or ``from_masters``: weights the optimizer's load restores from the masters.
 
         Returns:
             The saved weights of the sharded params by parameter name (fp32), for the masters when there
@@ -373,7 +390,7 @@ class EngineCheckpoints:
         state = model_states["module"]
         aliases = self._param_aliases()
         held, in_masters = self._sharded_weight_keys(aliases), model_states.get("weights_in_masters", False)
-        if not held and not in_masters:
+        if not held and not in_masters and not from_masters:
             try:
                 self.module.load_state_dict(state, strict=strict)
             except RuntimeError as err:  # torch lists every mismatch in a multi-line traceback
@@ -387,10 +404,18 @@ class EngineCheckpoints:
                                   f"masters in {checkpoint.OPTIM_FILE}, which this load cannot use (it is missing, or "
                                   "the engine has no optimizer). Export it with `python -m "
                                   "angelptm.checkpoints.export` and load the weights into the model instead")
-        weights = {aliases[key]: tensor.float() for key, tensor in state.items() if key in held}
-        result = self.module.load_state_dict({k: v for k, v in state.items() if k not in held}, strict=False)
+        weights = {aliases[key]: tensor.float() for key, tensor in state.items() if key in held} \
+            if not has_optimizer_file else {}
+        skipped = held | from_masters
+        try:
+            result = self.module.load_state_dict({k: v for k, v in state.items() if k not in skipped}, strict=False)
+        except RuntimeError as err:
+            if "size mismatch" not in str(err):
+                raise
+            raise CheckpointError(f"{path}: the saved weights do not fit this model: "
+                                  + " ".join(str(err).split())[:600]) from None
         saved_weights = set(model_states["param_aliases"]) if in_masters else set()
-        missing = set(result.missing_keys) - held - saved_weights
+        missing = set(result.missing_keys) - skipped - saved_weights
         if strict and (missing or result.unexpected_keys):
             raise CheckpointError(f"{path}: the module state does not match the model: missing {sorted(missing)[:5]}, "
                                   f"unexpected {sorted(result.unexpected_keys)[:5]}")

@@ -8,6 +8,12 @@ are resolved), but each tensor of the states' name tables (``masters``, ``exp_av
 tensor of its own when the load asks for it by name. ZeRO-Cache's load copies one parameter at a time and drops
 it, so the host holds one parameter's state at a time, whatever the checkpoint's size. Every other tensor in the
 file (loss scale, hyperparameters, scheduler) is read at once.
+
+ZeRO-Cache's load asks a table to read a tensor straight into its place in the chunk (:meth:`LazyTensors.read_into`:
+no tensor in between, no page faulted in twice) and in the file's order (:meth:`LazyTensors.position`), so the file
+is read front to back, each tensor in pieces read by several threads at once (``pread`` releases the GIL): the disk
+always has requests queued, and a file still in the page cache (its verification just read it) is copied out on
+several cores.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import io
 import os
 import pickle
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -29,6 +36,11 @@ from angelptm.errors import CheckpointError
 STATE_TABLES = ("masters", "exp_avg", "exp_avg_sq")
 """The name tables of a ZeRO-Cache optimizer state (``state_dict()``) that are read lazily."""
 
+
+_PIECE_BYTES = 8 << 20
+"""A tensor's bytes are read in pieces of this size, :data:`_READ_THREADS` at once."""
+_READ_THREADS = max(2, min(8, os.cpu_count() or 1))
+"""Pieces of a tensor read at once (at least 2: the disk is given the next request while one is copied out)."""
 
 _DTYPE_OF_STORAGE = {name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
 """``FloatStorage`` -> ``torch.float32``: the element type a pickle's storage type names."""
@@ -48,6 +60,7 @@ class _File:
         self.path = path
         self.fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         weakref.finalize(self, os.close, self.fd)
+        self._pool: ThreadPoolExecutor | None = None
         with open(path, "rb") as handle:
             reader = torch._C.PyTorchFileReader(handle)
             self.pickle = reader.get_record("data.pkl")
@@ -63,6 +76,27 @@ class _File:
         except KeyError:
             raise CheckpointError(f"{self.path} lacks the tensor record data/{key}: the file is damaged") from None
 
+    def read_at(self, memory: memoryview, offset: int, key: str) -> None:
+        """Fill ``memory`` (bytes) with the file's bytes from ``offset``, in pieces read by several threads."""
+        pieces = [(start, min(_PIECE_BYTES, memory.nbytes - start)) for start in range(0, memory.nbytes, _PIECE_BYTES)]
+        if len(pieces) <= 1:
+            self._read_piece(memory, offset, key)
+            return
+        if self._pool is None:  # (its idle threads end with this file)
+            self._pool = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="ckpt-read")
+            weakref.finalize(self, self._pool.shutdown, wait=False)
+        for _ in self._pool.map(lambda piece: self._read_piece(memory[piece[0]:piece[0] + piece[1]],
+                                                                offset + piece[0], key), pieces):
+            pass
+
+    def _read_piece(self, memory: memoryview, offset: int, key: str) -> None:
+        done = 0
+        while done < memory.nbytes:  # (pread may return less than asked)
+            read = os.preadv(self.fd, [memory[done:]], offset + done)
+            if read <= 0:
+                raise CheckpointError(f"{self.path} ended inside record data/{key}")
+            done += read
+
 
 @dataclass(frozen=True, slots=True)
 class LazyTensor:
@@ -74,8 +108,13 @@ class LazyTensor:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
 
-    def read(self) -> torch.Tensor:
-        """The tensor, read from the file into memory of its own (its storage's extent only)."""
+    @property
+    def position(self) -> tuple[str, int]:
+        """(file, offset of its record): the order that reads the file front to back."""
+        return str(self.file.path), self.file.record(self.record.key)[0]
+
+    def _span(self) -> tuple[int, int]:
+        """(file offset, bytes) of the tensor's extent in its record, checked against the record's size."""
         itemsize = self.record.dtype.itemsize
         extent = 1 + sum((size - 1) * step for size, step in zip(self.shape, self.stride)) if all(self.shape) else 0
         start, size_bytes = self.file.record(self.record.key)
@@ -85,16 +124,45 @@ class LazyTensor:
         if first + num_bytes > size_bytes:
             raise CheckpointError(f"{self.file.path}: record data/{self.record.key} holds {size_bytes} bytes, a "
                                   f"tensor needs {first + num_bytes}: the file is damaged")
-        buffer = torch.empty(num_bytes, dtype=torch.uint8)
-        view, done = memoryview(buffer.numpy()), 0
-        while done < num_bytes:  # (pread may return less than asked)
-            read = os.preadv(self.file.fd, [view[done:]], start + first + done)
-            if read <= 0:
-                raise CheckpointError(f"{self.file.path} ended inside record data/{self.record.key}")
-            done += read
+        return start + first, num_bytes
+
+    def _fill(self, memory: memoryview) -> None:
+        offset, num_bytes = self._span()
+        assert memory.nbytes == num_bytes
+        self.file.read_at(memory, offset, self.record.key)
         if hasattr(os, "posix_fadvise"):  # read once: the page cache need not keep it
-            os.posix_fadvise(self.file.fd, start + first, num_bytes, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(self.file.fd, offset, num_bytes, os.POSIX_FADV_DONTNEED)
+
+    def read(self) -> torch.Tensor:
+        """The tensor, read from the file into memory of its own (its storage's extent only)."""
+        buffer = torch.empty(self._span()[1], dtype=torch.uint8)
+        self._fill(memoryview(buffer.numpy()))
         return buffer.view(self.record.dtype).as_strided(self.shape, self.stride)
+
+    def read_into(self, out: torch.Tensor) -> None:
+        """Copy the tensor into ``out`` (same number of elements, any shape): read straight into it when it is
+        contiguous host memory of the tensor's dtype and the tensor is stored contiguously, else through
+        :meth:`read`."""
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        if numel != out.numel():
+            raise CheckpointError(f"{self.file.path}: record data/{self.record.key} holds {numel} elements where "
+                                  f"{out.numel()} are loaded: the checkpoint is of another model")
+        direct = (out.device.type == "cpu" and out.dtype == self.record.dtype and out.is_contiguous()
+                  and self.stride == _contiguous_stride(self.shape) and numel > 0)
+        if not direct:
+            out.copy_(self.read().reshape(out.shape))
+            return
+        self._fill(memoryview(out.detach().view(-1).view(torch.uint8).numpy()))
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(stride))
 
 
 class LazyTensors(collections.abc.MutableMapping):
@@ -106,6 +174,24 @@ class LazyTensors(collections.abc.MutableMapping):
     def __getitem__(self, name: str) -> Any:
         value = self._entries[name]
         return value.read() if isinstance(value, LazyTensor) else value
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries  # (the Mapping's default looks the tensor up: it would read it)
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Copy ``name``'s tensor into ``out`` (same number of elements): read from the file straight into it where
+        it can be (:meth:`LazyTensor.read_into`)."""
+        value = self._entries[name]
+        if isinstance(value, LazyTensor):
+            value.read_into(out)
+        else:
+            out.copy_(value.reshape(out.shape))
+
+    def position(self, name: str) -> tuple[str, int] | None:
+        """Where ``name``'s tensor lies (file, offset): reading in this order reads each file front to back. None
+        for a tensor already in memory."""
+        value = self._entries[name]
+        return value.position if isinstance(value, LazyTensor) else None
 
     def __setitem__(self, name: str, value: Any) -> None:
         self._entries[name] = value

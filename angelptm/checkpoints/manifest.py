@@ -26,9 +26,11 @@ the zip's covered the records only, and ours runs in threads beside the write in
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -81,7 +83,12 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
         n >>= 1
         k += 1
     return _multmodp(power, crc1) ^ crc2
+
+
 _READ_BYTES = 16 << 20
+"""A file is verified in blocks of this size."""
+_VERIFY_THREADS = max(2, _HASH_THREADS)
+"""Blocks read and hashed at once when a file is verified (at least 2: one is read while another is hashed)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,11 +261,33 @@ def _valid_entry(entry: Any) -> bool:
 
 
 def file_crc32(path: Path) -> int:
-    """CRC-32 of a whole file, read in large blocks."""
-    crc = 0
-    with open(path, "rb", buffering=0) as handle:
-        while block := handle.read(_READ_BYTES):
-            crc = zlib.crc32(block, crc)
+    """CRC-32 of a whole file: blocks read with ``pread`` and hashed by a thread pool (both release the GIL), joined
+    in order with :func:`crc32_combine`.
+
+    One thread reading then hashing block after block (as this did) never had the disk busy while it hashed: 33 GB
+    took ~31 s on the H200 host, where its disk alone reads them in 21 s. With several blocks in flight the disk
+    always has requests queued, and a file still in the page cache hashes on every thread.
+    """
+    size = os.stat(path).st_size
+    starts = range(0, size, _READ_BYTES)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    buffers = threading.local()  # one block's buffer per thread, reused (fresh ones would each be faulted in)
+    try:
+        def block_crc(start: int) -> tuple[int, int]:
+            if not hasattr(buffers, "block"):
+                buffers.block = memoryview(bytearray(_READ_BYTES))
+            num_bytes = os.preadv(fd, [buffers.block[:min(_READ_BYTES, size - start)]], start)
+            return zlib.crc32(buffers.block[:num_bytes]), num_bytes
+
+        crc, done = 0, 0
+        with ThreadPoolExecutor(_VERIFY_THREADS, thread_name_prefix="ckpt-verify") as pool:
+            for block, num_bytes in pool.map(block_crc, starts):
+                crc = crc32_combine(crc, block, num_bytes)
+                done += num_bytes
+    finally:
+        os.close(fd)
+    if done != size:
+        raise OSError(errno.EIO, f"read {done} of its {size} bytes (it changed while it was read)", str(path))
     return crc
 
 

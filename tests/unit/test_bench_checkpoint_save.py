@@ -49,6 +49,8 @@ def test_the_quick_bench_runs_end_to_end_and_prints_every_measurement(tmp_path):
     load = by_kind["load"][0]
     assert load["bytes"] == saves[-1]["bytes"] and load["load_s"] > 0
     assert load["fraction_of_disk_read"] == pytest.approx(load["read_gbps"] / disk["read_gbps"])
+    assert load["rss_load_growth_gib"] == pytest.approx(load["rss_after_load_gib"] - load["rss_before_load_gib"])
+    assert load["rss_built_run_gib"] > 0.1 and load["rss_before_load_gib"] > 0.1
     resume = by_kind["resume"][0]
     assert resume["resumed_at"] == 4 and resume["steps_compared"] == 1
     assert resume["verdict"] == "bit-exact" and resume["losses_c"] == resume["losses_a"]  # CPU: deterministic

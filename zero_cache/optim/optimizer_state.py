@@ -13,7 +13,7 @@ order and two callbacks of the optimizer's; :class:`OptimizerCheckpoint` is the 
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Mapping
 
 import torch
 
@@ -33,6 +33,24 @@ def trained_members(param_groups: list[dict[str, Any]], slots: list[TensorSlot],
     for index, slot in members:
         by_chunk.setdefault(slot.chunk, []).append((index, slot))
     return members, by_chunk
+
+
+def _file_order(table: Mapping[str, Any], name: str) -> tuple:
+    """Sort key of ``table[name]``: where its tensor lies in its file, for a table that knows (``position``), so that
+    a chunk's reads go through the file front to back; tensors already in memory first."""
+    position = getattr(table, "position", None)
+    where = position(name) if position is not None else None
+    return (1, *where) if where is not None else (0,)
+
+
+def _copy_state(out: torch.Tensor, table: Mapping[str, Any], name: str) -> None:
+    """``out`` (a flat view of a state in its chunk) from ``table[name]``: read straight into it by a table that reads
+    its tensors from a file (``read_into``), else copied."""
+    read_into = getattr(table, "read_into", None)
+    if read_into is not None:
+        read_into(name, out)
+    else:
+        out.copy_(table[name].reshape(-1))
 
 
 class NamedStates:
@@ -150,14 +168,32 @@ class NamedStates:
 
     def load_master_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load fp32 masters by name; sharded, each rank takes its owned ones (``state`` may hold more)."""
-        missing = [name for name in self.owned_names if name not in state]
-        if missing:
-            raise KeyError(f"checkpoint lacks master weights for {missing[:5]}")
+        self._load_tables({"master": state})
+
+    def _load_tables(self, tables: dict[str, Mapping[str, Any]]) -> None:
+        """Load each field's name table (``{"master": ..., "exp_avg": ...}``) into the owned chunks, then rewrite the
+        compute copies from the masters (``tables`` holds them).
+
+        One pass over the chunks, each opened once (an NVMe group is read and written back once, not once per
+        field), every table checked for every owned name before anything is written. A table that reads its tensors
+        from a file (a checkpoint's lazily loaded states) reads each straight into its place in the chunk
+        (``read_into``), in the file's order (``position``): the records of a chunk's three fields lie together, so
+        the file is read front to back.
+        """
+        owned = self.owned_names
+        for field, table in tables.items():
+            missing = [name for name in owned if name not in table]
+            if missing:
+                what = "master weights" if field == "master" else f"{field} states"
+                raise KeyError(f"checkpoint lacks {what} for {missing[:5]}")
         with torch.no_grad():
             for slots, states in self._chunk_states(write_back=True):
-                for slot in slots:
-                    self.store.state_view(slot, "master", states).copy_(state[slot.name].reshape(-1))
-            self.restore_params(self._all_names)
+                reads = sorted(itertools.product(slots, tables), key=lambda read: _file_order(tables[read[1]],
+                                                                                              read[0].name))
+                for slot, field in reads:
+                    _copy_state(self.store.state_view(slot, field, states), tables[field], slot.name)
+            if "master" in tables:
+                self.restore_params(self._all_names)
         self.settle()
 
     def master_values(self, names: Collection[str]) -> dict[str, torch.Tensor]:
@@ -200,16 +236,13 @@ class NamedStates:
         Returns:
             The saved (step, speculate_next) for the optimizer to resume with; None without optimizer states.
         """
-        self.load_master_state_dict(state["masters"])
         if not load_optimizer_states:
+            self.load_master_state_dict(state["masters"])
             return None
         saved = state["optimizer"]
+        self._load_tables({"master": state["masters"], "exp_avg": saved["exp_avg"], "exp_avg_sq": saved["exp_avg_sq"]})
         for group, hyper in zip(self.optimizer.param_groups, saved["param_groups"]):
             group.update(hyper)
-        with torch.no_grad():
-            for slots, states in self._chunk_states(write_back=True):
-                for slot, field in itertools.product(slots, ("exp_avg", "exp_avg_sq")):
-                    self.store.state_view(slot, field, states).copy_(saved[field][slot.name])
         if self.loss_scaler is not None and state.get("loss_scaler"):
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         return saved["step"], saved.get("speculate_next", True)
