@@ -31,6 +31,7 @@ from typing import Any, Iterator
 import torch
 
 from angelptm.checkpoints import safe_pickle
+from angelptm.checkpoints.streamed import contiguous_stride
 from angelptm.errors import CheckpointError
 
 STATE_TABLES = ("masters", "exp_avg", "exp_avg_sq")
@@ -150,19 +151,11 @@ class LazyTensor:
             raise CheckpointError(f"{self.file.path}: record data/{self.record.key} holds {numel} elements where "
                                   f"{out.numel()} are loaded: the checkpoint is of another model")
         direct = (out.device.type == "cpu" and out.dtype == self.record.dtype and out.is_contiguous()
-                  and self.stride == _contiguous_stride(self.shape) and numel > 0)
+                  and self.stride == contiguous_stride(self.shape) and numel > 0)
         if not direct:
             out.copy_(self.read().reshape(out.shape))
             return
         self._fill(memoryview(out.detach().view(-1).view(torch.uint8).numpy()))
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, running = [], 1
-    for size in reversed(shape):
-        stride.append(running)
-        running *= max(size, 1)
-    return tuple(reversed(stride))
 
 
 class LazyTensors(collections.abc.MutableMapping):

@@ -68,7 +68,8 @@ class _Storage:
     numel: int
 
 
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (as torch gives them: a size-0 dimension counts as 1)."""
     stride, running = [], 1
     for size in reversed(shape):
         stride.append(running)
@@ -108,7 +109,7 @@ class _ArchivePickler(pickle.Pickler):
     @staticmethod
     def _rebuild(storage: _Storage, shape: tuple[int, ...], *, requires_grad: bool) -> tuple:
         return (torch._utils._rebuild_tensor_v2,
-                (storage, 0, shape, _contiguous_stride(shape), requires_grad, collections.OrderedDict()))
+                (storage, 0, shape, contiguous_stride(shape), requires_grad, collections.OrderedDict()))
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _Storage):

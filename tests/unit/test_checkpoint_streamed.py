@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_compare import assert_equal, load_states
 from reference import random_batches, train_steps
 from zero_cache_setup import CHUNK_NUMEL, budgets, six_layer_llama, zero_cache_config
 
@@ -54,26 +55,6 @@ def _llama(seed: int, num_layers: int) -> torch.nn.Module:
                                    hidden_size=32, num_heads=4))
 
 
-def load_states(path: Path) -> tuple[dict, dict]:
-    return (torch.load(path / checkpoint.MODEL_FILE, weights_only=True),
-            torch.load(path / checkpoint.OPTIM_FILE, weights_only=True))
-
-
-def assert_equal(a, b, where: str = "") -> None:
-    """Equal structure, and tensors equal bit for bit (dtype and shape too)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), f"{where} differs"
-    elif isinstance(a, dict):
-        assert sorted(a, key=str) == sorted(b, key=str), where
-        for key in a:
-            assert_equal(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, (where, a, b)
 
 
 def slow_writer(monkeypatch, seconds_per_chunk: float) -> None:

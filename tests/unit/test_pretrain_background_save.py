@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+from checkpoint_compare import assert_equal, load_states
 from launch import shipped_config
 
 import angelptm
@@ -79,25 +79,6 @@ def saves(monkeypatch) -> list[dict]:
     return seen
 
 
-def states(path: Path) -> tuple[dict, dict]:
-    return (torch.load(path / checkpoint.MODEL_FILE, weights_only=True),
-            torch.load(path / checkpoint.OPTIM_FILE, weights_only=True))
-
-
-def assert_equal(a, b, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), f"{where} differs"
-    elif isinstance(a, dict):
-        assert sorted(a, key=str) == sorted(b, key=str), where
-        for key in a:
-            assert_equal(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, (where, a, b)
 
 
 def logged_losses(out: str) -> dict[int, str]:
@@ -124,8 +105,8 @@ def test_background_saves_resume_bit_exactly_like_synchronous_ones(tmp_path, sav
     root = tmp_path / "background"
     assert (root / "latest").read_text() == "global_step8"
     for step in (2, 4, 6, 8):
-        for saved, expected in zip(states(root / f"global_step{step}"),
-                                   states(tmp_path / "sync" / f"global_step{step}")):
+        for saved, expected in zip(load_states(root / f"global_step{step}"),
+                                   load_states(tmp_path / "sync" / f"global_step{step}")):
             assert_equal(saved, expected, f"global_step{step}")
 
     # Resume the run from the background save of step 4 (as after a crash there): the same steps 5..8, bit for bit.
@@ -137,7 +118,7 @@ def test_background_saves_resume_bit_exactly_like_synchronous_ones(tmp_path, sav
     assert job.main(["--config", str(background)]) == 0
     out = capsys.readouterr().out
     assert logged_losses(out) == {s: sync_losses[s] for s in range(5, 9)}, out[-2000:]
-    for saved, expected in zip(states(root / "global_step8"), states(tmp_path / "sync" / "global_step8")):
+    for saved, expected in zip(load_states(root / "global_step8"), load_states(tmp_path / "sync" / "global_step8")):
         assert_equal(saved, expected, "resumed global_step8")
 
 
