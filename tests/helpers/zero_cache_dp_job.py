@@ -26,6 +26,7 @@ from reference import SEQ, VOCAB, RandomTokens, end_job, open_files_under  # noq
 import angelptm  # noqa: E402
 from angelptm.pretraining.data import repeat_batches  # noqa: E402
 from angelptm.pretraining.models import ModelConfig, build_model  # noqa: E402
+from zero_cache.plan.host_memory import WARMUP_HOST_FACTOR  # noqa: E402
 from zero_cache.plan.layout import pack  # noqa: E402
 from zero_cache.plan.planner import DEVICE_MARGIN_FRACTION  # noqa: E402
 from zero_cache.plan.working_set import GRADIENT_BUCKETS, GROUPS_IN_USE, budget_for_room  # noqa: E402
@@ -126,9 +127,9 @@ def main() -> None:
     off_device = args.param_home in ("host", "nvme")
     expected = ({"host"} if off_device else {"device", "host"}) | ({"remote"} if world_size > 1 else set())
     # (On CUDA the first plan keeps a share of the device for activations: its split differs.)
-    if args.warmup_least_footprint:  # the warm-up keeps none on the device: the host takes them all
-        assert "device" not in tiers, f"rank {rank}: the warm-up keeps groups in {tiers}"
-    else:
+    warmup_device_groups = [group.tier for group in optimizer.store.groups].count("device")
+    warmup_host_bytes = optimizer.plan.host_bytes
+    if not args.warmup_least_footprint:
         assert tiers == expected or engine.device.type == "cuda", f"rank {rank}: groups in {tiers}, expected {expected}"
     # During backward (clipping included: zero_cache.optim.revision), except for ranks that accumulate micro-batches.
     assert optimizer.update_in_backward == (not args.after_backward and (args.accumulation == 1 or world_size == 1))
@@ -157,6 +158,14 @@ def main() -> None:
     if args.warmup_least_footprint and args.steps:  # the re-plan after it placed them as the first plan does
         tiers = {group.tier for group in optimizer.store.groups}
         assert tiers == expected, f"rank {rank}: after the re-plan, groups in {tiers}, expected {expected}"
+        # The warm-up moved groups off the device, as many as its host cap allows (a CPU re-plan measures no
+        # activations: the settled plan is the first one, which the cap is taken against).
+        settled_device_groups = [group.tier for group in optimizer.store.groups].count("device")
+        assert warmup_device_groups < settled_device_groups, (rank, warmup_device_groups, settled_device_groups)
+        settled_host = optimizer.plan.host_bytes
+        one_group = optimizer.store.layout.chunk_numel * 12  # (a group's fp32 master and moments, at most)
+        assert warmup_host_bytes <= max(int(WARMUP_HOST_FACTOR * settled_host), settled_host + one_group), \
+            (rank, warmup_host_bytes, settled_host)
     if args.save_dir:
         engine.save_checkpoint(args.save_dir)
     if args.destroy:  # the module's own weights after destroy(), which must bring every rank's up to date itself
