@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from zero_cache.plan.home_costs import home_costs
 from zero_cache.plan.placement import Plan, PlanInputs
 from zero_cache.plan.state_costs import Route, state_costs
-from zero_cache.plan.tier_names import HOST, NVME
+from zero_cache.plan.tier_names import HOST
 from zero_cache.plan.units import format_bytes
 
 WARMUP_HOST_FACTOR = 1.1
@@ -82,8 +82,15 @@ def host_bytes(plan: Plan, inputs: PlanInputs) -> HostBytes:
         param_homes=sum(home_costs(name).host_bytes(homes.count(name), inputs.param_chunk_bytes)
                         for name in set(homes)),
         staging=inputs.staging_buffers * inputs.param_chunk_bytes if staged else 0,
-        bounce=inputs.swap_buffers * inputs.swap_buffer_bytes if NVME in tiers else 0,
+        bounce=inputs.swap_buffers * inputs.swap_buffer_bytes if any(swapped(tier) for tier in tiers) else 0,
         kept=len(plan.kept_gradients) * inputs.chunk_numel * inputs.kept_bytes_per_element)
+
+
+def swapped(tier: str) -> bool:
+    """A state home this rank updates whose states are not kept in memory (the disk's): it reads them through the
+    pinned bounce buffers."""
+    costs = state_costs(tier)
+    return costs.owned and not costs.resident
 
 
 def warmup_host_cap(first: Plan, inputs: PlanInputs) -> int:
