@@ -1,10 +1,11 @@
 """The tracked files speak of the project alone: of dates, commits and cards, never of the work periods a change was
-made in ("session 44"), the provisioning names of the machines it was measured on ("nvidia-h200-x2"), or which
-machines could be had ("the lent H100"). A result is named by its date, card and commit
-(``bench/results/<date>-<card>-<what>-<commit>.<ext>``), a card as "1x H200".
+made in, the provisioning names of the machines it was measured on, or which machines could be had. A result is
+named by its date, card and commit (``bench/results/<date>-<card>-<what>-<commit>.<ext>``), a card as "1x H200".
 
 The patterns are narrow on purpose: "session" alone (pytest's session, an HTTP session) and the buffers the NVMe
-tier lends (``lent_bounce_buffer``, "once lent them") are the project's own words and pass."""
+tier hands out for a probe (``ChunkStore``'s bounce-buffer accessor) are the project's own words and pass. The
+examples the patterns must find are written below with a ``|`` inside a word, taken out before they are matched,
+so that this file is scanned like every other."""
 
 from __future__ import annotations
 
@@ -15,12 +16,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-THIS = Path(__file__).resolve().relative_to(ROOT).as_posix()  # holds the examples below, so it is not scanned
 FORBIDDEN = {
     "a work period": re.compile(r"\bsessions?[ _-]?\d+|\b(?:this|next|last|earlier|later|previous)\s+sessions?\b",
                                 re.I),
     "a machine kind": re.compile(r"\bnvidia-[a-z]+\d+[a-z0-9-]*|\b[abh]\d00-x\d+\b", re.I),
-    "a machine loan": re.compile(
+    "where a machine came from": re.compile(
         r"\blent\s+(?:an?\s+|the\s+)?(?:[abh]\d00|gpus?\b|machines?\b|cards?\b|nodes?\b|image\b)"
         r"|\bthe\s+lent\s+[a-z0-9]|\b(?:was|were|been|not)\s+lent\b|\bloan(?:s|ed)?\b"
         r"|\bborrowed\s+(?:machines?|gpus?|cards?|nodes?)\b", re.I),
@@ -56,7 +56,7 @@ def test_no_tracked_file_speaks_of_work_periods_machine_kinds_or_loans():
     bad = []
     for name in _tracked():
         path = ROOT / name
-        if name == THIS or not path.is_file():
+        if not path.is_file():
             continue
         data = path.read_bytes()
         if b"\0" in data[:8192]:
@@ -67,12 +67,14 @@ def test_no_tracked_file_speaks_of_work_periods_machine_kinds_or_loans():
 
 
 @pytest.mark.parametrize("text", [
-    "session 44", "Session 47: the H200 only", "sessions 38, 43, 44", "h100-matrix-10b-session46.out",
-    "measured this session", "in the next session's run", "nvidia-h200", "`nvidia-h100-x1`", "device kind h200-x4",
-    "the lent H200", "on the lent machines", "no H100 or 2x H200 was lent", "was not lent", "machine loans",
-    "a borrowed machine", "lent GPU image",
+    "ses|sion 44", "Ses|sion 47: the H200 only", "ses|sions 38, 43, 44", "h100-matrix-10b-ses|sion46.out",
+    "measured this ses|sion", "in the next ses|sion's run", "nvi|dia-h200", "`nvi|dia-h1|00-x1`",
+    "device kind h2|00-x4",
+    "the le|nt H200", "on the le|nt machines", "no H100 or 2x H200 was le|nt", "was not le|nt", "machine lo|ans",
+    "a bor|rowed machine", "le|nt GPU image",
 ])
 def test_the_patterns_find_each_way_of_saying_it(text):
+    text = text.replace("|", "")
     assert offences(text, FORBIDDEN), text
 
 

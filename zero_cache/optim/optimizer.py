@@ -266,7 +266,7 @@ class ZeroCacheOptimizer(OptimizerCheckpoint, torch.optim.Optimizer):
         return self.host_adam.probe_work(dtype)
 
     def lent_bounce_buffer(self) -> ContextManager[torch.Tensor | None]:
-        """A bounce buffer of the state homes lent for a disk probe, or None (:meth:`ChunkStore.lent_bounce_buffer`)."""
+        """A state homes' bounce buffer for a disk probe, or None (:meth:`ChunkStore.lent_bounce_buffer`)."""
         return self.store.lent_bounce_buffer()
 
     def recorded_gathers(self, under: Plan | None = None) -> RecordedGathers | None:

@@ -3,8 +3,8 @@
 The warm-up (:mod:`zero_cache.warmup`) registers one :class:`StepObserver` (``ZeroCacheOptimizer.observe``) and
 reads the optimizer through a few named methods: the work its steps timed (:class:`StepTimings`), the group
 acquisitions the warm-up recorded (:class:`~zero_cache.runtime.gathered.RecordedGathers`), the rate probe's work for
-the host's Adam and a lent bounce buffer; it changes the optimizer only by ``apply_plan``. It never reaches into the
-optimizer's parts (its host worker, device steps or store), so those can change without it.
+the host's Adam and a bounce buffer for the disk probe; it changes the optimizer only by ``apply_plan``. It never
+reaches into the optimizer's parts (its host worker, device steps or store), so those can change without it.
 """
 
 from __future__ import annotations
