@@ -55,3 +55,36 @@ def run_ok(command: list[str], **kwargs) -> str:
     result = run(command, **kwargs)
     assert result.returncode == 0, result.stderr[-4000:]
     return result.stdout + result.stderr
+
+
+def beside_deepspeed(job: Path, root: Path, *args: str, per_backend_dir: bool = False, one_thread: bool = True,
+                     timeout: int = 300) -> dict[str, dict]:
+    """Run ``job BACKEND ROOT/BACKEND.json [ROOT/BACKEND] *args`` as real DeepSpeed (``deepspeed``) and as this engine
+    (``angelptm``) at once, one CPU process each, and return the JSON each wrote, by backend.
+
+    Each process imports the checkout under test (``PYTHONPATH``), not an installed copy, and sees no GPU and none
+    of the caller's rank variables; DeepSpeed's gets a one-rank launcher environment (else it tries MPI discovery).
+    ``per_backend_dir``: each gets a directory of its own, passed after its JSON path; ``one_thread``: one OpenMP
+    thread each (both at once on a small machine)."""
+    base = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    if one_thread:
+        base["OMP_NUM_THREADS"] = "1"
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        base.pop(name, None)
+    launcher = {"DS_ACCELERATOR": "cpu", "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    running = {}
+    for backend, env in (("deepspeed", {**base, **launcher}), ("angelptm", base)):
+        own_dir = [str(root / backend)] if per_backend_dir else []
+        if per_backend_dir:
+            (root / backend).mkdir()
+        running[backend] = subprocess.Popen([sys.executable, str(job), backend, str(root / f"{backend}.json"),
+                                             *own_dir, *args], env=env, stdout=subprocess.PIPE,
+                                            stderr=subprocess.STDOUT, text=True)
+    out = {}
+    for backend, process in running.items():
+        log, _ = process.communicate(timeout=timeout)
+        assert process.returncode == 0, f"{backend} job failed:\n{log[-4000:]}"
+        out[backend] = json.loads((root / f"{backend}.json").read_text())
+    return out

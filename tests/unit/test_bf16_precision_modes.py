@@ -6,14 +6,11 @@ against DeepSpeed's C++ Adam on fresh random inputs.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from launch import beside_deepspeed
 
 from angelptm.config import load_config
 from angelptm.engine import deepspeed_cpu_adam
@@ -28,21 +25,7 @@ BASE = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "par
 def results(tmp_path_factory) -> dict[str, dict]:
     pytest.importorskip("deepspeed")
     root = tmp_path_factory.mktemp("bf16_modes")
-    base = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        base.pop(name, None)
-    launcher = {"DS_ACCELERATOR": "cpu", "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1",
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(30500 + os.getpid() % 1000)}
-    running = {backend: subprocess.Popen([sys.executable, str(JOB), backend, str(root / f"{backend}.json")], env=env,
-                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-               for backend, env in (("deepspeed", {**base, **launcher}), ("angelptm", base))}
-    out = {}
-    for backend, process in running.items():
-        log, _ = process.communicate(timeout=300)
-        assert process.returncode == 0, f"{backend} job failed:\n{log[-4000:]}"
-        out[backend] = json.loads((root / f"{backend}.json").read_text())
-    return out
+    return beside_deepspeed(JOB, root)
 
 
 def test_every_modes_losses_equal_deepspeeds(results):

@@ -9,14 +9,11 @@ summation orders); DeepSpeed needs a launcher's environment even for one rank.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from launch import beside_deepspeed
 
 pytest.importorskip("deepspeed")
 
@@ -29,21 +26,8 @@ TOL = 1e-5  # tests/unit/test_hf_trainer.py's
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("cifar")
-    base = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        base.pop(name, None)
-    launcher = {"DS_ACCELERATOR": "cpu", "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1",
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000)}
-    running = {backend: subprocess.Popen(
-        [sys.executable, str(JOB), backend, str(root / f"{backend}.json"), "--samples", str(SAMPLES),
-         "--epochs", str(EPOCHS)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for backend, env in (("deepspeed", {**base, **launcher}), ("angelptm", base))}
-    out = {}
-    for backend, process in running.items():
-        log, _ = process.communicate(timeout=300)
-        assert process.returncode == 0, f"{backend} job failed:\n{log[-4000:]}"
-        out[backend] = json.loads((root / f"{backend}.json").read_text())
+    out = beside_deepspeed(JOB, root, "--samples", str(SAMPLES), "--epochs", str(EPOCHS))
+    for backend in out:
         out[backend]["weights"] = torch.load(root / f"{backend}.json.weights.pt")
     return out
 

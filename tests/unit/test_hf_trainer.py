@@ -7,14 +7,11 @@ environment. Each writes per-step losses; the checks read them.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from launch import beside_deepspeed
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -29,24 +26,7 @@ JOB = ROOT / "tests" / "helpers" / "hf_trainer_job.py"
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("hf_trainer")
-    # PYTHONPATH: the jobs import the checkout under test, not whichever copy of angelptm is installed.
-    base = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    # Real DeepSpeed needs a launcher's environment even for one rank (else it tries MPI discovery).
-    launcher = {"DS_ACCELERATOR": "cpu", "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1",
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000)}
-    running = {}
-    for backend, env in (("deepspeed", {**base, **launcher}), ("angelptm", base)):
-        (root / backend).mkdir()
-        running[backend] = subprocess.Popen(
-            [sys.executable, str(JOB), backend, str(root / f"{backend}.json"), str(root / backend)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out = {}
-    for backend, process in running.items():
-        log, _ = process.communicate(timeout=300)
-        assert process.returncode == 0, f"{backend} job failed:\n{log[-4000:]}"
-        out[backend] = json.loads((root / f"{backend}.json").read_text())
-    return out
+    return beside_deepspeed(JOB, root, per_backend_dir=True, one_thread=False)
 
 
 @pytest.mark.parametrize("case", sorted(CASES) + list(ZERO3_CASES))
