@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 _HANDED_OUT: set[int] = set()
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,3 +90,14 @@ def beside_deepspeed(job: Path, root: Path, *args: str, per_backend_dir: bool = 
         assert process.returncode == 0, f"{backend} job failed:\n{log[-4000:]}"
         out[backend] = json.loads((root / f"{backend}.json").read_text())
     return out
+
+
+def load_script(relative_path: str) -> ModuleType:
+    """A script of the checkout (``bench/…``, ``tools/…``: not packages) imported as a module named after its file,
+    registered in ``sys.modules`` first (its dataclasses look their module up there while they are built)."""
+    path = ROOT / relative_path
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -3,7 +3,6 @@ stall over step timings, the quiet steps' baseline, the resume's verdict against
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import random
@@ -12,16 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from launch import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def bench():
-    spec = importlib.util.spec_from_file_location("checkpoint_save", ROOT / "bench/checkpoint_save.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["checkpoint_save"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/checkpoint_save.py")
 
 
 def test_the_quick_bench_runs_end_to_end_and_prints_every_measurement(tmp_path):

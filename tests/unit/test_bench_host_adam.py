@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
 from pathlib import Path
 
 import pytest
+from launch import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def host_adam_bench():
-    spec = importlib.util.spec_from_file_location("host_adam_bench", ROOT / "bench/host_adam.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["host_adam_bench"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/host_adam.py")
 
 
 def test_the_bound_is_the_bandwidth_over_the_bytes_an_element_moves():

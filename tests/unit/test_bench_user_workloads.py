@@ -4,23 +4,19 @@ removes what a run left in the swap directories (a run ends with os._exit: DeepS
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from launch import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def user_workloads():
-    spec = importlib.util.spec_from_file_location("user_workloads", ROOT / "bench/user_workloads.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["user_workloads"] = module  # (its dataclasses look their module up there)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/user_workloads.py")
 
 
 def test_the_nvme_json_runs_and_reports_disk_bytes(tmp_path):

@@ -6,23 +6,20 @@ without regenerating it fails here, with the command that fixes it.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+from launch import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "configuration.md"
 
 
 def _generator():
-    spec = importlib.util.spec_from_file_location("config_reference", ROOT / "tools" / "config_reference.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/config_reference.py")
 
 
 def test_the_committed_reference_is_what_the_generator_writes_now():

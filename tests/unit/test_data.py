@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from launch import load_script
 from torch.utils.data import DataLoader
 
 from angelptm.pretraining.data.dataset import TokenDataset, TokenWriter, dataset_paths, read_index
@@ -104,10 +105,7 @@ def test_tokenizer_is_trained_on_corpus(tok: Tokenizer) -> None:
 
 
 def test_shipped_tokenizer_is_reproducible(tok: Tokenizer) -> None:
-    spec = importlib.util.spec_from_file_location("train_tokenizer", REPO / "tools" / "train_tokenizer.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    retrained = module.train(pp.default_corpus_path(), 4096)
+    retrained = load_script("tools/train_tokenizer.py").train(pp.default_corpus_path(), 4096)
     shipped = json.loads((REPO / "angelptm" / "pretraining" / "data" / "assets" / "tokenizer.json").read_text())
     again = json.loads(retrained.to_str())
     # Compare vocabulary and merges rather than bytes, which may vary between versions.

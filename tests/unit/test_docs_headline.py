@@ -5,12 +5,12 @@ either page is caught. The README keeps no hand-kept test count (it went stale).
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import re
 from pathlib import Path
 
 import pytest
+from launch import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 CARDS = {"CPU", "H100", "H200", "2x H200", "4x H200"}
@@ -18,10 +18,7 @@ MEASURED = re.compile(r"^20\d\d-\d\d-\d\d, `[0-9a-f]{7,40}`(, `[0-9a-f]{7,40}`)*
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("headline", ROOT / "tools" / "headline.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/headline.py")
 
 
 def _pages() -> tuple[str, str]:

@@ -9,13 +9,13 @@ the figures ``--plan`` prints (written by ``tools/plan_table.py``), checked here
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from launch import load_script
 
 import zero_cache
 from angelptm.config import load_config
@@ -129,10 +129,7 @@ def test_named_budgets_split_the_host_between_its_gpus():
 
 
 def _table_tool():
-    spec = importlib.util.spec_from_file_location("plan_table", ROOT / "tools" / "plan_table.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/plan_table.py")
 
 
 def test_the_pages_plan_table_and_example_plan_are_what_plan_prints():
