@@ -105,7 +105,10 @@ class ChunkUpdates:
 
     def step_on_device(self, chunk: int, members: dict[int, list[TensorSlot]], hypers: list[dict[str, Any]],
                        step: int, grad_factor: float) -> None:
-        """Queue ``chunk``'s update on the device steps; the next forward waits for its params alone."""
+        """Queue ``chunk``'s update on the device steps; the next forward waits for its params alone. A chunk whose
+        step record refuses the device step (:class:`~zero_cache.optim.step_record.StepTransitionError`) raises before
+        anything is staged, waited for or queued."""
+        self.steps.check_on_device(chunk)
         self.before_update(chunk)
         self.wait_for_chunk(chunk)  # a host job still on it (a restore) has run
         # None unless written home by a copy: on the device it is ordered by begin(), an accumulator is filled
