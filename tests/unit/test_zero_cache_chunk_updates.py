@@ -95,3 +95,24 @@ def test_a_device_step_the_record_refuses_is_never_queued(earlier):
     other = (chunk + 1) % num_chunks  # a chunk the record lets step is queued as before
     updates.step_on_device(other, {}, [], 2, 1.0)
     assert device_steps.queued == [*queued, other] and steps[other].phase is Phase.DEVICE_STEPPED
+
+
+def test_retired_kept_gradients_outlive_a_host_failure_while_their_chunks_finish():
+    num_chunks = 6
+    retired = sorted(torch.randperm(num_chunks)[:3].tolist())
+    spare = bool(torch.randint(0, 2, ()).item())
+    updates, steps, store, _, host = updates_of(num_chunks)
+    steps.retire(frozenset(retired), spare=spare)
+    for chunk in retired:  # each still has a host update the forward has not waited for
+        steps.queue(issued_update(chunk))
+    host.error = RuntimeError("the host worker failed")
+    with pytest.raises(RuntimeError, match="host worker failed"):
+        updates.release_retired()
+    assert store.released == [], "kept gradients were let go of while their chunks' host work had failed"
+    assert [r.chunk for r in steps if r.retired] == retired and steps.retired_spare is spare
+    host.error = None  # (the failure dealt with): the next step lets them go, once
+    updates.release_retired()
+    assert store.released == [(frozenset(retired), spare)]
+    assert not any(r.retired for r in steps)
+    updates.release_retired()
+    assert store.released == [(frozenset(retired), spare)]

@@ -174,11 +174,14 @@ class ChunkUpdates:
         return dropping
 
     def release_retired(self) -> None:
-        """Let go of the kept gradients the last count switch retained, once their chunks' host work is done."""
-        retired, spare = self.steps.take_retired()
+        """Let go of the kept gradients the last count switch retained, once their chunks' host work is done. They
+        stay retired until then: a host failure met while their chunks finish raises with them still retired, and
+        the next call finishes and releases them."""
+        retired, spare = self.steps.retired()
         if retired:
             self.finish_chunks(retired)
             self.store.release_kept(frozenset(retired), spare=spare)
+            self.steps.unretire(retired)
 
     def finish_all(self) -> None:
         """Block until every host update and copy has landed, and every moment is stored."""

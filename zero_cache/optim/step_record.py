@@ -217,17 +217,21 @@ class ChunkSteps:
 
     # ------------------------------------------------------------------ retired kept gradients (training thread)
     def retire(self, chunks: frozenset[int], *, spare: bool) -> None:
-        """``chunks`` keep their kept gradients until :meth:`take_retired` (``spare``: then to the spares)."""
+        """``chunks`` keep their kept gradients until :meth:`unretire` (``spare``: then to the spares)."""
         for chunk in chunks:
             self.records[chunk].retired = True
         self.retired_spare = spare
 
-    def take_retired(self) -> tuple[list[int], bool]:
-        """(the retired chunks in order, whether their kept gradients go to the spares), no longer retired."""
-        chunks = [r.chunk for r in self.records if r.retired]
+    def retired(self) -> tuple[list[int], bool]:
+        """(the retired chunks in order, whether their kept gradients go to the spares), left retired: they stay so
+        until their kept gradients are let go of (:meth:`unretire`), so that a failure on the way (a host job's, met
+        while their chunks finish) leaves them to the next try instead of forgetting them."""
+        return [r.chunk for r in self.records if r.retired], self.retired_spare
+
+    def unretire(self, chunks: list[int]) -> None:
+        """``chunks``' kept gradients were let go of: no longer retired."""
         for chunk in chunks:
             self.records[chunk].retired = False
-        return chunks, self.retired_spare
 
     def __iter__(self) -> Iterator[ChunkStep]:
         return iter(self.records)
