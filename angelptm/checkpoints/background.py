@@ -111,8 +111,15 @@ class PendingSave:
             previous checkpoint and ``latest`` are then untouched.
         """
         if not self._over:
-            self.snapshot.stage_all()
+            staging_error = None
+            try:
+                self.snapshot.stage_all()
+            except Exception as err:  # the writer cannot finish: stop it, and publish the failure all the same, which
+                staging_error = err  # removes the temporary directory (and, with several ranks, tells the others)
+                self.snapshot.abort()
             self._thread.join()
+            if staging_error is not None:
+                self._error = staging_error  # (the cause, not the writer's SnapshotAborted)
             if not self.publish_in_writer:
                 self._publish()
             self._over = True

@@ -193,8 +193,19 @@ def save(save_dir: str | os.PathLike, tag: str, ctx: DistContext, *, shared: dic
         records.append(write_file_durably(per_rank, target.tmp / rank_file(ctx.rank)))
     except Exception as err:  # every rank must learn of it, or the others wait at the next barrier
         error = err
+    except BaseException:  # an interrupt: the process stops here, so its staging directory goes now
+        remove_staging(target, ctx)
+        raise
     return publish_save(target, ctx, records, error, payload=(files, per_rank) if ctx.is_main else None,
                         save_latest=save_latest)
+
+
+def remove_staging(target: SaveTarget, ctx: DistContext) -> None:
+    """Remove a failed save's temporary directory, on the rank that created it: that directory alone, as
+    :func:`_remove_entry` removes a name (a symlink found there is unlinked, never followed; ``shutil.rmtree`` does
+    not follow the symlinks inside). Nothing is left for the next save's cleanup, which skips a live process's."""
+    if target.sharing[0] == ctx.rank:
+        _remove_entry(target.tmp)
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,11 +261,19 @@ def publish_save(target: SaveTarget, ctx: DistContext, records: list[manifest.Fi
     Args:
         payload: what this rank wrote (for a full disk's message: the bytes a checkpoint needs).
     """
+    try:
+        return _publish(target, ctx, records, error, payload=payload, save_latest=save_latest)
+    except BaseException:  # whatever stopped it (a collective broken, an interrupt), the partial must not stay
+        remove_staging(target, ctx)  # (gone already where it was renamed into place)
+        raise
+
+
+def _publish(target: SaveTarget, ctx: DistContext, records: list[manifest.FileRecord], error: BaseException | None,
+             *, payload: Any, save_latest: bool) -> Path:
     root, tag, tmp, final = target.root, target.tag, target.tmp, target.final
     every_rank = _gather_records(ctx, None if error is not None else records)
     if any(part is None for part in every_rank):
-        if target.sharing[0] == ctx.rank:  # every rank has stopped writing (the gather): no partials filling the disk
-            shutil.rmtree(tmp, ignore_errors=True)
+        remove_staging(target, ctx)  # every rank has stopped writing (the gather): no partials filling the disk
         if error is not None:
             raise _explained(error, root, tag, payload=payload)
         raise CheckpointError(f"another rank failed while writing checkpoint {final}; the previous checkpoint "
@@ -266,7 +285,7 @@ def publish_save(target: SaveTarget, ctx: DistContext, records: list[manifest.Fi
                       [record for rank in target.sharing for record in every_rank[rank]])
         except Exception as err:  # the other ranks wait below: tell them, or they would hang there
             error = err
-            shutil.rmtree(tmp, ignore_errors=True)  # not renamed in: the partial must not fill the disk
+            remove_staging(target, ctx)  # not renamed in: the partial must not fill the disk
             if not os.path.isdir(root / LATEST_TMP):  # a directory of that name is not ours to delete
                 _remove_entry(root / LATEST_TMP)
     failed = failed_ranks(ctx, error is None)  # only the ranks publishing a directory can have failed here

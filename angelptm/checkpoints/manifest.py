@@ -111,8 +111,14 @@ class _HashingFile:
         self.crc32, self.size_bytes = 0, 0
         self.error: OSError | None = None
         """The first failed write (torch.save's zip writer replaces it with an unrelated error of its own)."""
+        self.closed = False
+        """The file was closed (:func:`hashed_file`'s block ended): later writes are dropped."""
 
     def write(self, data: Any) -> int:
+        if self.closed:
+            # torch's zip writer, given up by a failed save, writes its end when it is destroyed (a collection, the
+            # interpreter's exit): an error raised here would leave its C++ destructor and abort the process.
+            return memoryview(data).nbytes
         try:
             return self._write(data)
         except OSError as err:
@@ -203,6 +209,8 @@ def hashed_file(path: Path) -> Iterator[_HashingFile]:
             if cause is None:
                 raise
             raise OSError(cause.errno, f"writing checkpoint file failed: {cause.strerror or cause}", str(path)) from err
+        finally:
+            target.closed = True
 
 
 def _open_for_writing(path: Path, mode: str) -> Any:

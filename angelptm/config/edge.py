@@ -353,7 +353,7 @@ def upgrade_deprecated_keys(raw: dict[str, Any]) -> list[str]:
         stage = 1 if raw["zero_optimization"] else 0
         section: dict[str, Any] = {"stage": stage}
         if stage:
-            section["allgather_bucket_size"] = int(raw.pop("allgather_size", 500_000_000))
+            section["allgather_bucket_size"] = _legacy_bucket_size(raw.pop("allgather_size", 500_000_000))
         raw["zero_optimization"] = section
         warnings.append(f"\"zero_optimization\": {str(bool(stage)).lower()} is DeepSpeed's deprecated form; read as "
                         f"{json.dumps(section)}. Write the section instead")
@@ -379,6 +379,18 @@ def upgrade_deprecated_keys(raw: dict[str, Any]) -> list[str]:
         warnings.append(f"{key.path} is deprecated: read as {section_name}.{key.new_key} = {json.dumps(new_value)}. "
                         f"Write that instead")
     return warnings
+
+
+def _legacy_bucket_size(value: Any) -> int:
+    """The top-level ``allgather_size`` that ``"zero_optimization": true`` reads as its bucket: a number, refused as
+    :func:`type_problems` refuses one elsewhere (a JSON boolean is not 1 or 0)."""
+    problem = f"allgather_size: expected a number, got {json.dumps(value)}"
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{problem}; write the number (a JSON boolean is not read as 1 or 0 here)")
+    try:
+        return int(value)
+    except (ValueError, OverflowError):
+        raise ValueError(f"{problem}; write a whole number of elements") from None
 
 
 FIELD_NAME_SPELLINGS = {

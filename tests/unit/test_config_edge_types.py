@@ -60,3 +60,60 @@ def test_non_finite_numbers_in_a_json_file_name_the_key(tmp_path, literal, shown
     path.write_text('{"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": %s}}}' % literal)
     with pytest.raises(ConfigError, match=rf"optimizer\.params\.lr: {shown} is not a usable value"):
         load_config(str(path), device_type="cpu")
+
+
+def _numeric_keys(model, prefix: str) -> list[str]:
+    """Every key of ``model`` (nested sections too) whose type is a number and not a boolean, as ``a.b.c``."""
+    import typing
+
+    import pydantic
+
+    keys = []
+    for name, info in model.model_fields.items():
+        members = typing.get_args(info.annotation) or (info.annotation,)
+        nested = [m for m in members if isinstance(m, type) and issubclass(m, pydantic.BaseModel)]
+        literals = [a for m in members if typing.get_origin(m) is typing.Literal for a in typing.get_args(m)]
+        if nested:
+            keys += _numeric_keys(nested[0], f"{prefix}{info.alias or name}.")
+        elif bool not in members and (int in members or float in members or any(type(a) is int for a in literals)):
+            keys.append(f"{prefix}{info.alias or name}")
+    return keys
+
+
+def _nested(path: str, value) -> dict:
+    section: dict = {"train_batch_size": 4}
+    where = section
+    *parents, key = path.split(".")
+    for parent in parents:
+        where = where.setdefault(parent, {})
+    where[key] = value
+    return section
+
+
+def test_true_is_refused_for_every_numeric_key_of_the_precision_and_zero_sections():
+    from angelptm.config import edge
+
+    paths = [path for name, model in (("fp16", edge.FP16Section), ("bf16", edge.BF16Section),
+                                      ("zero_optimization", edge.ZeroSection))
+             for path in _numeric_keys(model, f"{name}.")]
+    assert {"fp16.min_loss_scale", "fp16.loss_scale", "zero_optimization.reduce_bucket_size",
+            "zero_optimization.offload_param.buffer_count", "zero_optimization.zenflow.topk_ratio"} <= set(paths)
+    for path in paths:
+        for flag in (True, False):
+            with pytest.raises(ConfigError) as refused:
+                load_config(_nested(path, flag), device_type="cpu")
+            message = str(refused.value)
+            assert f"{path}: expected a number" in message and f"got {str(flag).lower()}" in message, (path, message)
+
+
+def test_the_deprecated_zero_optimization_true_refuses_a_boolean_allgather_size():
+    """``"zero_optimization": true`` takes the top-level ``allgather_size`` as its bucket: a number, as there."""
+    from angelptm.config import edge
+
+    raw = {"zero_optimization": True, "allgather_size": 2000}
+    edge.upgrade_deprecated_keys(raw)
+    assert raw == {"zero_optimization": {"stage": 1, "allgather_bucket_size": 2000}}
+    assert load_config({"train_batch_size": 4, "zero_optimization": True, "allgather_size": 2000},
+                       device_type="cpu").zero.stage == 1
+    with pytest.raises(ConfigError, match=r"allgather_size: expected a number, got true"):
+        load_config({"train_batch_size": 4, "zero_optimization": True, "allgather_size": True}, device_type="cpu")

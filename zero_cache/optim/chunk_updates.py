@@ -105,7 +105,10 @@ class ChunkUpdates:
 
     def step_on_device(self, chunk: int, members: dict[int, list[TensorSlot]], hypers: list[dict[str, Any]],
                        step: int, grad_factor: float) -> None:
-        """Queue ``chunk``'s update on the device steps; the next forward waits for its params alone."""
+        """Queue ``chunk``'s update on the device steps; the next forward waits for its params alone. A chunk whose
+        step record refuses the device step (:class:`~zero_cache.optim.step_record.StepTransitionError`) raises before
+        anything is staged, waited for or queued."""
+        self.steps.check_on_device(chunk)
         self.before_update(chunk)
         self.wait_for_chunk(chunk)  # a host job still on it (a restore) has run
         # None unless written home by a copy: on the device it is ordered by begin(), an accumulator is filled
@@ -171,11 +174,14 @@ class ChunkUpdates:
         return dropping
 
     def release_retired(self) -> None:
-        """Let go of the kept gradients the last count switch retained, once their chunks' host work is done."""
-        retired, spare = self.steps.take_retired()
+        """Let go of the kept gradients the last count switch retained, once their chunks' host work is done. They
+        stay retired until then: a host failure met while their chunks finish raises with them still retired, and
+        the next call finishes and releases them."""
+        retired, spare = self.steps.retired()
         if retired:
             self.finish_chunks(retired)
             self.store.release_kept(frozenset(retired), spare=spare)
+            self.steps.unretire(retired)
 
     def finish_all(self) -> None:
         """Block until every host update and copy has landed, and every moment is stored."""

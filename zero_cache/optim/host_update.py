@@ -110,9 +110,10 @@ class HostUpdater:
         self.transfers = transfers
         self.host_adam = host_adam
         host, numel = store.tiers[HOST], store.layout.chunk_numel
-        self.pool = BufferPool(STAGING_BUFFERS, lambda: host.allocate(numel, store.compute_dtype))
+        self.pool = BufferPool(STAGING_BUFFERS, lambda: host.allocate(numel, store.compute_dtype), free=host.free)
         """The worker's transfers: gradients fetched, weights sent back."""
-        self.gradient_pool = BufferPool(STAGING_BUFFERS, lambda: host.allocate(numel, store.compute_dtype))
+        self.gradient_pool = BufferPool(STAGING_BUFFERS, lambda: host.allocate(numel, store.compute_dtype),
+                                        free=host.free)
         """Micro-batch gradients staged by the training thread for the accumulators (allocated only when used).
         Apart from ``pool``: an update during backward that needs a buffer must not wait for gradient jobs that
         hold them and run only after it (a deadlock once the training thread has staged them all)."""
@@ -130,6 +131,13 @@ class HostUpdater:
                                         daemon=True)
         self._thread.start()
         self._stop_worker = weakref.finalize(self, stop, self._jobs, self._thread)
+
+    def trim_pools(self) -> None:
+        """Give the staging buffers back (a plan that leaves the host's Adam no group: the plan counts none), after
+        the jobs queued; the next use makes them again."""
+        self.drain()
+        self.pool.trim()
+        self.gradient_pool.trim()
 
     def close(self) -> None:
         """Stop the worker thread (after the jobs already queued) and drop the staging buffers: the updater cannot

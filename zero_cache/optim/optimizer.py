@@ -436,6 +436,8 @@ class ZeroCacheOptimizer(OptimizerCheckpoint, torch.optim.Optimizer):
             self.finish_pending()
             retain = frozenset()
         moved = self.store.apply_plan(plan, keep_spare_gradients=trial, retain=retain)
+        if moved and not any(group.home.route is Route.HOST_ADAM for group in self.store.groups):
+            self.host.trim_pools()  # (the host worker updates no group now: its pinned staging goes, as planned)
         self.chunk_steps.retire(retain, spare=trial)
         if self.exchange is not None:
             self.exchange.apply_working_set(plan)

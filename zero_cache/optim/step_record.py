@@ -90,10 +90,14 @@ class ChunkStep:
     retired: bool = False
     """It keeps a kept gradient that a count switch dropped, until the next step releases it."""
 
-    def move(self, phase: Phase) -> None:
+    def check(self, phase: Phase) -> None:
+        """Raise :class:`StepTransitionError` unless the chunk may move to ``phase`` now (nothing changes)."""
         if phase not in _NEXT[self.phase]:
             raise StepTransitionError(f"chunk {self.chunk}: its update cannot go from {self.phase.name} to "
                                       f"{phase.name} in one window")
+
+    def move(self, phase: Phase) -> None:
+        self.check(phase)
         self.phase = phase
 
 
@@ -139,6 +143,11 @@ class ChunkSteps:
             raise StepTransitionError(f"chunk {update.chunk}: its params cannot be restored from the masters while "
                                       f"its update from backward ({record.phase.name}) stands")
         record.host_update = update
+
+    def check_on_device(self, chunk: int) -> None:
+        """Raise :class:`StepTransitionError` unless the step may queue the chunk's update on the device now; checked
+        before the update is queued, so that a refused one is never queued (:meth:`on_device` records it after)."""
+        self.records[chunk].check(Phase.DEVICE_STEPPED)
 
     def on_device(self, chunk: int, ready: Any) -> None:
         """The step queued the chunk's update on the device; ``ready``: its params are in place after it."""
@@ -208,17 +217,21 @@ class ChunkSteps:
 
     # ------------------------------------------------------------------ retired kept gradients (training thread)
     def retire(self, chunks: frozenset[int], *, spare: bool) -> None:
-        """``chunks`` keep their kept gradients until :meth:`take_retired` (``spare``: then to the spares)."""
+        """``chunks`` keep their kept gradients until :meth:`unretire` (``spare``: then to the spares)."""
         for chunk in chunks:
             self.records[chunk].retired = True
         self.retired_spare = spare
 
-    def take_retired(self) -> tuple[list[int], bool]:
-        """(the retired chunks in order, whether their kept gradients go to the spares), no longer retired."""
-        chunks = [r.chunk for r in self.records if r.retired]
+    def retired(self) -> tuple[list[int], bool]:
+        """(the retired chunks in order, whether their kept gradients go to the spares), left retired: they stay so
+        until their kept gradients are let go of (:meth:`unretire`), so that a failure on the way (a host job's, met
+        while their chunks finish) leaves them to the next try instead of forgetting them."""
+        return [r.chunk for r in self.records if r.retired], self.retired_spare
+
+    def unretire(self, chunks: list[int]) -> None:
+        """``chunks``' kept gradients were let go of: no longer retired."""
         for chunk in chunks:
             self.records[chunk].retired = False
-        return chunks, self.retired_spare
 
     def __iter__(self) -> Iterator[ChunkStep]:
         return iter(self.records)

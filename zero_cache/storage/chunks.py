@@ -357,5 +357,8 @@ class ChunkStore:
         for chunk in plan.kept_gradients:
             if self.groups[chunk].kept is None:
                 self.groups[chunk].kept = self._allocate_kept()
+        if groups or homes:  # a home left without groups or shards gives back its pinned buffers, as the plan counts
+            for home in self.all_homes():
+                home.trim()
         self.plan = plan
         return len(groups) + len(homes)

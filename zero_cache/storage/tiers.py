@@ -75,10 +75,17 @@ class Tier:
         start = -raw.data_ptr() % align_bytes
         return raw[start:start + num_bytes]
 
+    def free_aligned(self, buffer: torch.Tensor, align_bytes: int) -> None:
+        """Return the bytes of a buffer from :meth:`allocate_aligned` (with the slack its alignment took)."""
+        self._give_back(buffer.numel() * buffer.element_size() + align_bytes)
+
     def free(self, tensor: torch.Tensor) -> None:
         """Return a tensor's bytes to the budget (the caller drops its references; pinned pages are
         unpinned when the last view of them is gone)."""
-        self.used_bytes -= tensor.numel() * tensor.element_size()
+        self._give_back(tensor.numel() * tensor.element_size())
+
+    def _give_back(self, num_bytes: int) -> None:
+        self.used_bytes -= num_bytes
         assert self.used_bytes >= 0, f"{self.name} tier freed more than it allocated"
         self._interval_low_bytes = min(self._interval_low_bytes, self.used_bytes)
 
@@ -127,10 +134,12 @@ class BufferPool:
     Args:
         count: buffers in the pool.
         allocate: makes one buffer (counted against its tier's budget by the tier).
+        free: gives one back to its tier (:meth:`trim`); None: the pool keeps its buffers for the whole run.
     """
 
-    def __init__(self, count: int, allocate: Callable[[], torch.Tensor]) -> None:
-        self.count, self._allocate = count, allocate
+    def __init__(self, count: int, allocate: Callable[[], torch.Tensor],
+                 free: Callable[[torch.Tensor], None] | None = None) -> None:
+        self.count, self._allocate, self._give_back = count, allocate, free
         self._free: deque[tuple[torch.Tensor, Any]] = deque()
         self._allocated = False
         self._available = threading.Condition()
@@ -163,6 +172,28 @@ class BufferPool:
         with self._available:
             self._free.append((buffer, in_use_until))
             self._available.notify()
+
+    @property
+    def allocated(self) -> bool:
+        """Whether the pool holds its buffers (made at the first use, until :meth:`trim`)."""
+        return self._allocated
+
+    def trim(self) -> int:
+        """Give every buffer back to its tier, after the transfers still using them: nothing the plan in force keeps
+        passes through them (a re-plan moved it all elsewhere), so the pinned pages go, and the host's memory follows
+        the plan, which no longer counts them. The next use makes them again. Returns the buffers given back.
+
+        Every buffer must have been released (between steps, with the work in flight finished)."""
+        assert self._give_back is not None, "this pool keeps its buffers for the whole run"
+        with self._available:
+            if not self._allocated:
+                return 0
+            assert len(self._free) == self.count, f"{self.count - len(self._free)} buffer(s) of the pool still in use"
+            held, self._free, self._allocated = list(self._free), deque(), False
+        for buffer, in_use_until in held:
+            wait(in_use_until)
+            self._give_back(buffer)
+        return len(held)
 
 
 def _pinned_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:

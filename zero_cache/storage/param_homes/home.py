@@ -157,6 +157,10 @@ class ParamHome:
     def forget_prefetched(self) -> None:
         """Drop what :meth:`prefetch` started (the shards change: a step, a restore)."""
 
+    def trim(self) -> None:
+        """Give back the host memory the home holds beside its shards that no shard here needs now (a re-plan moved
+        them all out); between steps, with the work in flight finished. Nothing by default."""
+
     def flush(self) -> None:
         """Wait for the writes in flight (raise a failed one's error)."""
 

@@ -52,7 +52,8 @@ class NvmeHome(ParamHome):
         self.disk: NvmeTier = self._tier.split(self.value_bytes, self.disk_bytes(num_shards, self.value_bytes))
         """The homes' own swap file (its slots are shard-sized), its bytes taken from the NVMe tier's budget."""
         host = tiers[HOST]
-        self.pool = BufferPool(NVME_STAGING_BUFFERS, lambda: host.allocate_aligned(self.disk.slot_bytes, ALIGN_BYTES))
+        self.pool = BufferPool(NVME_STAGING_BUFFERS, lambda: host.allocate_aligned(self.disk.slot_bytes, ALIGN_BYTES),
+                               free=lambda buffer: host.free_aligned(buffer, ALIGN_BYTES))
         self._offsets: dict[int, int] = {}  # group -> its slot
         self._raw: dict[int, torch.Tensor] = {}  # a buffer's address -> the whole aligned buffer (IO moves whole slots)
         self._ahead: dict[int, tuple[torch.Tensor, Any]] = {}  # group -> (buffer, read) started by prefetch
@@ -166,6 +167,12 @@ class NvmeHome(ParamHome):
     def forget_prefetched(self) -> None:
         for group in list(self._ahead):
             self._drop(group)
+
+    def trim(self) -> None:
+        """The pinned staging buffers go when no shard lives here (the plan counts them only while one does)."""
+        if not self._offsets:
+            self.forget_prefetched()
+            self.pool.trim()
 
     def gather(self, group: int, shard: torch.Tensor | None, buffer: torch.Tensor, sharding: Any,
                transfers: Any) -> Any:

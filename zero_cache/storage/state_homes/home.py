@@ -175,6 +175,10 @@ class StateHome:
         """Free what :meth:`fetch` took without writing it home (a deferred or failed update)."""
 
     # ------------------------------------------------------------------ the home's own resources
+    def trim(self) -> None:
+        """Give back the host memory the home holds beside its groups that no group here needs now (a re-plan moved
+        them all out); between steps, with the work in flight finished. Nothing by default."""
+
     def flush(self) -> None:
         """Wait for the writes in flight (raise a failed one's error)."""
 

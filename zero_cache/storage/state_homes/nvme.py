@@ -33,12 +33,19 @@ class NvmeStates(StateHome):
         super().__init__(tiers, numel, accumulate, dtype)
         self.disk: NvmeTier = tiers[self.name]
         host, slot_bytes = tiers[HOST], self.disk.slot_bytes
-        self.bounce_buffers = BufferPool(SWAP_BUFFERS, lambda: host.allocate_aligned(slot_bytes, ALIGN_BYTES))
+        self.bounce_buffers = BufferPool(SWAP_BUFFERS, lambda: host.allocate_aligned(slot_bytes, ALIGN_BYTES),
+                                         free=lambda buffer: host.free_aligned(buffer, ALIGN_BYTES))
+        self.num_groups = 0
+        """Groups living here (the bounce buffers are needed while there are any)."""
 
     def allocate(self) -> OptimizerGroup:
-        return OptimizerGroup(home=self, states=None, grad=self._allocate_grad(), swap_offset=self.disk.allocate_slot())
+        group = OptimizerGroup(home=self, states=None, grad=self._allocate_grad(),
+                               swap_offset=self.disk.allocate_slot())
+        self.num_groups += 1
+        return group
 
     def free(self, group: OptimizerGroup) -> None:
+        self.num_groups -= 1
         self.disk.free_slot(group.swap_offset)
         if group.grad is not None:
             self.tiers[self.grad_tier].free(group.grad)
@@ -79,6 +86,12 @@ class NvmeStates(StateHome):
 
     def give_back(self, fetched: FetchedStates) -> None:
         self.bounce_buffers.release(fetched.buffer, fetched.ready)
+
+    def trim(self) -> None:
+        """The pinned bounce buffers go when no group lives here (the plan counts them only while one does)."""
+        if self.num_groups == 0:
+            self.disk.flush()  # (a write behind still reads a buffer: waited for by the pool too)
+            self.bounce_buffers.trim()
 
     def flush(self) -> None:
         self.disk.flush()
