@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from angelptm.checkpoints.engine_state import EngineCheckpoints
+from angelptm.checkpoints.engine_load import EngineLoads
+from angelptm.checkpoints.engine_save import EngineSaves
 from angelptm.config.typed import EngineConfig
 from angelptm.engine.deepspeed_methods import DeepSpeedEngineMethods
 from angelptm.engine.expert_parallel import ExpertParallel
@@ -48,7 +49,7 @@ def _to_device(value: Any, device: torch.device, dtype: torch.dtype | None) -> A
     return value
 
 
-class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
+class Engine(EngineSaves, EngineLoads, DeepSpeedEngineMethods, nn.Module):
     """What :func:`angelptm.initialize` returns first; call it like the module.
 
     Args:
