@@ -34,7 +34,7 @@ class EngineSaves:
     whether it was destroyed), and the names of its state that loading shares
     (:class:`~angelptm.checkpoints.engine_load.EngineLoads`)."""
 
-    _pending_save: background_save.PendingSave | None = None
+    _in_flight: background_save.InFlightSave
     """A checkpoint being written beside training (``save_checkpoint(background=True)``)."""
 
     @property
@@ -155,10 +155,7 @@ class EngineSaves:
         pending = background_save.save_streamed(
             save_dir, tag, self.ctx, shared=shared, per_rank=per_rank, snapshot=snapshot, save_latest=save_latest,
             background=background and alone, on_end=lambda: optimizer.end_snapshot(snapshot))
-        if pending.done():
-            return pending.wait()
-        self._pending_save = pending
-        return pending.target.final
+        return self._in_flight.hold(pending)
 
     def wait_for_checkpoint(self) -> Path | None:
         """Wait for a checkpoint still being written (``save_checkpoint(background=True)``).
@@ -169,25 +166,18 @@ class EngineSaves:
         Raises:
             Its error (the previous checkpoint and ``latest`` are then untouched), once.
         """
-        pending, self._pending_save = self._pending_save, None
-        return pending.wait() if pending is not None else None
+        return self._in_flight.wait()
 
     @property
     def saving_in_background(self) -> bool:
         """Whether a checkpoint started with ``save_checkpoint(background=True)`` is still being written (its writer
         has not finished: ``latest`` may not name it yet)."""
-        pending = self._pending_save
-        return pending is not None and not pending.done()
+        return self._in_flight.writing
 
     def _checkpoint_goes_on(self, *, report: bool = False) -> None:
         """At the engine's calls: a save in the background stages chunks into its free buffers; with ``report`` (the
         step), a save whose writer failed raises its error (once; the save is then over)."""
-        pending = self._pending_save
-        if pending is None:
-            return
-        if report and pending.failed():
-            self.wait_for_checkpoint()
-        pending.pump()
+        self._in_flight.goes_on(report=report)
 
     def _model_states(self, client_state: dict | None, module_state: dict[str, Any], *,
                       exclude_frozen: bool) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from angelptm.checkpoints.background import InFlightSave
 from angelptm.checkpoints.engine_load import EngineLoads
 from angelptm.checkpoints.engine_save import EngineSaves
 from angelptm.config.typed import EngineConfig
@@ -86,7 +87,7 @@ class Engine(EngineSaves, EngineLoads, DeepSpeedEngineMethods, nn.Module):
         self._loss_nonfinite: torch.Tensor | None = None  # this step's micro-batch losses: any non-finite, on device
         self._destroyed = False
         self._save_dirs: set[str] = set()  # where save_checkpoint took the writer lock: destroy() gives it back
-        self._pending_save = None  # a checkpoint being written beside training (save_checkpoint(background=True))
+        self._in_flight = InFlightSave()  # a checkpoint written beside training (save_checkpoint(background=True))
         # ZeRO-Cache's timeline also records its copies, host jobs and disk requests; otherwise compute only.
         own_timeline = optimizer.timeline if optimizer is not None else None
         self._tracer = StepTracer(own_timeline or Timeline(ctx.device))
