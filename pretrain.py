@@ -8,8 +8,8 @@
 The model comes from the config's "model" section, the tokens from "data" (the shipped
 public-domain corpus when no path is given), the loop from "train". A run that finds a checkpoint
 in ``train.save_dir`` continues from it; Ctrl-C or SIGTERM finishes the current step, saves, and exits. With
-ZeRO-Cache in one process the periodic checkpoints are written beside training (``train.background_save``); the
-run waits for one still being written before the next save and before it ends.
+ZeRO-Cache or AutoPipe in one process the periodic checkpoints are written beside training
+(``train.background_save``); the run waits for one still being written before the next save and before it ends.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 import angelptm
 from angelptm.checkpoints import files as checkpoint_files
+from angelptm.checkpoints.background import settle_before_stop
 from angelptm.checkpoints.safe_pickle import OPT_IN_HELP
 from angelptm.config import EngineConfig, load_config, read_config_source
 from angelptm.engine.builders import report_precision
@@ -221,7 +222,7 @@ def _train(cfg: EngineConfig, ctx: DistContext, allow_unsafe_pickle: bool, trace
                               "(drop --trace, or trace the model without autopipe)")
         end = pipeline.train(cfg, ctx, dataset, stop_requested=lambda: stop.requested,
                              after_save=lambda: prune_checkpoints(cfg.train.save_dir, cfg.train.keep_last),
-                             allow_unsafe_pickle=allow_unsafe_pickle)
+                             allow_unsafe_pickle=allow_unsafe_pickle, background=background_saves(cfg, ctx))
         if end is None:
             say_nothing_to_train(cfg, ctx)
         return end
@@ -344,13 +345,8 @@ def stopped_unhealthy(err: RunUnhealthyError, engine: angelptm.Engine, cfg: Engi
                       run_health: health.RunHealth) -> RunUnhealthyError:
     """``err`` naming the checkpoint to resume from, which ``latest`` names again (rank 0; the others: ``err``).
 
-    A save still in the background is finished first: its writer would otherwise move ``latest`` after it was
-    pointed back at the last healthy checkpoint."""
-    try:
-        engine.wait_for_checkpoint()
-    except Exception as save_err:  # (the unhealthy run is the error to report; this one is logged)
-        logger.error("the checkpoint being written when the run stopped failed (latest is untouched by it): %s",
-                     save_err)
+    A save still in the background is finished first (:func:`angelptm.checkpoints.background.settle_before_stop`)."""
+    settle_before_stop(engine.wait_for_checkpoint)
     if not ctx.is_main:
         return err
     return health.stop_unhealthy(err, cfg.train.save_dir, run_health)
@@ -366,7 +362,7 @@ def say_nothing_to_train(cfg: EngineConfig, ctx: DistContext) -> None:
 
 def background_saves(cfg: EngineConfig, ctx: DistContext) -> bool:
     """Whether the periodic saves go on beside training (``train.background_save``, one process; the engine writes
-    them so with ZeRO-Cache, and before returning elsewhere)."""
+    them so with ZeRO-Cache, and before returning elsewhere; AutoPipe's loop writes them so too)."""
     if cfg.train.background_save and ctx.world_size > 1 and ctx.is_main:
         logger.info("train.background_save: with %d ranks each checkpoint is written before training goes on (the "
                     "end of a save is a collective)", ctx.world_size)

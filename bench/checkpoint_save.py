@@ -426,7 +426,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.save_every = args.save_every or (2 if quick else 10)
     args.disk_gb = args.disk_gb if args.disk_gb is not None else (0.03 if quick else 4.0)
     if args.max_staged_chunks is None:
-        from angelptm.checkpoints.engine_state import STAGED_CHUNKS
+        from angelptm.checkpoints.engine_save import STAGED_CHUNKS
 
         args.max_staged_chunks = STAGED_CHUNKS
     if args.memory_cap is None and not quick:

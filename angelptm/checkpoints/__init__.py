@@ -1,3 +1,3 @@
 """Checkpoints: the files and their atomic protocol (``files``), manifests (``manifest``), safe unpickling
-(``safe_pickle``), what the engine saves and loads (``engine_state``), the model architecture record
-(``architecture``) and offline export to safetensors / Hugging Face (``export``, ``hf_export``)."""
+(``safe_pickle``), what the engine saves (``engine_save``) and how it loads them (``engine_load``), the model
+architecture record (``architecture``) and offline export to safetensors / Hugging Face (``export``, ``hf_export``)."""

@@ -15,7 +15,12 @@ every file is complete and fsynced, and never after a failure (the temporary dir
 not yet staged is staged before the next step first modifies it (copy-on-write), so the files hold the states of
 the step at which the save was called. The engine waits for a pending save at the next save, at a load, at
 ``destroy()``, and at the interpreter's exit (``atexit``; also after a Ctrl-C interrupted a wait), and raises a
-failed one's error at the next save, step or ``destroy()``.
+failed one's error at the next save, step or ``destroy()``; :class:`InFlightSave` is that bookkeeping, for the engine
+and for AutoPipe's training loop alike.
+
+A save with **no snapshot** (AutoPipe's stages: plain tensors, no ZeRO-Cache chunks) goes through the same writer:
+in the background every tensor is copied to host memory while the save is planned, before it returns (a whole
+copy of the rank's states, the price of not pausing training for the disk), so the next step may change them.
 """
 
 from __future__ import annotations
@@ -41,14 +46,14 @@ class PendingSave:
         target: where it writes (:func:`~angelptm.checkpoints.files.prepare_save`).
         ctx: this rank's place in the world.
         plans: file -> its planned archive.
-        snapshot: the states the archives' refs are read from.
+        snapshot: the states the archives' refs are read from (None: the archives hold no refs).
         save_latest: point ``latest`` at it.
         publish_in_writer: the writer thread publishes it (a single process); else :meth:`wait` does.
         on_end: called once the save is over, however it ended (the optimizer forgets the snapshot).
     """
 
     def __init__(self, target: checkpoint.SaveTarget, ctx: DistContext, plans: dict[Path, streamed.ArchivePlan],
-                 snapshot: StateSnapshot, *, save_latest: bool, publish_in_writer: bool,
+                 snapshot: StateSnapshot | None, *, save_latest: bool, publish_in_writer: bool,
                  on_end: Callable[[], None]) -> None:
         self.target, self.ctx, self.plans, self.snapshot = target, ctx, plans, snapshot
         self.save_latest, self.publish_in_writer, self._on_end = save_latest, publish_in_writer, on_end
@@ -72,7 +77,7 @@ class PendingSave:
             self._records = streamed.write_archives(self.plans, self.snapshot)
         except BaseException as err:  # (reported by wait(); the training thread must stop waiting for buffers)
             self._error = err
-            self.snapshot.abort()
+            self._abort_snapshot()
         if self.publish_in_writer:
             self._publish()
 
@@ -84,12 +89,16 @@ class PendingSave:
         except BaseException as err:  # the temporary directory is gone and latest untouched
             self._error = err
         finally:
-            self.snapshot.abort()  # (nothing is left to stage; frees the buffers)
+            self._abort_snapshot()  # (nothing is left to stage; frees the buffers)
             self._on_end()
+
+    def _abort_snapshot(self) -> None:
+        if self.snapshot is not None:
+            self.snapshot.abort()
 
     def pump(self) -> None:
         """Stage what fits in the free buffers (at the engine's calls, so the writer keeps busy)."""
-        if not self.snapshot.finished():
+        if self.snapshot is not None and not self.snapshot.finished():
             self.snapshot.pump()
 
     def failed(self) -> bool:
@@ -113,7 +122,8 @@ class PendingSave:
         if not self._over:
             staging_error = None
             try:
-                self.snapshot.stage_all()
+                if self.snapshot is not None:
+                    self.snapshot.stage_all()
             except Exception as err:  # the writer cannot finish: stop it, and publish the failure all the same, which
                 staging_error = err  # removes the temporary directory (and, with several ranks, tells the others)
                 self.snapshot.abort()
@@ -141,14 +151,15 @@ class PendingSave:
 
 
 def save_streamed(save_dir: str, tag: str, ctx: DistContext, *, shared: dict[str, Any], per_rank: Any,
-                  snapshot: StateSnapshot, save_latest: bool, background: bool,
-                  on_end: Callable[[], None]) -> PendingSave:
+                  snapshot: StateSnapshot | None, save_latest: bool, background: bool,
+                  on_end: Callable[[], None] = lambda: None) -> PendingSave:
     """Start a checkpoint whose files hold :class:`~zero_cache.StateRef` placeholders read from ``snapshot``.
 
     Args:
         save_dir, tag, ctx, shared, per_rank, save_latest: as :func:`angelptm.checkpoints.files.save`'s
             (``shared`` a dict, written by rank 0).
-        snapshot: the optimizer's snapshot, begun for this save.
+        snapshot: the optimizer's snapshot, begun for this save; None when ``shared`` and ``per_rank`` hold no
+            :class:`~zero_cache.StateRef` (with ``background`` their tensors are copied before this returns).
         background: go on beside training (one process only); else the caller waits at once.
         on_end: called when the save is over (the snapshot is then forgotten).
 
@@ -162,7 +173,8 @@ def save_streamed(save_dir: str, tag: str, ctx: DistContext, *, shared: dict[str
     try:
         target = checkpoint.prepare_save(save_dir, tag, ctx)
     except BaseException:
-        snapshot.abort()
+        if snapshot is not None:
+            snapshot.abort()
         on_end()
         raise
     plans: dict[Path, streamed.ArchivePlan] = {}
@@ -174,7 +186,8 @@ def save_streamed(save_dir: str, tag: str, ctx: DistContext, *, shared: dict[str
     except Exception as err:  # (every rank must learn of it: publish_save tells them)
         error = err
     if error is not None:
-        snapshot.abort()
+        if snapshot is not None:
+            snapshot.abort()
         try:
             checkpoint.publish_save(target, ctx, [], error, payload=None, save_latest=save_latest)
         finally:
@@ -187,3 +200,61 @@ def save_streamed(save_dir: str, tag: str, ctx: DistContext, *, shared: dict[str
     else:
         pending.wait()
     return pending
+
+
+class InFlightSave:
+    """The checkpoint a training loop has being written beside it (at most one), and the guarantees around it: the
+    engine's (:meth:`angelptm.Engine.save_checkpoint` with ``background``) and AutoPipe's training loop's
+    (:mod:`angelptm.pretraining.pipeline_parallel`) are this one object, so both wait and report alike."""
+
+    def __init__(self) -> None:
+        self._pending: PendingSave | None = None
+
+    def hold(self, pending: PendingSave) -> Path:
+        """Keep ``pending`` while its writer goes on (a save already over is waited for, and its error raised).
+
+        Returns:
+            The checkpoint directory (where it will be, while it is still being written).
+        """
+        assert self._pending is None, "a save started before the previous one was waited for"
+        if pending.done():
+            return pending.wait()
+        self._pending = pending
+        return pending.target.final
+
+    def wait(self) -> Path | None:
+        """Wait for the save still being written, if any: before the next save, a load, a stop.
+
+        Returns:
+            Its directory, or None when none was being written.
+
+        Raises:
+            Its error (the previous checkpoint and ``latest`` are then untouched), once.
+        """
+        pending, self._pending = self._pending, None
+        return pending.wait() if pending is not None else None
+
+    @property
+    def writing(self) -> bool:
+        """Whether its writer has not finished (``latest`` may not name it yet)."""
+        return self._pending is not None and not self._pending.done()
+
+    def goes_on(self, *, report: bool = False) -> None:
+        """Between steps: stage what fits in its free buffers; with ``report`` (before a step), raise a failed
+        save's error (once; the save is then over)."""
+        pending = self._pending
+        if pending is None:
+            return
+        if report and pending.failed():
+            self.wait()
+        pending.pump()
+
+
+def settle_before_stop(wait: Callable[[], object]) -> None:
+    """Finish the save in the background before a run stops on an error of its own (its writer would otherwise move
+    ``latest`` after the stop pointed it back at the last healthy checkpoint); the save's own failure is logged, not
+    raised: the run's error is the one to report."""
+    try:
+        wait()
+    except Exception as err:
+        logger.error("the checkpoint being written when the run stopped failed (latest is untouched by it): %s", err)

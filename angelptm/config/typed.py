@@ -214,9 +214,10 @@ class TrainConfig:
     background_save: bool = True
     """Write each checkpoint beside training: ``save_checkpoint`` returns once the first chunks of ZeRO-Cache's states
     are staged, and ``latest`` moves when every file is complete and fsynced (docs/checkpoints.md). The run waits for
-    a save in progress before the next one, before it stops (finished, interrupted or unhealthy) and at exit. Where it
-    is not supported (several ranks, or without ZeRO-Cache) the save is written before training goes on, as with
-    false (``--no-background-save``)."""
+    a save in progress before the next one, before it stops (finished, interrupted or unhealthy) and at exit. AutoPipe
+    in one process copies its stage's states to host memory at the save and writes them beside training. Where it is
+    not supported (several ranks, or the engine without ZeRO-Cache) the save is written before training goes on, as
+    with false (``--no-background-save``)."""
     max_bad_steps: int = 20
     """Stop the run (non-zero exit, naming the last healthy checkpoint) after this many consecutive steps without a
     healthy one (applied, not skipped for overflow, finite loss): a diverged or corrupted run must not go on

@@ -17,7 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from angelptm.checkpoints.engine_state import EngineCheckpoints
+from angelptm.checkpoints.background import InFlightSave
+from angelptm.checkpoints.engine_load import EngineLoads
+from angelptm.checkpoints.engine_save import EngineSaves
 from angelptm.config.typed import EngineConfig
 from angelptm.engine.deepspeed_methods import DeepSpeedEngineMethods
 from angelptm.engine.expert_parallel import ExpertParallel
@@ -48,7 +50,7 @@ def _to_device(value: Any, device: torch.device, dtype: torch.dtype | None) -> A
     return value
 
 
-class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
+class Engine(EngineSaves, EngineLoads, DeepSpeedEngineMethods, nn.Module):
     """What :func:`angelptm.initialize` returns first; call it like the module.
 
     Args:
@@ -85,7 +87,7 @@ class Engine(EngineCheckpoints, DeepSpeedEngineMethods, nn.Module):
         self._loss_nonfinite: torch.Tensor | None = None  # this step's micro-batch losses: any non-finite, on device
         self._destroyed = False
         self._save_dirs: set[str] = set()  # where save_checkpoint took the writer lock: destroy() gives it back
-        self._pending_save = None  # a checkpoint being written beside training (save_checkpoint(background=True))
+        self._in_flight = InFlightSave()  # a checkpoint written beside training (save_checkpoint(background=True))
         # ZeRO-Cache's timeline also records its copies, host jobs and disk requests; otherwise compute only.
         own_timeline = optimizer.timeline if optimizer is not None else None
         self._tracer = StepTracer(own_timeline or Timeline(ctx.device))

@@ -2,9 +2,9 @@
 
 The engine holds either :class:`~angelptm.engine.mixed_precision.MixedPrecisionOptimizer` (replicated fp32 masters
 and a flat gradient buffer on the device) or :class:`zero_cache.ZeroCacheOptimizer` (chunked states over device,
-host and NVMe, sharded over ranks or not). It, its checkpoints (:mod:`angelptm.checkpoints.engine_state`),
-``GatheredParameters`` and the OOM report call only the members below, so neither is probed with
-``getattr(optimizer, name, default)``: a member one of them lacks, or a renamed one, fails
+host and NVMe, sharded over ranks or not). It, its checkpoints (:mod:`angelptm.checkpoints.engine_save` and
+:mod:`angelptm.checkpoints.engine_load`), ``GatheredParameters`` and the OOM report call only the members below, so
+neither is probed with ``getattr(optimizer, name, default)``: a member one of them lacks, or a renamed one, fails
 ``tests/unit/test_optimizer_contract.py`` instead of silently taking the default. Where a member means nothing to one
 of them (tiers, shards) its answer says so (no tiers, not sharded).
 """

@@ -61,7 +61,7 @@ class PipelineCheckpoints:
                     "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
                     "rng": checkpoint.capture_rng_state(),
                     "data": self.training_dataloader.state_dict() if self.training_dataloader else None}
-        self._join_save_dir(save_dir)  # destroy() leaves its writer lock (EngineCheckpoints)
+        self._join_save_dir(save_dir)  # destroy() leaves its writer lock (EngineSaves)
         return checkpoint.save(save_dir, tag, self.ctx, shared={checkpoint.MODEL_FILE: model_states},
                                per_rank=per_rank, save_latest=save_latest)
 

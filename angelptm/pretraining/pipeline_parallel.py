@@ -11,6 +11,13 @@ One optimizer step = ``gradient_accumulation_steps`` micro-batches per replica, 
 ``gradient_accumulation_steps / autopipe.num_microbatches`` pipeline flushes. Before the update:
 data-parallel mean over the replicas of each stage, sum of tied gradients over the stages that hold them,
 and clipping by the norm over the whole pipeline (each parameter counted once).
+
+Checkpoints are written beside training in one process (``train.background_save``), through the engine's writer and
+with its guarantees (:mod:`angelptm.checkpoints.background`): every tensor of the rank's states is copied to host
+memory before the save returns, so the next step cannot change what lands; a save still being written is waited for
+before the next save, at a stop and before an unhealthy stop moves ``latest``; a failed one raises before the next
+step. With several ranks each checkpoint is written before training goes on: the end of a save is a collective,
+which the writer thread must not issue beside the training thread's.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from angelptm.checkpoints import architecture
+from angelptm.checkpoints import background as background_save
 from angelptm.checkpoints import files as checkpoint
 from angelptm.config import EngineConfig, load_config, read_config_source
 from angelptm.engine.mixed_precision import MixedPrecisionOptimizer
@@ -129,11 +137,21 @@ def build_runner(cfg: EngineConfig, ctx: DistContext, layout: PipelineLayout, da
                         report.format())
     elif ctx.is_main:
         logger.info("AutoPipe: keeping the checkpoint's split, chunks start at ops %s", op_starts)
+    join_group_of_one(ctx)
     runner = PipelineRunner(graph, op_starts, layout, ctx.rank, ctx.device, schedule=cfg.autopipe.schedule,
                             num_microbatches=cfg.autopipe.num_microbatches,
                             loss_scale=1.0 / cfg.batch.gradient_accumulation_steps,
                             recompute=cfg.autopipe.recompute or cfg.model.activation_checkpointing)
     return runner, flops_per_token
+
+
+def join_group_of_one(ctx: DistContext) -> None:
+    """torch's pipelining stages ask the default process group for their rank even when there is one stage, so a run
+    of one process (no launcher, ``autopipe.num_stages`` 1) gets a group of one over an in-process store (no sockets;
+    ``pretrain.py`` destroys it at the end). ``ctx`` stays a single process's: its saves publish without a collective
+    and so may go on beside training."""
+    if ctx.group is None and not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
 def build_optimizer(cfg: EngineConfig, runner: PipelineRunner) -> MixedPrecisionOptimizer:
@@ -183,16 +201,25 @@ def train_step(cfg: EngineConfig, runner: PipelineRunner, optimizer: MixedPrecis
 
 
 def save(cfg: EngineConfig, ctx: DistContext, step: int, runner: PipelineRunner, optimizer, scheduler,
-         loader: ResumableDataLoader, *, healthy: bool = True, latest: bool = True) -> None:
+         loader: ResumableDataLoader, *, healthy: bool = True, latest: bool = True,
+         background: bool = False) -> background_save.PendingSave | None:
     """Each rank writes its chunks' weights and optimizer state; rank 0 writes the layout (and whether the run was
-    healthy, which pruning reads: :mod:`angelptm.pretraining.health`). ``latest``: move ``latest`` onto it."""
+    healthy, which pruning reads: :mod:`angelptm.pretraining.health`). ``latest``: move ``latest`` onto it.
+
+    ``background`` (one process): return once every tensor is copied to host memory, and write and publish the
+    checkpoint in the writer thread (returned; :class:`~angelptm.checkpoints.background.InFlightSave` holds it);
+    otherwise it is written before this returns (None)."""
     meta = {"format": "autopipe", "world_size": ctx.world_size, "op_starts": runner.op_starts, "step": step,
             "architecture": architecture.gpt_record(cfg.model), "client_state": {health.HEALTHY_KEY: healthy}}
     per_rank = {"meta": meta, "module": {name: p.detach().cpu() for name, p in runner.named_parameters()},
                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict() if scheduler else None,
                 "loader": loader.state_dict(), "rng": checkpoint.capture_rng_state()}
-    checkpoint.save(cfg.train.save_dir, f"global_step{step}", ctx, shared={checkpoint.MODEL_FILE: meta},
-                    per_rank=per_rank, save_latest=latest)
+    tag, shared = f"global_step{step}", {checkpoint.MODEL_FILE: meta}
+    if background and ctx.group is None:
+        return background_save.save_streamed(cfg.train.save_dir, tag, ctx, shared=shared, per_rank=per_rank,
+                                             snapshot=None, save_latest=latest, background=True)
+    checkpoint.save(cfg.train.save_dir, tag, ctx, shared=shared, per_rank=per_rank, save_latest=latest)
+    return None
 
 
 def resume(cfg: EngineConfig, ctx: DistContext, runner: PipelineRunner, optimizer, scheduler,
@@ -220,7 +247,8 @@ def resume(cfg: EngineConfig, ctx: DistContext, runner: PipelineRunner, optimize
 
 
 def train(cfg: EngineConfig, ctx: DistContext, dataset: TokenDataset, *, stop_requested: Callable[[], bool],
-          after_save: Callable[[], None], allow_unsafe_pickle: bool = False) -> health.RunEnd | None:
+          after_save: Callable[[], None], allow_unsafe_pickle: bool = False,
+          background: bool = False) -> health.RunEnd | None:
     """Train the configured GPT as an AutoPipe pipeline.
 
     Args:
@@ -230,6 +258,7 @@ def train(cfg: EngineConfig, ctx: DistContext, dataset: TokenDataset, *, stop_re
         stop_requested: polled between steps (Ctrl-C / SIGTERM); all ranks stop together.
         after_save: called on rank 0 after each checkpoint (e.g. pruning old ones).
         allow_unsafe_pickle: resume from a checkpoint of the previous format (see :func:`resume`).
+        background: write the periodic checkpoints beside training (one process; :func:`save`).
 
     Returns:
         How the run ended (:class:`~angelptm.pretraining.health.RunEnd`); None when the checkpoint resumed from had
@@ -248,7 +277,7 @@ def train(cfg: EngineConfig, ctx: DistContext, dataset: TokenDataset, *, stop_re
     step = resume(cfg, ctx, runner, optimizer, scheduler, loader,
                   allow_unsafe_pickle=allow_unsafe_pickle) if cfg.train.resume else 0
     return run_loop(cfg, ctx, runner, optimizer, scheduler, loader, step, flops_per_token, dataset.seq_len,
-                    stop_requested, after_save)
+                    stop_requested, after_save, background=background)
 
 
 def profile_target(config_path: str | None, device: torch.device) -> tuple[torch.nn.Module, dict, str]:
@@ -276,7 +305,10 @@ def profile_target(config_path: str | None, device: torch.device) -> tuple[torch
 
 
 def run_loop(cfg: EngineConfig, ctx: DistContext, runner: PipelineRunner, optimizer, scheduler, loader, step: int,
-             flops_per_token: float, seq_len: int, stop_requested, after_save) -> health.RunEnd | None:
+             flops_per_token: float, seq_len: int, stop_requested, after_save, *,
+             background: bool = False) -> health.RunEnd | None:
+    """Train from ``step`` to ``train.steps``, saving every ``train.save_interval`` steps (``background``: beside
+    training, :func:`save`) and at the end; returns how the run ended (None: it had already ended)."""
     if step >= cfg.train.steps:  # a finished run, started again: nothing to train, nothing to save
         return None
     batches = repeat_batches(loader)
@@ -284,8 +316,10 @@ def run_loop(cfg: EngineConfig, ctx: DistContext, runner: PipelineRunner, optimi
     progress = progress_bar(cfg.train.steps, step, shown=ctx.is_main)  # off a terminal: step lines only
     loss_sum, count, last_loss = torch.zeros((), device=ctx.device), 0, float("nan")
     run_health = health.RunHealth(cfg.train.max_bad_steps)
+    in_flight = background_save.InFlightSave()
     prune_due = False  # after a save, at the next step: its loss tells whether the saved weights still train
     while step < cfg.train.steps and not ctx.any_rank(stop_requested()):
+        in_flight.goes_on(report=True)  # (a failed save in the background is raised here, before the step)
         loss, norm = train_step(cfg, runner, optimizer, batches)
         loss_sum = loss_sum + (loss if loss is not None else 0.0)  # only the last stage holds a loss
         if not math.isfinite(norm) and ctx.is_main:
@@ -297,25 +331,30 @@ def run_loop(cfg: EngineConfig, ctx: DistContext, runner: PipelineRunner, optimi
             record_health(run_health, step, loss, norm, ctx)
         except RunUnhealthyError as err:
             progress.close()  # the error line starts a line of its own
-            raise _stopped(err, cfg, ctx, run_health) from None
-        if prune_due and ctx.is_main and not run_health.diverged:
-            after_save()
-        prune_due = False
+            raise _stopped(err, cfg, ctx, run_health, in_flight) from None
+        if prune_due and not in_flight.writing:  # (a save in the background: once it is published)
+            prune_due = _prune(ctx, run_health, after_save)
         meter.add_tokens(cfg.batch.train_batch_size * seq_len)
         progress.update(1)
         if step % cfg.train.log_interval == 0 or step == cfg.train.steps:
             last_loss = _log_step(cfg, ctx, step, loss_sum, count, runner, optimizer, meter)
             loss_sum, count = torch.zeros((), device=ctx.device), 0
         if step % cfg.train.save_interval == 0 and step < cfg.train.steps:
-            save(cfg, ctx, step, runner, optimizer, scheduler, loader, healthy=run_health.healthy,
-                 latest=not run_health.diverged)
+            in_flight.wait()  # a save still being written ends first (its error raised), as the engine's does
+            if prune_due:  # that write outlasted save_interval steps: prune before the next, or checkpoints pile up
+                prune_due = _prune(ctx, run_health, after_save)
+            pending = save(cfg, ctx, step, runner, optimizer, scheduler, loader, healthy=run_health.healthy,
+                           latest=not run_health.diverged, background=background)
+            if pending is not None:
+                in_flight.hold(pending)
             prune_due = True
     progress.close()
     diverged = run_health.ended_diverged(step)
     if diverged is not None:  # however short the run: never "done" with a NaN loss, and no NaN checkpoint as latest
-        raise _stopped(diverged, cfg, ctx, run_health)
+        raise _stopped(diverged, cfg, ctx, run_health, in_flight)
     if count:  # stopped between two step lines: the line of the last step it ran
         last_loss = _log_step(cfg, ctx, step, loss_sum, count, runner, optimizer, meter)
+    in_flight.wait()  # (the last save is written before the run ends, after any still in the background)
     save(cfg, ctx, step, runner, optimizer, scheduler, loader, healthy=run_health.healthy)
     if ctx.is_main:
         after_save()
@@ -336,9 +375,19 @@ def _log_step(cfg: EngineConfig, ctx: DistContext, step: int, loss_sum: torch.Te
     return loss
 
 
-def _stopped(err: RunUnhealthyError, cfg: EngineConfig, ctx: DistContext,
-             run_health: health.RunHealth) -> RunUnhealthyError:
-    """``err`` naming the checkpoint to resume from, which ``latest`` names again (rank 0; the others: ``err``)."""
+def _prune(ctx: DistContext, run_health: health.RunHealth, after_save: Callable[[], None]) -> bool:
+    """Prune (``after_save``, rank 0) once the last save is published, unless the run diverged since (the last good
+    checkpoint is kept); returns False: no prune is due any more."""
+    if ctx.is_main and not run_health.diverged:
+        after_save()
+    return False
+
+
+def _stopped(err: RunUnhealthyError, cfg: EngineConfig, ctx: DistContext, run_health: health.RunHealth,
+             in_flight: background_save.InFlightSave) -> RunUnhealthyError:
+    """``err`` naming the checkpoint to resume from, which ``latest`` names again (rank 0; the others: ``err``), once
+    a save still being written has ended (:func:`~angelptm.checkpoints.background.settle_before_stop`)."""
+    background_save.settle_before_stop(in_flight.wait)
     if not ctx.is_main:
         return err
     return health.stop_unhealthy(err, cfg.train.save_dir, run_health)

@@ -30,6 +30,8 @@ def test_pipeline_job_trains_plans_and_resumes_with_its_split(tmp_path):
     assert first.returncode == 0, first.stderr[-4000:]
     output = first.stdout + first.stderr
     assert "AutoPipe plan (1f1b, 2 stages" in output and "predicted speedup of auto over uniform-layers" in output
+    # Two ranks: the saves are written before training goes on (their end is a collective), and the log says so.
+    assert "train.background_save: with 2 ranks each checkpoint is written before training goes on" in output
     logged = [(int(s), float(loss)) for s, loss in LOSS.findall(output)]
     assert [s for s, _ in logged] == [10] and logged[0][1] < math.log(4096) - 0.1  # below the uniform guess
     save_dir = tmp_path / "checkpoints" / "tiny_autopipe"

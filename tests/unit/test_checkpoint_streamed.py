@@ -278,7 +278,7 @@ def test_a_13b_state_stages_the_same_k_chunks_by_arithmetic():
     parameters), laid out on the meta device by the engine's own chunk search, has 41 chunks of 314.7 M elements:
     fewer than the 180 the test above saves with the same K buffers, which it counts whatever the number of chunks.
     So a 13B save stages K x 12 B x 314.7 M (7.6 GB at the default K = 2) of its 154 GB of states."""
-    from angelptm.checkpoints.engine_state import STAGED_CHUNKS
+    from angelptm.checkpoints.engine_save import STAGED_CHUNKS
     from angelptm.pretraining.models import ModelConfig, build_model
     from zero_cache import ZeroCacheConfig
     from zero_cache.resolve import build_layout

@@ -1,5 +1,5 @@
-"""pretrain.py writes its checkpoints beside training (``train.background_save``, ZeRO-Cache, one process): the saves
-return before their files are written, the run resumes from one exactly as from a synchronous save, and a stop
+"""pretrain.py writes its checkpoints beside training (``train.background_save``, ZeRO-Cache or AutoPipe, one process):
+the saves return before their files are written, the run resumes from one exactly as from a synchronous save, and a stop
 (Ctrl-C, the run's end) waits for the save in progress before it writes its own."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from checkpoint_compare import assert_equal, load_states
 from launch import shipped_config
 
@@ -185,3 +186,87 @@ def test_writes_longer_than_the_save_interval_still_keep_the_last_checkpoints(tm
     assert max(on_disk) <= 2 + 1, on_disk
     kept = sorted(p.name for p in root.glob("global_step*"))
     assert kept[-1] == "global_step7" and len(kept) <= 3, kept
+
+
+def autopipe_job(tmp_path: Path, name: str, *, steps: int, save_interval: int) -> Path:
+    """The shipped AutoPipe config in fp32 at a smaller size, as one pipeline stage in one process (no launcher)."""
+    config = shipped_config("tiny_autopipe.json")
+    config["model"].update(num_layers=2, hidden_size=64, max_seq_len=64)
+    config["autopipe"].update(num_stages=1, profile_warmup=0, profile_repeats=1)  # (one stage: one split)
+    config["data"]["cache_dir"] = str(ROOT / ".cache" / "angelptm")
+    config["train"] = {"steps": steps, "save_dir": str(tmp_path / name), "save_interval": save_interval,
+                       "log_interval": 1, "keep_last": 100}
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def pipeline_files(path: Path) -> tuple[dict, dict]:
+    """An AutoPipe checkpoint's layout file and its rank's weights and optimizer states, as torch reads them."""
+    return tuple(torch.load(path / name, weights_only=True) for name in (checkpoint.MODEL_FILE,
+                                                                         checkpoint.rank_file(0)))
+
+
+def test_autopipe_saves_in_the_background_with_the_engines_guarantees(tmp_path, capsys, monkeypatch):
+    """AutoPipe's loop (one process) writes its periodic checkpoints beside training through the engine's writer: with
+    every record's write slowed, a save returns while its writer writes and the next step runs beside it, yet the
+    losses, the files (bit for bit) and a resume from a background save equal those of ``--no-background-save``."""
+    from angelptm.pretraining import pipeline_parallel
+
+    delay_s = {"per_record": 0.0}
+    real_write = streamed._ArchiveWriter.write
+    real_save, real_step = pipeline_parallel.save, pipeline_parallel.train_step
+    saves: list[dict] = []
+
+    def write(self, key, tensor):
+        time.sleep(delay_s["per_record"])
+        return real_write(self, key, tensor)
+
+    def save(*args, **kwargs):
+        pending = real_save(*args, **kwargs)
+        saves.append({"step": args[2], "background": pending is not None, "writing_at_return": writer_alive(),
+                      "writing_at_the_next_step": None})
+        return pending
+
+    def train_step(*args, **kwargs):
+        if saves and saves[-1]["writing_at_the_next_step"] is None:
+            saves[-1]["writing_at_the_next_step"] = writer_alive()
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(streamed._ArchiveWriter, "write", write)
+    monkeypatch.setattr(pipeline_parallel, "save", save)
+    monkeypatch.setattr(pipeline_parallel, "train_step", train_step)
+    assert job.main(["--config", str(autopipe_job(tmp_path, "sync", steps=6, save_interval=2)),
+                     "--no-background-save"]) == 0
+    sync_losses = logged_losses(capsys.readouterr().out)
+    assert len(sync_losses) == 6 and [s["background"] for s in saves] == [False] * 3, saves
+    saves.clear()
+    delay_s["per_record"] = 0.005  # (150 records a save, 0.7 s: a save outlasts a step, 0.05 s)
+
+    background = autopipe_job(tmp_path, "background", steps=6, save_interval=2)
+    assert job.main(["--config", str(background)]) == 0
+    assert logged_losses(capsys.readouterr().out) == sync_losses, "the saves beside training changed the training"
+    periodic, final = saves[:2], saves[2]
+    assert [(s["step"], s["background"]) for s in saves] == [(2, True), (4, True), (6, False)], saves
+    assert all(s["writing_at_return"] and s["writing_at_the_next_step"] for s in periodic), \
+        f"each periodic save must return before its files are written, and a step run beside its writer: {saves}"
+    assert not final["writing_at_return"] and not writer_alive()  # the last save is written before the run ends
+    root = tmp_path / "background"
+    assert (root / "latest").read_text() == "global_step6"
+    for step in (2, 4, 6):
+        assert verified(root / f"global_step{step}"), f"global_step{step} is incomplete"
+        for saved, expected in zip(pipeline_files(root / f"global_step{step}"),
+                                   pipeline_files(tmp_path / "sync" / f"global_step{step}")):
+            assert_equal(saved, expected, f"global_step{step}")
+
+    # Resume from the background save of step 2 (as after a crash there): the same steps 3..6, bit for bit.
+    for step in (4, 6):
+        for entry in (root / f"global_step{step}").iterdir():
+            entry.unlink()
+        (root / f"global_step{step}").rmdir()
+    checkpoint.point_latest(root, "global_step2")
+    assert job.main(["--config", str(background)]) == 0
+    out = capsys.readouterr().out
+    assert logged_losses(out) == {s: sync_losses[s] for s in range(3, 7)}, out[-2000:]
+    resumed, expected = pipeline_files(root / "global_step6"), pipeline_files(tmp_path / "sync" / "global_step6")
+    assert_equal(resumed, expected, "resumed global_step6")
