@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from zero_cache.optim.chunk_adam import fp32_gradient  # noqa: E402
+from zero_cache.optim.chunk_adam import state_gradient  # noqa: E402
 from zero_cache.optim.device_adam import adam_in_one_pass  # noqa: E402
 from zero_cache.optim.host_adam import torch_fused_adam  # noqa: E402
 
@@ -48,6 +48,8 @@ def main() -> None:
     parser.add_argument("--chunk", type=float, default=154e6, help="elements per chunk")
     parser.add_argument("--chunks", type=int, default=4, help="chunks timed (the figure is scaled per element)")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the one pass at other elements per program and warps per program")
     args = parser.parse_args()
     device = torch.device("cuda")
     numel, count = int(args.chunk), args.chunks
@@ -60,7 +62,7 @@ def main() -> None:
     def four_passes() -> None:
         for chunk in chunks:
             master, exp_avg, exp_avg_sq = chunk["states"]
-            grads = fp32_gradient(chunk["params"], scratch, 0.5)
+            grads = state_gradient(chunk["params"], scratch, 0.5)
             torch_fused_adam([master], [grads], [exp_avg], [exp_avg_sq], decoupled=True, step=10, **HYPER)
             chunk["params"].copy_(master)
 
@@ -78,6 +80,16 @@ def main() -> None:
                for name, step in (("four_passes_ms", four_passes), ("one_pass_ms", one_pass),
                                   ("plain_torch_bf16_ms", plain.step))}
     anchor = figures["plain_torch_bf16_ms"]
+    if args.sweep:  # (BLOCK x num_warps: the kernel is bound by memory, so the best should read near the HBM's rate)
+        for block in (1024, 2048, 4096, 8192):
+            for warps in (4, 8, 16):
+                def swept(block: int = block, warps: int = warps) -> None:
+                    for chunk in chunks:
+                        adam_in_one_pass(chunk["states"], chunk["params"], chunk["params"], grad_factor=0.5, step=10,
+                                         decoupled=True, block=block, num_warps=warps, **HYPER)
+                ms = timed(swept, args.repeats) * scale * 1e3
+                figures[f"one_pass_block{block}_warps{warps}_ms"] = ms
+                print(f"block {block} warps {warps}: {ms:.2f} ms, {28 * args.elements / ms / 1e9:.0f} GB/s", flush=True)
     print(json.dumps({"device": torch.cuda.get_device_name(), "elements": args.elements, **figures,
                       "vs_plain_torch": {"four_passes": figures["four_passes_ms"] / anchor,
                                          "one_pass": figures["one_pass_ms"] / anchor},

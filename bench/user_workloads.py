@@ -148,7 +148,9 @@ def train(kind: str, size: str, config: dict, engine_name: str, workload: Worklo
           file=sys.stderr, flush=True)
 
     total = workload.unmeasured + workload.steps
-    trace_at = max(3, total - workload.steps - 1)  # (the step before the window: a trace slows its own step)
+    # The traced step is written out during the next one's forward, which a trace slows by a second or more: trace the
+    # step two before the window, so the write lands in the last unmeasured step.
+    trace_at = max(3, total - workload.steps - 2)
 
     def step(ids: Any, index: int) -> Any:
         if trace_dir and index == trace_at and hasattr(engine, "trace_next_step"):

@@ -82,7 +82,7 @@ def one_pass_available(device: torch.device) -> bool:
 
 def adam_in_one_pass(states: Sequence[torch.Tensor], grad: torch.Tensor, params: torch.Tensor, *,
                      grad_factor: float, step: int, lr: float, betas: tuple[float, float], eps: float,
-                     weight_decay: float, decoupled: bool) -> None:
+                     weight_decay: float, decoupled: bool, block: int = BLOCK, num_warps: int = 4) -> None:
     """One Adam step over flat, contiguous, equally long tensors, in place.
 
     Args:
@@ -93,6 +93,8 @@ def adam_in_one_pass(states: Sequence[torch.Tensor], grad: torch.Tensor, params:
         grad_factor: what the gradient is multiplied by first (unscale and clip).
         step: the Adam step number (from 1), for the bias corrections.
         decoupled: AdamW's weight decay (True) or Adam's L2 term in the gradient (False).
+        block, num_warps: elements per Triton program and warps per program (``bench/device_adam.py --sweep`` times
+            others against these).
     """
     master, exp_avg, exp_avg_sq = states
     numel = master.numel()
@@ -103,11 +105,11 @@ def adam_in_one_pass(states: Sequence[torch.Tensor], grad: torch.Tensor, params:
     if numel == 0:
         return
     beta1, beta2 = betas
-    _adam_kernel[(triton.cdiv(numel, BLOCK),)](
+    _adam_kernel[(triton.cdiv(numel, block),)](
         master, exp_avg, exp_avg_sq, grad, params, numel, float(grad_factor),
         float(lr), float(weight_decay), float(beta1), float(beta2), float(eps), float(lr) / (1 - beta1 ** step),
         (1 - beta2 ** step) ** 0.5, DECOUPLED=decoupled,
-        PARAMS_BF16=params.dtype == torch.bfloat16, BLOCK=BLOCK)
+        PARAMS_BF16=params.dtype == torch.bfloat16, BLOCK=block, num_warps=num_warps)
 
 
 def warm(device: torch.device, grad_dtype: torch.dtype, param_dtype: torch.dtype, decoupled: bool) -> None:
