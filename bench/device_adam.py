@@ -81,15 +81,18 @@ def main() -> None:
                                   ("plain_torch_bf16_ms", plain.step))}
     anchor = figures["plain_torch_bf16_ms"]
     if args.sweep:  # (BLOCK x num_warps: the kernel is bound by memory, so the best should read near the HBM's rate)
-        for block in (1024, 2048, 4096, 8192):
-            for warps in (4, 8, 16):
-                def swept(block: int = block, warps: int = warps) -> None:
-                    for chunk in chunks:
-                        adam_in_one_pass(chunk["states"], chunk["params"], chunk["params"], grad_factor=0.5, step=10,
-                                         decoupled=True, block=block, num_warps=warps, **HYPER)
-                ms = timed(swept, args.repeats) * scale * 1e3
-                figures[f"one_pass_block{block}_warps{warps}_ms"] = ms
-                print(f"block {block} warps {warps}: {ms:.2f} ms, {28 * args.elements / ms / 1e9:.0f} GB/s", flush=True)
+        for known in (False, True):  # (whether the compile knows numel's divisibility: vectorized masked loads)
+            for block in (1024, 2048, 4096, 8192):
+                for warps in (4, 8, 16):
+                    def swept(block: int = block, warps: int = warps, known: bool = known) -> None:
+                        for chunk in chunks:
+                            adam_in_one_pass(chunk["states"], chunk["params"], chunk["params"], grad_factor=0.5,
+                                             step=10, decoupled=True, block=block, num_warps=warps, numel_known=known,
+                                             **HYPER)
+                    ms = timed(swept, args.repeats) * scale * 1e3
+                    name = f"one_pass_block{block}_warps{warps}{'_numel_known' if known else ''}"
+                    figures[f"{name}_ms"] = ms
+                    print(f"{name}: {ms:.2f} ms, {28 * args.elements / ms / 1e9:.0f} GB/s", flush=True)
     print(json.dumps({"device": torch.cuda.get_device_name(), "elements": args.elements, **figures,
                       "vs_plain_torch": {"four_passes": figures["four_passes_ms"] / anchor,
                                          "one_pass": figures["one_pass_ms"] / anchor},

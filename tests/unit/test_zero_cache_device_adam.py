@@ -16,13 +16,12 @@ import random
 import pytest
 import torch
 from reference import random_batches, train_steps
-from test_zero_cache_streamed import assert_close_to
 from zero_cache_setup import resident_engine, six_layer_llama
 
 from zero_cache.optim import device_adam
 from zero_cache.optim import device_groups as groups_module
 from zero_cache.optim.host_adam import torch_fused_adam
-from zero_cache.plan.layout import TensorSlot
+from zero_cache.plan.layout import ALIGN_NUMEL, TensorSlot
 from zero_cache.plan.planner import DEVICE
 
 
@@ -90,6 +89,26 @@ def test_one_pass_is_torch_fused_adam_to_a_few_ulps(one_pass, decoupled, grad_dt
     assert torch.equal(grad, grad_before)  # the gradient is read, not scaled in place
 
 
+@pytest.mark.parametrize("block,num_warps", [(1024, 8), (4096, 4)])
+def test_the_one_pass_compiles_the_bench_sweeps_give_the_same_bits(one_pass, block, num_warps):
+    generator = torch.Generator().manual_seed(torch.randint(0, 10_000, ()).item())
+    numel = 5 * ALIGN_NUMEL * int(torch.randint(1, 40, (), generator=generator))  # a chunk's run: slots of 64s
+    states = [torch.randn(numel, generator=generator), torch.randn(numel, generator=generator) * 0.1,
+              torch.rand(numel, generator=generator) * 0.01]
+    grad = torch.randn(numel, generator=generator).to(torch.bfloat16)
+    hyper = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    results = []
+    for kwargs in ({}, {"block": block, "num_warps": num_warps, "numel_known": True}):
+        got = [state.clone() for state in states]
+        params = torch.empty(numel, dtype=torch.bfloat16)
+        one_pass.adam_in_one_pass(got, grad, params, grad_factor=0.7, step=3, decoupled=True, **hyper, **kwargs)
+        assert not torch.equal(got[0], states[0])
+        results.append((got, params))
+    (default, default_params), (swept, swept_params) = results
+    assert all(torch.equal(a, b) for a, b in zip(default, swept))
+    assert torch.equal(default_params, swept_params)
+
+
 def test_one_pass_reads_a_gradient_held_in_the_params_before_writing_them(one_pass):
     generator = torch.Generator().manual_seed(torch.randint(0, 10_000, ()).item())
     numel = 3 * device_adam.BLOCK + 5
@@ -136,10 +155,15 @@ def test_device_chunks_updated_in_one_pass_train_like_the_four_passes(one_pass, 
     assert once_losses == pytest.approx(four_losses, rel=1e-4)
     four_opt.finish_pending(), once_opt.finish_pending()
     four_masters, once_masters = four_opt.master_state_dict(), once_opt.master_state_dict()
-    # Per tensor: the kernels differ by an ulp or two, and over steps a bf16 param rounded the other way moves its
-    # gradient, so single elements part by up to 6e-4 of themselves (1 draw in 10); the tensors stay within 1e-5.
+    # Per tensor, against how far training moved it: the kernels differ by an ulp or two, and over steps a bf16 param
+    # rounded the other way moves its gradient, which the next steps carry on. Over 40 seeds the two parted by at
+    # most 2e-3 of the tensor's displacement (typically 2e-5), and by up to 8e-4 of its norm in one draw (tok_emb),
+    # which a bound on the norm (1e-5 before) failed 3 draws in 40; a wrong term in the update parts them by tenths.
     start = {name: param.detach().float() for name, param in six_layer_llama(seed).named_parameters()}
-    assert_close_to(once_masters, four_masters, start, rtol=1e-5)
+    for name, want in four_masters.items():
+        moved = (want - start[name]).norm()
+        assert moved > 0, f"{name} did not train"
+        assert (once_masters[name] - want).norm() <= 1e-2 * moved, name
     for name, param in once.module.named_parameters():
         assert torch.equal(param, once_masters[name].to(param.dtype)), f"{name} does not hold its new master"
 

@@ -45,8 +45,7 @@ try:  # (an optional dependency: CUDA builds of torch bring it)
 except ImportError:
     triton = None
 else:
-    @triton.jit(do_not_specialize=["numel"])  # (one compile whatever the runs' lengths: see warm())
-    def _adam_kernel(master_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_ptr, param_ptr, numel, grad_factor, lr,
+    def _adam_body(master_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_ptr, param_ptr, numel, grad_factor, lr,
                      weight_decay, beta1, beta2, eps, step_size, bias_correction2_sqrt,
                      DECOUPLED: tl.constexpr, PARAMS_BF16: tl.constexpr, BLOCK: tl.constexpr):
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -74,6 +73,13 @@ else:
         else:
             tl.store(param_ptr + offsets, weight.to(param_ptr.dtype.element_ty), mask=inside)
 
+    _adam_kernel = triton.jit(do_not_specialize=["numel"])(_adam_body)  # (one compile whatever the runs' lengths)
+    _adam_kernel_numel_known = triton.jit(_adam_body)
+    """The same kernel compiled knowing whether ``numel`` is a multiple of 16 (Triton's default): the mask is then
+    constant over 16 elements and the loads can be vectorized; every run of a chunk is (its slots are multiples of
+    :data:`~zero_cache.plan.layout.ALIGN_NUMEL`). ``bench/device_adam.py --sweep`` times it against the other before
+    the engine switches."""
+
 
 def one_pass_available(device: torch.device) -> bool:
     """Whether :func:`adam_in_one_pass` runs on ``device``'s tensors here (Triton on CUDA, or its interpreter)."""
@@ -82,7 +88,8 @@ def one_pass_available(device: torch.device) -> bool:
 
 def adam_in_one_pass(states: Sequence[torch.Tensor], grad: torch.Tensor, params: torch.Tensor, *,
                      grad_factor: float, step: int, lr: float, betas: tuple[float, float], eps: float,
-                     weight_decay: float, decoupled: bool, block: int = BLOCK, num_warps: int = 4) -> None:
+                     weight_decay: float, decoupled: bool, block: int = BLOCK, num_warps: int = 4,
+                     numel_known: bool = False) -> None:
     """One Adam step over flat, contiguous, equally long tensors, in place.
 
     Args:
@@ -95,6 +102,7 @@ def adam_in_one_pass(states: Sequence[torch.Tensor], grad: torch.Tensor, params:
         decoupled: AdamW's weight decay (True) or Adam's L2 term in the gradient (False).
         block, num_warps: elements per Triton program and warps per program (``bench/device_adam.py --sweep`` times
             others against these).
+        numel_known: launch the compile that knows ``numel``'s divisibility (:data:`_adam_kernel_numel_known`).
     """
     master, exp_avg, exp_avg_sq = states
     numel = master.numel()
@@ -105,7 +113,8 @@ def adam_in_one_pass(states: Sequence[torch.Tensor], grad: torch.Tensor, params:
     if numel == 0:
         return
     beta1, beta2 = betas
-    _adam_kernel[(triton.cdiv(numel, block),)](
+    kernel = _adam_kernel_numel_known if numel_known else _adam_kernel
+    kernel[(triton.cdiv(numel, block),)](
         master, exp_avg, exp_avg_sq, grad, params, numel, float(grad_factor),
         float(lr), float(weight_decay), float(beta1), float(beta2), float(eps), float(lr) / (1 - beta1 ** step),
         (1 - beta2 ** step) ** 0.5, DECOUPLED=decoupled,
