@@ -9,6 +9,7 @@
 #                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200_2p7b_capped h200_2p7b_capped_clip
 #                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200_2p7b_capped_ds_newest
 #                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200_2p7b_checkpoint_save
+#                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h200_16b_largest h200_2p7b_whole
 #   H100:                     source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h100_10b h100_2p7b_capped
 #                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h100_2p7b_whole h100_llama_capped
 #                             source .devdeps/gpu-setup.sh && bash bench/matrix.sh "$OUT" h100_nvme_2p7b
@@ -36,6 +37,12 @@ run h200_13b_user_clip 290 "${u13b[@]}" "${clip[@]}"
 run h200_13b 290 "${bench[@]}" "${ours[@]}" --models nngpt --sizes 13b --configs $c/zero_offload.json "${noclip[@]}"
 run h200_13b_no_device_steps 290 "${bench[@]}" "${ours[@]}" --tuning-steps 6 --models nngpt --sizes 13b \
     --configs $c/zero_offload.json "${noclip[@]}" --set angelptm:zero_cache.device_steps=0
+# The largest the plan fits on the whole H200 with fp32 states and no disk (16.25B; 125 GiB of host), the same script.
+run h200_16b_largest 330 "${bench[@]}" "${ours[@]}" "${user[@]}" --build zero_init_bf16 --models nngpt --sizes 16.3b \
+    --configs $c/zero_offload.json "${noclip[@]}"
+# The whole H200 against plain torch bf16 without fp32 masters, a user's first script.
+run h200_2p7b_whole 240 "${bench[@]}" "${user[@]}" --engines torch angelptm --anchor torch --models nngpt \
+    --sizes 2.7b --configs $c/zero_offload.json "${noclip[@]}"
 # Under a 22 GB cap on the H200: the ZeRO-Infinity JSON against DeepSpeed ZeRO-Infinity, a user's first script,
 # unclipped and clipping every step.
 capped=("${bench[@]}" "${cap[@]}" "${user[@]}" --engines deepspeed angelptm --models nngpt --sizes 2.7b \
@@ -44,7 +51,8 @@ run h200_2p7b_capped 290 "${capped[@]}" "${noclip[@]}"
 run h200_2p7b_capped_clip 290 "${capped[@]}" "${clip[@]}"
 # DeepSpeed's newest offloads beside ZeRO-Infinity at the same size and cap, unclipped (DeepSpeed only: compare with
 # h200_2p7b_capped). ZenFlow runs ZeRO-2: under ZeRO-3, DeepSpeed 0.19.8's ZenFlow transposes every 2-D parameter,
-# the embedding's too, and the first forward fails (bench/results/*-deepspeed-zenflow-stage3-fails-*.out).
+# the embedding's too, and the first forward fails (bench/results/*-deepspeed-zenflow-stage3-fails-*.out); and with
+# overlap_step false: with it, no step came after its first full update for minutes (*-zenflow-stage2-overlap-hangs*).
 run h200_2p7b_capped_ds_newest 400 "${bench[@]}" "${cap[@]}" "${user[@]}" --engines deepspeed --anchor deepspeed \
     --models nngpt --sizes 2.7b --configs $c/zero_zenflow.json $c/zero_superoffload.json "${noclip[@]}"
 # Checkpoints beside training (issue 52), the same 2.7B capped workload: the disk's bandwidth, a run saving in the
