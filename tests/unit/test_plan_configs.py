@@ -92,7 +92,7 @@ def test_plan_table_for_named_hardware(capsys):
     host = next(line for line in lines if line.startswith("host "))
     assert "(host Adam; " in host and " by GPU Adam after backward)" in host, host
     assert "bound: H2D" in out or "bound: D2H" in out or "bound: host Adam" in out
-    # the host bytes per parameter, in the plan and at the warm-up (capped at 1.1x the plan's)
+    # the host bytes per parameter, in the plan and at the warm-up (capped at WARMUP_HOST_FACTOR of the plan's)
     use = next(line for line in lines if line.startswith("host use "))
     found = re.fullmatch(r"host use  ([\d.]+) GiB \(([\d.]+) B/param\) in the plan, ([\d.]+) GiB \(([\d.]+) "
                          r"B/param\) at the warm-up", use)
