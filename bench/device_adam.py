@@ -81,16 +81,21 @@ def main() -> None:
                                   ("plain_torch_bf16_ms", plain.step))}
     anchor = figures["plain_torch_bf16_ms"]
     if args.sweep:  # (BLOCK x num_warps: the kernel is bound by memory, so the best should read near the HBM's rate)
-        for known in (False, True):  # (whether the compile knows numel's divisibility: vectorized masked loads)
+        variants = [{}, {"numel_known": True}, {"even_blocks": True}]  # (vectorized loads: by hint, or no mask)
+        for variant in variants:
             for block in (1024, 2048, 4096, 8192):
                 for warps in (4, 8, 16):
-                    def swept(block: int = block, warps: int = warps, known: bool = known) -> None:
+                    def swept(block: int = block, warps: int = warps, variant: dict = variant) -> None:
                         for chunk in chunks:
                             adam_in_one_pass(chunk["states"], chunk["params"], chunk["params"], grad_factor=0.5,
-                                             step=10, decoupled=True, block=block, num_warps=warps, numel_known=known,
+                                             step=10, decoupled=True, block=block, num_warps=warps, **variant,
                                              **HYPER)
-                    ms = timed(swept, args.repeats) * scale * 1e3
-                    name = f"one_pass_block{block}_warps{warps}{'_numel_known' if known else ''}"
+                    name = f"one_pass_block{block}_warps{warps}" + "".join(f"_{key}" for key in variant)
+                    try:
+                        ms = timed(swept, args.repeats) * scale * 1e3
+                    except Exception as err:  # (a variant that does not compile here is reported, not fatal)
+                        print(f"{name}: failed: {type(err).__name__}: {err}", flush=True)
+                        continue
                     figures[f"{name}_ms"] = ms
                     print(f"{name}: {ms:.2f} ms, {28 * args.elements / ms / 1e9:.0f} GB/s", flush=True)
     print(json.dumps({"device": torch.cuda.get_device_name(), "elements": args.elements, **figures,

@@ -46,10 +46,13 @@ except ImportError:
     triton = None
 else:
     def _adam_body(master_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_ptr, param_ptr, numel, grad_factor, lr,
-                     weight_decay, beta1, beta2, eps, step_size, bias_correction2_sqrt,
-                     DECOUPLED: tl.constexpr, PARAMS_BF16: tl.constexpr, BLOCK: tl.constexpr):
+                   weight_decay, beta1, beta2, eps, step_size, bias_correction2_sqrt,
+                   DECOUPLED: tl.constexpr, PARAMS_BF16: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr):
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = offsets < numel
+        if EVEN:  # (every program's block is whole: no mask, so nothing keeps the loads from being vectorized)
+            inside = None
+        else:
+            inside = offsets < numel
         weight = tl.load(master_ptr + offsets, mask=inside)
         grad = tl.load(grad_ptr + offsets, mask=inside).to(tl.float32) * grad_factor
         exp_avg = tl.load(exp_avg_ptr + offsets, mask=inside)
@@ -89,7 +92,7 @@ def one_pass_available(device: torch.device) -> bool:
 def adam_in_one_pass(states: Sequence[torch.Tensor], grad: torch.Tensor, params: torch.Tensor, *,
                      grad_factor: float, step: int, lr: float, betas: tuple[float, float], eps: float,
                      weight_decay: float, decoupled: bool, block: int = BLOCK, num_warps: int = 4,
-                     numel_known: bool = False) -> None:
+                     numel_known: bool = False, even_blocks: bool = False) -> None:
     """One Adam step over flat, contiguous, equally long tensors, in place.
 
     Args:
@@ -103,6 +106,7 @@ def adam_in_one_pass(states: Sequence[torch.Tensor], grad: torch.Tensor, params:
         block, num_warps: elements per Triton program and warps per program (``bench/device_adam.py --sweep`` times
             others against these).
         numel_known: launch the compile that knows ``numel``'s divisibility (:data:`_adam_kernel_numel_known`).
+        even_blocks: the whole blocks in a launch without a mask, the rest in a second launch with one.
     """
     master, exp_avg, exp_avg_sq = states
     numel = master.numel()
@@ -112,13 +116,17 @@ def adam_in_one_pass(states: Sequence[torch.Tensor], grad: torch.Tensor, params:
                          f"{[(tuple(t.shape), t.is_contiguous()) for t in tensors]}")
     if numel == 0:
         return
-    beta1, beta2 = betas
     kernel = _adam_kernel_numel_known if numel_known else _adam_kernel
-    kernel[(triton.cdiv(numel, block),)](
-        master, exp_avg, exp_avg_sq, grad, params, numel, float(grad_factor),
-        float(lr), float(weight_decay), float(beta1), float(beta2), float(eps), float(lr) / (1 - beta1 ** step),
-        (1 - beta2 ** step) ** 0.5, DECOUPLED=decoupled,
-        PARAMS_BF16=params.dtype == torch.bfloat16, BLOCK=block, num_warps=num_warps)
+    beta1, beta2 = betas
+    hyper = (float(grad_factor), float(lr), float(weight_decay), float(beta1), float(beta2), float(eps),
+             float(lr) / (1 - beta1 ** step), (1 - beta2 ** step) ** 0.5)
+    flags = dict(DECOUPLED=decoupled, PARAMS_BF16=params.dtype == torch.bfloat16, BLOCK=block, num_warps=num_warps)
+    whole = numel // block * block if even_blocks else 0
+    if whole:
+        kernel[(whole // block,)](*tensors, whole, *hyper, EVEN=True, **flags)
+    if whole < numel:
+        rest = tuple(tensor[whole:] for tensor in tensors)
+        kernel[(triton.cdiv(numel - whole, block),)](*rest, numel - whole, *hyper, EVEN=False, **flags)
 
 
 def warm(device: torch.device, grad_dtype: torch.dtype, param_dtype: torch.dtype, decoupled: bool) -> None:
