@@ -97,7 +97,7 @@ def main() -> None:
                         print(f"{name}: failed: {type(err).__name__}: {err}", flush=True)
                         continue
                     figures[f"{name}_ms"] = ms
-                    print(f"{name}: {ms:.2f} ms, {28 * args.elements / ms / 1e9:.0f} GB/s", flush=True)
+                    print(f"{name}: {ms:.2f} ms, {28 * args.elements / ms / 1e6:.0f} GB/s", flush=True)
     print(json.dumps({"device": torch.cuda.get_device_name(), "elements": args.elements, **figures,
                       "vs_plain_torch": {"four_passes": figures["four_passes_ms"] / anchor,
                                          "one_pass": figures["one_pass_ms"] / anchor},

@@ -109,6 +109,11 @@ class PendingSave:
         """Whether the writer has finished (published, or failed)."""
         return not self._thread.is_alive()
 
+    @property
+    def over(self) -> bool:
+        """Whether :meth:`wait` has seen the save through (published, or its failure published), not cut short."""
+        return self._over
+
     def wait(self) -> Path:
         """Stage what is left, wait for the writer, and publish the checkpoint if the writer does not.
 
@@ -231,8 +236,14 @@ class InFlightSave:
         Raises:
             Its error (the previous checkpoint and ``latest`` are then untouched), once.
         """
-        pending, self._pending = self._pending, None
-        return pending.wait() if pending is not None else None
+        pending = self._pending
+        if pending is None:
+            return None
+        try:
+            return pending.wait()
+        finally:
+            if pending.over:  # (a wait cut short, by Ctrl-C say, leaves the save here for the next wait to finish)
+                self._pending = None
 
     @property
     def writing(self) -> bool:

@@ -92,6 +92,9 @@ def test_one_pass_is_torch_fused_adam_to_a_few_ulps(one_pass, decoupled, grad_dt
 
 @pytest.mark.parametrize("block,num_warps", [(1024, 8), (4096, 4)])
 def test_the_one_pass_variants_the_bench_sweeps_give_the_same_bits(one_pass, block, num_warps):
+    """On CPU, Triton's interpreter ignores warps and compiles nothing, so what this checks is the launches: other
+    block sizes, and whole blocks without a mask beside a masked rest, cover every element once with the default's
+    arithmetic. That the compiles agree on a GPU is bench/device_adam.py --sweep's to show."""
     generator = torch.Generator().manual_seed(torch.randint(0, 10_000, ()).item())
     numel = 5 * ALIGN_NUMEL * int(torch.randint(14, 40, (), generator=generator))  # whole blocks and a rest
     states = [torch.randn(numel, generator=generator), torch.randn(numel, generator=generator) * 0.1,

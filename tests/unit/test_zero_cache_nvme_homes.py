@@ -294,3 +294,34 @@ def test_the_plan_report_prices_the_disk_once_at_the_plans_rate():
 def plan_slot(plan) -> int:
     """One optimizer group's slot on disk in a plan: its share of the plan's NVMe bytes beside the shards."""
     return (plan.nvme_bytes - plan.param_nvme_bytes) // plan.optimizer_tier.count(NVME)
+
+
+def test_a_home_left_without_shards_gives_its_pinned_buffers_back(tmp_path):
+    """A re-plan that takes every shard off the disk trims the home: its staging buffers go back to the host tier and
+    no reference to them is left (a buffer stays pinned while any view of it lives), and a shard homed here again
+    makes them anew, as many as before."""
+    host = Tier(HOST, torch.device("cpu"), 2**22)
+    disk = NvmeTier(tmp_path, 12 * 4096, 3 * 12 * 4096, AioConfig())
+    home = NvmeHome({HOST: host, NVME: disk}, 1000, torch.float32, num_shards=1)
+    idle = host.used_bytes
+
+    def train_a_shard(group: int) -> None:
+        value = torch.randn(1000)
+        home.allocate(group)
+        with home.open(group, None, fresh=True, write_back=True) as shard:
+            shard.copy_(value)
+        with home.open(group, None) as shard:
+            assert torch.equal(shard, value)
+
+    train_a_shard(0)
+    staged = host.used_bytes - idle
+    assert staged > 0 and home._raw, "the home staged its shard through pinned buffers"
+    buffers = [weakref.ref(raw) for raw in home._raw.values()]
+    home.free(0, None)
+    home.trim()
+    assert host.used_bytes == idle
+    assert not home._raw and all(buffer() is None for buffer in buffers), "a trimmed buffer is still referenced"
+    train_a_shard(1)
+    assert host.used_bytes - idle == staged
+    home.close()
+    disk.close()

@@ -82,9 +82,9 @@ def test_a_fold_is_owed_once_and_taken_by_exactly_one_thread():
 def test_retired_chunks_stay_retired_until_unretired_with_the_switch_spare_flag():
     steps = ChunkSteps(5)
     steps.retire(frozenset({3, 1}), spare=True)
-    assert steps.retired() == ([1, 3], True)
-    assert steps.retired() == ([1, 3], True), "looking does not let them go"
+    assert steps.retired_chunks() == ([1, 3], True)
+    assert steps.retired_chunks() == ([1, 3], True), "looking does not let them go"
     steps.unretire([1, 3])
-    assert steps.retired() == ([], True)
+    assert steps.retired_chunks() == ([], True)
     steps.retire(frozenset({4}), spare=False)
-    assert steps.retired() == ([4], False)
+    assert steps.retired_chunks() == ([4], False)

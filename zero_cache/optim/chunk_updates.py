@@ -177,7 +177,7 @@ class ChunkUpdates:
         """Let go of the kept gradients the last count switch retained, once their chunks' host work is done. They
         stay retired until then: a host failure met while their chunks finish raises with them still retired, and
         the next call finishes and releases them."""
-        retired, spare = self.steps.retired()
+        retired, spare = self.steps.retired_chunks()
         if retired:
             self.finish_chunks(retired)
             self.store.release_kept(frozenset(retired), spare=spare)

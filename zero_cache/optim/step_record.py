@@ -222,7 +222,7 @@ class ChunkSteps:
             self.records[chunk].retired = True
         self.retired_spare = spare
 
-    def retired(self) -> tuple[list[int], bool]:
+    def retired_chunks(self) -> tuple[list[int], bool]:
         """(the retired chunks in order, whether their kept gradients go to the spares), left retired: they stay so
         until their kept gradients are let go of (:meth:`unretire`), so that a failure on the way (a host job's, met
         while their chunks finish) leaves them to the next try instead of forgetting them."""

@@ -173,6 +173,7 @@ class NvmeHome(ParamHome):
         if not self._offsets:
             self.forget_prefetched()
             self.pool.trim()
+            self._raw.clear()  # (the whole buffers behind the pool's views: kept here, they would stay pinned)
 
     def gather(self, group: int, shard: torch.Tensor | None, buffer: torch.Tensor, sharding: Any,
                transfers: Any) -> Any:
