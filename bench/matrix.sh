@@ -37,7 +37,7 @@ run h200_13b_user_clip 290 "${u13b[@]}" "${clip[@]}"
 run h200_13b 290 "${bench[@]}" "${ours[@]}" --models nngpt --sizes 13b --configs $c/zero_offload.json "${noclip[@]}"
 run h200_13b_no_device_steps 290 "${bench[@]}" "${ours[@]}" --tuning-steps 6 --models nngpt --sizes 13b \
     --configs $c/zero_offload.json "${noclip[@]}" --set angelptm:zero_cache.device_steps=0
-# The largest the plan fits on the whole H200 with fp32 states and no disk (16.25B; 125 GiB of host), the same script.
+# The largest measured on the whole H200 with fp32 states and no disk (16.25B; 125 GiB of host), the same script.
 run h200_16b_largest 330 "${bench[@]}" "${ours[@]}" "${user[@]}" --build zero_init_bf16 --models nngpt --sizes 16.3b \
     --configs $c/zero_offload.json "${noclip[@]}"
 # The whole H200 against plain torch bf16 without fp32 masters, a user's first script.
@@ -52,7 +52,8 @@ run h200_2p7b_capped_clip 290 "${capped[@]}" "${clip[@]}"
 # DeepSpeed's newest offloads beside ZeRO-Infinity at the same size and cap, unclipped (DeepSpeed only: compare with
 # h200_2p7b_capped). ZenFlow runs ZeRO-2: under ZeRO-3, DeepSpeed 0.19.8's ZenFlow transposes every 2-D parameter,
 # the embedding's too, and the first forward fails (bench/results/*-deepspeed-zenflow-stage3-fails-*.out); and with
-# overlap_step false: with it, no step came after its first full update for minutes (*-zenflow-stage2-overlap-hangs*).
+# overlap_step false: with it, the run was SIGKILLed at its first full update, likely out of host memory
+# (*-zenflow-stage2-overlap-killed*).
 run h200_2p7b_capped_ds_newest 400 "${bench[@]}" "${cap[@]}" "${user[@]}" --engines deepspeed --anchor deepspeed \
     --models nngpt --sizes 2.7b --configs $c/zero_zenflow.json $c/zero_superoffload.json "${noclip[@]}"
 # Checkpoints beside training (issue 52), the same 2.7B capped workload: the disk's bandwidth, a run saving in the
