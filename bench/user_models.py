@@ -34,6 +34,7 @@ SHAPES = {  # layers, hidden, heads (GPT-2 shapes; Llama takes the same with an 
     "12b": (56, 4096, 32),
     "13b": (40, 5120, 40),
     "16.3b": (50, 5120, 40),  # the largest measured on one H200 with 125 GiB of host, fp32 states, no disk
+    "16.9b": (52, 5120, 40),  # the largest the plan fits there (pretrain.py --plan, the same shape)
 }
 MODELS = ("nngpt", "hf_llama", "hf_gpt2")
 
