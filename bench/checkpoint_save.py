@@ -403,7 +403,8 @@ def run_child(role: str, args: argparse.Namespace, extra: list[str] | None = Non
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="2.7b", choices=[s for s in user_models.SHAPES if s not in ("13b", "16.3b", "16.9b")],
+    fits_the_host = [size for size, (_, hidden, _) in user_models.SHAPES.items() if hidden < 5120]  # (the 13B-up: no)
+    parser.add_argument("--model", default="2.7b", choices=fits_the_host,
                         help="size of the torch.nn GPT (default 2.7b; 1.3b where the disk holds less)")
     parser.add_argument("--quick", action="store_true", help="the tiny model on CPU, small steps and disk test")
     parser.add_argument("--steps", type=int, help="steps of runs A and B (default 30; --quick 5)")
