@@ -43,7 +43,7 @@ reaches every floor's public names)."""
 ZERO_CACHE_MODULES_IN_USE = {
     "zero_cache.storage.nvme": {"ALIGN_BYTES", "NvmeTier"},  # (bench/nvme_tier.py times the tier)
     "zero_cache.optim.host_adam": {"HostAdam", "torch_fused_adam"},  # (bench/host_adam.py times it)
-    "zero_cache.optim.chunk_adam": {"fp32_gradient"},  # (bench/device_adam.py times the device's Adam
+    "zero_cache.optim.chunk_adam": {"state_gradient"},  # (bench/device_adam.py times the device's Adam
     "zero_cache.optim.device_adam": {"adam_in_one_pass"},  # in four passes and in one)
     "zero_cache.plan.tuning": {"MAX_TRIALS", "MEASURED_STEPS", "RESTARTS", "SETTLE_STEPS"},
     # (bench/host_memory.py sets the re-plan's probe against the host's Adam and copies, alone and at once, through a
