@@ -211,11 +211,15 @@ def save(cfg: EngineConfig, ctx: DistContext, step: int, runner: PipelineRunner,
     otherwise it is written before this returns (None)."""
     meta = {"format": "autopipe", "world_size": ctx.world_size, "op_starts": runner.op_starts, "step": step,
             "architecture": architecture.gpt_record(cfg.model), "client_state": {health.HEALTHY_KEY: healthy}}
-    per_rank = {"meta": meta, "module": {name: p.detach().cpu() for name, p in runner.named_parameters()},
+    beside = background and ctx.group is None
+    # (in the background the writer's pickler takes each tensor to host memory itself, once; torch.save keeps a
+    # tensor's device, so the synchronous save is given host copies)
+    weights = {name: p.detach() if beside else p.detach().cpu() for name, p in runner.named_parameters()}
+    per_rank = {"meta": meta, "module": weights,
                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict() if scheduler else None,
                 "loader": loader.state_dict(), "rng": checkpoint.capture_rng_state()}
     tag, shared = f"global_step{step}", {checkpoint.MODEL_FILE: meta}
-    if background and ctx.group is None:
+    if beside:
         return background_save.save_streamed(cfg.train.save_dir, tag, ctx, shared=shared, per_rank=per_rank,
                                              snapshot=None, save_latest=latest, background=True)
     checkpoint.save(cfg.train.save_dir, tag, ctx, shared=shared, per_rank=per_rank, save_latest=latest)
@@ -333,7 +337,8 @@ def run_loop(cfg: EngineConfig, ctx: DistContext, runner: PipelineRunner, optimi
             progress.close()  # the error line starts a line of its own
             raise _stopped(err, cfg, ctx, run_health, in_flight) from None
         if prune_due and not in_flight.writing:  # (a save in the background: once it is published)
-            prune_due = _prune(ctx, run_health, after_save)
+            _prune(ctx, run_health, after_save)
+            prune_due = False
         meter.add_tokens(cfg.batch.train_batch_size * seq_len)
         progress.update(1)
         if step % cfg.train.log_interval == 0 or step == cfg.train.steps:
@@ -342,7 +347,7 @@ def run_loop(cfg: EngineConfig, ctx: DistContext, runner: PipelineRunner, optimi
         if step % cfg.train.save_interval == 0 and step < cfg.train.steps:
             in_flight.wait()  # a save still being written ends first (its error raised), as the engine's does
             if prune_due:  # that write outlasted save_interval steps: prune before the next, or checkpoints pile up
-                prune_due = _prune(ctx, run_health, after_save)
+                _prune(ctx, run_health, after_save)
             pending = save(cfg, ctx, step, runner, optimizer, scheduler, loader, healthy=run_health.healthy,
                            latest=not run_health.diverged, background=background)
             if pending is not None:
@@ -375,12 +380,11 @@ def _log_step(cfg: EngineConfig, ctx: DistContext, step: int, loss_sum: torch.Te
     return loss
 
 
-def _prune(ctx: DistContext, run_health: health.RunHealth, after_save: Callable[[], None]) -> bool:
+def _prune(ctx: DistContext, run_health: health.RunHealth, after_save: Callable[[], None]) -> None:
     """Prune (``after_save``, rank 0) once the last save is published, unless the run diverged since (the last good
-    checkpoint is kept); returns False: no prune is due any more."""
+    checkpoint is kept)."""
     if ctx.is_main and not run_health.diverged:
         after_save()
-    return False
 
 
 def _stopped(err: RunUnhealthyError, cfg: EngineConfig, ctx: DistContext, run_health: health.RunHealth,

@@ -86,6 +86,18 @@ def logged_losses(out: str) -> dict[int, str]:
     return {int(step): loss for step, loss in re.findall(r"step (\d+)/\d+ \| loss (\S+) ", out)}
 
 
+def resume_from(root: Path, step: int, later: tuple[int, ...], config: Path, capsys) -> dict[int, str]:
+    """Resume the run under ``root`` from its save of ``step`` as after a crash there: the ``later`` checkpoints gone,
+    ``latest`` back on it; returns the losses the resumed run logs."""
+    for later_step in later:
+        for entry in (root / f"global_step{later_step}").iterdir():
+            entry.unlink()
+        (root / f"global_step{later_step}").rmdir()
+    checkpoint.point_latest(root, f"global_step{step}")
+    assert job.main(["--config", str(config)]) == 0
+    return logged_losses(capsys.readouterr().out)
+
+
 def test_background_saves_resume_bit_exactly_like_synchronous_ones(tmp_path, saves, capsys, monkeypatch):
     monkeypatch.setitem(WRITER_DELAY_S, "per_chunk", 0.0)
     assert job.main(["--config", str(zero_cache_job(tmp_path, "sync", steps=8, save_interval=2)),
@@ -111,14 +123,8 @@ def test_background_saves_resume_bit_exactly_like_synchronous_ones(tmp_path, sav
             assert_equal(saved, expected, f"global_step{step}")
 
     # Resume the run from the background save of step 4 (as after a crash there): the same steps 5..8, bit for bit.
-    for step in (6, 8):
-        for entry in (root / f"global_step{step}").iterdir():
-            entry.unlink()
-        (root / f"global_step{step}").rmdir()
-    checkpoint.point_latest(root, "global_step4")
-    assert job.main(["--config", str(background)]) == 0
-    out = capsys.readouterr().out
-    assert logged_losses(out) == {s: sync_losses[s] for s in range(5, 9)}, out[-2000:]
+    resumed_losses = resume_from(root, 4, (6, 8), background, capsys)
+    assert resumed_losses == {s: sync_losses[s] for s in range(5, 9)}, resumed_losses
     for saved, expected in zip(load_states(root / "global_step8"), load_states(tmp_path / "sync" / "global_step8")):
         assert_equal(saved, expected, "resumed global_step8")
 
@@ -260,13 +266,7 @@ def test_autopipe_saves_in_the_background_with_the_engines_guarantees(tmp_path, 
             assert_equal(saved, expected, f"global_step{step}")
 
     # Resume from the background save of step 2 (as after a crash there): the same steps 3..6, bit for bit.
-    for step in (4, 6):
-        for entry in (root / f"global_step{step}").iterdir():
-            entry.unlink()
-        (root / f"global_step{step}").rmdir()
-    checkpoint.point_latest(root, "global_step2")
-    assert job.main(["--config", str(background)]) == 0
-    out = capsys.readouterr().out
-    assert logged_losses(out) == {s: sync_losses[s] for s in range(3, 7)}, out[-2000:]
+    resumed_losses = resume_from(root, 2, (4, 6), background, capsys)
+    assert resumed_losses == {s: sync_losses[s] for s in range(3, 7)}, resumed_losses
     resumed, expected = pipeline_files(root / "global_step6"), pipeline_files(tmp_path / "sync" / "global_step6")
     assert_equal(resumed, expected, "resumed global_step6")

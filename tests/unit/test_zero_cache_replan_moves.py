@@ -17,18 +17,25 @@ from zero_cache.storage.chunks import STATE_FIELDS
 from zero_cache.storage.nvme import ALIGN_BYTES
 
 
-def test_a_group_moves_into_a_full_host_once_another_has_left_it_for_the_disk(tmp_path):
-    """A group leaving the device for the host, while another leaves the host for the disk: the host has room for
-    the first only after the second has gone. The planned placement fits; the moves must get there (on a GPU the
-    warm-up's re-plan stopped here with "host tier: allocating 12.00 MiB exceeds its budget")."""
+def trained_with_a_disk_tier(tmp_path, batch_count: int):
+    """A six-layer Llama whose host holds 60% of what it would need, with an NVMe tier, through its warm-up, re-plan
+    and a step under it: (engine, optimizer, batches), the last ``batch_count - 2`` batches not yet trained."""
     seed = torch.randint(0, 10_000, ()).item()
     device_budget, host_budget = budgets(six_layer_llama(seed))
     config = zero_cache_config(2 * device_budget, int(0.6 * host_budget), clip=0.0, bf16={"enabled": False})
     config["zero_cache"]["nvme_path"] = str(tmp_path)
     engine, optimizer, _, _ = angelptm.initialize(model=six_layer_llama(seed), config=config)
-    batches = random_batches(seed, count=3, batch=2)
+    batches = random_batches(seed, count=batch_count, batch=2)
     train_steps(engine, batches[:2])  # the warm-up, its re-plan, and a step under it
     optimizer.finish_pending()
+    return engine, optimizer, batches
+
+
+def test_a_group_moves_into_a_full_host_once_another_has_left_it_for_the_disk(tmp_path):
+    """A group leaving the device for the host, while another leaves the host for the disk: the host has room for
+    the first only after the second has gone. The planned placement fits; the moves must get there (on a GPU the
+    warm-up's re-plan stopped here with "host tier: allocating 12.00 MiB exceeds its budget")."""
+    engine, optimizer, batches = trained_with_a_disk_tier(tmp_path, batch_count=3)
     store = optimizer.store
     tiers = [group.tier for group in store.groups]
     assert {DEVICE, HOST, NVME} <= set(tiers), tiers
@@ -104,14 +111,7 @@ def test_a_replan_moving_every_group_off_the_disk_gives_back_the_pinned_bounce_b
     """The NVMe state home's pinned bounce buffers are host memory the plan counts only while some group lives on
     NVMe: a re-plan that moves them all to the host gives the buffers back (host RSS follows the settled plan), and
     a later plan that puts a group on NVMe again makes them anew."""
-    seed = torch.randint(0, 10_000, ()).item()
-    device_budget, host_budget = budgets(six_layer_llama(seed))
-    config = zero_cache_config(2 * device_budget, int(0.6 * host_budget), clip=0.0, bf16={"enabled": False})
-    config["zero_cache"]["nvme_path"] = str(tmp_path)
-    engine, optimizer, _, _ = angelptm.initialize(model=six_layer_llama(seed), config=config)
-    batches = random_batches(seed, count=4, batch=2)
-    train_steps(engine, batches[:2])
-    optimizer.finish_pending()
+    engine, optimizer, batches = trained_with_a_disk_tier(tmp_path, batch_count=4)
     store, host = optimizer.store, optimizer.store.tiers[HOST]
     tiers = [group.tier for group in store.groups]
     on_disk = [chunk for chunk, tier in enumerate(tiers) if tier == NVME]
